@@ -1,0 +1,90 @@
+"""Which keys each query may see: causal, sliding window and packed documents.
+
+Every layout keeps a rank's global token positions sorted, so the keys one
+query may see always form one contiguous run of local key indices. A block
+mask is therefore two integer arrays ``klo, khi``: row i sees keys
+``klo[i] <= j < khi[i]``. This covers every option with one representation.
+"""
+
+import numpy as np
+
+__all__ = ["visible_keys", "block_kind", "doc_ids", "check_window", "check_cu_seqlens"]
+
+_BIG = np.iinfo(np.int64).max // 4
+
+
+def check_window(window):
+    """Return the window as (left, right) with -1 meaning unbounded (flash-attn's convention)."""
+    if window is None:
+        return (-1, -1)
+    try:
+        left, right = window
+    except (TypeError, ValueError):
+        raise ValueError(f"window must be a pair (left, right), got {window!r}") from None
+    out = []
+    for name, w in (("left", left), ("right", right)):
+        if w is None:
+            w = -1
+        if isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < -1:
+            raise ValueError(f"window {name} must be an integer >= 0, or -1/None for unbounded; got {w!r}")
+        out.append(int(w))
+    return tuple(out)
+
+
+def check_cu_seqlens(cu_seqlens, seq_len):
+    """Validate flash-attn style cumulative document lengths; return them as int64."""
+    if cu_seqlens is None:
+        return None
+    cu = np.asarray(cu_seqlens)
+    if cu.ndim != 1 or cu.size < 2 or not np.issubdtype(cu.dtype, np.integer):
+        raise ValueError("cu_seqlens must be a 1-D integer array [0, ..., seq_len] with at least 2 entries")
+    cu = cu.astype(np.int64)
+    if cu[0] != 0 or cu[-1] != seq_len:
+        raise ValueError(f"cu_seqlens must start at 0 and end at the total length {seq_len}; got {cu[0]} .. {cu[-1]}")
+    if np.any(np.diff(cu) < 0):
+        raise ValueError("cu_seqlens must be non-decreasing")
+    return cu
+
+
+def doc_ids(pos, cu_seqlens):
+    """Index of the packed document each global position belongs to."""
+    return np.searchsorted(cu_seqlens, pos, side="right") - 1
+
+
+def visible_keys(q_pos, k_pos, *, causal=False, window=(-1, -1), cu_seqlens=None):
+    """Per-query half-open ranges [klo, khi) of visible local key indices.
+
+    ``q_pos`` and ``k_pos`` are the sorted global positions of a query block and
+    a key block. Returns ``(None, None)`` when nothing is masked at all.
+    """
+    left, right = window
+    if not causal and left < 0 and right < 0 and cu_seqlens is None:
+        return None, None
+    q_pos = np.asarray(q_pos, dtype=np.int64)
+    lo = np.full(q_pos.shape, -_BIG, dtype=np.int64)  # first visible position (inclusive)
+    hi = np.full(q_pos.shape, _BIG, dtype=np.int64)  # last visible position (inclusive)
+    if causal:
+        np.minimum(hi, q_pos, out=hi)
+    if right >= 0:
+        np.minimum(hi, q_pos + right, out=hi)
+    if left >= 0:
+        np.maximum(lo, q_pos - left, out=lo)
+    if cu_seqlens is not None:
+        d = doc_ids(q_pos, cu_seqlens)
+        np.maximum(lo, cu_seqlens[d], out=lo)
+        np.minimum(hi, cu_seqlens[d + 1] - 1, out=hi)
+    klo = np.searchsorted(k_pos, lo, side="left")
+    khi = np.searchsorted(k_pos, hi, side="right")
+    return klo, np.maximum(khi, klo)
+
+
+def block_kind(klo, khi, n_keys):
+    """Classify a block as "full", "masked" or "skip"; also return its visible pairs."""
+    if klo is None:
+        return "full", None
+    pairs = int(np.sum(khi - klo))
+    if pairs == 0:
+        return "skip", 0
+    if pairs == len(klo) * n_keys:
+        return "full", pairs
+    return "masked", pairs

@@ -1,0 +1,77 @@
+"""Ring attention simulated in one process: the same plan, kernels and merge, no MPI."""
+
+import numpy as np
+
+from .kernels import default_scale
+from .layouts import shard, unshard
+from .ring import Record, _compute
+from .schedule import make_plan
+
+__all__ = ["ring_attention_simulate", "simulate"]
+
+
+def _as_float(name, a):
+    a = np.asarray(a)
+    if a.dtype not in (np.float32, np.float64):
+        if not (np.issubdtype(a.dtype, np.number) and not np.issubdtype(a.dtype, np.complexfloating)):
+            raise ValueError(f"{name} must hold real numbers, got dtype {a.dtype}")
+        a = a.astype(np.float64)
+    return a
+
+
+def simulate(Q, K, V, num_devices, *, causal=False, scale=None, layout="contiguous", mode="ring",
+             window=None, cu_seqlens=None):
+    """Run every device's part of the ring in turn; return ``(out, lse, schedule)``.
+
+    ``schedule`` is the plan's Schedule: ``schedule.table[step][device]``
+    holds the Tasks (source block, full/masked/skip) of that step.
+    """
+    Q, K, V = (_as_float(n, a) for n, a in (("Q", Q), ("K", K), ("V", V)))
+    if isinstance(num_devices, bool) or not isinstance(num_devices, (int, np.integer)) or num_devices < 1:
+        raise ValueError(f"num_devices must be a positive integer, got {num_devices!r}")
+    if Q.ndim < 2 or Q.ndim != K.ndim or K.ndim != V.ndim:
+        raise ValueError(f"Q, K, V must have shape (..., seq_len, d) with equal ranks, got {Q.shape}, {K.shape}, {V.shape}")
+    if Q.shape[-2] != K.shape[-2] or K.shape[:-1] != V.shape[:-1] or Q.shape[-1] != K.shape[-1]:
+        raise ValueError(f"mismatched shapes: Q {Q.shape}, K {K.shape}, V {V.shape}")
+    if Q.ndim >= 3 and (Q.shape[:-3] != K.shape[:-3] or Q.shape[-3] % K.shape[-3]):
+        raise ValueError(f"Q heads must be a multiple of K/V heads: Q {Q.shape}, K {K.shape}")
+    if Q.shape[-1] < 1 or Q.shape[-2] < 1:
+        raise ValueError(f"sequence length and head dim must be positive, got {Q.shape}")
+    dtype = np.result_type(Q, K, V)
+    Q, K, V = (a.astype(dtype, copy=False) for a in (Q, K, V))
+    plan = make_plan(Q.shape[-2], int(num_devices), layout=layout, mode=mode, causal=causal,
+                     window=window, cu_seqlens=cu_seqlens)
+    scale = default_scale(Q.shape[-1]) if scale is None else float(scale)
+    P = plan.size
+    ks = [shard(K, P, j, layout) for j in range(P)]
+    vs = [shard(V, P, j, layout) for j in range(P)]
+    outs, lses = [], []
+    for device in range(P):
+        q = np.ascontiguousarray(shard(Q, P, device, layout))
+        acc = [np.zeros(q.shape[:-1] + V.shape[-1:], dtype), np.full(q.shape[:-1], -np.inf, dtype)]
+        rec = Record(device)
+        for step in range(plan.n_steps):
+            for task in plan.tasks(step, device):
+                _compute(q, (ks[task.source], vs[task.source]), task, plan, device, scale, acc, rec, None)
+        outs.append(acc[0])
+        lses.append(acc[1][..., None])
+    return unshard(outs, layout), unshard(lses, layout)[..., 0], plan.schedule
+
+
+def ring_attention_simulate(Q, K, V, num_devices):
+    """Seed 001's contract: ``(output rounded to 4 decimals, comm_schedule)``.
+
+    Device i owns rows [i*C, (i+1)*C) with C = seq_len // num_devices; at each
+    of num_devices steps it attends to the K/V block it holds, then the blocks
+    move to the next device. ``comm_schedule[step][device]`` is the source
+    device of the block that device processes at that step.
+    """
+    Q, K, V = (_as_float(n, a) for n, a in (("Q", Q), ("K", K), ("V", V)))
+    if Q.ndim != 2 or K.ndim != 2 or V.ndim != 2:
+        raise ValueError(f"Q, K, V must be 2-D (seq_len, d), got {Q.shape}, {K.shape}, {V.shape}")
+    if isinstance(num_devices, bool) or not isinstance(num_devices, (int, np.integer)) or num_devices < 1:
+        raise ValueError(f"num_devices must be a positive integer, got {num_devices!r}")
+    if Q.shape[0] % num_devices:
+        raise ValueError(f"seq_len {Q.shape[0]} is not divisible by num_devices {num_devices}")
+    out, _, schedule = simulate(Q, K, V, int(num_devices))
+    return np.round(out, 4), schedule.sources()

@@ -1,0 +1,65 @@
+import numpy as np
+import pytest
+
+# agreement with the float64 single-process reference, per input dtype
+TOL = {np.float64: 1e-12, np.float32: 1e-5}
+
+
+def tol(dtype):
+    return TOL[np.dtype(dtype).type]
+
+
+@pytest.fixture
+def rng(request):
+    """A generator seeded from the test's name: reproducible, different per test."""
+    return np.random.default_rng(_seed(request.node.name))
+
+
+def _seed(name):
+    return sum((i + 1) * ord(c) for i, c in enumerate(name)) % 2**32
+
+
+def qkv(rng, shape_q, shape_kv=None, dtype=np.float64, scale=1.0):
+    """Random q, k, v with the given shapes (k and v share shape_kv)."""
+    shape_kv = shape_kv or shape_q
+    q = (rng.standard_normal(shape_q) * scale).astype(dtype)
+    k = (rng.standard_normal(shape_kv) * scale).astype(dtype)
+    v = rng.standard_normal(shape_kv).astype(dtype)
+    return q, k, v
+
+
+def naive_attention(q, k, v, mask=None, scale=None):
+    """The textbook formula, as plain as it gets: softmax(q k^T / sqrt(d)) v in float64."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    if q.ndim >= 3 and q.shape[-3] != k.shape[-3]:  # grouped-query: repeat K/V heads
+        g = q.shape[-3] // k.shape[-3]
+        k, v = np.repeat(k, g, axis=-3), np.repeat(v, g, axis=-3)
+    s = q @ np.swapaxes(k, -1, -2) * (1 / np.sqrt(q.shape[-1]) if scale is None else scale)
+    if mask is not None:
+        s = np.where(mask, s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0)
+    p = np.exp(s - m)
+    den = p.sum(axis=-1, keepdims=True)
+    return np.where(den > 0, p @ v / np.where(den > 0, den, 1), 0.0)
+
+
+def dense_mask(seq_len, causal=False, window=None, cu_seqlens=None):
+    """Boolean (S, S) mask written independently of mpiring.masks."""
+    i = np.arange(seq_len)[:, None]
+    j = np.arange(seq_len)[None, :]
+    ok = np.ones((seq_len, seq_len), bool)
+    if causal:
+        ok &= j <= i
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            ok &= j >= i - left
+        if right >= 0:
+            ok &= j <= i + right
+    if cu_seqlens is not None:
+        doc = np.zeros(seq_len, int)
+        for d, (a, b) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:])):
+            doc[a:b] = d
+        ok &= doc[:, None] == doc[None, :]
+    return ok

@@ -1,0 +1,53 @@
+"""The command line: schedule (no MPI) and run (under mpiexec, as a user types it)."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from mpiring.__main__ import main
+
+MPIEXEC = shutil.which("mpiexec")
+
+
+def test_schedule_command(capsys):
+    assert main(["schedule", "-P", "4", "--layout", "zigzag", "--causal"]) == 0
+    text = capsys.readouterr().out
+    assert "rank 3" in text and "max/mean visible pairs: 1.000" in text
+
+
+def test_cost_command(capsys):
+    assert main(["cost", "--seq-len", "1024", "-P", "4", "--hidden", "64", "--heads", "8"]) == 0
+    assert "total_comm_bytes: 196608" in capsys.readouterr().out
+
+
+def test_bad_arguments_exit_nonzero(capsys):
+    assert main(["cost", "--seq-len", "1000", "-P", "3", "--hidden", "64", "--heads", "8"]) == 2
+    assert "not divisible" in capsys.readouterr().err
+
+
+def _mpirun(n, *args, timeout=120):
+    cmd = [MPIEXEC, "-n", str(n), sys.executable, "-m", "mpiring", "run", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
+@pytest.mark.parametrize("args", [
+    ["--seq-len", "256", "--heads", "2", "--dim", "16", "--causal", "--layout", "zigzag"],
+    ["--seq-len", "250", "--heads", "4", "--kv-heads", "2", "--dim", "8", "--dtype", "float64",
+     "--mode", "bidirectional", "--window", "40", "0", "--causal"],
+])
+def test_run_verifies(args):
+    result = _mpirun(3, *args)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "VERIFIED" in result.stdout and "recorded schedule equals the plan: yes" in result.stdout
+    assert result.stdout.count("VERIFIED") == 1  # only rank 0 reports
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
+def test_run_bad_input_fails_on_every_rank_quickly():
+    result = _mpirun(2, "--seq-len", "1", "--heads", "1", "--dim", "4", timeout=60)
+    assert result.returncode != 0
+    assert "shorter than the number of ranks" in result.stderr

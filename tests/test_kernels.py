@@ -1,0 +1,92 @@
+"""The block kernel and the log-sum-exp merge against the textbook formula."""
+
+import warnings
+
+import numpy as np
+import pytest
+
+from mpiring.kernels import attention_block, merge, reference_attention
+from mpiring.masks import visible_keys
+
+from conftest import dense_mask, naive_attention, qkv, tol
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("shape_q,shape_kv", [
+    ((17, 8), None),                    # 2-D (seq, dim)
+    ((2, 3, 33, 16), None),             # (batch, heads, seq, dim)
+    ((2, 4, 21, 8), (2, 2, 21, 8)),     # grouped-query, g = 2
+    ((1, 4, 19, 8), (1, 1, 19, 8)),     # multi-query, g = 4
+])
+def test_block_matches_textbook(rng, dtype, shape_q, shape_kv):
+    q, k, v = qkv(rng, shape_q, shape_kv, dtype)
+    out, lse = attention_block(q, k, v)
+    assert out.dtype == dtype and lse.dtype == dtype
+    assert out.shape == q.shape and lse.shape == q.shape[:-1]
+    np.testing.assert_allclose(out, naive_attention(q, k, v), atol=tol(dtype), rtol=0)
+
+
+@pytest.mark.parametrize("causal,window,cu", [
+    (True, None, None), (False, (3, 2), None), (True, (4, -1), None),
+    (False, None, [0, 5, 5, 12, 30]), (True, (2, 0), [0, 1, 30]),
+])
+def test_block_masks(rng, causal, window, cu):
+    q, k, v = qkv(rng, (2, 30, 8))
+    pos = np.arange(30)
+    klo, khi = visible_keys(pos, pos, causal=causal, window=window or (-1, -1),
+                            cu_seqlens=None if cu is None else np.array(cu))
+    out, lse = attention_block(q, k, v, None, klo, khi)
+    np.testing.assert_allclose(out, naive_attention(q, k, v, dense_mask(30, causal, window, cu)), atol=1e-12)
+    np.testing.assert_allclose(reference_attention(q, k, v, None, klo, khi)[0], out, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("factor", [100.0, 1000.0])
+def test_extreme_logits_stay_finite(rng, dtype, factor):
+    q, k, v = qkv(rng, (2, 16, 8), dtype=dtype)
+    q *= dtype(factor)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, lse = attention_block(q, k, v)
+    assert np.all(np.isfinite(out)) and np.all(np.isfinite(lse))
+    np.testing.assert_allclose(out, naive_attention(q, k, v), atol=1e-4 if dtype == np.float32 else 1e-10)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_fully_masked_rows_are_neutral(rng, dtype):
+    q, k, v = qkv(rng, (6, 4), dtype=dtype)
+    klo = np.array([0, 3, 2, 6, 0, 5])
+    khi = np.array([6, 3, 4, 6, 0, 6])  # rows 1, 3 and 4 see nothing
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, lse = attention_block(q, k, v, None, klo, khi)
+        empty = [1, 3, 4]
+        assert np.all(out[empty] == 0) and np.all(np.isneginf(lse[empty]))
+        # merging two neutral partials, or a neutral with a real one, gives no NaN
+        o2, l2 = merge(out, lse, out, lse)
+        assert np.all(o2[empty] == 0) and np.all(np.isneginf(l2[empty]))
+        full, full_lse = attention_block(q, k, v)
+        o3, l3 = merge(out * 0, np.full_like(lse, -np.inf), full, full_lse)
+    np.testing.assert_allclose(o3, full, atol=tol(dtype), rtol=0)
+    np.testing.assert_allclose(l3, full_lse, atol=tol(dtype), rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_merge_of_parts_equals_whole_in_any_order(rng, dtype):
+    q, k, v = qkv(rng, (3, 20, 8), (3, 40, 8), dtype)
+    whole, whole_lse = attention_block(q, k, v)
+    cuts = [0, 7, 8, 25, 40]
+    parts = [attention_block(q, k[..., a:b, :], v[..., a:b, :]) for a, b in zip(cuts[:-1], cuts[1:])]
+    for order in ([0, 1, 2, 3], [3, 1, 0, 2], [2, 3, 1, 0]):
+        out, lse = np.zeros_like(whole), np.full_like(whole_lse, -np.inf)
+        for i in order:
+            out, lse = merge(out, lse, *parts[i])
+        np.testing.assert_allclose(out, whole, atol=tol(dtype), rtol=0)
+        np.testing.assert_allclose(lse, whole_lse, atol=10 * tol(dtype), rtol=0)
+
+
+def test_lse_is_log_sum_exp(rng):
+    q, k, v = qkv(rng, (5, 4), (9, 4))
+    _, lse = attention_block(q, k, v, scale=0.3)
+    expected = np.log(np.exp(q @ k.T * 0.3).sum(axis=-1))
+    np.testing.assert_allclose(lse, expected, atol=1e-12)
