@@ -66,11 +66,17 @@ def _parser():
     return parser
 
 
-def _compute_table(plan):
+def _compute_table(plan, records=None):
+    """Per-rank work: from the plan, or from what the ranks recorded when ``records`` is given."""
     lines = ["rank  blocks computed  visible pairs  computed pairs"]
-    visible, computed = plan.visible_pairs(), plan.computed_pairs()
-    for r in range(plan.size):
-        blocks = sum(k != "skip" for k in plan.kinds[r])
+    if records is None:
+        visible, computed = plan.visible_pairs(), plan.computed_pairs()
+        blocks_per_rank = [sum(k != "skip" for k in plan.kinds[r]) for r in range(plan.size)]
+    else:
+        visible = [rec["visible_pairs"] for rec in records]
+        computed = [rec["computed_pairs"] for rec in records]
+        blocks_per_rank = [rec["blocks_computed"] for rec in records]
+    for r, blocks in enumerate(blocks_per_rank):
         lines.append(f"{r:>4}  {blocks:>15}  {visible[r]:>13}  {computed[r]:>14}")
     lines.append(f"max/mean visible pairs: {max(visible) / (sum(visible) / plan.size):.3f}")
     return "\n".join(lines)
@@ -134,7 +140,10 @@ def run(args, comm):
           f"dim={args.dim} {dtype} causal={plan.causal} layout={plan.layout} mode={plan.mode} window={plan.window}")
     print("\nschedule as recorded by the ranks:")
     print(sched.format())
-    agrees = sched == plan.schedule
+    for r, rec in enumerate(records):
+        rec["blocks_computed"] = sum(t.kind != "skip" for row in sched.table for t in row[r])
+    print(_compute_table(plan, records))
+    agrees = sched == plan.schedule and [r["visible_pairs"] for r in records] == plan.visible_pairs()
     print(f"recorded schedule equals the plan: {'yes' if agrees else 'NO'}")
     print("\nrank  bytes sent  predicted  messages  compute s  blocked in wait s")
     for r, rec in enumerate(records):

@@ -28,6 +28,8 @@ class Record:
         self.messages = 0
         self.wait_time = 0.0
         self.compute_time = 0.0
+        self.computed_pairs = 0  # score entries given to the kernel
+        self.visible_pairs = 0  # of those, the ones the mask lets through
         self.wall_time = 0.0
 
     def table(self, n_steps):
@@ -123,6 +125,8 @@ def _compute(q, kv, task, plan, rank, scale, acc, rec, progress):
         start = time.perf_counter()
         k, v = kv
         for a, b, c, d, klo, khi in plan.pieces(rank, task.source):
+            rec.computed_pairs += (b - a) * (d - c)
+            rec.visible_pairs += (b - a) * (d - c) if klo is None else int(np.sum(khi - klo))
             block = attention_block(q[..., a:b, :], k[..., c:d, :], v[..., c:d, :], scale, klo, khi,
                                     progress=progress)
             acc[0][..., a:b, :], acc[1][..., a:b] = merge(acc[0][..., a:b, :], acc[1][..., a:b], *block)
@@ -310,7 +314,8 @@ def distributed_attention(Q, K, V, comm=None, *, causal=False, root=0, scale=Non
 
 
 def _summary(rec):
-    keep = ("rank", "bytes_sent", "messages", "wait_time", "compute_time", "wall_time", "events")
+    keep = ("rank", "bytes_sent", "messages", "wait_time", "compute_time", "wall_time", "events",
+            "computed_pairs", "visible_pairs")
     return {key: getattr(rec, key) for key in keep}
 
 

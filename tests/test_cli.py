@@ -47,6 +47,23 @@ def test_run_verifies(args):
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
+def test_run_prints_the_same_schedule_as_the_schedule_command(capsys):
+    options = ["--causal", "--layout", "striped", "--window", "100", "0", "--cu-seqlens", "0", "50", "300"]
+    assert main(["schedule", "-P", "3", "--seq-len", "300", *options]) == 0
+    planned = capsys.readouterr().out
+    result = _mpirun(3, "--seq-len", "300", "--heads", "2", "--dim", "8", *options)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+    def table(text):  # from the header line to the per-rank compute totals
+        lines = text.splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith("step  rank 0"))
+        end = next(i for i, line in enumerate(lines) if line.startswith("max/mean visible pairs"))
+        return lines[start:end + 1]
+
+    assert table(result.stdout) == table(planned)
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
 def test_run_bad_input_fails_on_every_rank_quickly():
     result = _mpirun(2, "--seq-len", "1", "--heads", "1", "--dim", "4", timeout=60)
     assert result.returncode != 0

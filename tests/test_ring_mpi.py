@@ -81,21 +81,22 @@ def test_layouts_and_modes(comm, rng, layout, mode, causal):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("causal,window,cu", [
     (True, (3, 0), None), (False, (4, 2), None), (True, None, [0, 1, 1, 9, 30, 32]), (False, (5, 5), [0, 17, 32]),
 ])
-def test_windows_and_documents(comm, rng, layout, dtype, causal, window, cu):
+def test_windows_and_documents(comm, rng, layout, mode, dtype, causal, window, cu):
     S = 32
-    Q, K, V = qkv(rng, (3, S, 8), dtype=dtype)
-    out, schedule = distributed_attention(Q, K, V, comm, causal=causal, layout=layout, window=window,
+    Q, K, V = qkv(rng, (1, 4, S, 8), (1, 2, S, 8), dtype=dtype)  # grouped-query as well
+    out, schedule = distributed_attention(Q, K, V, comm, causal=causal, layout=layout, mode=mode, window=window,
                                           cu_seqlens=None if cu is None else np.array(cu))
     if comm.rank == 0:
         np.testing.assert_allclose(out, naive_attention(Q, K, V, dense_mask(S, causal, window, cu)),
                                    atol=tol(dtype), rtol=0)
-        plan = make_plan(S, comm.size, causal=causal, layout=layout, window=window, cu_seqlens=cu)
+        plan = make_plan(S, comm.size, causal=causal, layout=layout, mode=mode, window=window, cu_seqlens=cu)
         assert schedule == plan.schedule
-        predicted = predicted_bytes_sent(plan, kv_width=3 * 16, itemsize=np.dtype(dtype).itemsize)
+        predicted = predicted_bytes_sent(plan, kv_width=2 * 2 * 8, itemsize=np.dtype(dtype).itemsize)
         assert [r["bytes_sent"] for r in schedule.records] == predicted
 
 
