@@ -11,7 +11,8 @@ i sees exactly the keys ``klo[i] <= j < khi[i]`` (see ``mpiring.masks``).
 
 import numpy as np
 
-__all__ = ["attention_block", "merge", "reference_attention", "default_scale"]
+__all__ = ["attention_block", "merge", "reference_attention", "default_scale",
+           "attention_block_backward", "reference_attention_backward"]
 
 
 def default_scale(dim):
@@ -102,3 +103,78 @@ def reference_attention(q, k, v, scale=None, klo=None, khi=None, *, row_chunk=10
         out = out.reshape(out.shape[:-4] + (hq,) + out.shape[-2:])
         lse = lse.reshape(lse.shape[:-3] + (hq,) + lse.shape[-1:])
     return out, lse
+
+
+def attention_block_backward(dout, q, k, v, out, lse, scale=None, klo=None, khi=None, *, delta=None, progress=None):
+    """Gradients of one query block's attention to one key/value block: ``(dq, dk, dv)``.
+
+    ``out`` and ``lse`` are the forward results of the query rows over *all*
+    their keys, so ``exp(s - lse)`` recomputes this block's slice of the full
+    softmax and the gradients of all blocks simply add up. ``delta`` is
+    ``rowsum(dout * out)`` (computed here when not given). Grouped-query: dk
+    and dv are summed over the query heads of each group. Rows with lse -inf
+    (they saw no key) contribute 0. Results have the input dtype.
+    """
+    # P = exp(S - lse), dV = P^T dO, dP = dO V^T, dS = P * (dP - delta), dQ = scale dS K, dK = scale dS^T Q
+    scale = default_scale(q.shape[-1]) if scale is None else scale
+    progress = progress or (lambda: None)
+    if delta is None:
+        delta = np.sum(dout * out, axis=-1)
+    qg, g = _group(q, k)
+    dog = _group(dout, k)[0]
+    lse_g, delta_g = (_group(a[..., None], k)[0] for a in (lse, delta))  # (..., Sq, 1)
+    if g > 1:
+        k, v = k[..., None, :, :], v[..., None, :, :]
+    p = np.matmul(qg, np.swapaxes(k, -1, -2))
+    p *= q.dtype.type(scale)
+    if klo is not None:
+        p[..., ~_visible(klo, khi, k.shape[-2])] = -np.inf
+    p -= np.where(np.isneginf(lse_g), np.inf, lse_g)  # rows with lse -inf: exp(-inf) = 0
+    np.exp(p, out=p)
+    progress()
+    dv = np.matmul(np.swapaxes(p, -1, -2), dog)
+    ds = np.matmul(dog, np.swapaxes(v, -1, -2))
+    ds -= delta_g
+    ds *= p
+    ds *= q.dtype.type(scale)
+    progress()
+    dq = np.matmul(ds, k).reshape(q.shape)
+    dk = np.matmul(np.swapaxes(ds, -1, -2), qg)
+    if g > 1:
+        dk, dv = dk.sum(axis=-3), dv.sum(axis=-3)
+    return dq, dk, dv
+
+
+def reference_attention_backward(dout, q, k, v, scale=None, klo=None, khi=None, *, row_chunk=256):
+    """Plain dense gradients of softmax(q k^T * scale) v in float64: ``(dq, dk, dv)``.
+
+    Independent of the forward pass: the probabilities are built from scratch,
+    one row chunk at a time; grouped-query K/V heads are repeated, then their
+    gradients are summed back. Rows that see no key contribute nothing.
+    """
+    dout, q, k, v = (np.asarray(a, dtype=np.float64) for a in (dout, q, k, v))
+    scale = default_scale(q.shape[-1]) if scale is None else scale
+    g = q.shape[-3] // k.shape[-3] if q.ndim >= 3 else 1
+    kr, vr = (np.repeat(a, g, axis=-3) if g > 1 else a for a in (k, v))
+    dq = np.zeros(q.shape)
+    dk, dv = np.zeros(kr.shape), np.zeros(vr.shape)
+    for a in range(0, q.shape[-2], row_chunk):
+        b = min(a + row_chunk, q.shape[-2])
+        s = np.matmul(q[..., a:b, :], np.swapaxes(kr, -1, -2)) * scale
+        if klo is not None:
+            s = np.where(_visible(klo[a:b], khi[a:b], k.shape[-2]), s, -np.inf)
+        m = s.max(axis=-1, keepdims=True)
+        e = np.exp(s - np.where(np.isfinite(m), m, 0))
+        den = e.sum(axis=-1, keepdims=True)
+        p = e / np.where(den > 0, den, 1)  # softmax; all-zero rows for rows that see nothing
+        do = dout[..., a:b, :]
+        o = np.matmul(p, vr)
+        dv += np.matmul(np.swapaxes(p, -1, -2), do)
+        dp = np.matmul(do, np.swapaxes(vr, -1, -2))
+        ds = p * (dp - np.sum(do * o, axis=-1, keepdims=True))
+        dq[..., a:b, :] = np.matmul(ds, kr) * scale
+        dk += np.matmul(np.swapaxes(ds, -1, -2), q[..., a:b, :]) * scale
+    if g > 1:
+        dk = dk.reshape(k.shape[:-2] + (g,) + k.shape[-2:]).sum(axis=-3)
+        dv = dv.reshape(v.shape[:-2] + (g,) + v.shape[-2:]).sum(axis=-3)
+    return dq, dk, dv

@@ -145,6 +145,18 @@ class Plan:
         """Point-to-point sends per rank (K and V are separate messages)."""
         return 2 * sum(self.rounds.values())
 
+    def backward_messages_per_rank(self):
+        """Sends per rank in the backward pass (docs/backward.md): each K/V hop is matched by one dK/dV hop.
+
+        The dK/dV partial of a block joins it at its first visitor and its last
+        hop goes home, so a ring stream of R rounds sends K, V, dK, dV R times
+        each. All-gather counts its all-gather of K, V and reduce-scatter of
+        dK, dV as ring collectives: P - 1 messages per array.
+        """
+        if self.mode == "allgather":
+            return 4 * (self.size - 1)
+        return 4 * sum(self.rounds.values())
+
 
 def _last_needed(kinds, size, stream, max_step):
     """Last step at which some rank needs the block that ``stream`` brings."""
