@@ -4,15 +4,17 @@
 """
 
 import hashlib
+import pickle
 import time
 
 import numpy as np
 from mpi4py import MPI
 
-from .comm import Buffers, RingComm
+from .comm import Buffers, CommTimeout, RingComm
 from .kernels import attention_block, default_scale, merge
-from .layouts import shard, unshard
-from .schedule import make_plan
+from .layouts import check_layout, shard, unshard
+from .masks import check_window
+from .schedule import MODES, make_plan
 
 __all__ = ["ring_attention", "distributed_attention", "Record"]
 
@@ -23,7 +25,13 @@ class Record:
     def __init__(self, rank=0):
         self.rank = rank
         self.tasks = []  # (step, Task) in the order they were processed
-        self.events = []  # (name, start, end, info) with time.perf_counter() stamps
+        # (name, start, end, info) with time.perf_counter() stamps; name is "compute"
+        # (info: step, source, kind, stream), "send" (posted: step, stream, bytes, dest) or
+        # "wait" (step). Subtract t0, this rank's clock right after a start barrier, to put
+        # every rank on one time base (good to the barrier's exit skew, microseconds).
+        self.events = []
+        self.t0 = 0.0
+        self.on_step = None  # optional callback(steps_done, n_steps), called after each step
         self.bytes_sent = 0
         self.messages = 0
         self.wait_time = 0.0
@@ -43,7 +51,7 @@ class Record:
 # ---------------------------------------------------------------- validation
 
 
-def _local_problem(q, k, v, scale):
+def _local_problem(q, k, v, scale, check_finite=False):
     """What is wrong with this rank's own arguments, or None."""
     for name, a in (("q", q), ("k", k), ("v", v)):
         if not isinstance(a, np.ndarray):
@@ -69,46 +77,163 @@ def _local_problem(q, k, v, scale):
             return f"q heads ({q.shape[-3]}) must be a multiple of k/v heads ({k.shape[-3]})"
     if min(q.shape[-1], v.shape[-1]) < 1 or q.shape[-2] < 1:
         return f"every rank needs at least one token and a positive head dim, got q {q.shape}, v {v.shape}"
-    if scale is not None and not (np.isscalar(scale) and np.isfinite(scale) and scale > 0):
+    if scale is not None and not (_is_real(scale) and np.isfinite(scale) and scale > 0):
         return f"scale must be a finite positive number, got {scale!r}"
+    if check_finite:  # one pass over the inputs: off by default
+        for name, a in (("q", q), ("k", k), ("v", v)):
+            bad = ~np.isfinite(a)
+            if bad.any():
+                first = tuple(int(i) for i in np.argwhere(bad)[0])
+                return f"{name} has {int(bad.sum())} NaN/Inf values, the first at index {first}"
     return None
 
 
-def agree(comm, problem):
+def _is_real(x):
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+
+
+def _timeout_problem(timeout):
+    if timeout is not None and not (_is_real(timeout) and np.isfinite(timeout) and timeout > 0):
+        return f"timeout must be None or a positive number of seconds, got {timeout!r}"
+    return None
+
+
+def _size_problem(size, expected_size):
+    if expected_size is not None and size != expected_size:
+        return f"the communicator has {size} ranks but expected_size={expected_size!r}"
+    return None
+
+
+def _canonical(options):
+    """This rank's options in a form ranks can compare; raises ValueError on a bad one.
+
+    Only checks that need no other rank are made here; make_plan checks the rest
+    (cu_seqlens against the total length) once every rank holds the same options.
+    """
+    check_layout(options["layout"])
+    if options["mode"] not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}; got {options['mode']!r}")
+    cu = options["cu_seqlens"]
+    if cu is not None:
+        cu = np.asarray(cu)
+        if cu.ndim != 1 or not np.issubdtype(cu.dtype, np.integer):
+            raise ValueError(f"cu_seqlens must be a 1-D integer array [0, ..., seq_len], got {cu!r}")
+        cu = cu.astype(np.int64)
+    return dict(layout=options["layout"], mode=options["mode"], causal=bool(options["causal"]),
+                window=check_window(options["window"]), cu_seqlens=cu)
+
+
+class _Shown:
+    """A value compared by content (cu_seqlens by digest) and shown briefly in messages."""
+
+    def __init__(self, value, text=None):
+        if text is not None:
+            self.text, self.key = text, value
+        elif isinstance(value, np.ndarray):
+            items = value.tolist()
+            self.text = str(items) if len(items) <= 8 else f"[{', '.join(map(str, items[:4]))}, ..., {items[-1]}]" \
+                f" ({len(items)} entries)"
+            self.key = (len(items), hashlib.sha1(value.tobytes()).hexdigest())
+        else:
+            self.text, self.key = repr(value), value
+
+    def __eq__(self, other):
+        return self.key == other.key
+
+    def __repr__(self):
+        return self.text
+
+
+def _shape_text(a):
+    """A shape with the sequence axis, which may differ between ranks, shown as *."""
+    return "(" + ", ".join("*" if i == a.ndim - 2 else str(n) for i, n in enumerate(a.shape)) + ")"
+
+
+def _verdict(problems, prefix="rank"):
+    """One message naming every rank with a problem; ranks with the same problem share a line."""
+    by_text = {}
+    for r, p in enumerate(problems):
+        if p:
+            by_text.setdefault(p, []).append(r)
+    parts = [f"{prefix} {ranks[0]}: {p}" if len(ranks) == 1 else f"{prefix}s {', '.join(map(str, ranks))}: {p}"
+             for p, ranks in by_text.items()]
+    return "; ".join(parts) or None
+
+
+def _differences(values, ref):
+    """Per rank: which named value differs from rank ``ref``'s (values[r] is a dict, or None)."""
+    out = [None] * len(values)
+    for r, mine in enumerate(values):
+        if mine is None or values[ref] is None or r == ref:
+            continue
+        for name, val in mine.items():
+            if not val == values[ref][name]:
+                out[r] = f"{name} {val!r} differs from rank {ref}'s {values[ref][name]!r}"
+                break
+    return out
+
+
+def _describe(exc):
+    return str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+
+
+def agree(comm, problem, timeout=None):
     """Collective: raise the same ValueError on every rank if any rank has a problem."""
-    problems = comm.allgather(problem)
-    bad = [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
-    if bad:
-        raise ValueError("; ".join(bad))
+    message = _verdict(_allgather(comm, problem, timeout))
+    if message:
+        raise ValueError(message)
 
 
-def _fingerprint(options):
-    """A short text that is equal on two ranks exactly when their options are."""
-    parts = []
-    for key, val in sorted(options.items()):
-        if isinstance(val, np.ndarray) or (key == "cu_seqlens" and val is not None):
-            val = hashlib.sha1(np.asarray(val).tobytes()).hexdigest()[:12]
-        parts.append(f"{key}={val!r}")
-    return ", ".join(parts)
+def _allgather(comm, obj, timeout=None):
+    """``comm.allgather(obj)`` that raises CommTimeout if some rank does not join in time.
+
+    Always non-blocking collectives (they never match blocking ones), so ranks
+    with and without a timeout still pair up.
+    """
+    timeout = None if _timeout_problem(timeout) else timeout
+    start, rank = time.perf_counter(), comm.Get_rank()
+    data = np.frombuffer(pickle.dumps(obj), np.uint8)
+    sizes = np.empty(comm.Get_size(), np.int64)
+    mine = np.array([data.size], np.int64)
+    _wait_until([comm.Iallgather(mine, sizes)], timeout, rank, "agreement", start)
+    flat = np.empty(int(sizes.sum()), np.uint8)
+    _wait_until([comm.Iallgatherv(data, [flat, sizes])], timeout, rank, "agreement", start)
+    offsets = np.cumsum(np.concatenate([[0], sizes]))
+    return [pickle.loads(flat[offsets[r]:offsets[r + 1]].tobytes()) for r in range(len(sizes))]
 
 
-def _setup(q, k, v, comm, scale, options):
-    """Validate on every rank, agree collectively, and build the shared plan."""
-    problem = _local_problem(q, k, v, scale)
-    meta = None
-    if problem is None:
-        meta = (q.shape[:-2], k.shape[:-2], q.shape[-1], v.shape[-1], str(q.dtype), scale, _fingerprint(options))
-    metas = comm.allgather((problem, meta, None if problem else q.shape[-2]))
-    bad = [f"rank {r}: {p}" for r, (p, _, _) in enumerate(metas) if p]
-    if not bad:
-        for r, (_, m, _) in enumerate(metas):
-            if m != metas[0][1]:
-                bad.append(f"rank {r}: shapes, dtype, scale or options differ from rank 0 "
-                           f"({m[:6]} vs {metas[0][1][:6]}; options {m[6]} vs {metas[0][1][6]})")
-    if bad:
-        raise ValueError("; ".join(bad))
+def _compared(options, timeout):
+    """The values every rank must pass identically, by argument name."""
+    values = dict(options, timeout=timeout)
+    return {name: _Shown(val) for name, val in values.items()}
+
+
+def _setup(q, k, v, comm, scale, options, check_finite=False, expected_size=None, timeout=None):
+    """Validate on every rank, agree collectively (one all-gather), and build the shared plan.
+
+    Every rank ends with the same verdict: either the plan or the same ValueError,
+    naming each offending rank and argument. Nothing here raises before the
+    all-gather, so one rank's bad input cannot leave the others waiting.
+    """
+    problem = values = n_local = None
+    try:
+        size = comm.Get_size()
+        problem = (_timeout_problem(timeout) or _local_problem(q, k, v, scale, check_finite)
+                   or _size_problem(size, expected_size))
+        if problem is None:
+            options = _canonical(options)
+            values = {f"{n} shape": _Shown(*[_shape_text(a)] * 2) for n, a in (("q", q), ("k", k), ("v", v))}
+            values.update({"dtype": _Shown(str(q.dtype)),
+                           "scale": _Shown(scale), **_compared(options, timeout)})
+            n_local = q.shape[-2]
+    except Exception as exc:  # whatever goes wrong here is reported collectively, never raised alone
+        problem, values = _describe(exc), None
+    metas = _allgather(comm, (problem, values, n_local), timeout)
+    message = _verdict([p for p, _, _ in metas]) or _verdict(_differences([m for _, m, _ in metas], 0))
+    if message:
+        raise ValueError(message)
     lengths = [n for _, _, n in metas]
-    plan = make_plan(sum(lengths), comm.Get_size(), **options)  # same on every rank: raises everywhere
+    plan = make_plan(sum(lengths), comm.Get_size(), **options)  # deterministic, same options: raises everywhere
     expected = [len(s) for s in plan.shards]
     if lengths != expected:
         raise ValueError(f"local sequence lengths {lengths} do not match the {plan.layout} layout of "
@@ -119,7 +244,7 @@ def _setup(q, k, v, comm, scale, options):
 # ---------------------------------------------------------------- the ring
 
 
-def _compute(q, kv, task, plan, rank, scale, acc, rec, progress):
+def _compute(q, kv, task, plan, rank, scale, acc, rec, progress, step=None):
     """Attend this rank's queries to one K/V block and merge into ``acc``."""
     if task.kind != "skip":
         start = time.perf_counter()
@@ -132,13 +257,20 @@ def _compute(q, kv, task, plan, rank, scale, acc, rec, progress):
             acc[0][..., a:b, :], acc[1][..., a:b] = merge(acc[0][..., a:b, :], acc[1][..., a:b], *block)
         end = time.perf_counter()
         rec.compute_time += end - start
-        rec.events.append(("compute", start, end, {"source": task.source, "kind": task.kind}))
+        rec.events.append(("compute", start, end, {"step": step, "source": task.source, "kind": task.kind,
+                                                    "stream": task.stream}))
+
+
+def _accumulators(q, v):
+    """Running (out, lse) in float64 whatever the input dtype, as flash-attn keeps fp32 for fp16:
+    with fp32 ones the merge's rounding made the error grow with P (docs/reliability.md)."""
+    return [np.zeros(q.shape[:-1] + v.shape[-1:], np.float64), np.full(q.shape[:-1], -np.inf, np.float64)]
 
 
 def _ring_loop(q, k, v, plan, ring, scale, rec, timeout):
     """The ring: start passing the held blocks on, compute on them, wait, swap."""
     rank = ring.rank
-    acc = [np.zeros(q.shape[:-1] + v.shape[-1:], q.dtype), np.full(q.shape[:-1], -np.inf, q.dtype)]
+    acc = _accumulators(q, v)
     held = {stream: (k, v) for stream in plan.rounds or [+1]}  # the block each stream holds now
     longest = max(len(s) for s in plan.shards)
     buffers = {stream: Buffers((k, v), longest) for stream in plan.rounds}
@@ -148,15 +280,22 @@ def _ring_loop(q, k, v, plan, ring, scale, rec, timeout):
             if step < plan.rounds[stream]:  # someone still needs the next block of this stream
                 source = plan.held_source(rank, stream, step + 1)
                 incoming[stream] = buffers[stream].take(len(plan.shards[source]))
+        posted = time.perf_counter()
         ring.shift({s: held[s] for s in incoming}, incoming)
+        done = time.perf_counter()
+        for s in incoming:
+            rec.events.append(("send", posted, done, {"step": step, "stream": s,
+                               "dest": ring.send_rank[s], "bytes": sum(a.nbytes for a in held[s])}))
         for task in plan.tasks(step, rank):
-            _compute(q, held[task.stream], task, plan, rank, scale, acc, rec, ring.progress)
+            _compute(q, held[task.stream], task, plan, rank, scale, acc, rec, ring.progress, step)
             rec.tasks.append((step, task))
         start = time.perf_counter()
         ring.wait(timeout)
         rec.events.append(("wait", start, time.perf_counter(), {"step": step}))
         held.update(incoming)
-    return acc[0], acc[1]
+        if rec.on_step is not None:
+            rec.on_step(step + 1, plan.n_steps)
+    return acc[0].astype(q.dtype, copy=False), acc[1].astype(q.dtype, copy=False)
 
 
 def _allgather_loop(q, k, v, plan, comm, scale, rec, timeout):
@@ -164,6 +303,7 @@ def _allgather_loop(q, k, v, plan, comm, scale, rec, timeout):
     rank, size = comm.Get_rank(), comm.Get_size()
     lengths = [len(s) for s in plan.shards]
     gathered, requests = [], []
+    posted = time.perf_counter()
     for a in (k, v):
         per_token = int(np.prod(a.shape[:-2])) * a.shape[-1]
         counts = [n * per_token for n in lengths]
@@ -174,7 +314,9 @@ def _allgather_loop(q, k, v, plan, comm, scale, rec, timeout):
                          for j in range(size)])
         rec.bytes_sent += a.nbytes * (size - 1)  # as a ring all-gather moves it
         rec.messages += size - 1
-    acc = [np.zeros(q.shape[:-1] + v.shape[-1:], q.dtype), np.full(q.shape[:-1], -np.inf, q.dtype)]
+    rec.events.append(("send", posted, time.perf_counter(), {"step": 0, "stream": 0, "dest": "all",
+                                                          "bytes": (k.nbytes + v.nbytes) * (size - 1)}))
+    acc = _accumulators(q, v)
     progress = lambda: MPI.Request.Testall(requests)  # noqa: E731
     for step in range(plan.n_steps):
         task = plan.tasks(step, rank)[0]
@@ -184,25 +326,42 @@ def _allgather_loop(q, k, v, plan, comm, scale, rec, timeout):
             rec.wait_time += time.perf_counter() - start
             rec.events.append(("wait", start, time.perf_counter(), {"step": 0}))
         kv = (k, v) if step == 0 else (gathered[0][task.source], gathered[1][task.source])
-        _compute(q, kv, task, plan, rank, scale, acc, rec, progress)
+        _compute(q, kv, task, plan, rank, scale, acc, rec, progress, step)
         rec.tasks.append((step, task))
+        if rec.on_step is not None:
+            rec.on_step(step + 1, plan.n_steps)
     if plan.n_steps == 1:
         MPI.Request.Waitall(requests)
-    return acc[0], acc[1]
+    return acc[0].astype(q.dtype, copy=False), acc[1].astype(q.dtype, copy=False)
 
 
-def _wait_until(requests, timeout, rank):
-    from .comm import CommTimeout
-
-    start = time.perf_counter()
+def _wait_until(requests, timeout, rank, what="all-gather", start=None):
+    """Complete ``requests``, or raise CommTimeout ``timeout`` seconds after ``start`` (None: wait forever)."""
+    if timeout is None:
+        MPI.Request.Waitall(requests)
+        return
+    start = time.perf_counter() if start is None else start
     while not MPI.Request.Testall(requests):
         if time.perf_counter() - start > timeout:
-            raise CommTimeout(f"rank {rank}: all-gather not complete after {timeout:g} s")
+            raise CommTimeout(f"rank {rank}: {what} not complete after {timeout:g} s "
+                              f"(another rank may have failed or stalled)")
         time.sleep(1e-4)
 
 
+def _agree_outcome(ring, error, timeout):
+    """With a timeout, after the ring: did every rank finish it?
+
+    A rank that failed (``error``) returns at once, for its caller to re-raise
+    its own error without delay, and never joins; so the ranks that finished
+    time out here (CommTimeout) instead of returning as if all went well.
+    """
+    if error is None:
+        _wait_until([ring.comm.Ibarrier()], timeout, ring.rank, "end-of-ring check")
+
+
 def ring_attention(q, k, v, comm=None, *, causal=False, scale=None, layout="contiguous", mode="ring",
-                   window=None, cu_seqlens=None, timeout=None, record=None):
+                   window=None, cu_seqlens=None, timeout=None, record=None, check_finite=False,
+                   expected_size=None):
     """Attention of this rank's queries against the whole distributed sequence.
 
     Every rank passes its local shard ``(..., seq_local, dim)`` of q, k, v (the
@@ -217,24 +376,37 @@ def ring_attention(q, k, v, comm=None, *, causal=False, scale=None, layout="cont
         mode: "ring", "bidirectional" or "allgather" (see ``mpiring.schedule``).
         window: sliding window ``(left, right)`` as in flash-attn; -1 is unbounded.
         cu_seqlens: packed documents ``[0, end_0, end_1, ..., seq_len]`` (global positions).
-        timeout: seconds a rank may wait for a transfer before raising ``CommTimeout``.
+        timeout: seconds a rank may wait for the others (validation, each transfer,
+            a final check) before raising ``CommTimeout``. With a timeout, an error
+            or stall on one rank raises on every rank still alive: the failed rank
+            its own error at once, the others CommTimeout within 2 x timeout.
+            Must be the same on every rank and exceed the longest compute step.
         record: a ``Record`` to fill with tasks, events and traffic counters.
+        check_finite: also reject NaN/Inf in q, k, v (one extra pass over them).
+        expected_size: raise unless the communicator has this many ranks.
+
+    Bad arguments on any rank raise the same ``ValueError`` on every rank,
+    before any transfer (see docs/reliability.md).
     """
     comm = MPI.COMM_WORLD if comm is None else comm
     options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens)
-    plan, scale = _setup(q, k, v, comm, scale, options)
+    plan, scale = _setup(q, k, v, comm, scale, options, check_finite, expected_size, timeout)
     q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))
     rec = Record(comm.Get_rank()) if record is None else record
-    start = time.perf_counter()
-    if plan.mode == "allgather":
-        out, lse = _allgather_loop(q, k, v, plan, comm, scale, rec, timeout)
-    else:
-        ring = RingComm(comm)
-        try:
+    ring = RingComm(comm)  # a private duplicate: the caller's messages never mix with the ring's
+    try:
+        # a common start: event times minus rec.t0 compare across ranks
+        _wait_until([ring.comm.Ibarrier()], timeout, ring.rank, "start barrier")
+        rec.t0 = start = time.perf_counter()
+        if plan.mode == "allgather":
+            out, lse = _allgather_loop(q, k, v, plan, ring.comm, scale, rec, timeout)
+        else:
             out, lse = _ring_loop(q, k, v, plan, ring, scale, rec, timeout)
-        finally:
-            ring.free()
-        rec.bytes_sent, rec.messages, rec.wait_time = ring.bytes_sent, ring.messages, ring.wait_time
+            rec.bytes_sent, rec.messages, rec.wait_time = ring.bytes_sent, ring.messages, ring.wait_time
+        if timeout is not None:
+            _agree_outcome(ring, None, timeout)
+    finally:
+        ring.free()
     rec.wall_time = time.perf_counter() - start
     rec.plan = plan
     return out, lse
@@ -250,7 +422,7 @@ def _root_problem(Q, K, V):
     return None
 
 
-def _scatter(x, meta, plan, comm, root):
+def _scatter(x, meta, plan, comm, root, timeout=None):
     """Root deals out shards of a full array; every rank returns its own piece."""
     lead, dim, dtype = meta
     rank = comm.Get_rank()
@@ -261,16 +433,18 @@ def _scatter(x, meta, plan, comm, root):
         flat = np.concatenate([np.ascontiguousarray(shard(x, plan.size, r, plan.layout)).ravel()
                                for r in range(plan.size)])
         send = [flat, counts]
-    comm.Scatterv(send, piece, root=root)
+    _wait_until([comm.Iscatterv(send, piece, root=root)], timeout, rank, "scatter")
     return piece
 
 
-def _gather(piece, plan, comm, root):
+def _gather(piece, plan, comm, root, timeout=None):
     """Inverse of _scatter: root gets the full array back in sequence order."""
     per_token = int(np.prod(piece.shape)) // piece.shape[-2] if piece.ndim >= 2 else 1
     counts = [len(s) * per_token for s in plan.shards]
     flat = np.empty(sum(counts), piece.dtype) if comm.Get_rank() == root else None
-    comm.Gatherv(np.ascontiguousarray(piece), [flat, counts] if flat is not None else None, root=root)
+    piece = np.ascontiguousarray(piece)
+    _wait_until([comm.Igatherv(piece, [flat, counts] if flat is not None else None, root=root)], timeout,
+                comm.Get_rank(), "gather")
     if flat is None:
         return None
     offsets = np.cumsum([0] + counts)
@@ -280,32 +454,52 @@ def _gather(piece, plan, comm, root):
 
 
 def distributed_attention(Q, K, V, comm=None, *, causal=False, root=0, scale=None, layout="contiguous",
-                          mode="ring", window=None, cu_seqlens=None, timeout=None, return_lse=False):
+                          mode="ring", window=None, cu_seqlens=None, timeout=None, return_lse=False,
+                          on_step=None, check_finite=False, expected_size=None):
     """Root scatters full Q, K, V, the ring runs, root gathers the output and the schedule.
 
     Returns ``(out, schedule)`` on root and ``(None, None)`` elsewhere;
     ``schedule.table[step][rank]`` holds the Tasks each rank recorded, and
     ``schedule.records[rank]`` its traffic and timing counters. With
-    ``return_lse=True`` root gets ``(out, lse, schedule)``.
+    ``return_lse=True`` root gets ``(out, lse, schedule)``. ``on_step(done, n_steps)``
+    is called on this rank after each of its ring steps (e.g. for a progress line).
+    ``timeout``, ``check_finite`` (on root's full arrays) and ``expected_size``
+    are as in ``ring_attention``; options must be the same on every rank.
     """
     comm = MPI.COMM_WORLD if comm is None else comm
-    rank = comm.Get_rank()
-    problem = meta = None
-    if rank == root:
-        problem = _root_problem(Q, K, V) or _local_problem(Q, K, V, scale)
-        if problem is None and Q.shape[-2] < comm.Get_size():
-            problem = f"sequence length {Q.shape[-2]} is shorter than the number of ranks {comm.Get_size()}"
-        if problem is None:
-            meta = [(a.shape[:-2], a.shape[-1], a.dtype) for a in (Q, K, V)] + [Q.shape[-2]]
-    problem, meta = comm.bcast((problem, meta), root=root)
-    if problem:
-        raise ValueError(f"root rank {root}: {problem}")
+    rank, size = comm.Get_rank(), comm.Get_size()
     options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens)
-    plan = make_plan(meta[3], comm.Get_size(), **options)
-    q, k, v = (_scatter(x, m, plan, comm, root) for x, m in zip((Q, K, V), meta[:3]))
+    arrays = problem = meta = values = None
+    try:  # root checks the arrays, every rank its options; one all-gather gives all the same verdict
+        if rank == root:
+            arrays = _root_problem(Q, K, V) or _local_problem(Q, K, V, scale, check_finite)
+            if arrays is None and Q.shape[-2] < size:
+                arrays = f"sequence length {Q.shape[-2]} is shorter than the number of ranks {size}"
+            if arrays is None:
+                meta = [(a.shape[:-2], a.shape[-1], a.dtype) for a in (Q, K, V)] + [Q.shape[-2]]
+        problem = _timeout_problem(timeout) or _size_problem(size, expected_size)
+        if problem is None and not (_is_real(root) and isinstance(root, (int, np.integer)) and 0 <= root < size):
+            problem = f"root must be a rank of the communicator, 0 .. {size - 1}; got {root!r}"
+        if problem is None:
+            options = _canonical(options)
+            values = dict(_compared(options, timeout), root=_Shown(root))
+    except Exception as exc:
+        problem, values = _describe(exc), None
+    gathered = _allgather(comm, (arrays, problem, meta, values), timeout)
+    # options first, compared with rank 0: the same text everywhere even if ranks disagree on root
+    message = _verdict([p for _, p, _, _ in gathered]) or _verdict(_differences([v for _, _, _, v in gathered], 0))
+    if not message and gathered[root][0]:
+        message = f"root rank {root}: {gathered[root][0]}"
+    if message:
+        raise ValueError(message)
+    meta = gathered[root][2]
+    plan = make_plan(meta[3], size, **options)  # deterministic, same options everywhere: raises everywhere
+    q, k, v = (_scatter(x, m, plan, comm, root, timeout) for x, m in zip((Q, K, V), meta[:3]))
     rec = Record(rank)
-    out, lse = ring_attention(q, k, v, comm, scale=scale, timeout=timeout, record=rec, **options)
-    full_out, full_lse = _gather(out, plan, comm, root), _gather(lse[..., None], plan, comm, root)
+    rec.on_step = on_step
+    out, lse = ring_attention(q, k, v, comm, scale=scale, timeout=timeout, record=rec,
+                              expected_size=expected_size, **options)
+    full_out, full_lse = (_gather(a, plan, comm, root, timeout) for a in (out, lse[..., None]))
     columns = comm.gather((rec.table(plan.n_steps), _summary(rec)), root=root)
     if rank != root:
         return (None, None, None) if return_lse else (None, None)
@@ -314,7 +508,7 @@ def distributed_attention(Q, K, V, comm=None, *, causal=False, root=0, scale=Non
 
 
 def _summary(rec):
-    keep = ("rank", "bytes_sent", "messages", "wait_time", "compute_time", "wall_time", "events",
+    keep = ("rank", "bytes_sent", "messages", "wait_time", "compute_time", "wall_time", "events", "t0",
             "computed_pairs", "visible_pairs")
     return {key: getattr(rec, key) for key in keep}
 

@@ -4,7 +4,7 @@ import numpy as np
 
 from .kernels import default_scale
 from .layouts import shard, unshard
-from .ring import Record, _compute
+from .ring import Record, _accumulators, _compute
 from .schedule import make_plan
 
 __all__ = ["ring_attention_simulate", "simulate"]
@@ -48,13 +48,13 @@ def simulate(Q, K, V, num_devices, *, causal=False, scale=None, layout="contiguo
     outs, lses = [], []
     for device in range(P):
         q = np.ascontiguousarray(shard(Q, P, device, layout))
-        acc = [np.zeros(q.shape[:-1] + V.shape[-1:], dtype), np.full(q.shape[:-1], -np.inf, dtype)]
+        acc = _accumulators(q, V)  # float64, as in the MPI ring
         rec = Record(device)
         for step in range(plan.n_steps):
             for task in plan.tasks(step, device):
                 _compute(q, (ks[task.source], vs[task.source]), task, plan, device, scale, acc, rec, None)
-        outs.append(acc[0])
-        lses.append(acc[1][..., None])
+        outs.append(acc[0].astype(dtype, copy=False))
+        lses.append(acc[1].astype(dtype, copy=False)[..., None])
     return unshard(outs, layout), unshard(lses, layout)[..., 0], plan.schedule
 
 
