@@ -1,8 +1,17 @@
-"""Analytical cost of ring attention: memory, communication volume, steps."""
+"""Analytical cost of ring attention: memory, communication volume, steps, and time.
+
+``ring_attention_context_parallel`` is seed 000's report, exactly. The time
+model (``time_model``, ``predict_plan``) adds a FLOP rate and an alpha-beta
+link: presets for an NVLink- and an InfiniBand-connected GPU, and
+``calibrate()`` for this machine.
+"""
+
+from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["ring_attention_context_parallel", "predicted_bytes_sent"]
+__all__ = ["ring_attention_context_parallel", "predicted_bytes_sent", "Machine", "PRESETS", "TIME_VARIANTS",
+           "block_flops", "time_model", "predict_plan", "calibrate", "format_time_model"]
 
 
 def _positive_int(name, value):
@@ -62,3 +71,301 @@ def predicted_bytes_sent(plan, kv_width, itemsize):
                       for step in range(rounds)]
         sent.append(sum(len(plan.shards[b]) for b in blocks) * kv_width * itemsize)
     return sent
+
+
+# ---------------------------------------------------------------- time model: alpha-beta links, FLOP rate
+
+TIME_VARIANTS = ("contiguous", "zigzag", "striped", "bidirectional", "allgather")
+
+
+@dataclass(frozen=True)
+class Machine:
+    """One device and its link: a FLOP rate, a latency alpha and a bandwidth beta.
+
+    A block costs ``flop / flops`` seconds; a transfer of ``nbytes`` costs
+    ``alpha + nbytes / beta``. ``beta`` is what one device can push out per
+    direction; a device that sends two blocks in one step (bidirectional ring)
+    shares it between them.
+    """
+
+    name: str
+    flops: float  # FLOP/s the attention kernel reaches
+    alpha: float  # seconds per transfer (latency)
+    beta: float  # bytes per second per direction
+    note: str = ""
+    masked_flops: float | None = None  # FLOP/s on a masked block, counting every entry computed (None: = flops)
+
+    def compute_time(self, flop):
+        return flop / self.flops
+
+    def transfer_time(self, nbytes):
+        return self.alpha + nbytes / self.beta if nbytes else 0.0
+
+
+PRESETS = {
+    # H100 SXM: 989 TFLOP/s dense bf16 peak; FlashAttention-2/3 forward kernels reach 35-75% of it,
+    # 400 TFLOP/s is a round effective rate. NVLink 4: 18 links x 25 GB/s = 450 GB/s per direction
+    # (900 GB/s both ways); NCCL point-to-point latency within a node is a few microseconds.
+    "nvlink": Machine("nvlink", 400e12, 5e-6, 450e9,
+                      "H100-class GPU, 400 TFLOP/s effective bf16; NVLink 4, 450 GB/s per direction, 5 us"),
+    # Same GPU, ring crosses nodes: one 400 Gb/s NDR InfiniBand NIC per GPU = 50 GB/s per direction
+    # (25 GB/s with 200 Gb/s HDR; ~90% of line rate is reached); ~10 us including the software stack.
+    "infiniband": Machine("infiniband", 400e12, 10e-6, 50e9,
+                          "H100-class GPU, 400 TFLOP/s effective bf16; NDR InfiniBand, 50 GB/s per direction, 10 us"),
+}
+
+
+def block_flops(tokens_q, tokens_k, heads, head_dim, batch=1):
+    """FLOPs of attention between two full blocks: Q K^T and P V, 2 multiply-adds each."""
+    return 4 * batch * heads * tokens_q * tokens_k * head_dim
+
+
+def _check_variant(variant):
+    if variant not in TIME_VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(TIME_VARIANTS)}; got {variant!r}")
+
+
+def time_model(total_seq_len, num_devices, *, heads, head_dim, kv_heads=None, batch=1, bytes_per_element=2,
+               machine="nvlink", variant="contiguous", causal=False, backward=False):
+    """Predicted time of one attention pass (forward or backward) over ``num_devices``.
+
+    Every device holds ``n = total_seq_len / num_devices`` tokens. A full block
+    costs ``C = 4 B H n^2 d / flops`` (backward: 2.5 C, five matmuls instead of
+    two); one K/V block is ``2 B Hk n d e`` bytes (backward: twice, K/V and the
+    dK/dV accumulators travel together) and moves in ``T = alpha + bytes / beta``.
+    Each ring step overlaps its compute with the next transfer, so it takes
+    ``max(compute, transfer)``. Causal with zigzag or striped: half a block per
+    step on every device; contiguous: the last device computes a full block at
+    every step while others skip (same time, half the useful work); step 0 is
+    the diagonal, half a block. Variants:
+
+    - ``contiguous``/``zigzag``/``striped``: the ring, P steps, P-1 transfers;
+    - ``bidirectional``: K/V go both ways; floor(P/2)+1 steps of two blocks,
+      both sends share the device's bandwidth (zigzag-balanced when causal);
+    - ``allgather``: one ring all-gather of P-1 blocks behind the local block,
+      then P-1 blocks of compute with no communication (P times the K/V memory).
+
+    Backward adds, after the last step, one transfer of dK/dV to their home
+    device (all-gather: a ring reduce-scatter of dK/dV, P-1 transfers).
+    Returns a dict of times in seconds, the per-step lists and
+    ``hide_above_tokens``: the tokens per device above which the transfer
+    hides behind compute (communication-bound below it).
+    """
+    m = PRESETS[machine] if isinstance(machine, str) else machine
+    _check_variant(variant)
+    for name, value in (("total_seq_len", total_seq_len), ("num_devices", num_devices), ("heads", heads),
+                        ("head_dim", head_dim), ("batch", batch), ("bytes_per_element", bytes_per_element)):
+        _positive_int(name, value)
+    kv_heads = heads if kv_heads is None else kv_heads
+    _positive_int("kv_heads", kv_heads)
+    if heads % kv_heads:
+        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+    P, n = num_devices, total_seq_len / num_devices
+    work, traffic = (2.5, 2.0) if backward else (1.0, 1.0)
+    a = work * 4 * batch * heads * head_dim / m.flops  # seconds per (query, key) pair
+    b = traffic * 2 * batch * kv_heads * head_dim * bytes_per_element  # bytes per token of what travels
+    kv_bytes = 2 * batch * kv_heads * head_dim * bytes_per_element * n  # one K/V (or one dK/dV) block
+    full = a * n * n  # one full block
+    blk_bytes = b * n
+    balanced = causal and variant != "contiguous"
+    later = 0.5 if balanced else 1.0  # fraction of a block the busiest device computes at step >= 1
+    first = 0.5 if causal else 1.0  # step 0: the diagonal block
+    compute, transfer = [], []
+    if variant == "allgather":
+        compute = [first * full] + [later * full] * (P - 1)
+        transfer = [(P - 1) * m.transfer_time(kv_bytes)] + [0.0] * (P - 1)  # K/V gathered once
+    elif variant == "bidirectional":
+        fwd, bwd = P // 2, (P - 1) // 2  # transfers along each stream
+        for s in range(P // 2 + 1):
+            blocks = 1 if s == 0 else 1 + (s <= bwd)
+            compute.append((first if s == 0 else later) * full * blocks)
+            sends = (s < fwd) + (s < bwd)
+            transfer.append(m.transfer_time(sends * blk_bytes) if sends else 0.0)
+    else:
+        compute = [first * full] + [later * full] * (P - 1)
+        transfer = [m.transfer_time(blk_bytes)] * (P - 1) + [0.0]
+    steps = [max(c, t) for c, t in zip(compute, transfer)]
+    total = sum(steps)
+    if backward and P > 1:  # dK/dV go home
+        total += (P - 1 if variant == "allgather" else 1) * m.transfer_time(kv_bytes)
+    useful = a * n * n * (P / 2 if causal else P)  # the device's share of the visible pairs
+    # steady state: k blocks of compute against c blocks sent; solve k*f*a*n^2 = c*alpha + c*b*n/beta
+    if variant == "allgather":  # the local block against the whole all-gather
+        k_blocks, sends, f, per_token = 1, P - 1, first, kv_bytes / n
+    elif variant == "bidirectional":
+        k_blocks, sends, f, per_token = 2, 2, later, b
+    else:
+        k_blocks, sends, f, per_token = 1, 1, later, b
+    latencies = sends if variant == "allgather" else 1  # a ring all-gather is P-1 transfers in a row
+    A, B, C = k_blocks * f * a, sends * per_token / m.beta, latencies * m.alpha
+    hide = float((B + np.sqrt(B * B + 4 * A * C)) / (2 * A)) if sends and P > 1 else 0.0
+    return {
+        "machine": m.name, "variant": variant, "causal": bool(causal), "backward": bool(backward),
+        "tokens_per_device": n, "steps": len(steps),
+        "block_compute_s": full, "block_bytes": blk_bytes,
+        "compute_s": compute, "transfer_s": transfer, "step_s": steps,
+        "step_time_s": max(steps),  # the longest step (all-gather: step 0, with the whole gather)
+        "total_s": total, "ideal_s": useful,
+        "efficiency": useful / total if total else 1.0,
+        "comm_bound": bool(n < hide),  # the transfer does not hide behind the steady-state compute
+        "hide_above_tokens": hide,
+    }
+
+
+def predict_plan(plan, machine, *, batch, heads, kv_heads, head_dim, itemsize, backward=False):
+    """Per-step prediction for a concrete plan: ``[(compute, transfer, step), ...]`` in seconds.
+
+    Compute is the busiest rank's work at that step, counted as the score
+    entries mpiring's kernel is given (``plan.pieces``), at the machine's
+    ``masked_flops`` for sub-blocks with a mask; transfer is the busiest
+    rank's sends started at that step (all-gather: all of them at step 0).
+    Used by ``run`` to put a prediction next to the measurement.
+    """
+    m = machine
+    work, traffic = (2.5, 2.0) if backward else (1.0, 1.0)
+    flop_per_pair = work * 4 * batch * heads * head_dim
+    per_token = traffic * 2 * batch * kv_heads * head_dim * itemsize
+    lengths = [len(s) for s in plan.shards]
+    cache = {}
+
+    def seconds(r, j):
+        if (r, j) not in cache:
+            rates = [m.flops if klo is None else m.masked_flops or m.flops for *_, klo, _ in plan.pieces(r, j)]
+            cache[r, j] = sum((b - a) * (d - c) * flop_per_pair / rate
+                              for (a, b, c, d, _, _), rate in zip(plan.pieces(r, j), rates))
+        return cache[r, j]
+
+    out = []
+    for step in range(plan.n_steps):
+        compute = max(sum(seconds(r, t.source) for t in plan.tasks(step, r)) for r in range(plan.size))
+        transfer = 0.0
+        for r in range(plan.size):
+            if plan.mode == "allgather":
+                sent = [lengths[r]] * (plan.size - 1) if step == 0 else []
+                t = sum(m.transfer_time(x * per_token) for x in sent)
+            else:
+                sent = [lengths[plan.held_source(r, d, step)] for d, rounds in plan.rounds.items() if step < rounds]
+                t = m.transfer_time(sum(sent) * per_token) if sent else 0.0
+            transfer = max(transfer, t)
+        out.append((compute, transfer, max(compute, transfer)))
+    return out
+
+
+def calibrate(comm=None, *, head_dim=64, dtype="float32", tokens=512, nbytes=32 << 20, seconds=0.4, threads=1):
+    """Measure this machine: the attention kernel's FLOP/s and the link's alpha and beta.
+
+    Compute: ``attention_block`` on one head of ``tokens`` x ``tokens`` with
+    ``threads`` BLAS threads (every rank at once, so shared cores count),
+    without and with a causal mask (the NumPy kernel pays for masking).
+    Link: with a communicator of two or more ranks, every rank sends to the
+    next around the ring at once (as the ring does), first 8 bytes (alpha),
+    then ``nbytes`` (beta); the slowest rank counts. With one process, a
+    memory copy of ``nbytes`` (beta) and an 8-byte message to itself (alpha).
+    Takes about ``seconds``.
+    """
+    import time
+
+    from threadpoolctl import threadpool_limits
+
+    from .kernels import attention_block
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, tokens, head_dim)).astype(dtype) for _ in range(3))
+    klo, khi = np.zeros(tokens, np.int64), np.arange(1, tokens + 1)  # causal diagonal block
+
+    def rate(*mask):
+        attention_block(q, k, v, None, *mask)  # warm up
+        reps, start = 0, time.perf_counter()
+        while reps < 3 or time.perf_counter() - start < seconds / 4:
+            attention_block(q, k, v, None, *mask)
+            reps += 1
+        return block_flops(tokens, tokens, 1, head_dim) * reps / (time.perf_counter() - start)
+
+    with threadpool_limits(threads):
+        flops, masked = rate(), rate(klo, khi)
+    small, big = np.zeros(1, np.float64), np.zeros(max(nbytes // 8, 1), np.float64)
+    if comm is not None and comm.Get_size() > 1:
+        from mpi4py import MPI
+
+        rank, size = comm.Get_rank(), comm.Get_size()
+        dest, source = (rank + 1) % size, (rank - 1) % size
+
+        def ring(buf, reps):
+            recv = np.empty_like(buf)
+            comm.Barrier()
+            t = time.perf_counter()
+            for _ in range(reps):
+                comm.Sendrecv(buf, dest, 7, recv, source, 7)
+            return comm.allreduce((time.perf_counter() - t) / reps, op=MPI.MAX)
+
+        ring(small, 5)
+        alpha = ring(small, 50)
+        beta = big.nbytes / max(ring(big, 4) - alpha, 1e-9)
+        flops, masked = comm.allreduce(flops, op=MPI.MIN), comm.allreduce(masked, op=MPI.MIN)
+        where = f"{size} ranks"
+    else:
+        dst = np.empty_like(big)
+        np.copyto(dst, big)
+        reps, start = 0, time.perf_counter()
+        while reps < 3 or time.perf_counter() - start < seconds / 4:
+            np.copyto(dst, big)
+            reps += 1
+        beta = big.nbytes * reps / (time.perf_counter() - start)
+        try:
+            from mpi4py import MPI
+
+            self_comm = MPI.COMM_SELF
+            recv = np.empty_like(small)
+            start = time.perf_counter()
+            for _ in range(50):
+                req = self_comm.Irecv(recv, 0, 7)
+                self_comm.Send(small, 0, 7)
+                req.Wait()
+            alpha = (time.perf_counter() - start) / 50
+        except ImportError:
+            alpha = 1e-6
+        where = "one process: memory copy"
+    note = (f"measured: attention kernel {flops / 1e9:.2f} GFLOP/s, {masked / 1e9:.2f} masked ({dtype}, "
+            f"{threads} thread, {tokens}x{tokens}x{head_dim}); link {beta / 1e9:.2f} GB/s, {alpha * 1e6:.1f} us "
+            f"({where})")
+    return Machine("this-machine", float(flops), float(alpha), float(beta), note, float(masked))
+
+
+def _fmt_time(seconds):
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds * 1e9:.3g} ns" if seconds else "0"
+
+
+def format_time_model(total_seq_len, num_devices, *, heads, head_dim, kv_heads=None, batch=1, bytes_per_element=2,
+                      machines=("nvlink", "infiniband"), causal=False, variants=TIME_VARIANTS):
+    """The time model as a text table: every variant, forward and backward, for each machine."""
+    kv_heads = heads if kv_heads is None else kv_heads
+    n = total_seq_len / num_devices
+    lines = [f"time model: {total_seq_len} tokens over P={num_devices}, {n:g} per device; {heads} query heads, "
+             f"{kv_heads} K/V heads, head dim {head_dim}, {bytes_per_element} bytes/element, batch {batch}, "
+             f"{'causal' if causal else 'not causal'}",
+             "step = max(compute, transfer); efficiency = ideal compute time / total; "
+             "'hides above' = tokens per device above which the transfer hides behind compute"]
+    header = (f"{'variant':<14}{'pass':<9}{'steps':>5}  {'compute/step':>12}  {'transfer/step':>13}  "
+              f"{'step':>9}  {'total':>9}  {'effic.':>6}  {'bound by':<8}  hides above")
+    for machine in machines:
+        m = PRESETS[machine] if isinstance(machine, str) else machine
+        lines += ["", f"{m.name}: {m.note}", header]
+        for variant in variants:
+            for backward in (False, True):
+                r = time_model(total_seq_len, num_devices, heads=heads, head_dim=head_dim, kv_heads=kv_heads,
+                               batch=batch, bytes_per_element=bytes_per_element, machine=m, variant=variant,
+                               causal=causal, backward=backward)
+                steady = 1 if r["steps"] > 1 and variant != "allgather" else 0
+                c, t = r["compute_s"][steady], r["transfer_s"][0 if variant == "allgather" else steady]
+                lines.append(f"{variant:<14}{'backward' if backward else 'forward':<9}{r['steps']:>5}  "
+                             f"{_fmt_time(c):>12}  {_fmt_time(t):>13}  {_fmt_time(r['step_time_s']):>9}  "
+                             f"{_fmt_time(r['total_s']):>9}  {r['efficiency']:>6.0%}  "
+                             f"{'transfer' if r['comm_bound'] else 'compute':<8}  "
+                             f"{r['hide_above_tokens']:,.0f} tokens/device")
+    lines.append("")
+    lines.append("allgather: transfer/step is the whole all-gather, hidden only behind the local block; "
+                 "it keeps all P K/V blocks in memory.")
+    return "\n".join(lines)
