@@ -1,24 +1,440 @@
-"""Blockwise attention with the log-sum-exp merge (NumPy, one process).
+"""Attention kernels for mpiring: tiled FlashAttention-2 forward/backward in NumPy.
 
-Arrays follow torch SDPA's convention ``(..., seq, dim)``: leading axes are
-batch and heads. Grouped-query attention: q has ``Hq = g * Hk`` heads on
-axis -3 and k, v have ``Hk``; query head h uses kv head ``h // g``.
+Layout follows torch SDPA: q (..., Hq, Sq, D), k (..., Hk, Sk, D),
+v (..., Hk, Sk, Dv); 2-D (S, D) inputs also work.  Grouped-query attention:
+Hq = g * Hk and query head h uses key/value head h // g.
 
-A block mask is two integer arrays ``klo, khi`` of shape ``(Sq,)``: query row
-i sees exactly the keys ``klo[i] <= j < khi[i]`` (see ``mpiring.masks``).
-``None`` means every key is visible.
+A mask is two int arrays klo, khi of shape (Sq,): query row i sees exactly the
+keys j with klo[i] <= j < khi[i] (values are clipped to [0, Sk]), the same for
+every head and batch entry.  None means "all keys visible".  Causal square:
+klo = 0, khi = i + 1.
+
+How the tiled forward pass works (per query tile, per key tile):
+
+    s = (scale * log2 e) * q @ k.T - m     # one GEMM, m folded in (see below)
+    p = exp2(s)                            # the only full-tile elementwise pass
+    [acc | l] += p @ [v | 1]               # one GEMM gives p@v and the row sums
+
+The row offset m is *not* the running maximum.  It starts as the score of the
+row's first visible key, so every row sum is >= 1 (no underflow to 0); it is
+only raised (the "slow path", an exact online-softmax step) when a tile's row
+sum would exceed 2**64 (fp32) / 2**512 (fp64).  With m folded into the GEMM as
+an extra column of q (and a column of ones in k), the usual max/subtract passes
+disappear.  Mathematically this is exactly the softmax; only rounding differs.
 """
+
+import math
+import time
 
 import numpy as np
 
-__all__ = ["attention_block", "merge", "reference_attention", "default_scale",
-           "attention_block_backward", "reference_attention_backward"]
+__all__ = [
+    "attention_block", "attention_block_backward", "merge", "merge_",
+    "reference_attention", "reference_attention_backward", "default_tiles", "default_scale",
+]
 
+LOG2E = 1.0 / math.log(2.0)
+LN2 = math.log(2.0)
+
+# Default tiles, measured on a 2-core AMD EPYC (Zen 4), 1 BLAS thread, H=8,
+# S=4096 (NOTES.md): 512 x 256 for float32, 256 x 256 for float64, i.e. the
+# score tile of one head is 512 KiB.  Larger query tiles make better GEMMs;
+# larger key tiles spill the per-call scratch (H * tile_q * tile_k) from cache.
+TILE_BYTES = 512 * 1024
+TILE_K = 256
+# Seconds of compute between two calls of the progress callback.
+PROGRESS_INTERVAL = 0.002
+
+# A tile row sum above this triggers the exact (rescaling) path: keeps the
+# accumulators far from overflow.  Exponents are in log2 units.
+_LIMIT_LOG2 = {np.dtype(np.float32): 64.0, np.dtype(np.float64): 512.0}
+# exp2 below this is subnormal/zero and very slow; such scores are clipped up
+# to it (adds < Sk * 2**-126 relative to a row sum >= 1: far below rounding).
+_FLOOR_LOG2 = {np.dtype(np.float32): -126.0, np.dtype(np.float64): -1022.0}
+
+
+def default_tiles(d, dtype):
+    """Default (tile_q, tile_k) for head dim d and dtype (d did not matter: 64 and 128)."""
+    return TILE_BYTES // (TILE_K * np.dtype(dtype).itemsize), TILE_K
+
+
+# ---------------------------------------------------------------- helpers
 
 def default_scale(dim):
     """Softmax scale 1/sqrt(dim), as in torch SDPA."""
     return 1.0 / np.sqrt(dim)
 
+
+
+class _Shapes:
+    """Views of q, k, v as (B, g, Sq, D), (B, Sk, D), (B, Sk, Dv), B = batch*Hk."""
+
+    def __init__(self, q, k, v):
+        q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+        if q.ndim != k.ndim or q.ndim != v.ndim or q.ndim < 2:
+            raise ValueError("q, k, v must have the same ndim >= 2")
+        if q.ndim == 2:
+            q, k, v = q[None], k[None], v[None]
+        batch = q.shape[:-3]
+        if k.shape[:-3] != batch or v.shape[:-3] != batch:
+            raise ValueError("q, k, v batch dims differ")
+        hq, self.sq, self.d = q.shape[-3:]
+        hk, self.sk, dk = k.shape[-3:]
+        if dk != self.d or v.shape[-3:-1] != (hk, self.sk):
+            raise ValueError("shape mismatch: q %s k %s v %s" % (q.shape, k.shape, v.shape))
+        if hq % hk:
+            raise ValueError("Hq=%d is not a multiple of Hk=%d" % (hq, hk))
+        self.g = hq // hk
+        self.dv = v.shape[-1]
+        self.b = int(np.prod(batch, dtype=np.int64)) * hk
+        # float32 and float64 are kept; float16 computes in float32, ints in float64
+        self.dtype = np.result_type(q.dtype, np.float32) if q.dtype.kind == "f" else np.dtype(np.float64)
+        self.q = q.reshape(self.b, self.g, self.sq, self.d)
+        self.k = k.reshape(self.b, self.sk, self.d)
+        self.v = v.reshape(self.b, self.sk, self.dv)
+
+
+def _mask_arrays(klo, khi, sq, sk):
+    """int64 klo, khi of shape (sq,), or (None, None) when all keys are visible."""
+    if klo is None and khi is None:
+        return None, None
+    lo = np.zeros(sq, np.int64) if klo is None else np.asarray(klo, np.int64).reshape(sq)
+    hi = np.full(sq, sk, np.int64) if khi is None else np.asarray(khi, np.int64).reshape(sq)
+    return np.clip(lo, 0, sk), np.clip(hi, 0, sk)
+
+
+def _with_ones(x, dtype):
+    """Copy of x (B, S, D) as (B, S, D+1) with a last column of ones."""
+    out = np.empty(x.shape[:-1] + (x.shape[-1] + 1,), dtype)
+    out[..., :-1] = x
+    out[..., -1] = 1
+    return out
+
+
+def _tile_max_norm(x, tile):
+    """Max row norm of x (..., S, D) over each tile of rows: shape (ceil(S/tile),)."""
+    n = np.sqrt(np.einsum("...i,...i->...", x, x, dtype=np.float64))
+    n = n.reshape(-1, n.shape[-1]).max(axis=0)
+    return np.maximum.reduceat(n, np.arange(0, n.size, tile))
+
+
+class _Tiles:
+    """Classifies (query tile, key tile) pairs of a klo/khi mask and caches mask tiles."""
+
+    def __init__(self, lo, hi, sk, tile_k, dtype):
+        self.lo, self.hi, self.sk, self.tk, self.dtype = lo, hi, sk, tile_k, dtype
+        self._cache = {}
+
+    def row_block(self, a, b):
+        """Start work on query rows a:b; returns a list of key tiles (c, d, r0, r1, mask, t).
+
+        Keys c:d of key tile t are seen by some of the rows a+r0 : a+r1;
+        mask is None when all those rows see all those keys, else the float
+        0/1 mask (r1-r0, d-c).  Empty tiles are left out; partial tiles are
+        trimmed to the rows and columns that see something.
+        """
+        n = b - a
+        tiles = []
+        for t, c in enumerate(range(0, self.sk, self.tk)):
+            d = min(c + self.tk, self.sk)
+            if self.lo is None:
+                tiles.append((c, d, 0, n, None, t))
+                continue
+            lo, hi = np.maximum(self.lo[a:b], c), np.minimum(self.hi[a:b], d)
+            seen = np.flatnonzero(hi > lo)
+            if seen.size == 0:
+                continue                          # no row sees any key here
+            r0, r1 = int(seen[0]), int(seen[-1]) + 1
+            lo, hi = lo[r0:r1], hi[r0:r1]
+            c, d = int(lo[hi > lo].min()), int(hi.max())
+            if lo.max() <= c and hi.min() >= d:
+                tiles.append((c, d, r0, r1, None, t))   # all rows see all keys
+            else:
+                tiles.append((c, d, r0, r1, self._mask(lo - c, hi - c, d - c), t))
+        return tiles
+
+    def _mask(self, lo, hi, n):
+        key = (lo.tobytes(), hi.tobytes(), n)
+        m = self._cache.get(key)
+        if m is None:
+            cols = np.arange(n)
+            m = ((cols >= lo[:, None]) & (cols < hi[:, None])).astype(self.dtype)
+            if len(self._cache) < 64:
+                self._cache[key] = m
+        return m
+
+
+class _Progress:
+    """Calls fn() at most every PROGRESS_INTERVAL seconds."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.last = time.perf_counter()
+
+    def __call__(self):
+        if self.fn is not None:
+            now = time.perf_counter()
+            if now - self.last >= PROGRESS_INTERVAL:
+                self.fn()
+                self.last = time.perf_counter()
+
+
+# ---------------------------------------------------------------- forward
+
+def attention_block(q, k, v, scale=None, klo=None, khi=None, *,
+                    tile_q=None, tile_k=None, progress=None):
+    """Softmax attention of q over one key block: returns (out, lse).
+
+    out (..., Hq, Sq, Dv) is the normalized output, lse (..., Hq, Sq) the
+    natural log of the row sums of exp(scale * q.k) over visible keys
+    (-inf, with out 0, for a row that sees no key).  Tiled with an online
+    softmax: scratch is O(Hk * g * tile_q * tile_k), never O(Sq * Sk).
+
+    Args:
+        scale: logit scale, default 1/sqrt(D).
+        klo, khi: int (Sq,) arrays; row i sees keys klo[i] <= j < khi[i].
+        tile_q, tile_k: tile sizes (default: default_tiles(D, dtype)).
+        progress: zero-argument callable, called between tiles every few ms.
+    """
+    sh = _Shapes(q, k, v)
+    dt, b, g, sq, sk, d, dv = sh.dtype, sh.b, sh.g, sh.sq, sh.sk, sh.d, sh.dv
+    dq_tile, dk_tile = default_tiles(d, dt)
+    tq, tk = tile_q or dq_tile, tile_k or dk_tile
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    c2 = scale * LOG2E                        # scores in log2 units: exp2 is ~2x faster
+    limit = 2.0 ** _LIMIT_LOG2[dt]
+    floor = _FLOOR_LOG2[dt]
+    lo, hi = _mask_arrays(klo, khi, sq, sk)
+    tiles = _Tiles(lo, hi, sk, tk, dt)
+    tick = _Progress(progress)
+
+    out = np.empty((b, g, sq, dv), dt)
+    lse = np.empty((b, g, sq), dt)
+    if sk == 0 or sq == 0:
+        out.fill(0)
+        lse.fill(-np.inf)
+        return _unflatten(out, lse, q)
+
+    ka = _with_ones(sh.k, dt)                 # [k | 1]: the extra column meets -m
+    va = _with_ones(sh.v, dt)                 # [v | 1]: p @ va also gives row sums
+    kn = _tile_max_norm(sh.k, tk)             # for the cheap "can exp2 underflow?" test
+    qn = _tile_max_norm(sh.q, tq) * abs(c2)
+
+    nq = min(tq, sq)
+    qa_buf = np.empty(b * g * nq * (d + 1), dt)
+    s_buf = np.empty(b * g * nq * min(tk, sk), dt)
+    pv_buf = np.empty(b * g * nq * (dv + 1), dt)
+    acc_buf = np.empty(b * g * nq * (dv + 1), dt)
+
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        for it, a in enumerate(range(0, sq, tq)):
+            e = min(a + tq, sq)
+            rows = g * (e - a)
+            qa = qa_buf[:b * rows * (d + 1)].reshape(b, g, e - a, d + 1)
+            np.multiply(sh.q[:, :, a:e], c2, out=qa[..., :d])
+            # Offset m = score of each row's first visible key (any visible key
+            # works: it makes every row sum >= 1).
+            first = np.zeros(e - a, np.int64) if lo is None else np.minimum(lo[a:e], sk - 1)
+            m = np.einsum("bgtd,btd->bgt", qa[..., :d], sh.k[:, first])
+            qa[..., d] = -m
+            m_top = m.max()
+            acc = acc_buf[:b * rows * (dv + 1)].reshape(b, g, e - a, dv + 1)
+            acc.fill(0)
+            for c, dd, r0, r1, mask, t in tiles.row_block(a, e):
+                n, cols = r1 - r0, dd - c
+                qt = qa[:, :, r0:r1].reshape(b, g * n, d + 1)   # a copy only if g > 1 and rows trimmed
+                s = s_buf[:b * g * n * cols].reshape(b, g * n, cols)
+                np.matmul(qt, ka[:, c:dd].transpose(0, 2, 1), out=s)
+                s4 = s.reshape(b, g, n, cols)
+                if mask is not None:
+                    s4 *= mask                    # masked scores -> 0: no overflow
+                if -qn[it] * kn[t] - m_top < floor:
+                    np.clip(s, floor, None, out=s)
+                np.exp2(s, out=s)
+                if mask is not None:
+                    s4 *= mask                    # masked probabilities -> exactly 0
+                pv = pv_buf[:b * g * n * (dv + 1)].reshape(b, g * n, dv + 1)
+                np.matmul(s, va[:, c:dd], out=pv)
+                if pv[..., dv].max() <= limit:
+                    acc[:, :, r0:r1] += pv.reshape(b, g, n, dv + 1)
+                else:                             # rare: some score far above m
+                    _exact_tile(qt, ka[:, c:dd], va[:, c:dd], mask, s4, pv,
+                                acc[:, :, r0:r1], m[:, :, r0:r1])
+                    qa[..., d] = -m
+                    m_top = m.max()
+                tick()
+            l = acc[..., dv]
+            ok = l > 0
+            np.divide(acc[..., :dv], np.where(ok, l, 1)[..., None],
+                      out=out[:, :, a:e])
+            lse[:, :, a:e] = np.where(ok, (m + np.log2(l)) * LN2, -np.inf)
+    return _unflatten(out, lse, q)
+
+
+def _exact_tile(qt, kat, vat, mask, s4, pv, acc, m):
+    """Exact online-softmax step for one tile: raise m where needed, rescale acc.
+
+    Used only when a tile's row sum passed the limit.  s4 (b, g, n, cols) and
+    pv are scratch; acc (b, g, n, dv+1) and m (b, g, n) are updated in place.
+    """
+    b, g, n, cols = s4.shape
+    s = s4.reshape(b, g * n, cols)
+    np.matmul(qt, kat.transpose(0, 2, 1), out=s)
+    if mask is not None:
+        s4[np.broadcast_to(mask == 0, s4.shape)] = -np.inf
+    inc = np.maximum(s4.max(axis=-1), 0)      # how far each row max exceeds m
+    s4 -= inc[..., None]
+    np.exp2(s, out=s)
+    np.matmul(s, vat, out=pv)
+    acc *= np.exp2(-inc)[..., None]
+    acc += pv.reshape(acc.shape)
+    m += inc
+
+
+def _unflatten(out, lse, q):
+    """Reshape (B, g, Sq, Dv) / (B, g, Sq) results back to q's leading dims."""
+    lead = q.shape[:-2]
+    return out.reshape(lead + out.shape[-2:]), lse.reshape(lead + lse.shape[-1:])
+
+
+# ---------------------------------------------------------------- merge
+
+def merge(out, lse, block_out, block_lse):
+    """Combine two normalized attentions over disjoint key sets (log-sum-exp rule)."""
+    # naive: new_lse = log(exp(lse) + exp(block_lse))
+    #        new_out = (exp(lse) * out + exp(block_lse) * block_out) / exp(new_lse)
+    # stable: weight of block_out = exp(block_lse - new_lse) = sigmoid(block_lse - lse)
+    new_lse = np.logaddexp(lse, block_lse)
+    w = np.exp(block_lse - np.where(np.isneginf(new_lse), 0, new_lse))[..., None]
+    return out + w * (block_out - out), new_lse
+
+
+def merge_(out, lse, block_out, block_lse):
+    """In-place merge: overwrites out and lse with the merged result and returns them."""
+    new_lse = np.logaddexp(lse, block_lse)
+    w = np.exp(block_lse - np.where(np.isneginf(new_lse), 0, new_lse))[..., None]
+    tmp = np.subtract(block_out, out)
+    tmp *= w
+    out += tmp
+    lse[...] = new_lse
+    return out, lse
+
+
+# ---------------------------------------------------------------- backward
+
+def attention_block_backward(dout, q, k, v, out, lse, scale=None, klo=None, khi=None, *,
+                             delta=None, tile_q=None, tile_k=None, progress=None):
+    """FlashAttention-2 backward of one key block: returns (dq, dk, dv).
+
+    out and lse must be the FINAL (merged over all key blocks) results, so the
+    gradients of different key blocks just add up.  dk, dv are summed over
+    the g query heads of a GQA group.  delta = rowsum(dout * out) may be
+    passed precomputed (shape of lse).  Accumulation is in the input dtype.
+    """
+    sh = _Shapes(q, k, v)
+    dt, b, g, sq, sk, d, dv = sh.dtype, sh.b, sh.g, sh.sq, sh.sk, sh.d, sh.dv
+    dq_tile, dk_tile = default_tiles(d, dt)
+    tq, tk = tile_q or dq_tile, tile_k or dk_tile
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    c2 = scale * LOG2E
+    floor = _FLOOR_LOG2[dt]
+    lo, hi = _mask_arrays(klo, khi, sq, sk)
+    tiles = _Tiles(lo, hi, sk, tk, dt)
+    tick = _Progress(progress)
+
+    do4 = np.asarray(dout).reshape(b, g, sq, dv)
+    lse3 = np.asarray(lse).reshape(b, g, sq)
+    if delta is None:
+        delta3 = np.einsum("bgsd,bgsd->bgs", do4, np.asarray(out).reshape(b, g, sq, dv))
+    else:
+        delta3 = np.asarray(delta).reshape(b, g, sq)
+    dq = np.zeros((b, g, sq, d), dt)
+    dk = np.zeros((b, sk, d), dt)
+    dvv = np.zeros((b, sk, dv), dt)
+    if sk == 0 or sq == 0:
+        return _unflatten_grads(dq, dk, dvv, q, k, v)
+
+    ka = _with_ones(sh.k, dt)                 # [k | 1] meets -lse
+    va = _with_ones(sh.v, dt)                 # [v | 1] meets -delta
+    kn = _tile_max_norm(sh.k, tk)
+    qn = _tile_max_norm(sh.q, tq) * abs(c2)
+
+    nq = min(tq, sq)
+    nk = min(tk, sk)
+    qa_buf = np.empty(b * g * nq * (d + 1), dt)
+    doa_buf = np.empty(b * g * nq * (dv + 1), dt)
+    p_buf = np.empty(b * g * nq * nk, dt)
+    dp_buf = np.empty(b * g * nq * nk, dt)
+    dqt_buf = np.empty(b * g * nq * d, dt)
+    dqa_buf = np.empty(b * g * nq * d, dt)
+    dkt_buf = np.empty(b * nk * d, dt)
+    dvt_buf = np.empty(b * nk * dv, dt)
+
+    with np.errstate(over="ignore", invalid="ignore"):
+        for it, a in enumerate(range(0, sq, tq)):
+            e = min(a + tq, sq)
+            rows = g * (e - a)
+            # qa = [c2*q | -lse*log2e], doa = [dout | -delta]; dead rows (lse=-inf) = 0.
+            qa = qa_buf[:b * rows * (d + 1)].reshape(b, g, e - a, d + 1)
+            doa = doa_buf[:b * rows * (dv + 1)].reshape(b, g, e - a, dv + 1)
+            np.multiply(sh.q[:, :, a:e], c2, out=qa[..., :d])
+            np.copyto(doa[..., :dv], do4[:, :, a:e])
+            np.multiply(lse3[:, :, a:e], -LOG2E, out=qa[..., d])
+            np.negative(delta3[:, :, a:e], out=doa[..., dv])
+            dead = ~np.isfinite(lse3[:, :, a:e])
+            if dead.any():
+                qa[dead] = 0
+                doa[dead] = 0
+            top = -qa[..., d].min()
+            dq_acc = dqa_buf[:b * rows * d].reshape(b, g, e - a, d)
+            dq_acc.fill(0)
+            for c, dd, r0, r1, mask, t in tiles.row_block(a, e):
+                n, cols = r1 - r0, dd - c
+                qt = qa[:, :, r0:r1].reshape(b, g * n, d + 1)    # copies only if g > 1 and
+                dot = doa[:, :, r0:r1].reshape(b, g * n, dv + 1)  # rows were trimmed
+                p = p_buf[:b * g * n * cols].reshape(b, g * n, cols)
+                dp = dp_buf[:b * g * n * cols].reshape(b, g * n, cols)
+                # p = exp2(c2 q.k - lse*log2e): probabilities from the final lse
+                np.matmul(qt, ka[:, c:dd].transpose(0, 2, 1), out=p)
+                p4 = p.reshape(b, g, n, cols)
+                if mask is not None:
+                    p4 *= mask
+                if -qn[it] * kn[t] - top < floor:
+                    np.clip(p, floor, None, out=p)
+                np.exp2(p, out=p)
+                if mask is not None:
+                    p4 *= mask
+                # dv += p^T dout
+                dvt = dvt_buf[:b * cols * dv].reshape(b, cols, dv)
+                np.matmul(p.transpose(0, 2, 1), dot[..., :dv], out=dvt)
+                dvv[:, c:dd] += dvt
+                # ds = p * (dout.v - delta)   (delta folded into the GEMM), into p
+                np.matmul(dot, va[:, c:dd].transpose(0, 2, 1), out=dp)
+                np.multiply(p, dp, out=p)
+                tick()                            # a backward tile is long: poll mid-way too
+                # dq += ds k ; dk += ds^T (c2 q)   (scales applied at the end)
+                dqt = dqt_buf[:b * g * n * d].reshape(b, g * n, d)
+                np.matmul(p, ka[:, c:dd, :d], out=dqt)
+                dq_acc[:, :, r0:r1] += dqt.reshape(b, g, n, d)
+                dkt = dkt_buf[:b * cols * d].reshape(b, cols, d)
+                np.matmul(p.transpose(0, 2, 1), qt[..., :d], out=dkt)
+                dk[:, c:dd] += dkt
+                tick()
+            dq[:, :, a:e] = dq_acc
+    dq *= scale
+    dk *= LN2                                  # ds^T (c2 q) = scale*log2e * ds^T q
+    return _unflatten_grads(dq, dk, dvv, q, k, v)
+
+
+def _unflatten_grads(dq, dk, dv, q, k, v):
+    """Reshape flat gradients back to the shapes of q, k, v."""
+    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+
+
+# ---------------------------------------------------------------- references
+
+
+# ---------------------------------------------------------------- plain references (float64, dense row chunks)
 
 def _group(q, k):
     """View q as (..., Hk, g, Sq, D) so that it broadcasts against k's heads."""
@@ -32,46 +448,6 @@ def _visible(klo, khi, sk):
     """Dense boolean mask (Sq, Sk) from per-row key ranges."""
     cols = np.arange(sk)
     return (cols >= klo[:, None]) & (cols < khi[:, None])
-
-
-def attention_block(q, k, v, scale=None, klo=None, khi=None, *, progress=None):
-    """Attention of a query block against one key/value block.
-
-    Returns ``(out, lse)``: the normalized output ``(..., Hq, Sq, Dv)`` and the
-    log-sum-exp of the scaled scores over the visible keys ``(..., Hq, Sq)``.
-    A row that sees no key is the neutral element: out 0, lse -inf.
-    """
-    scale = default_scale(q.shape[-1]) if scale is None else scale
-    hq = q.shape[-3] if q.ndim >= 3 else None
-    qg, g = _group(q, k)
-    if g > 1:
-        k, v = k[..., None, :, :], v[..., None, :, :]
-    s = np.matmul(qg * q.dtype.type(scale), np.swapaxes(k, -1, -2))
-    if klo is not None:
-        s[..., ~_visible(klo, khi, k.shape[-2])] = -np.inf
-    m = s.max(axis=-1, keepdims=True)
-    m[np.isneginf(m)] = 0  # rows that see nothing: exp(-inf - 0) = 0
-    np.subtract(s, m, out=s)
-    np.exp(s, out=s)
-    l = s.sum(axis=-1, keepdims=True)
-    out = np.matmul(s, v)
-    seen = l > 0
-    np.divide(out, l, out=out, where=seen)
-    lse = np.where(seen, m + np.log(np.where(seen, l, 1)), -np.inf)[..., 0]
-    if g > 1:
-        out = out.reshape(out.shape[:-4] + (hq,) + out.shape[-2:])
-        lse = lse.reshape(lse.shape[:-3] + (hq,) + lse.shape[-1:])
-    return out, lse
-
-
-def merge(out, lse, block_out, block_lse):
-    """Combine two partial attentions over disjoint key sets (log-sum-exp rule)."""
-    # naive: new_lse = log(exp(lse) + exp(block_lse))
-    #        out = (exp(lse) * out + exp(block_lse) * block_out) / exp(new_lse)
-    new_lse = np.logaddexp(lse, block_lse)  # -inf when both are -inf, never NaN
-    base = np.where(np.isneginf(new_lse), 0, new_lse)[..., None]
-    out = np.exp(lse[..., None] - base) * out + np.exp(block_lse[..., None] - base) * block_out
-    return out, new_lse
 
 
 def reference_attention(q, k, v, scale=None, klo=None, khi=None, *, row_chunk=1024):
@@ -103,46 +479,6 @@ def reference_attention(q, k, v, scale=None, klo=None, khi=None, *, row_chunk=10
         out = out.reshape(out.shape[:-4] + (hq,) + out.shape[-2:])
         lse = lse.reshape(lse.shape[:-3] + (hq,) + lse.shape[-1:])
     return out, lse
-
-
-def attention_block_backward(dout, q, k, v, out, lse, scale=None, klo=None, khi=None, *, delta=None, progress=None):
-    """Gradients of one query block's attention to one key/value block: ``(dq, dk, dv)``.
-
-    ``out`` and ``lse`` are the forward results of the query rows over *all*
-    their keys, so ``exp(s - lse)`` recomputes this block's slice of the full
-    softmax and the gradients of all blocks simply add up. ``delta`` is
-    ``rowsum(dout * out)`` (computed here when not given). Grouped-query: dk
-    and dv are summed over the query heads of each group. Rows with lse -inf
-    (they saw no key) contribute 0. Results have the input dtype.
-    """
-    # P = exp(S - lse), dV = P^T dO, dP = dO V^T, dS = P * (dP - delta), dQ = scale dS K, dK = scale dS^T Q
-    scale = default_scale(q.shape[-1]) if scale is None else scale
-    progress = progress or (lambda: None)
-    if delta is None:
-        delta = np.sum(dout * out, axis=-1)
-    qg, g = _group(q, k)
-    dog = _group(dout, k)[0]
-    lse_g, delta_g = (_group(a[..., None], k)[0] for a in (lse, delta))  # (..., Sq, 1)
-    if g > 1:
-        k, v = k[..., None, :, :], v[..., None, :, :]
-    p = np.matmul(qg, np.swapaxes(k, -1, -2))
-    p *= q.dtype.type(scale)
-    if klo is not None:
-        p[..., ~_visible(klo, khi, k.shape[-2])] = -np.inf
-    p -= np.where(np.isneginf(lse_g), np.inf, lse_g)  # rows with lse -inf: exp(-inf) = 0
-    np.exp(p, out=p)
-    progress()
-    dv = np.matmul(np.swapaxes(p, -1, -2), dog)
-    ds = np.matmul(dog, np.swapaxes(v, -1, -2))
-    ds -= delta_g
-    ds *= p
-    ds *= q.dtype.type(scale)
-    progress()
-    dq = np.matmul(ds, k).reshape(q.shape)
-    dk = np.matmul(np.swapaxes(ds, -1, -2), qg)
-    if g > 1:
-        dk, dv = dk.sum(axis=-3), dv.sum(axis=-3)
-    return dq, dk, dv
 
 
 def reference_attention_backward(dout, q, k, v, scale=None, klo=None, khi=None, *, row_chunk=256):

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from mpiring import make_plan, predicted_backward_bytes, predicted_bytes_sent
+from mpiring import kernels
 from mpiring.kernels import attention_block, attention_block_backward, reference_attention_backward
 from mpiring.masks import visible_keys
 
@@ -104,7 +105,8 @@ def test_key_blocks_add_up_to_the_whole(rng):
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_rows_that_see_nothing_contribute_zero(rng, dtype):
+def test_rows_that_see_nothing_contribute_zero(rng, dtype, monkeypatch):
+    monkeypatch.setattr(kernels, "PROGRESS_INTERVAL", 0.0)  # progress is rate-limited: call it every tile here
     q, k, v = qkv(rng, (6, 4), dtype=dtype)
     dout = rng.standard_normal((6, 4)).astype(dtype)
     klo = np.array([0, 3, 2, 6, 0, 5])
@@ -127,7 +129,7 @@ def test_delta_may_be_given(rng):
     out, lse = attention_block(q, k, v)
     given = attention_block_backward(dout, q, k, v, out, lse, delta=np.sum(dout * out, axis=-1))
     for a, b in zip(given, attention_block_backward(dout, q, k, v, out, lse)):
-        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, b, atol=1e-14, rtol=0)  # the kernel sums delta in its own order
 
 
 @pytest.mark.parametrize("P", [1, 2, 3, 4, 5])
