@@ -40,6 +40,12 @@ class Record:
         self.visible_pairs = 0  # of those, the ones the mask lets through
         self.wall_time = 0.0
 
+    def event(self, name, start, **info):
+        """Record an event that started at ``start`` and ends now; returns now."""
+        end = time.perf_counter()
+        self.events.append((name, start, end, info))
+        return end
+
     def table(self, n_steps):
         """This rank's column of the schedule: the tasks of each step."""
         column = [[] for _ in range(n_steps)]
@@ -255,16 +261,24 @@ def _compute(q, kv, task, plan, rank, scale, acc, rec, progress, step=None):
             block = attention_block(q[..., a:b, :], k[..., c:d, :], v[..., c:d, :], scale, klo, khi,
                                     progress=progress)
             acc[0][..., a:b, :], acc[1][..., a:b] = merge(acc[0][..., a:b, :], acc[1][..., a:b], *block)
-        end = time.perf_counter()
+        end = rec.event("compute", start, step=step, source=task.source, kind=task.kind, stream=task.stream)
         rec.compute_time += end - start
-        rec.events.append(("compute", start, end, {"step": step, "source": task.source, "kind": task.kind,
-                                                    "stream": task.stream}))
+    rec.tasks.append((step, task))
 
 
 def _accumulators(q, v):
     """Running (out, lse) in float64 whatever the input dtype, as flash-attn keeps fp32 for fp16:
     with fp32 ones the merge's rounding made the error grow with P (docs/reliability.md)."""
     return [np.zeros(q.shape[:-1] + v.shape[-1:], np.float64), np.full(q.shape[:-1], -np.inf, np.float64)]
+
+
+def _shift(ring, sends, recvs, rec, step):
+    """Start the next transfers and note one "send" event per stream."""
+    posted = time.perf_counter()
+    ring.shift(sends, recvs)
+    for stream, arrays in sends.items():
+        rec.event("send", posted, step=step, stream=stream, dest=ring.send_rank[stream],
+                  bytes=sum(a.nbytes for a in arrays))
 
 
 def _ring_loop(q, k, v, plan, ring, scale, rec, timeout):
@@ -280,19 +294,13 @@ def _ring_loop(q, k, v, plan, ring, scale, rec, timeout):
             if step < plan.rounds[stream]:  # someone still needs the next block of this stream
                 source = plan.held_source(rank, stream, step + 1)
                 incoming[stream] = buffers[stream].take(len(plan.shards[source]))
-        posted = time.perf_counter()
-        ring.shift({s: held[s] for s in incoming}, incoming)
-        done = time.perf_counter()
-        for s in incoming:
-            rec.events.append(("send", posted, done, {"step": step, "stream": s,
-                               "dest": ring.send_rank[s], "bytes": sum(a.nbytes for a in held[s])}))
-        for task in plan.tasks(step, rank):
+        _shift(ring, {s: held[s] for s in incoming}, incoming, rec, step)  # Isend/Irecv, non-blocking
+        for task in plan.tasks(step, rank):  # one block (two when bidirectional)
             _compute(q, held[task.stream], task, plan, rank, scale, acc, rec, ring.progress, step)
-            rec.tasks.append((step, task))
         start = time.perf_counter()
         ring.wait(timeout)
-        rec.events.append(("wait", start, time.perf_counter(), {"step": step}))
-        held.update(incoming)
+        rec.event("wait", start, step=step)
+        held.update(incoming)  # the blocks that arrived are the ones to use next step
         if rec.on_step is not None:
             rec.on_step(step + 1, plan.n_steps)
     return acc[0].astype(q.dtype, copy=False), acc[1].astype(q.dtype, copy=False)
@@ -327,7 +335,6 @@ def _allgather_loop(q, k, v, plan, comm, scale, rec, timeout):
             rec.events.append(("wait", start, time.perf_counter(), {"step": 0}))
         kv = (k, v) if step == 0 else (gathered[0][task.source], gathered[1][task.source])
         _compute(q, kv, task, plan, rank, scale, acc, rec, progress, step)
-        rec.tasks.append((step, task))
         if rec.on_step is not None:
             rec.on_step(step + 1, plan.n_steps)
     if plan.n_steps == 1:

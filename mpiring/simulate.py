@@ -52,7 +52,7 @@ def simulate(Q, K, V, num_devices, *, causal=False, scale=None, layout="contiguo
         rec = Record(device)
         for step in range(plan.n_steps):
             for task in plan.tasks(step, device):
-                _compute(q, (ks[task.source], vs[task.source]), task, plan, device, scale, acc, rec, None)
+                _compute(q, (ks[task.source], vs[task.source]), task, plan, device, scale, acc, rec, None, step)
         outs.append(acc[0].astype(dtype, copy=False))
         lses.append(acc[1].astype(dtype, copy=False)[..., None])
     return unshard(outs, layout), unshard(lses, layout)[..., 0], plan.schedule
