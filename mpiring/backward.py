@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 from .comm import Buffers, RingComm
 from .kernels import attention_block_backward
-from .ring import (Record, _agree_outcome, _allgather, _canonical, _compared, _describe, _differences, _gather,
+from .ring import (Record, _receive_buffers, _shift, _agree_outcome, _allgather, _canonical, _compared, _describe, _differences, _gather,
                    _local_problem, _recorded_schedule, _root_problem, _scatter, _setup, _summary, _timeout_problem,
                    _verdict, _wait_until, agree, ring_attention)
 from .schedule import make_plan
@@ -88,15 +88,6 @@ def _home_ring(comm, plan):
     return home
 
 
-def _shift(ring, sends, recvs, rec, step, data):
-    """``ring.shift`` plus a "send" event per stream (as the forward loop records them)."""
-    posted = time.perf_counter()
-    ring.shift(sends, recvs)
-    for stream, arrays in sends.items():
-        rec.events.append(("send", posted, time.perf_counter(), {"step": step, "stream": stream, "data": data,
-                           "dest": ring.send_rank[stream], "bytes": sum(a.nbytes for a in arrays)}))
-
-
 def _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec, timeout):
     """Start passing K/V on, compute, wait, swap; a block's dK/dV follows it one step behind, then goes home."""
     kv_ring, grad_ring, home_ring = rings
@@ -116,11 +107,7 @@ def _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec,
             ring.progress()
 
     for step in range(plan.n_steps):
-        incoming = {}
-        for stream in plan.rounds:
-            if step < plan.rounds[stream]:  # someone still needs the next block of this stream
-                source = plan.held_source(rank, stream, step + 1)
-                incoming[stream] = kv_buffers[stream].take(len(plan.shards[source]))
+        incoming = _receive_buffers(plan, rank, step, kv_buffers)
         _shift(kv_ring, {s: held[s] for s in incoming}, incoming, rec, step, "K/V")
         mine = {}
         for task in plan.tasks(step, rank):

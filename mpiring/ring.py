@@ -272,12 +272,22 @@ def _accumulators(q, v):
     return [np.zeros(q.shape[:-1] + v.shape[-1:], np.float64), np.full(q.shape[:-1], -np.inf, np.float64)]
 
 
-def _shift(ring, sends, recvs, rec, step):
+def _receive_buffers(plan, rank, step, buffers):
+    """Per stream, a buffer for the block it brings next step, where some rank still needs it."""
+    incoming = {}
+    for stream, rounds in plan.rounds.items():
+        if step < rounds:
+            source = plan.held_source(rank, stream, step + 1)
+            incoming[stream] = buffers[stream].take(len(plan.shards[source]))
+    return incoming
+
+
+def _shift(ring, sends, recvs, rec, step, data="K/V"):
     """Start the next transfers and note one "send" event per stream."""
     posted = time.perf_counter()
     ring.shift(sends, recvs)
     for stream, arrays in sends.items():
-        rec.event("send", posted, step=step, stream=stream, dest=ring.send_rank[stream],
+        rec.event("send", posted, step=step, stream=stream, data=data, dest=ring.send_rank[stream],
                   bytes=sum(a.nbytes for a in arrays))
 
 
@@ -289,11 +299,7 @@ def _ring_loop(q, k, v, plan, ring, scale, rec, timeout):
     longest = max(len(s) for s in plan.shards)
     buffers = {stream: Buffers((k, v), longest) for stream in plan.rounds}
     for step in range(plan.n_steps):
-        incoming = {}
-        for stream in plan.rounds:
-            if step < plan.rounds[stream]:  # someone still needs the next block of this stream
-                source = plan.held_source(rank, stream, step + 1)
-                incoming[stream] = buffers[stream].take(len(plan.shards[source]))
+        incoming = _receive_buffers(plan, rank, step, buffers)
         _shift(ring, {s: held[s] for s in incoming}, incoming, rec, step)  # Isend/Irecv, non-blocking
         for task in plan.tasks(step, rank):  # one block (two when bidirectional)
             _compute(q, held[task.stream], task, plan, rank, scale, acc, rec, ring.progress, step)

@@ -63,3 +63,18 @@ def dense_mask(seq_len, causal=False, window=None, cu_seqlens=None):
             doc[a:b] = d
         ok &= doc[:, None] == doc[None, :]
     return ok
+
+
+@pytest.fixture
+def comm():
+    """The world communicator (size 1 in the serial run, P under mpiexec -n P)."""
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def local(x, comm, layout="contiguous"):
+    """This rank's contiguous shard of a full array."""
+    from mpiring import shard
+
+    return np.ascontiguousarray(shard(x, comm.size, comm.rank, layout))

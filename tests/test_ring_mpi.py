@@ -12,20 +12,11 @@ import pytest
 from mpiring import (LAYOUTS, MODES, Record, distributed_attention, make_plan, predicted_bytes_sent,
                      ring_attention, ring_attention_context_parallel, shard)
 
-from conftest import dense_mask, naive_attention, qkv, tol
+from conftest import local, dense_mask, naive_attention, qkv, tol
 
 pytestmark = pytest.mark.mpi
 
 
-@pytest.fixture
-def comm():
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD
-
-
-def _local(x, comm, layout="contiguous"):
-    return np.ascontiguousarray(shard(x, comm.size, comm.rank, layout))
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
@@ -33,10 +24,10 @@ def _local(x, comm, layout="contiguous"):
 @pytest.mark.parametrize("shape", [(24, 8), (2, 3, 24, 16)])
 def test_ring_attention_matches_reference(comm, rng, dtype, causal, shape):
     Q, K, V = qkv(rng, shape, dtype=dtype)
-    out, lse = ring_attention(*(_local(x, comm) for x in (Q, K, V)), comm, causal=causal)
+    out, lse = ring_attention(*(local(x, comm) for x in (Q, K, V)), comm, causal=causal)
     expected = naive_attention(Q, K, V, dense_mask(shape[-2], causal))
     assert out.dtype == dtype and lse.dtype == dtype
-    np.testing.assert_allclose(out, _local(expected, comm), atol=tol(dtype), rtol=0)
+    np.testing.assert_allclose(out, local(expected, comm), atol=tol(dtype), rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
@@ -62,7 +53,7 @@ def test_bytes_sent_equal_cost_model(comm, rng, dtype):
     B, H, S, D = 2, 4, 8 * comm.size, 16
     Q, K, V = qkv(rng, (B, H, S, D), dtype=dtype)
     rec = Record()
-    ring_attention(*(_local(x, comm) for x in (Q, K, V)), comm, record=rec)
+    ring_attention(*(local(x, comm) for x in (Q, K, V)), comm, record=rec)
     seed = ring_attention_context_parallel(S, comm.size, H * D, H, np.dtype(dtype).itemsize)
     assert rec.bytes_sent == B * seed["total_comm_bytes"]
     assert rec.messages == 2 * (comm.size - 1)
@@ -74,10 +65,10 @@ def test_bytes_sent_equal_cost_model(comm, rng, dtype):
 def test_layouts_and_modes(comm, rng, layout, mode, causal):
     S = 5 * comm.size + 3  # uneven on purpose
     Q, K, V = qkv(rng, (2, 4, S, 8), (2, 2, S, 8))
-    out, lse = ring_attention(*(_local(x, comm, layout) for x in (Q, K, V)), comm, causal=causal,
+    out, lse = ring_attention(*(local(x, comm, layout) for x in (Q, K, V)), comm, causal=causal,
                               layout=layout, mode=mode)
     expected = naive_attention(Q, K, V, dense_mask(S, causal))
-    np.testing.assert_allclose(out, _local(expected, comm, layout), atol=1e-12, rtol=0)
+    np.testing.assert_allclose(out, local(expected, comm, layout), atol=1e-12, rtol=0)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -104,8 +95,8 @@ def test_grouped_query_sends_only_the_small_kv(comm, rng):
     S = 4 * comm.size
     Q, K, V = qkv(rng, (1, 8, S, 8), (1, 2, S, 8))
     rec = Record()
-    out, _ = ring_attention(*(_local(x, comm) for x in (Q, K, V)), comm, record=rec)
-    np.testing.assert_allclose(out, _local(naive_attention(Q, K, V), comm), atol=1e-12, rtol=0)
+    out, _ = ring_attention(*(local(x, comm) for x in (Q, K, V)), comm, record=rec)
+    np.testing.assert_allclose(out, local(naive_attention(Q, K, V), comm), atol=1e-12, rtol=0)
     assert rec.bytes_sent == (comm.size - 1) * 2 * 2 * 4 * 8 * 8  # 2 kv heads, 4 tokens, dim 8, 8 bytes
 
 
@@ -132,11 +123,11 @@ def test_two_rings_in_a_row_and_caller_messages_untouched(comm, rng):
     # the caller has a message in flight on the same communicator, with tag 0
     req = [comm.Irecv(got, source=(comm.rank - 1) % comm.size, tag=0),
            comm.Isend(mine, dest=(comm.rank + 1) % comm.size, tag=0)]
-    a, _ = ring_attention(*(_local(x, comm) for x in (Q, K, V)), comm)
-    b, _ = ring_attention(*(_local(x, comm) for x in (Q, K, V)), comm.Dup(), causal=True)
+    a, _ = ring_attention(*(local(x, comm) for x in (Q, K, V)), comm)
+    b, _ = ring_attention(*(local(x, comm) for x in (Q, K, V)), comm.Dup(), causal=True)
     from mpi4py import MPI
 
     MPI.Request.Waitall(req)
     assert np.all(got == (comm.rank - 1) % comm.size)
-    np.testing.assert_allclose(a, _local(naive_attention(Q, K, V), comm), atol=1e-12)
-    np.testing.assert_allclose(b, _local(naive_attention(Q, K, V, dense_mask(16, True)), comm), atol=1e-12)
+    np.testing.assert_allclose(a, local(naive_attention(Q, K, V), comm), atol=1e-12)
+    np.testing.assert_allclose(b, local(naive_attention(Q, K, V, dense_mask(16, True)), comm), atol=1e-12)

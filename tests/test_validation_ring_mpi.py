@@ -10,20 +10,11 @@ import mpiring.ring
 from mpiring import LAYOUTS, MODES, ring_attention, shard, simulate
 from mpiring.comm import CommTimeout
 
-from conftest import dense_mask, naive_attention, qkv
+from conftest import local, dense_mask, naive_attention, qkv
 
 pytestmark = pytest.mark.mpi
 
 
-@pytest.fixture
-def comm():
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD
-
-
-def _local(x, comm, layout="contiguous"):
-    return np.ascontiguousarray(shard(x, comm.size, comm.rank, layout))
 
 
 def test_caller_wildcard_receives_and_interleaved_rings_on_two_communicators(comm, rng):
@@ -37,10 +28,10 @@ def test_caller_wildcard_receives_and_interleaved_rings_on_two_communicators(com
     pending = {"world": comm.Irecv(got["world"], source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG),
                "a": a_comm.Irecv(got["a"], source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)}
     Q, K, V = qkv(rng, (2, 4 * P + 1, 8))
-    local = [_local(x, comm) for x in (Q, K, V)]
+    shards = [local(x, comm) for x in (Q, K, V)]
     results = []
     for c, causal in ((a_comm, False), (b_comm, True), (a_comm, True), (comm, False), (b_comm, False)):
-        results.append(ring_attention(*local, c, causal=causal, timeout=30)[0])
+        results.append(ring_attention(*shards, c, causal=causal, timeout=30)[0])
         assert not pending["world"].Test(status["world"]) and not pending["a"].Test(status["a"])
     comm.Barrier()  # no rank sends before every rank has checked
     # only now does the caller send; tags 0..3 are the ones the ring uses internally
@@ -52,7 +43,7 @@ def test_caller_wildcard_receives_and_interleaved_rings_on_two_communicators(com
         assert status[name].Get_source() == (rank - 1) % P and status[name].Get_tag() == tag
     S = 4 * P + 1
     for out, causal in zip(results, (False, True, True, False, False)):
-        np.testing.assert_allclose(out, _local(naive_attention(Q, K, V, dense_mask(S, causal)), comm), atol=1e-12)
+        np.testing.assert_allclose(out, local(naive_attention(Q, K, V, dense_mask(S, causal)), comm), atol=1e-12)
     a_comm.Free()
     b_comm.Free()
 
@@ -60,8 +51,8 @@ def test_caller_wildcard_receives_and_interleaved_rings_on_two_communicators(com
 @pytest.mark.parametrize("mode", MODES)
 def test_bitwise_identical_run_after_run(comm, rng, mode):
     Q, K, V = qkv(rng, (1, 4, 8 * comm.size + 3, 16), (1, 2, 8 * comm.size + 3, 16), dtype=np.float32)
-    local = [_local(x, comm, "zigzag") for x in (Q, K, V)]
-    runs = [ring_attention(*local, comm, causal=True, layout="zigzag", mode=mode, timeout=None if i % 2 else 30)
+    shards = [local(x, comm, "zigzag") for x in (Q, K, V)]
+    runs = [ring_attention(*shards, comm, causal=True, layout="zigzag", mode=mode, timeout=None if i % 2 else 30)
             for i in range(3)]
     for out, lse in runs[1:]:
         assert out.tobytes() == runs[0][0].tobytes() and lse.tobytes() == runs[0][1].tobytes()
@@ -78,8 +69,8 @@ def test_fp32_error_at_world_size_within_2x_of_one_device(comm, layout):
     ref = naive_attention(Q, K, V, dense_mask(S, True))
     one, _, _ = simulate(Q, K, V, 1, causal=True)
     err_one = np.abs(one - ref).max()
-    out, _ = ring_attention(*(_local(x, comm, layout) for x in (Q, K, V)), comm, causal=True, layout=layout)
-    err = np.abs(out - _local(ref, comm, layout)).max()
+    out, _ = ring_attention(*(local(x, comm, layout) for x in (Q, K, V)), comm, causal=True, layout=layout)
+    err = np.abs(out - local(ref, comm, layout)).max()
     worst = max(comm.allgather(err))
     assert worst <= 2 * err_one + 1e-7, (worst, err_one)
 
@@ -102,15 +93,15 @@ def test_a_failure_on_one_rank_raises_on_every_rank_with_a_timeout(comm, rng, mo
     end-of-ring check instead of returning as if all went well (stalls: test_faults.py)."""
     b, T = comm.size - 1, 2.0
     Q, K, V = qkv(rng, (2, 6 * comm.size, 8))
-    local = [_local(x, comm) for x in (Q, K, V)]
+    shards = [local(x, comm) for x in (Q, K, V)]
     if comm.rank == b:  # at its last block: every transfer is already posted
         _inject_raise(monkeypatch, at=comm.size - 1)
     with pytest.raises(CommTimeout if comm.rank != b else RuntimeError) as info:
-        ring_attention(*local, comm, mode=mode, timeout=T)
+        ring_attention(*shards, comm, mode=mode, timeout=T)
     if comm.rank != b:
         assert str(info.value) == (f"rank {comm.rank}: end-of-ring check not complete after 2 s "
                                    f"(another rank may have failed or stalled)")
     monkeypatch.undo()
     comm.Barrier()
-    out, _ = ring_attention(*local, comm, mode=mode, timeout=T)  # the caller's communicator still works
-    np.testing.assert_allclose(out, _local(naive_attention(Q, K, V), comm), atol=1e-12)
+    out, _ = ring_attention(*shards, comm, mode=mode, timeout=T)  # the caller's communicator still works
+    np.testing.assert_allclose(out, local(naive_attention(Q, K, V), comm), atol=1e-12)
