@@ -1,0 +1,141 @@
+"""The benchmark's quick mode: columns, sane numbers, bytes equal to the cost model.
+
+No timing assertions: speed targets live in the benchmark's output (docs/performance.md).
+"""
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from mpiring import bench
+from mpiring.bench import COLUMNS, Config, format_table, memory_model, read_csv, write_csv
+
+MPIEXEC = shutil.which("mpiexec")
+TINY = ["--quick", "--sizes", "256", "--dims", "16", "--heads", "2", "--repeats", "2", "--budget", "5"]
+
+
+def _args(argv):
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    return p.parse_args(argv)
+
+
+def _check_rows(rows, size):
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert ok, rows
+    for row in ok:
+        assert row["P"] == size and row["S"] == 256 and row["D"] == 16 and row["H"] == 2
+        assert row["wall_s"] > 0 and row["gflops"] > 0 and row["limit_s"] > 0 and row["compute_s"] > 0
+        assert 0 <= row["exposed_comm"] <= 1
+        assert row["bytes_match"] == 1 and row["bytes_sent"] == row["bytes_predicted"]
+        assert (row["bytes_sent"] > 0) == (size > 1)
+        assert row["peak_rss_mb"] > row["baseline_mb"] > 0 and row["model_mb"] > 0
+        assert row["blas_threads"] == 1
+    assert {r["pass"] for r in ok} <= {"fwd", "fwd+bwd"}
+    assert {r["causal"] for r in ok} == {0, 1}
+    assert {r["layout"] for r in ok if r["causal"]} == {"zigzag"}
+
+
+def test_quick_bench_in_process(tmp_path, capsys):
+    from mpi4py import MPI
+
+    path = tmp_path / "p1.csv"
+    assert bench.run(_args(TINY + ["--no-torch", "--csv", str(path)]), MPI.COMM_SELF) == 0
+    text = capsys.readouterr().out
+    assert "BLAS:" in text and "limit, one core" in text and "GFLOP/s" in text
+    rows = read_csv(path)
+    with open(path) as f:
+        assert f.readline().strip().split(",") == COLUMNS
+    assert len(rows) == 4  # full and causal, forward and forward+backward
+    _check_rows(rows, 1)
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
+def test_quick_bench_two_ranks_against_baseline(tmp_path):
+    from mpi4py import MPI
+
+    p1 = tmp_path / "p1.csv"
+    assert bench.run(_args(TINY + ["--no-torch", "--csv", str(p1)]), MPI.COMM_SELF) == 0
+    both = tmp_path / "both.csv"
+    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "mpiring", "bench", *TINY, "--no-torch",
+           "--baseline", str(p1), "--csv", str(both)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "OMPI_", "PMIX_"))}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = read_csv(both)
+    _check_rows([r for r in rows if r["P"] == 2], 2)
+    assert len([r for r in rows if r["P"] == 1]) == 4  # the baseline rows are kept
+    for row in rows:
+        if row["P"] == 2 and row["status"] == "ok":
+            assert row["efficiency"] > 0
+    assert result.stdout.count("wrote ") == 1  # only rank 0 reports
+
+
+@pytest.mark.skipif(not bench.torch_available(), reason="torch not installed")
+def test_torch_column():
+    (t,) = bench.torch_times([Config(256, 16, H=2, causal=True)], threads=1, repeats=1, budget=5)
+    assert t is not None and t > 0
+
+
+def test_memory_model_parts():
+    one = memory_model(Config(4096, 64), 1)
+    two = memory_model(Config(4096, 64), 2)
+    e = 4
+    assert one["seed000_qkv"] == 3 * 4096 * 8 * 64 * e and one["kv_buffers"] == 0
+    assert two["seed000_qkv"] == one["seed000_qkv"] // 2 and two["kv_buffers"] == 4 * 2048 * 8 * 64 * e
+    assert one["total"] == sum(v for k, v in one.items() if k != "total")
+    back = memory_model(Config(4096, 64, backward=True), 2)
+    assert back["total"] > two["total"]
+    assert memory_model(Config(8192, 64), 2)["total"] == 2 * two["total"]  # O(S/P)
+
+
+def test_guard_skips_what_does_not_fit():
+    from mpi4py import MPI
+
+    row = bench.run_config(MPI.COMM_SELF, Config(1 << 20, 64), guard_mb=1024)
+    assert row["status"].startswith("skipped: needs")
+
+
+def test_table_and_csv_round_trip(tmp_path):
+    rows = [{"P": 2, "S": 4096, "D": 64, "H": 8, "B": 1, "causal": 1, "layout": "zigzag", "pass": "fwd",
+             "status": "ok", "wall_s": 0.5, "gflops": 10.0, "bytes_sent": 100, "bytes_predicted": 100,
+             "bytes_match": 1, "peak_rss_mb": 80.0, "model_mb": 10.0, "baseline_mb": 60.0},
+            {"P": 2, "S": 4096, "D": 64, "H": 8, "B": 1, "causal": 1, "layout": "zigzag", "pass": "fwd+bwd",
+             "status": "skipped: reason", "model_mb": 10.0}]
+    write_csv(rows, tmp_path / "r.csv")
+    back = read_csv(tmp_path / "r.csv")
+    assert back[0]["wall_s"] == 0.5 and back[0]["bytes_sent"] == 100 and back[1]["status"] == "skipped: reason"
+    text = format_table(back)
+    assert "causal" in text and "skipped: reason" in text and "yes" in text
+
+
+def test_blas_report_warns_about_forced_kernels():
+    code = "import json; from mpiring.bench import blas_report; print(json.dumps(blas_report()))"
+    env = dict(os.environ, OPENBLAS_CORETYPE="Haswell")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    import json
+
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    if not report["blas"].startswith("openblas"):
+        pytest.skip("BLAS is not OpenBLAS")
+    assert report["coretype_env"] == "Haswell" and report["blas_arch"].lower() == "haswell"
+    assert (report["warning"] is not None) == (report["free_arch"].lower() != "haswell")
+
+
+def test_long_mode_reports_memory_per_rank(tmp_path, capsys):
+    from mpi4py import MPI
+
+    path = tmp_path / "long.csv"
+    assert bench.run(_args(["--long", "--sizes", "256", "512", "--repeats", "1", "--csv", str(path)]),
+                     MPI.COMM_SELF) == 0
+    text = capsys.readouterr().out
+    assert "memory per rank" in text and "model x2.0" in text
+    rows = read_csv(path)
+    assert [(r["S"], r["H"], r["D"], r["causal"], r["pass"]) for r in rows] == [(256, 1, 64, 1, "fwd"),
+                                                                              (512, 1, 64, 1, "fwd")]
+    assert all(r["status"] == "ok" and r["peak_rss_mb"] > 0 for r in rows)
