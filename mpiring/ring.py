@@ -11,7 +11,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .comm import Buffers, CommTimeout, RingComm
-from .kernels import attention_block, default_scale, merge
+from .kernels import attention_block, default_scale, merge_
 from .layouts import check_layout, shard, unshard
 from .masks import check_window
 from .schedule import MODES, make_plan
@@ -260,7 +260,7 @@ def _compute(q, kv, task, plan, rank, scale, acc, rec, progress, step=None):
             rec.visible_pairs += (b - a) * (d - c) if klo is None else int(np.sum(khi - klo))
             block = attention_block(q[..., a:b, :], k[..., c:d, :], v[..., c:d, :], scale, klo, khi,
                                     progress=progress)
-            acc[0][..., a:b, :], acc[1][..., a:b] = merge(acc[0][..., a:b, :], acc[1][..., a:b], *block)
+            merge_(acc[0][..., a:b, :], acc[1][..., a:b], *block)  # in place, into the running (out, lse)
         end = rec.event("compute", start, step=step, source=task.source, kind=task.kind, stream=task.stream)
         rec.compute_time += end - start
     rec.tasks.append((step, task))
