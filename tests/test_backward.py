@@ -160,3 +160,16 @@ def test_run_backward_command_verifies():
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("VERIFIED") == 1 and "recorded schedule equals the plan: yes" in result.stdout
     assert "backward wall time" in result.stdout and "2.5x forward" in result.stdout
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("tiles", [(5, 3), (16, 7)])
+def test_backward_small_tiles(rng, dtype, tiles):
+    q, k, v = qkv(rng, (2, 4, 33, 8), (2, 2, 33, 8), dtype)
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    pos = np.arange(33)
+    klo, khi = visible_keys(pos, pos, causal=True, window=(11, 0))
+    out, lse = attention_block(q, k, v, None, klo, khi)
+    got = attention_block_backward(dout, q, k, v, out, lse, None, klo, khi, tile_q=tiles[0], tile_k=tiles[1])
+    for g, want in zip(got, reference_attention_backward(dout, q, k, v, None, klo, khi)):
+        np.testing.assert_allclose(g, want, atol=GRAD_TOL[dtype], rtol=0)

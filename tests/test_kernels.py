@@ -90,3 +90,22 @@ def test_lse_is_log_sum_exp(rng):
     _, lse = attention_block(q, k, v, scale=0.3)
     expected = np.log(np.exp(q @ k.T * 0.3).sum(axis=-1))
     np.testing.assert_allclose(lse, expected, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("tiles", [(5, 3), (7, 16), (64, 4)])
+@pytest.mark.parametrize("factor", [1.0, 1000.0])
+def test_small_tiles_take_every_path(rng, dtype, tiles, factor):
+    """Tiles that do not divide the lengths, empty and partial tiles, and the rescaling path."""
+    q, k, v = qkv(rng, (2, 4, 45, 8), (2, 2, 45, 8), dtype)
+    q *= dtype(factor)  # x1000: scores far above the first key's, so tiles must rescale
+    pos = np.arange(45)
+    klo, khi = visible_keys(pos, pos, causal=True, window=(9, 0), cu_seqlens=np.array([0, 20, 20, 45]))
+    out, lse = attention_block(q, k, v, None, klo, khi, tile_q=tiles[0], tile_k=tiles[1])
+    ref, ref_lse = reference_attention(q, k, v, None, klo, khi)
+    assert np.all(np.isfinite(out)) and np.all(np.isfinite(lse))
+    atol = tol(dtype) * (1 if factor == 1 else 100)
+    np.testing.assert_allclose(out, ref, atol=atol, rtol=0)
+    np.testing.assert_allclose(lse, ref_lse, rtol=10 * tol(dtype), atol=0)
+    np.testing.assert_allclose(out, naive_attention(q, k, v, dense_mask(45, True, (9, 0), [0, 20, 20, 45])),
+                               atol=atol, rtol=0)
