@@ -24,7 +24,8 @@ def _args(argv):
     return p.parse_args(argv)
 
 
-def _check_rows(rows, size):
+def _check_rows(rows, size, fresh=True):
+    """``fresh``: the rows come from a new interpreter, whose RSS only grows past its baseline."""
     ok = [r for r in rows if r["status"] == "ok"]
     assert ok, rows
     for row in ok:
@@ -33,7 +34,9 @@ def _check_rows(rows, size):
         assert 0 <= row["exposed_comm"] <= 1
         assert row["bytes_match"] == 1 and row["bytes_sent"] == row["bytes_predicted"]
         assert (row["bytes_sent"] > 0) == (size > 1)
-        assert row["peak_rss_mb"] > row["baseline_mb"] > 0 and row["model_mb"] > 0
+        assert row["peak_rss_mb"] > 0 and row["baseline_mb"] > 0 and row["model_mb"] > 0
+        if fresh:  # in-process, memory freed by earlier tests can leave the peak below the start RSS
+            assert row["peak_rss_mb"] > row["baseline_mb"]
         assert row["blas_threads"] == 1
     assert {r["pass"] for r in ok} <= {"fwd", "fwd+bwd"}
     assert {r["causal"] for r in ok} == {0, 1}
@@ -51,7 +54,7 @@ def test_quick_bench_in_process(tmp_path, capsys):
     with open(path) as f:
         assert f.readline().strip().split(",") == COLUMNS
     assert len(rows) == 4  # full and causal, forward and forward+backward
-    _check_rows(rows, 1)
+    _check_rows(rows, 1, fresh=False)
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
