@@ -5,6 +5,10 @@ import pytest
 TOL = {np.float64: 1e-12, np.float32: 1e-5}
 
 
+# (q shape, k/v shape or None for the same): 2-D, (batch, heads, seq, dim), grouped-query g = 2, multi-query g = 4
+SHAPES = [((17, 8), None), ((2, 3, 33, 16), None), ((2, 4, 21, 8), (2, 2, 21, 8)), ((1, 4, 19, 8), (1, 1, 19, 8))]
+
+
 def tol(dtype):
     return TOL[np.dtype(dtype).type]
 

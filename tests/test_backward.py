@@ -17,7 +17,7 @@ from mpiring import kernels
 from mpiring.kernels import attention_block, attention_block_backward, reference_attention_backward
 from mpiring.masks import visible_keys
 
-from conftest import dense_mask, naive_attention, qkv
+from conftest import SHAPES, dense_mask, naive_attention, qkv
 
 GRAD_TOL = {np.float64: 1e-10, np.float32: 1e-4}
 
@@ -60,12 +60,7 @@ def test_kernel_matches_finite_differences(rng, causal, window, cu):
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-@pytest.mark.parametrize("shape_q,shape_kv", [
-    ((17, 8), None),                    # 2-D (seq, dim)
-    ((2, 3, 33, 16), None),             # (batch, heads, seq, dim)
-    ((2, 4, 21, 8), (2, 2, 21, 8)),     # grouped-query, g = 2
-    ((1, 4, 19, 8), (1, 1, 19, 8)),     # multi-query, g = 4
-])
+@pytest.mark.parametrize("shape_q,shape_kv", SHAPES)
 @pytest.mark.parametrize("causal", [False, True])
 def test_kernel_matches_reference(rng, dtype, shape_q, shape_kv, causal):
     q, k, v = qkv(rng, shape_q, shape_kv, dtype)

@@ -8,16 +8,11 @@ import pytest
 from mpiring.kernels import attention_block, merge, reference_attention
 from mpiring.masks import visible_keys
 
-from conftest import dense_mask, naive_attention, qkv, tol
+from conftest import SHAPES, dense_mask, naive_attention, qkv, tol
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-@pytest.mark.parametrize("shape_q,shape_kv", [
-    ((17, 8), None),                    # 2-D (seq, dim)
-    ((2, 3, 33, 16), None),             # (batch, heads, seq, dim)
-    ((2, 4, 21, 8), (2, 2, 21, 8)),     # grouped-query, g = 2
-    ((1, 4, 19, 8), (1, 1, 19, 8)),     # multi-query, g = 4
-])
+@pytest.mark.parametrize("shape_q,shape_kv", SHAPES)
 def test_block_matches_textbook(rng, dtype, shape_q, shape_kv):
     q, k, v = qkv(rng, shape_q, shape_kv, dtype)
     out, lse = attention_block(q, k, v)
