@@ -15,11 +15,11 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .comm import Buffers, RingComm
+from .comm import Buffers, RingComm, wait_until
 from .kernels import attention_block_backward
 from .ring import (Record, _receive_buffers, _shift, _agree_outcome, _allgather, _canonical, _compared, _describe, _differences, _gather,
                    _local_problem, _recorded_schedule, _root_problem, _scatter, _setup, _summary, _timeout_problem,
-                   _verdict, _wait_until, agree, ring_attention)
+                   _verdict, agree, ring_attention)
 from .schedule import make_plan
 
 __all__ = ["ring_attention_backward", "distributed_attention_backward", "predicted_backward_bytes"]
@@ -181,7 +181,7 @@ def _allgather_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec, 
         task = plan.tasks(step, rank)[0]
         if step == 1:
             start = time.perf_counter()
-            _wait_until(requests, timeout, rank, "all-gather")
+            wait_until(requests, timeout, rank, "all-gather")
             rec.wait_time += time.perf_counter() - start
             rec.events.append(("wait", start, time.perf_counter(), {"step": 0}))
         kv = (k, v) if step == 0 else (gathered[0][task.source], gathered[1][task.source])
@@ -196,7 +196,7 @@ def _allgather_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec, 
     own = [np.empty(a.shape, GRAD_DTYPE) for a in (k, v)]
     start = time.perf_counter()
     requests = [comm.Ireduce_scatter(flat, mine, counts) for (flat, counts, _), mine in zip(sums, own)]
-    _wait_until(requests, timeout, rank, "reduce-scatter")
+    wait_until(requests, timeout, rank, "reduce-scatter")
     rec.wait_time += time.perf_counter() - start
     rec.events.append(("wait", start, time.perf_counter(), {"step": plan.n_steps - 1}))  # the reduce-scatter
     for flat, counts, _ in sums:  # as a ring reduce-scatter moves it: every block but one's own, once
@@ -228,23 +228,18 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm=None, *, causal=False,
         rings.append(RingComm(comm))
         if plan.mode != "allgather":
             rings += [RingComm(comm), _home_ring(comm, plan)]
-        _wait_until([rings[0].comm.Ibarrier()], timeout, rings[0].rank, "start barrier")  # a common start
+        wait_until([rings[0].comm.Ibarrier()], timeout, rings[0].rank, "start barrier")  # a common start
         rec.t0 = start = time.perf_counter()
-        try:
-            if plan.mode == "allgather":
-                dq, dk, dv = _allgather_backward(dout, q, k, v, out, lse, delta, plan, rings[0].comm, scale, rec,
-                                                 timeout)
-            else:
-                dq, dk, dv = _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec, timeout)
-                rec.bytes_sent = sum(ring.bytes_sent for ring in rings)
-                rec.messages = sum(ring.messages for ring in rings)
-                rec.wait_time = sum(ring.wait_time for ring in rings)
-        except Exception as exc:
-            if timeout is not None:  # as in the forward pass: every live rank learns of the failure
-                _agree_outcome(rings[0], exc, timeout)
-            raise
-        if timeout is not None:
-            _agree_outcome(rings[0], None, timeout)
+        if plan.mode == "allgather":
+            dq, dk, dv = _allgather_backward(dout, q, k, v, out, lse, delta, plan, rings[0].comm, scale, rec,
+                                             timeout)
+        else:
+            dq, dk, dv = _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec, timeout)
+            rec.bytes_sent = sum(ring.bytes_sent for ring in rings)
+            rec.messages = sum(ring.messages for ring in rings)
+            rec.wait_time = sum(ring.wait_time for ring in rings)
+        if timeout is not None:  # as in the forward pass: a failed rank skips this, the others time out
+            _agree_outcome(rings[0], timeout)
     finally:
         for ring in rings:
             ring.free()

@@ -5,11 +5,24 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["RingComm", "CommTimeout"]
+__all__ = ["RingComm", "CommTimeout", "wait_until"]
 
 
 class CommTimeout(RuntimeError):
     """A ring transfer did not complete within the requested timeout."""
+
+
+def wait_until(requests, timeout, rank, what, start=None):
+    """Complete ``requests``, or raise CommTimeout ``timeout`` seconds after ``start`` (None: wait forever)."""
+    if timeout is None:
+        MPI.Request.Waitall(requests)
+        return
+    start = time.perf_counter() if start is None else start
+    while not MPI.Request.Testall(requests):
+        if time.perf_counter() - start > timeout:
+            raise CommTimeout(f"rank {rank}: {what} not complete after {timeout:g} s "
+                              f"(another rank may have failed or stalled)")
+        time.sleep(1e-4)
 
 
 class RingComm:
@@ -59,14 +72,7 @@ class RingComm:
         """Complete the transfers started by ``shift``; blocked time goes to ``wait_time``."""
         start = time.perf_counter()
         try:
-            if timeout is None:
-                MPI.Request.Waitall(self._requests)
-            else:
-                while not MPI.Request.Testall(self._requests):
-                    if time.perf_counter() - start > timeout:
-                        raise CommTimeout(f"rank {self.rank}: ring transfer not complete after {timeout:g} s "
-                                          f"(a neighbour may have failed)")
-                    time.sleep(1e-4)
+            wait_until(self._requests, timeout, self.rank, "ring transfer", start)
         finally:
             self.wait_time += time.perf_counter() - start
         self._requests = []

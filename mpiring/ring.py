@@ -10,7 +10,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .comm import Buffers, CommTimeout, RingComm
+from .comm import Buffers, RingComm, wait_until
 from .kernels import attention_block, default_scale, merge_
 from .layouts import check_layout, shard, unshard
 from .masks import check_window
@@ -201,9 +201,9 @@ def _allgather(comm, obj, timeout=None):
     data = np.frombuffer(pickle.dumps(obj), np.uint8)
     sizes = np.empty(comm.Get_size(), np.int64)
     mine = np.array([data.size], np.int64)
-    _wait_until([comm.Iallgather(mine, sizes)], timeout, rank, "agreement", start)
+    wait_until([comm.Iallgather(mine, sizes)], timeout, rank, "agreement", start)
     flat = np.empty(int(sizes.sum()), np.uint8)
-    _wait_until([comm.Iallgatherv(data, [flat, sizes])], timeout, rank, "agreement", start)
+    wait_until([comm.Iallgatherv(data, [flat, sizes])], timeout, rank, "agreement", start)
     offsets = np.cumsum(np.concatenate([[0], sizes]))
     return [pickle.loads(flat[offsets[r]:offsets[r + 1]].tobytes()) for r in range(len(sizes))]
 
@@ -328,15 +328,14 @@ def _allgather_loop(q, k, v, plan, comm, scale, rec, timeout):
                          for j in range(size)])
         rec.bytes_sent += a.nbytes * (size - 1)  # as a ring all-gather moves it
         rec.messages += size - 1
-    rec.events.append(("send", posted, time.perf_counter(), {"step": 0, "stream": 0, "dest": "all",
-                                                          "bytes": (k.nbytes + v.nbytes) * (size - 1)}))
+    rec.event("send", posted, step=0, stream=0, dest="all", bytes=(k.nbytes + v.nbytes) * (size - 1))
     acc = _accumulators(q, v)
     progress = lambda: MPI.Request.Testall(requests)  # noqa: E731
     for step in range(plan.n_steps):
         task = plan.tasks(step, rank)[0]
         if step == 1:
             start = time.perf_counter()
-            MPI.Request.Waitall(requests) if timeout is None else _wait_until(requests, timeout, rank)
+            wait_until(requests, timeout, rank, "all-gather")
             rec.wait_time += time.perf_counter() - start
             rec.events.append(("wait", start, time.perf_counter(), {"step": 0}))
         kv = (k, v) if step == 0 else (gathered[0][task.source], gathered[1][task.source])
@@ -344,32 +343,18 @@ def _allgather_loop(q, k, v, plan, comm, scale, rec, timeout):
         if rec.on_step is not None:
             rec.on_step(step + 1, plan.n_steps)
     if plan.n_steps == 1:
-        MPI.Request.Waitall(requests)
+        wait_until(requests, timeout, rank, "all-gather")
     return acc[0].astype(q.dtype, copy=False), acc[1].astype(q.dtype, copy=False)
 
 
-def _wait_until(requests, timeout, rank, what="all-gather", start=None):
-    """Complete ``requests``, or raise CommTimeout ``timeout`` seconds after ``start`` (None: wait forever)."""
-    if timeout is None:
-        MPI.Request.Waitall(requests)
-        return
-    start = time.perf_counter() if start is None else start
-    while not MPI.Request.Testall(requests):
-        if time.perf_counter() - start > timeout:
-            raise CommTimeout(f"rank {rank}: {what} not complete after {timeout:g} s "
-                              f"(another rank may have failed or stalled)")
-        time.sleep(1e-4)
-
-
-def _agree_outcome(ring, error, timeout):
+def _agree_outcome(ring, timeout):
     """With a timeout, after the ring: did every rank finish it?
 
-    A rank that failed (``error``) returns at once, for its caller to re-raise
-    its own error without delay, and never joins; so the ranks that finished
-    time out here (CommTimeout) instead of returning as if all went well.
+    A rank that failed re-raises its own error at once and never joins this
+    barrier, so the ranks that finished time out here (CommTimeout) instead of
+    returning as if all went well.
     """
-    if error is None:
-        _wait_until([ring.comm.Ibarrier()], timeout, ring.rank, "end-of-ring check")
+    wait_until([ring.comm.Ibarrier()], timeout, ring.rank, "end-of-ring check")
 
 
 def ring_attention(q, k, v, comm=None, *, causal=False, scale=None, layout="contiguous", mode="ring",
@@ -409,7 +394,7 @@ def ring_attention(q, k, v, comm=None, *, causal=False, scale=None, layout="cont
     ring = RingComm(comm)  # a private duplicate: the caller's messages never mix with the ring's
     try:
         # a common start: event times minus rec.t0 compare across ranks
-        _wait_until([ring.comm.Ibarrier()], timeout, ring.rank, "start barrier")
+        wait_until([ring.comm.Ibarrier()], timeout, ring.rank, "start barrier")
         rec.t0 = start = time.perf_counter()
         if plan.mode == "allgather":
             out, lse = _allgather_loop(q, k, v, plan, ring.comm, scale, rec, timeout)
@@ -417,7 +402,7 @@ def ring_attention(q, k, v, comm=None, *, causal=False, scale=None, layout="cont
             out, lse = _ring_loop(q, k, v, plan, ring, scale, rec, timeout)
             rec.bytes_sent, rec.messages, rec.wait_time = ring.bytes_sent, ring.messages, ring.wait_time
         if timeout is not None:
-            _agree_outcome(ring, None, timeout)
+            _agree_outcome(ring, timeout)
     finally:
         ring.free()
     rec.wall_time = time.perf_counter() - start
@@ -446,7 +431,7 @@ def _scatter(x, meta, plan, comm, root, timeout=None):
         flat = np.concatenate([np.ascontiguousarray(shard(x, plan.size, r, plan.layout)).ravel()
                                for r in range(plan.size)])
         send = [flat, counts]
-    _wait_until([comm.Iscatterv(send, piece, root=root)], timeout, rank, "scatter")
+    wait_until([comm.Iscatterv(send, piece, root=root)], timeout, rank, "scatter")
     return piece
 
 
@@ -456,7 +441,7 @@ def _gather(piece, plan, comm, root, timeout=None):
     counts = [len(s) * per_token for s in plan.shards]
     flat = np.empty(sum(counts), piece.dtype) if comm.Get_rank() == root else None
     piece = np.ascontiguousarray(piece)
-    _wait_until([comm.Igatherv(piece, [flat, counts] if flat is not None else None, root=root)], timeout,
+    wait_until([comm.Igatherv(piece, [flat, counts] if flat is not None else None, root=root)], timeout,
                 comm.Get_rank(), "gather")
     if flat is None:
         return None

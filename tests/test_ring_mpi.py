@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mpiring import (LAYOUTS, MODES, Record, distributed_attention, make_plan, predicted_bytes_sent,
-                     ring_attention, ring_attention_context_parallel, shard)
+                     ring_attention, ring_attention_context_parallel)
 
 from conftest import local, dense_mask, naive_attention, qkv, tol
 

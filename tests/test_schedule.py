@@ -1,9 +1,7 @@
 """The ring schedule as data: rotation, causal skipping, balance, early stop."""
 
-import numpy as np
 import pytest
 
-from mpiring.layouts import LAYOUTS
 from mpiring.schedule import make_plan
 
 

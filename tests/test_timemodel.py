@@ -4,7 +4,6 @@
     mpiexec -n 2 python -m pytest --with-mpi -m mpi -q tests/test_timemodel.py
 """
 
-import numpy as np
 import pytest
 
 from mpiring import make_plan

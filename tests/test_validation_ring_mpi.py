@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import mpiring.ring
-from mpiring import LAYOUTS, MODES, ring_attention, shard, simulate
+from mpiring import LAYOUTS, MODES, ring_attention, simulate
 from mpiring.comm import CommTimeout
 
 from conftest import local, dense_mask, naive_attention, qkv
