@@ -161,7 +161,6 @@ def run(args, comm):
 
     from .costmodel import calibrate, predicted_bytes_sent, ring_attention_context_parallel
     from .kernels import reference_attention
-    from .masks import visible_keys
     from .ring import distributed_attention
     from .trace import Progress, format_timeline, timing_report
 
@@ -214,11 +213,10 @@ def run(args, comm):
           f"(4*B*H*D*visible pairs = {flops / 1e9:.3f} GFLOP)")
     ok = agrees and all(r["bytes_sent"] == p for r, p in zip(records, predicted))
     if not args.no_verify:
-        pos = np.arange(args.seq_len)
-        klo, khi = visible_keys(pos, pos, causal=plan.causal, window=plan.window, cu_seqlens=plan.cu_seqlens)
+        klo, khi = _full_mask(plan)
         ref, _ = reference_attention(Q, K, V, klo=klo, khi=khi)
         err = float(np.max(np.abs(out - ref)))
-        tol = 1e-10 if dtype == np.float64 else 1e-4
+        tol = VERIFY_TOL[dtype.type]
         ok = ok and err <= tol
         print(f"max abs error vs single-process float64 reference: {err:.3e} (tolerance {tol:g})")
     print()
@@ -230,6 +228,18 @@ def run(args, comm):
                           f"seq_len={args.seq_len}, H={args.heads} d={args.dim} {dtype}")
     print("VERIFIED" if ok else "VERIFICATION FAILED")
     return 0 if ok else 1
+
+
+# what `run` accepts against the float64 single-process reference
+VERIFY_TOL = {np.float64: 1e-10, np.float32: 1e-4}
+
+
+def _full_mask(plan):
+    """The plan's mask over the whole sequence, for the single-process reference."""
+    from .masks import visible_keys
+
+    pos = np.arange(plan.seq_len)
+    return visible_keys(pos, pos, causal=plan.causal, window=plan.window, cu_seqlens=plan.cu_seqlens)
 
 
 def _write_trace_and_plot(args, records, title):
@@ -255,7 +265,6 @@ def _run_backward(args, comm, Q, K, V, variant):
     from .backward import distributed_attention_backward, predicted_backward_bytes
     from .costmodel import predicted_bytes_sent
     from .kernels import reference_attention, reference_attention_backward
-    from .masks import visible_keys
 
     rank, size = comm.Get_rank(), comm.Get_size()
     dtype = np.dtype(args.dtype)
@@ -295,9 +304,8 @@ def _run_backward(args, comm, Q, K, V, variant):
     ok = agrees and all(r["bytes_sent"] == p and r["messages"] == bwd_messages for r, p in zip(records, bwd_bytes))
     ok = ok and all(r["forward"]["bytes_sent"] == p for r, p in zip(records, fwd_bytes))
     if not args.no_verify:
-        pos = np.arange(args.seq_len)
-        klo, khi = visible_keys(pos, pos, causal=plan.causal, window=plan.window, cu_seqlens=plan.cu_seqlens)
-        tol = 1e-10 if dtype == np.float64 else 1e-4
+        klo, khi = _full_mask(plan)
+        tol = VERIFY_TOL[dtype.type]
         got = (out, dQ, dK, dV)
         want = (reference_attention(Q, K, V, klo=klo, khi=khi)[0],) + reference_attention_backward(dOut, Q, K, V,
                                                                                                    klo=klo, khi=khi)
