@@ -16,6 +16,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .comm import Buffers, RingComm, wait_until
+from .costmodel import predicted_bytes_sent
 from .kernels import attention_block_backward
 from .ring import (Record, _receive_buffers, _shift, _agree_outcome, _allgather, _canonical, _compared, _describe, _differences, _gather,
                    _local_problem, _recorded_schedule, _root_problem, _scatter, _setup, _summary, _timeout_problem,
@@ -256,16 +257,15 @@ def predicted_backward_bytes(plan, kv_width, itemsize, grad_itemsize=GRAD_DTYPE.
     ``grad_itemsize`` bytes per element). All-gather: K/V as the forward pass
     counts them, then every block but the rank's own once as dK/dV.
     """
+    n = [len(s) for s in plan.shards]
     sent = []
-    for rank in range(plan.size):
-        n = [len(s) for s in plan.shards]
+    for rank, kv_bytes in enumerate(predicted_bytes_sent(plan, kv_width, itemsize)):  # K/V: as forward
         if plan.mode == "allgather":
-            kv, grads = n[rank] * (plan.size - 1), sum(n) - n[rank]
+            grads = sum(n) - n[rank]
         else:
-            kv = sum(n[plan.held_source(rank, d, s)] for d, rounds in plan.rounds.items() for s in range(rounds))
             grads = sum(n[plan.held_source(rank, d, s)] for d, rounds in plan.rounds.items()
                         for s in range(1, rounds + 1))
-        sent.append(kv_width * (kv * itemsize + grads * grad_itemsize))
+        sent.append(kv_bytes + kv_width * grads * grad_itemsize)
     return sent
 
 
