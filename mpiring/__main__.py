@@ -12,6 +12,7 @@ Each subcommand is a function ``(args, comm) -> exit code`` that prints on rank 
 import argparse
 import os
 import sys
+import time
 import traceback
 
 import numpy as np
@@ -328,12 +329,23 @@ def bench(args, comm):
     return run_bench(args, comm)
 
 
+def _abort(comm, code):
+    """End the whole job after this rank's last words have left it.
+
+    Abort kills every process at once; the launcher forwards output through a
+    pipe, so give it a moment to pass on what this rank just printed.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    time.sleep(0.2)
+    comm.Abort(code)
+
+
 def _abort_hook(comm):
     """An excepthook for anything main() does not catch: print it, then end the whole job."""
     def hook(kind, value, tb):
         sys.__excepthook__(kind, value, tb)
-        sys.stderr.flush()
-        comm.Abort(1)
+        _abort(comm, 1)
     return hook
 
 
@@ -357,7 +369,7 @@ def main(argv=None):
             traceback.print_exc()
         sys.stderr.flush()
         if comm.Get_size() > 1:
-            comm.Abort(2)
+            _abort(comm, 2)
         return 2
     # every rank leaves with rank 0's verdict
     return comm.bcast(code, root=0)
