@@ -83,6 +83,13 @@ def _us(seconds):
     return round(seconds * 1e6, 3)
 
 
+def _span(start, end):
+    """``ts`` and ``dur`` in microseconds, rounded so that ts + dur is the rounded end:
+    an event that ends where the next begins never appears to overlap it."""
+    ts = _us(start)
+    return {"ts": ts, "dur": round(_us(end) - ts, 3)}
+
+
 def chrome_trace(records, title="mpiring", meta=None):
     """The events as a Chrome trace-event dict (``{"traceEvents": [...]}``).
 
@@ -101,7 +108,7 @@ def chrome_trace(records, title="mpiring", meta=None):
             out.append({"ph": "M", "name": "thread_sort_index", "pid": r, "tid": tid, "args": {"sort_index": tid}})
         for e in rank_events(record):
             args = {k: v for k, v in e.items() if k not in ("name", "start", "end")}
-            base = {"ph": "X", "pid": r, "ts": _us(e["start"]), "dur": _us(e["end"] - e["start"]), "args": args}
+            base = {"ph": "X", "pid": r, **_span(e["start"], e["end"]), "args": args}
             if e["name"] == "compute":
                 out.append(dict(base, name=f"block {e['source']} ({e['kind']})", cat="compute", tid=COMPUTE_TID))
             elif e["name"] == "send":
@@ -114,7 +121,7 @@ def chrome_trace(records, title="mpiring", meta=None):
                 out.append(dict(base, name=e["name"], cat="other", tid=COMM_TID))
         for s in step_table([record])[0]:
             out.append({"ph": "X", "pid": r, "tid": STEP_TID, "name": f"step {s['step']}", "cat": "step",
-                        "ts": _us(s["start"]), "dur": _us(s["end"] - s["start"]),
+                        **_span(s["start"], s["end"]),
                         "args": {k: round(s[k] * 1e3, 4) for k in ("compute", "wait", "idle")} | {"unit": "ms"}})
     flow = 0
     for record in records:
