@@ -15,6 +15,11 @@ How the tiled forward pass works (per query tile, per key tile):
     p = exp2(s)                            # the only full-tile elementwise pass
     [acc | l] += p @ [v | 1]               # one GEMM gives p@v and the row sums
 
+The forward kernel keeps k and v transposed, with a row of ones appended:
+[k | 1]^T of shape (D+1, Sk) per head ("padded", made by ``pad_ones``).
+The ring's receive buffers hold blocks in this form, so a block needs no
+copy, and its data (D*Sk values per head) travels as one contiguous piece.
+
 The row offset m is *not* the running maximum.  It starts as the score of the
 row's first visible key, so every row sum is >= 1 (no underflow to 0); it is
 only raised (the "slow path", an exact online-softmax step) when a tile's row
@@ -32,7 +37,7 @@ import numpy as np
 __all__ = [
     "attention_block", "attention_block_backward", "merge", "merge_",
     "reference_attention", "reference_attention_backward", "default_tiles",
-    "release_workspace", "default_scale",
+    "release_workspace", "default_scale", "pad_ones",
 ]
 
 LOG2E = 1.0 / math.log(2.0)
@@ -71,8 +76,11 @@ def default_scale(dim):
 class _Shapes:
     """Views of q, k, v as (B, g, Sq, D), (B, Sk, D), (B, Sk, Dv), B = batch*Hk."""
 
-    def __init__(self, q, k, v):
+    def __init__(self, q, k, v, padded=False):
         q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+        if padded:  # [k | 1]^T, [v | 1]^T (..., D+1, Sk): check and keep them, k, v as transposed views
+            kp, vp = k, v
+            k, v = np.swapaxes(k[..., :-1, :], -1, -2), np.swapaxes(v[..., :-1, :], -1, -2)
         if q.ndim != k.ndim or q.ndim != v.ndim or q.ndim < 2:
             raise ValueError("q, k, v must have the same ndim >= 2")
         self.lead, self.k_shape, self.v_shape = q.shape[:-2], k.shape, v.shape
@@ -93,8 +101,11 @@ class _Shapes:
         # float32 and float64 are kept; float16 computes in float32, ints in float64
         self.dtype = np.result_type(q.dtype, np.float32) if q.dtype.kind == "f" else np.dtype(np.float64)
         self.q = q.reshape(self.b, self.g, self.sq, self.d)
-        self.k = k.reshape(self.b, self.sk, self.d)
-        self.v = v.reshape(self.b, self.sk, self.dv)
+        if padded:  # no copies: views of the caller's blocks (B, D+1, Sk)
+            self.kt, self.vt = _view(kp, (self.b, self.d + 1, self.sk)), _view(vp, (self.b, self.dv + 1, self.sk))
+        else:
+            self.k = k.reshape(self.b, self.sk, self.d)
+            self.v = v.reshape(self.b, self.sk, self.dv)
 
 
 def _mask_arrays(klo, khi, sq, sk):
@@ -127,12 +138,42 @@ def release_workspace():
     _workspace.__dict__.pop("bufs", None)
 
 
+def pad_ones(x, out=None):
+    """x (..., S, D) as [x | 1]^T, shape (..., D+1, S): the ``padded`` form of k and v.
+
+    Transposed, with a last row of ones. With ``out`` (an array of that
+    shape), fills it instead of allocating.
+    """
+    x = np.asarray(x)
+    if out is None:
+        out = np.empty(x.shape[:-2] + (x.shape[-1] + 1, x.shape[-2]), x.dtype)
+    out[..., :-1, :] = np.swapaxes(x, -1, -2)
+    out[..., -1, :] = 1
+    return out
+
+
+def _view(x, shape):
+    """x reshaped without a copy (raises if impossible): results written to it must land in x."""
+    y = x.view()
+    y.shape = shape
+    return y
+
+
 def _with_ones(x, dtype, name):
     """Copy of x (B, S, D) as (B, S, D+1) with a last column of ones (a scratch buffer)."""
     out = _scratch(name, x.shape[:-1] + (x.shape[-1] + 1,), dtype)
     out[..., :-1] = x
     out[..., -1] = 1
     return out
+
+
+def _tile_max_norm_t(xt, tile):
+    """``_tile_max_norm`` of x given as xt = x^T (B, D, S): row by row of xt, each pass contiguous."""
+    n2 = np.zeros(xt.shape[::2], np.float64)
+    for row in np.moveaxis(xt, 1, 0):
+        n2 += np.square(row, dtype=np.float64)
+    n = np.sqrt(n2).max(axis=0)
+    return np.maximum.reduceat(n, np.arange(0, n.size, tile))
 
 
 def _tile_max_norm(x, tile):
@@ -205,25 +246,33 @@ class _Progress:
 
 # ---------------------------------------------------------------- forward
 
-def attention_block(q, k, v, scale=None, klo=None, khi=None, *,
+def attention_block(q, k, v, scale=None, klo=None, khi=None, *, padded=False, into=None,
                     tile_q=None, tile_k=None, progress=None):
     """Softmax attention of q over one key block: returns (out, lse).
 
     out (..., Hq, Sq, Dv) is the normalized output, lse (..., Hq, Sq) the
     natural log of the row sums of exp(scale * q.k) over visible keys
     (-inf, with out 0, for a row that sees no key).  Tiled with an online
-    softmax: scratch is O(batch * Hq * tile_q * tile_k) plus one copy of k
-    and v (with an extra column), never O(Sq * Sk).
+    softmax: scratch is O(batch * Hq * tile_q * tile_k), plus one copy of k
+    and v with an extra column of ones unless ``padded``; never O(Sq * Sk).
 
     Args:
         q, k, v: (..., Hq, Sq, D), (..., Hk, Sk, D), (..., Hk, Sk, Dv), or 2-D.
         scale: logit scale, default 1/sqrt(D).
         klo, khi: int (Sq,) arrays; row i sees keys klo[i] <= j < khi[i].
+        padded: k and v are given as ``pad_ones(k)``, ``pad_ones(v)``:
+            transposed with a row of ones, (..., Hk, D+1, Sk) and
+            (..., Hk, Dv+1, Sk), as the ring keeps its K/V blocks; then no
+            copy of k and v is made.
+        into: running ``(out, lse)`` of the same query rows from other key
+            blocks (e.g. float64 accumulators).  Each finished query tile is
+            merged into them in place with ``merge_`` (the log-sum-exp rule),
+            so the block's own output is never materialized; returns them.
         tile_q, tile_k: tile sizes (default: default_tiles(D, dtype)).
         progress: zero-argument callable, called between tiles, at most
             every PROGRESS_INTERVAL seconds (e.g. to poll MPI requests).
     """
-    sh = _Shapes(q, k, v)
+    sh = _Shapes(q, k, v, padded)
     dt, b, g, sq, sk, d, dv = sh.dtype, sh.b, sh.g, sh.sq, sh.sk, sh.d, sh.dv
     dq_tile, dk_tile = default_tiles(d, dt)
     tq, tk = tile_q or dq_tile, tile_k or dk_tile
@@ -235,16 +284,24 @@ def attention_block(q, k, v, scale=None, klo=None, khi=None, *,
     tiles = _Tiles(lo, hi, sk, tk, dt)
     tick = _Progress(progress)
 
-    out = np.empty((b, g, sq, dv), dt)
-    lse = np.empty((b, g, sq), dt)
+    if into is None:
+        out = np.empty((b, g, sq, dv), dt)
+        lse = np.empty((b, g, sq), dt)
+    else:
+        out, lse = _view(into[0], (b, g, sq, dv)), _view(into[1], (b, g, sq))
     if sk == 0 or sq == 0:
-        out.fill(0)
-        lse.fill(-np.inf)
-        return _unflatten(out, lse, sh)
+        if into is None:
+            out.fill(0)
+            lse.fill(-np.inf)
+        return _unflatten(out, lse, sh) if into is None else into
 
-    ka = _with_ones(sh.k, dt, "ka")           # [k | 1]: the extra column meets -m
-    va = _with_ones(sh.v, dt, "va")           # [v | 1]: p @ va also gives row sums
-    kn = _tile_max_norm(sh.k, tk)             # for the cheap "can exp2 underflow?" test
+    if padded:                                # [k | 1]^T and [v | 1]^T as given
+        kt, vt = sh.kt, sh.vt
+    else:                                     # one transposed copy each, in scratch
+        kt = pad_ones(sh.k, _scratch("kt", (b, d + 1, sk), dt))
+        vt = pad_ones(sh.v, _scratch("vt", (b, dv + 1, sk), dt))
+    # kt's row of ones meets -m in q's extra column; p @ vt.T also gives the row sums
+    kn = _tile_max_norm_t(kt[:, :d], tk)     # for the cheap "can exp2 underflow?" test
     qn = _tile_max_norm(sh.q, tq) * abs(c2)
 
     nq = min(tq, sq)
@@ -252,6 +309,9 @@ def attention_block(q, k, v, scale=None, klo=None, khi=None, *,
     s_buf = _scratch("s", b * g * nq * min(tk, sk), dt)
     pv_buf = _scratch("pv", b * g * nq * (dv + 1), dt)
     acc_buf = _scratch("acc", b * g * nq * (dv + 1), dt)
+    if into is not None:                      # this block's output of one query tile
+        tile_out_buf = _scratch("tile_out", b * g * nq * dv, dt)
+        tile_lse_buf = _scratch("tile_lse", b * g * nq, dt)
 
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         for it, a in enumerate(range(0, sq, tq)):
@@ -262,7 +322,7 @@ def attention_block(q, k, v, scale=None, klo=None, khi=None, *,
             # Offset m = score of each row's first visible key (any visible key
             # works: it makes every row sum >= 1).
             first = np.zeros(e - a, np.int64) if lo is None else np.minimum(lo[a:e], sk - 1)
-            m = np.einsum("bgtd,btd->bgt", qa[..., :d], sh.k[:, first])
+            m = np.einsum("bgtd,bdt->bgt", qa[..., :d], kt[:, :d, first])
             qa[..., d] = -m
             m_top = m.max()
             acc = acc_buf[:b * rows * (dv + 1)].reshape(b, g, e - a, dv + 1)
@@ -271,7 +331,7 @@ def attention_block(q, k, v, scale=None, klo=None, khi=None, *,
                 n, cols = r1 - r0, dd - c
                 qt = qa[:, :, r0:r1].reshape(b, g * n, d + 1)   # a copy only if g > 1 and rows trimmed
                 s = s_buf[:b * g * n * cols].reshape(b, g * n, cols)
-                np.matmul(qt, ka[:, c:dd].transpose(0, 2, 1), out=s)
+                np.matmul(qt, kt[:, :, c:dd], out=s)
                 s4 = s.reshape(b, g, n, cols)
                 if mask is not None:
                     s4 *= mask                    # masked scores -> 0: no overflow
@@ -281,38 +341,45 @@ def attention_block(q, k, v, scale=None, klo=None, khi=None, *,
                 if mask is not None:
                     s4 *= mask                    # masked probabilities -> exactly 0
                 pv = pv_buf[:b * g * n * (dv + 1)].reshape(b, g * n, dv + 1)
-                np.matmul(s, va[:, c:dd], out=pv)
+                np.matmul(s, vt[:, :, c:dd].transpose(0, 2, 1), out=pv)
                 if pv[..., dv].max() <= limit:
                     acc[:, :, r0:r1] += pv.reshape(b, g, n, dv + 1)
                 else:                             # rare: some score far above m
-                    _exact_tile(qt, ka[:, c:dd], va[:, c:dd], mask, s4, pv,
+                    _exact_tile(qt, kt[:, :, c:dd], vt[:, :, c:dd], mask, s4, pv,
                                 acc[:, :, r0:r1], m[:, :, r0:r1])
                     qa[..., d] = -m
                     m_top = m.max()
                 tick()
             l = acc[..., dv]
             ok = l > 0
-            np.divide(acc[..., :dv], np.where(ok, l, 1)[..., None],
-                      out=out[:, :, a:e])
-            lse[:, :, a:e] = np.where(ok, (m + np.log2(l)) * LN2, -np.inf)
-    return _unflatten(out, lse, sh)
+            if into is None:
+                tile_out, tile_lse = out[:, :, a:e], lse[:, :, a:e]
+            else:
+                tile_out = tile_out_buf[:b * rows * dv].reshape(b, g, e - a, dv)
+                tile_lse = tile_lse_buf[:b * rows].reshape(b, g, e - a)
+            np.divide(acc[..., :dv], np.where(ok, l, 1)[..., None], out=tile_out)
+            tile_lse[...] = np.where(ok, (m + np.log2(l)) * LN2, -np.inf)
+            if into is not None:
+                merge_(out[:, :, a:e], lse[:, :, a:e], tile_out, tile_lse)
+    return _unflatten(out, lse, sh) if into is None else into
 
 
-def _exact_tile(qt, kat, vat, mask, s4, pv, acc, m):
+def _exact_tile(qt, ktt, vtt, mask, s4, pv, acc, m):
     """Exact online-softmax step for one tile: raise m where needed, rescale acc.
 
-    Used only when a tile's row sum passed the limit.  s4 (b, g, n, cols) and
-    pv are scratch; acc (b, g, n, dv+1) and m (b, g, n) are updated in place.
+    Used only when a tile's row sum passed the limit.  ktt, vtt are the
+    tile's [k | 1]^T, [v | 1]^T; s4 (b, g, n, cols) and pv are scratch;
+    acc (b, g, n, dv+1) and m (b, g, n) are updated in place.
     """
     b, g, n, cols = s4.shape
     s = s4.reshape(b, g * n, cols)
-    np.matmul(qt, kat.transpose(0, 2, 1), out=s)
+    np.matmul(qt, ktt, out=s)
     if mask is not None:
         s4[np.broadcast_to(mask == 0, s4.shape)] = -np.inf
     inc = np.maximum(s4.max(axis=-1), 0)      # how far each row max exceeds m
     s4 -= inc[..., None]
     np.exp2(s, out=s)
-    np.matmul(s, vat, out=pv)
+    np.matmul(s, vtt.transpose(0, 2, 1), out=pv)
     acc *= np.exp2(-inc)[..., None]
     acc += pv.reshape(acc.shape)
     m += inc

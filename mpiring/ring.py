@@ -10,8 +10,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .comm import Buffers, RingComm, wait_until
-from .kernels import attention_block, default_scale, merge_
+from .comm import KVBuffers, RingComm, payload_bytes, wait_until
+from .kernels import attention_block, default_scale
 from .layouts import check_layout, shard, unshard
 from .masks import check_window
 from .schedule import MODES, make_plan
@@ -250,17 +250,22 @@ def _setup(q, k, v, comm, scale, options, check_finite=False, expected_size=None
 # ---------------------------------------------------------------- the ring
 
 
-def _compute(q, kv, task, plan, rank, scale, acc, rec, progress, step=None):
-    """Attend this rank's queries to one K/V block and merge into ``acc``."""
+def _compute(q, kv, task, plan, rank, scale, acc, rec, progress, step=None, padded=False):
+    """Attend this rank's queries to one K/V block and merge into ``acc``.
+
+    The kernel merges every finished query tile into the running (out, lse)
+    with ``merge_`` (the log-sum-exp rule), so no block-sized output is made.
+    ``padded``: k and v are the ring's [k | 1]^T, [v | 1]^T blocks (``KVBuffers``).
+    """
     if task.kind != "skip":
         start = time.perf_counter()
         k, v = kv
         for a, b, c, d, klo, khi in plan.pieces(rank, task.source):
             rec.computed_pairs += (b - a) * (d - c)
             rec.visible_pairs += (b - a) * (d - c) if klo is None else int(np.sum(khi - klo))
-            block = attention_block(q[..., a:b, :], k[..., c:d, :], v[..., c:d, :], scale, klo, khi,
-                                    progress=progress)
-            merge_(acc[0][..., a:b, :], acc[1][..., a:b], *block)  # in place, into the running (out, lse)
+            keys = np.s_[..., c:d] if padded else np.s_[..., c:d, :]  # padded: tokens on the last axis
+            attention_block(q[..., a:b, :], k[keys], v[keys], scale, klo, khi, padded=padded,
+                            into=(acc[0][..., a:b, :], acc[1][..., a:b]), progress=progress)
         end = rec.event("compute", start, step=step, source=task.source, kind=task.kind, stream=task.stream)
         rec.compute_time += end - start
     rec.tasks.append((step, task))
@@ -282,27 +287,30 @@ def _receive_buffers(plan, rank, step, buffers):
     return incoming
 
 
-def _shift(ring, sends, recvs, rec, step, data="K/V"):
+def _shift(ring, sends, recvs, rec, step, data="K/V", pad=0):
     """Start the next transfers and note one "send" event per stream."""
     posted = time.perf_counter()
-    ring.shift(sends, recvs)
+    ring.shift(sends, recvs, pad)
     for stream, arrays in sends.items():
         rec.event("send", posted, step=step, stream=stream, data=data, dest=ring.send_rank[stream],
-                  bytes=sum(a.nbytes for a in arrays))
+                  bytes=sum(payload_bytes(a, pad) for a in arrays))
 
 
 def _ring_loop(q, k, v, plan, ring, scale, rec, timeout):
     """The ring: start passing the held blocks on, compute on them, wait, swap."""
     rank = ring.rank
     acc = _accumulators(q, v)
-    held = {stream: (k, v) for stream in plan.rounds or [+1]}  # the block each stream holds now
     longest = max(len(s) for s in plan.shards)
-    buffers = {stream: Buffers((k, v), longest) for stream in plan.rounds}
+    # K/V blocks are kept as the kernel takes them, [k | 1]^T and [v | 1]^T, in two slots per stream;
+    # the first slot of the first stream starts with this rank's own block.
+    buffers = {stream: KVBuffers((k, v), longest) for stream in plan.rounds or [+1]}
+    own = next(iter(buffers.values())).hold((k, v))
+    held = {stream: own for stream in buffers}  # the block each stream holds now
     for step in range(plan.n_steps):
         incoming = _receive_buffers(plan, rank, step, buffers)
-        _shift(ring, {s: held[s] for s in incoming}, incoming, rec, step)  # Isend/Irecv, non-blocking
+        _shift(ring, {s: held[s] for s in incoming}, incoming, rec, step, pad=1)  # Isend/Irecv, non-blocking
         for task in plan.tasks(step, rank):  # one block (two when bidirectional)
-            _compute(q, held[task.stream], task, plan, rank, scale, acc, rec, ring.progress, step)
+            _compute(q, held[task.stream], task, plan, rank, scale, acc, rec, ring.progress, step, padded=True)
         start = time.perf_counter()
         ring.wait(timeout)
         rec.event("wait", start, step=step)

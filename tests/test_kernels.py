@@ -5,7 +5,7 @@ import warnings
 import numpy as np
 import pytest
 
-from mpiring.kernels import attention_block, merge, reference_attention
+from mpiring.kernels import attention_block, merge, pad_ones, reference_attention
 from mpiring.masks import visible_keys
 
 from conftest import SHAPES, dense_mask, naive_attention, qkv, tol
@@ -104,3 +104,35 @@ def test_small_tiles_take_every_path(rng, dtype, tiles, factor):
     np.testing.assert_allclose(lse, ref_lse, rtol=10 * tol(dtype), atol=0)
     np.testing.assert_allclose(out, naive_attention(q, k, v, dense_mask(45, True, (9, 0), [0, 20, 20, 45])),
                                atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("tiles", [(5, 3), (64, 16)])
+def test_padded_kv_and_merge_into_accumulators(rng, dtype, tiles):
+    """The ring's way to call the kernel: [k | 1]^T, [v | 1]^T views of bigger buffers, tiles merged into float64."""
+    q, k, v = qkv(rng, (2, 4, 45, 8), (2, 2, 45, 8), dtype)
+    pos = np.arange(45)
+    klo, khi = visible_keys(pos, pos, causal=True, window=(9, 0), cu_seqlens=np.array([0, 20, 20, 45]))
+    whole, whole_lse = attention_block(q, k, v, None, klo, khi, tile_q=tiles[0], tile_k=tiles[1])
+    # padded blocks as views of a longer receive buffer, the row of ones set once
+    kbuf, vbuf = (pad_ones(np.concatenate([a, a[..., :5, :]], axis=-2)) for a in (k, v))
+    out = np.zeros(q.shape, np.float64)
+    lse = np.full(q.shape[:-1], -np.inf)
+    for a, b in [(30, 45), (0, 7), (7, 30)]:  # key blocks, in any order
+        res = attention_block(q, kbuf[..., a:b], vbuf[..., a:b], None, klo - a, khi - a, padded=True,
+                              into=(out, lse), tile_q=tiles[0], tile_k=tiles[1])
+        assert res[0] is out and res[1] is lse
+    assert np.all(kbuf[..., -1, :] == 1) and np.all(vbuf[..., -1, :] == 1)  # the kernel never writes them
+    np.testing.assert_array_equal(kbuf[..., :-1, :45], np.swapaxes(k, -1, -2))
+    np.testing.assert_allclose(out, whole, atol=tol(dtype), rtol=0)
+    np.testing.assert_allclose(lse, whole_lse, atol=10 * tol(dtype), rtol=0)
+    np.testing.assert_allclose(out, reference_attention(q, k, v, None, klo, khi)[0], atol=tol(dtype), rtol=0)
+
+
+def test_merge_into_needs_a_view(rng):
+    """Accumulators that cannot be reshaped in place raise instead of silently receiving nothing."""
+    q, k, v = qkv(rng, (2, 3, 10, 4), (2, 3, 10, 4))
+    out = np.zeros((4, 10, 3, 2)).transpose(3, 2, 1, 0)  # (2, 3, 10, 4), not reshapeable to (6, 1, 10, 4)
+    lse = np.full((2, 3, 10), -np.inf)
+    with pytest.raises(AttributeError):
+        attention_block(q, k, v, into=(out, lse))
