@@ -5,7 +5,8 @@
 Every rank keeps its q, dout, out, lse and delta = rowsum(dout * out); the
 K/V blocks move exactly as in the forward plan. The partial dK/dV of a block
 joins it at its first visitor after the owner, is accumulated by every rank
-it visits, and its last hop takes it home (docs/backward.md). The softmax is
+it visits, and its last hop takes it home, in key chunks sent while the rest
+of the block still computes (docs/backward.md). The softmax is
 recomputed from the saved lse, one block tile at a time, so memory per rank
 stays O(S/P). Partial gradients travel in float64 whatever the input dtype.
 """
@@ -26,6 +27,7 @@ from .schedule import make_plan
 __all__ = ["ring_attention_backward", "distributed_attention_backward", "predicted_backward_bytes"]
 
 GRAD_DTYPE = np.dtype(np.float64)  # travelling and accumulated gradients: no precision lost as P grows
+HOME_CHUNKS = 4  # a partial goes home in this many key chunks, each sent as soon as its keys are done
 
 
 # ---------------------------------------------------------------- validation
@@ -53,46 +55,175 @@ def _grad_problem(dout, q, k, v, out, lse):
 # ---------------------------------------------------------------- one block
 
 
-def _block_grads(dout, q, out, lse, delta, kv, task, plan, rank, scale, dq, rec, progress, step):
-    """This rank's queries against one K/V block: add into ``dq``, return the block's ``[dk, dv]`` (None if skipped)."""
-    if task.kind == "skip":
-        return None
-    start = time.perf_counter()
+def _block_grads(queries, kv, pieces, scale, dq, progress):
+    """This rank's queries against ``pieces`` of one K/V block: add into ``dq``, return the keys' shares.
+
+    ``queries = (dout, q, out, lse, delta)`` are this rank's arrays that never move.
+    Returns ``[(c, d, dk, dv), ...]``, the kernel's dK and dV of keys c:d (in
+    the input dtype); ``_add_grads`` adds them into the block's float64 partial.
+    """
+    dout, q, out, lse, delta = queries
     k, v = kv
-    grads = [np.zeros(k.shape, GRAD_DTYPE), np.zeros(v.shape, GRAD_DTYPE)]
-    for a, b, c, d, klo, khi in plan.pieces(rank, task.source):
-        rec.computed_pairs += (b - a) * (d - c)
-        rec.visible_pairs += (b - a) * (d - c) if klo is None else int(np.sum(khi - klo))
+    grads = []
+    for a, b, c, d, klo, khi in pieces:
         bq, bk, bv = attention_block_backward(dout[..., a:b, :], q[..., a:b, :], k[..., c:d, :], v[..., c:d, :],
                                               out[..., a:b, :], lse[..., a:b], scale, klo, khi,
                                               delta=delta[..., a:b], progress=progress)
         dq[..., a:b, :] += bq
-        grads[0][..., c:d, :] += bk
-        grads[1][..., c:d, :] += bv
+        grads.append((c, d, bk, bv))
         progress()
-    end = time.perf_counter()
-    rec.compute_time += end - start
-    rec.events.append(("compute", start, end, {"step": step, "source": task.source, "kind": task.kind,
-                                               "stream": task.stream, "pass": "backward"}))
     return grads
+
+
+def _add_grads(total, grads):
+    """Add ``_block_grads``' shares into ``total = (dk, dv)``, the block's float64 partial, in place."""
+    for c, d, bk, bv in grads:
+        total[0][..., c:d, :] += bk
+        total[1][..., c:d, :] += bv
+
+
+def _count_pairs(rec, pieces):
+    """Note the score entries of a block's pieces, and how many of them are visible, as the forward pass does."""
+    for a, b, c, d, klo, khi in pieces:
+        rec.computed_pairs += (b - a) * (d - c)
+        rec.visible_pairs += (b - a) * (d - c) if klo is None else int(np.sum(khi - klo))
+
+
+def _compute(queries, kv, task, pieces, scale, dq, rec, progress, step, **info):
+    """``_block_grads`` of one block (or key chunk of it), noted as a "compute" event; [] if nothing to compute."""
+    if not pieces:
+        return []
+    start = time.perf_counter()
+    grads = _block_grads(queries, kv, pieces, scale, dq, progress)
+    info = {"step": step, "source": task.source, "kind": task.kind, "stream": task.stream, "pass": "backward", **info}
+    end = rec.event("compute", start, **info)
+    rec.compute_time += end - start
+    return grads
+
+
+# ---------------------------------------------------------------- key chunks of the hop home
+
+
+def home_chunks(plan):
+    """Key chunks of every hop home: HOME_CHUNKS, or fewer if a shard is shorter (the same on every rank)."""
+    return min(HOME_CHUNKS, min(len(s) for s in plan.shards))
+
+
+def key_chunks(n, chunks):
+    """``chunks`` near-equal, non-empty key ranges ``(lo, hi)`` that cover 0:n in order (needs chunks <= n)."""
+    return [(i * n // chunks, (i + 1) * n // chunks) for i in range(chunks)]
+
+
+def _cut_to_keys(pieces, lo, hi):
+    """The parts of ``pieces`` (as ``plan.pieces`` gives them) on keys lo:hi, with the query rows that see them.
+
+    Together, the cuts of a block's key chunks cover exactly its pieces' visible
+    (query, key) pairs, so the dK/dV of keys lo:hi are complete once these are done.
+    """
+    cut = []
+    for a, b, c, d, klo, khi in pieces:
+        c2, d2 = max(c, lo), min(d, hi)
+        if d2 <= c2:
+            continue
+        if klo is None:  # every row sees every key
+            cut.append((a, b, c2, d2, None, None))
+            continue
+        first, last = np.clip(c + klo, c2, d2), np.clip(c + khi, c2, d2)  # each row's visible keys in lo:hi
+        seen = np.flatnonzero(last > first)
+        if seen.size == 0:
+            continue
+        r0, r1 = int(seen[0]), int(seen[-1]) + 1
+        first, last = first[r0:r1], last[r0:r1]
+        if np.all(first == c2) and np.all(last == d2):
+            cut.append((a + r0, a + r1, c2, d2, None, None))
+        else:
+            cut.append((a + r0, a + r1, c2, d2, first - c2, last - c2))
+    return cut
+
+
+def _chunks_in_order(pieces, n, chunks):
+    """A block's key chunks as ``(chunk, lo, hi, pieces)``, in the order to compute and send them home.
+
+    Chunks in key order, except those this rank adds nothing to: they are
+    complete as soon as the arriving partial is, so they go right after the
+    first chunk with work (by then that partial has been waited for) rather
+    than add to the transfers left at the end.
+    """
+    cuts = [(chunk, lo, hi, _cut_to_keys(pieces, lo, hi)) for chunk, (lo, hi) in enumerate(key_chunks(n, chunks))]
+    busy = [c for c in cuts if c[3]]
+    return busy[:1] + [c for c in cuts if not c[3]] + busy[1:]
+
+
+class _HomeRing(RingComm):
+    """The hop home: a stream's last visitor sends each block's partial to its owner, R ranks back.
+
+    Unlike ``RingComm.shift`` (all arrays at once), a partial goes home in key
+    chunks: ``send_chunk`` sends keys lo:hi of dK and dV as soon as they are
+    done, and the owner posts the matching receives early (``expect``). A chunk
+    is an MPI subarray datatype (keys lo:hi of every head), so nothing is copied
+    into a send buffer. Tags tell streams, chunks, dK and dV apart; K/V and the
+    onward partials use other communicators.
+    """
+
+    def __init__(self, comm, plan):
+        super().__init__(comm)
+        for stream, rounds in plan.rounds.items():  # the 'neighbours' are a stream's rounds away
+            self.send_rank[stream] = (self.rank - stream * rounds) % self.size
+            self.recv_rank[stream] = (self.rank + stream * rounds) % self.size
+        self._types = {}
+
+    @staticmethod
+    def _chunk_tag(stream, chunk, index):
+        return 4 * chunk + (0 if stream > 0 else 2) + index
+
+    def _keys(self, a, lo, hi):
+        """Keys lo:hi of the contiguous (..., n, d) array ``a`` as an MPI message (a subarray datatype)."""
+        rows, n, d = int(np.prod(a.shape[:-2])), a.shape[-2], a.shape[-1]
+        key = (a.dtype.char, rows, n, d, lo, hi)
+        if key not in self._types:
+            base = MPI._typedict[a.dtype.char]
+            self._types[key] = base.Create_subarray([rows, n, d], [rows, hi - lo, d], [0, lo, 0]).Commit()
+        return [a, 1, self._types[key]]
+
+    def expect(self, stream, arrays, chunks):
+        """Post the receives of every key chunk of ``arrays`` (dK, dV of this rank's block) on ``stream``."""
+        for chunk, (lo, hi) in enumerate(chunks):
+            for index, a in enumerate(arrays):
+                self._requests.append(self.comm.Irecv(self._keys(a, lo, hi), source=self.recv_rank[stream],
+                                                      tag=self._chunk_tag(stream, chunk, index)))
+
+    def send_chunk(self, stream, arrays, chunk, lo, hi):
+        """Start sending keys lo:hi of ``arrays`` (a partial's dK, dV) home; returns the bytes."""
+        sent = 0
+        for index, a in enumerate(arrays):
+            self._requests.append(self.comm.Isend(self._keys(a, lo, hi), dest=self.send_rank[stream],
+                                                  tag=self._chunk_tag(stream, chunk, index)))
+            sent += a.nbytes // a.shape[-2] * (hi - lo)
+            self.messages += 1
+        self.bytes_sent += sent
+        return sent
+
+    def free(self):
+        super().free()
+        for t in self._types.values():
+            t.Free()
+        self._types = {}
 
 
 # ---------------------------------------------------------------- the ring
 
 
-def _home_ring(comm, plan):
-    """A RingComm whose 'neighbours' are a stream's rounds away: the last visitor of a block sends it home."""
-    home = RingComm(comm)
-    for stream, rounds in plan.rounds.items():
-        home.send_rank[stream] = (home.rank - stream * rounds) % home.size
-        home.recv_rank[stream] = (home.rank + stream * rounds) % home.size
-    return home
-
-
 def _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec, timeout):
-    """Start passing K/V on, compute, wait, swap; a block's dK/dV follows it one step behind, then goes home."""
+    """Start passing K/V on, compute, wait, swap; a block's dK/dV follows it one step behind, then goes home.
+
+    At a stream's last round the block is computed in key chunks, and each
+    chunk's dK/dV is sent home as soon as its keys are done, while the next
+    chunk computes: only the last chunk's transfer is left to wait for.
+    """
     kv_ring, grad_ring, home_ring = rings
     rank = kv_ring.rank
+    queries = (dout, q, out, lse, delta)
+    chunks = home_chunks(plan)
     dq = np.zeros(q.shape, GRAD_DTYPE)
     own = [np.zeros(k.shape, GRAD_DTYPE), np.zeros(v.shape, GRAD_DTYPE)]  # step 0: this rank's own block
     held = {stream: (k, v) for stream in plan.rounds or [+1]}  # the K/V block each stream holds now
@@ -101,55 +232,78 @@ def _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec,
     empty = tuple(np.empty(a.shape[:-2] + (0, a.shape[-1]), GRAD_DTYPE) for a in (k, v))
     kv_buffers = {stream: Buffers((k, v), longest) for stream in plan.rounds}
     grad_buffers = {stream: Buffers(empty, longest) for stream in plan.rounds}
-    homecoming = {stream: (np.empty(k.shape, GRAD_DTYPE), np.empty(v.shape, GRAD_DTYPE)) for stream in plan.rounds}
+    homecoming = {}  # stream -> this rank's block's partial, from its last visitor on that stream
+    for stream, rounds in plan.rounds.items():
+        if rounds > 0:  # its receives, one per key chunk (dK and dV), are posted now
+            # zeros, not empty: the pages are mapped now, not while the last chunk lands (a first
+            # touch costs ~2 ms per MiB on the development VM, which the final wait would count)
+            homecoming[stream] = (np.zeros(k.shape, GRAD_DTYPE), np.zeros(v.shape, GRAD_DTYPE))
+            for a in homecoming[stream]:
+                a.fill(0)
+            home_ring.expect(stream, homecoming[stream], key_chunks(k.shape[-2], chunks))
 
     def progress():
         for ring in rings:
             ring.progress()
 
+    def wait_for(waited, step, data):
+        start = time.perf_counter()
+        for ring in waited:
+            ring.wait(timeout)
+        rec.event("wait", start, step=step, data=data)
+
+    def send_home(stream, total, chunk, lo, hi, step):
+        posted = time.perf_counter()
+        sent = home_ring.send_chunk(stream, total, chunk, lo, hi)
+        rec.event("send", posted, step=step, stream=stream, data="dK/dV home", dest=home_ring.send_rank[stream],
+                  bytes=sent, keys=f"{lo}:{hi}")
+
     for step in range(plan.n_steps):
         incoming = _receive_buffers(plan, rank, step, kv_buffers)
         _shift(kv_ring, {s: held[s] for s in incoming}, incoming, rec, step, "K/V")
-        mine = {}
+        partials_due = step >= 2  # partials the previous visitors sent (the first visitor, step 1, starts them)
+        onward = {}
         for task in plan.tasks(step, rank):
-            mine[task.stream] = _block_grads(dout, q, out, lse, delta, held[task.stream], task, plan, rank, scale,
-                                             dq, rec, progress, step)
+            stream, n = task.stream, len(plan.shards[task.source])
+            pieces = plan.pieces(rank, task.source)
+            _count_pairs(rec, pieces)
+            if step == 0:
+                total = own  # the own block's share stays here
+            elif step == 1:  # the first visitor starts the partial
+                total = tuple(np.zeros(a.shape[:-2] + (n, a.shape[-1]), GRAD_DTYPE) for a in (k, v))
+            else:
+                total = arriving[stream]  # added to only after the wait below
+            going_home = step > 0 and step == plan.rounds[stream]
+            work = _chunks_in_order(pieces, n, chunks) if going_home else [(None, 0, n, pieces)]
+            for chunk, lo, hi, cut in work:
+                grads = _compute(queries, held[stream], task, cut, scale, dq, rec, progress, step,
+                                 **({"keys": f"{lo}:{hi}"} if going_home else {}))
+                if partials_due and (grads or going_home):  # once, when first needed: after a compute
+                    wait_for([grad_ring], step, "dK/dV")
+                    partials_due = False
+                _add_grads(total, grads)
+                if going_home:  # keys lo:hi are done: off they go, while the next chunk computes
+                    send_home(stream, total, chunk, lo, hi, step)
+            if 0 < step < plan.rounds[stream]:
+                onward[stream] = total
             rec.tasks.append((step, task))
-        start = time.perf_counter()
-        grad_ring.wait(timeout)  # the partials of the blocks held now have arrived
-        partial = {}
-        for stream, grads in mine.items():
-            # step 0: the own block's share stays here; step 1: the first visitor starts the partial
-            total = own if step == 0 else arriving.get(stream) or [np.zeros(a.shape, GRAD_DTYPE) for a in held[stream]]
-            if grads is not None:
-                total[0] += grads[0]
-                total[1] += grads[1]
-            if step > 0:
-                partial[stream] = total
-        kv_ring.wait(timeout)
-        rec.events.append(("wait", start, time.perf_counter(), {"step": step}))
+        if partials_due:  # skips only: the partials are passed on unchanged
+            wait_for([grad_ring], step, "dK/dV")
+        if incoming:
+            wait_for([kv_ring], step, "K/V")
         held.update(incoming)
-        # pass each partial on with its block, or home after the stream's last round
-        onward = {s: p for s, p in partial.items() if step < plan.rounds[s]}
-        arriving = {}
+        arriving = {}  # pass each partial on with its block
         for stream in onward:
             source = plan.held_source(rank, stream, step + 1)
-            arriving[stream] = list(grad_buffers[stream].take(len(plan.shards[source])))
+            arriving[stream] = grad_buffers[stream].take(len(plan.shards[source]))
         _shift(grad_ring, onward, arriving, rec, step, "dK/dV")
-        home = {s: p for s, p in partial.items() if step == plan.rounds[s]}
-        if home:
-            home_ring.wait(timeout)  # a previous stream's homecoming (bidirectional, uneven rounds)
-            _shift(home_ring, home, {s: homecoming[s] for s in home}, rec, step, "dK/dV home")
         if getattr(rec, "on_step", None) is not None:
             rec.on_step(step + 1, plan.n_steps)
-    start = time.perf_counter()
-    grad_ring.wait(timeout)
-    home_ring.wait(timeout)
-    rec.events.append(("wait", start, time.perf_counter(), {"step": plan.n_steps - 1}))  # the partials home
-    for stream, rounds in plan.rounds.items():
-        if rounds > 0:
-            own[0] += homecoming[stream][0]
-            own[1] += homecoming[stream][1]
+    if homecoming:  # only the last chunks can still be on their way
+        wait_for([grad_ring, home_ring], plan.n_steps - 1, "dK/dV home")
+    for dk, dv in homecoming.values():
+        own[0] += dk
+        own[1] += dv
     return dq, own[0], own[1]
 
 
@@ -176,6 +330,7 @@ def _allgather_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec, 
         rec.bytes_sent += a.nbytes * (size - 1)  # as a ring all-gather moves it (as the forward pass counts)
         rec.messages += size - 1
     sums = [_flat_blocks(a, lengths, GRAD_DTYPE) for a in (k, v)]  # this rank's share of every block's dK, dV
+    queries = (dout, q, out, lse, delta)
     dq = np.zeros(q.shape, GRAD_DTYPE)
     progress = lambda: MPI.Request.Testall(requests)  # noqa: E731
     for step in range(plan.n_steps):
@@ -186,10 +341,10 @@ def _allgather_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec, 
             rec.wait_time += time.perf_counter() - start
             rec.events.append(("wait", start, time.perf_counter(), {"step": 0}))
         kv = (k, v) if step == 0 else (gathered[0][task.source], gathered[1][task.source])
-        grads = _block_grads(dout, q, out, lse, delta, kv, task, plan, rank, scale, dq, rec, progress, step)
-        if grads is not None:
-            sums[0][2][task.source][...] += grads[0]
-            sums[1][2][task.source][...] += grads[1]
+        pieces = plan.pieces(rank, task.source)
+        _count_pairs(rec, pieces)
+        grads = _compute(queries, kv, task, pieces, scale, dq, rec, progress, step)
+        _add_grads((sums[0][2][task.source], sums[1][2][task.source]), grads)
         rec.tasks.append((step, task))
         if getattr(rec, "on_step", None) is not None:
             rec.on_step(step + 1, plan.n_steps)
@@ -228,7 +383,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm=None, *, causal=False,
     try:  # private duplicates: K/V, dK/dV onward, dK/dV home (all-gather needs only the first)
         rings.append(RingComm(comm))
         if plan.mode != "allgather":
-            rings += [RingComm(comm), _home_ring(comm, plan)]
+            rings += [RingComm(comm), _HomeRing(comm, plan)]
         wait_until([rings[0].comm.Ibarrier()], timeout, rings[0].rank, "start barrier")  # a common start
         rec.t0 = start = time.perf_counter()
         if plan.mode == "allgather":

@@ -146,16 +146,21 @@ class Plan:
         return 2 * sum(self.rounds.values())
 
     def backward_messages_per_rank(self):
-        """Sends per rank in the backward pass (docs/backward.md): each K/V hop is matched by one dK/dV hop.
+        """Sends per rank in the backward pass (docs/backward.md); dK and dV are separate messages.
 
-        The dK/dV partial of a block joins it at its first visitor and its last
-        hop goes home, so a ring stream of R rounds sends K, V, dK, dV R times
-        each. All-gather counts its all-gather of K, V and reduce-scatter of
-        dK, dV as ring collectives: P - 1 messages per array.
+        The dK/dV partial of a block joins it at its first visitor, so a ring
+        stream of R rounds sends K and V R times, the partial onward R - 1
+        times, and home once, in ``backward.home_chunks(plan)`` key chunks (4,
+        or the shortest shard's length). All-gather counts its all-gather of
+        K, V and reduce-scatter of dK, dV as ring collectives: P - 1 messages per array.
         """
         if self.mode == "allgather":
             return 4 * (self.size - 1)
-        return 4 * sum(self.rounds.values())
+        from .backward import home_chunks  # the backward pass decides how the hop home is cut
+
+        chunks = home_chunks(self)
+        # per stream: K and V, the partial onward (dK, dV), and its chunks home (dK, dV each)
+        return sum(2 * rounds + 2 * (rounds - 1) + 2 * chunks for rounds in self.rounds.values() if rounds > 0)
 
 
 def _last_needed(kinds, size, stream, max_step):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from mpiring import make_plan, predicted_backward_bytes, predicted_bytes_sent
-from mpiring import kernels
+from mpiring import backward, kernels
 from mpiring.kernels import attention_block, attention_block_backward, reference_attention_backward
 from mpiring.masks import visible_keys
 
@@ -136,12 +136,80 @@ def test_backward_message_and_byte_counts(P, layout, mode, window, cu):
     n = plan.backward_messages_per_rank()
     if mode == "allgather":
         assert n == 4 * (P - 1)
-    else:  # every K/V hop has its dK/dV hop: twice the forward count
-        assert n == 2 * plan.messages_per_rank()
+    else:  # every K/V hop has its dK/dV hop, and the hop home is cut into key chunks: 2 more messages per chunk
+        chunks = min(backward.HOME_CHUNKS, min(len(s) for s in plan.shards))
+        assert backward.home_chunks(plan) == chunks
+        homes = sum(rounds > 0 for rounds in plan.rounds.values())
+        assert n == 2 * plan.messages_per_rank() + homes * 2 * (chunks - 1)
         kv, grads = predicted_bytes_sent(plan, 10, 4), predicted_backward_bytes(plan, 10, 4, grad_itemsize=0)
         assert grads == kv  # with free gradients, the backward pass moves exactly the forward K/V bytes
         if 40 % P == 0:  # even split: every dK/dV partial is one block, in float64
             assert predicted_backward_bytes(plan, 10, 4) == [3 * b for b in kv]
+
+
+def test_one_home_chunk_is_the_plain_hop_home(monkeypatch):
+    """With HOME_CHUNKS = 1 every dK/dV hop is one message per array again: twice the forward count."""
+    monkeypatch.setattr(backward, "HOME_CHUNKS", 1)
+    for mode in ("ring", "bidirectional"):
+        for P in (2, 3, 4, 5):
+            plan = make_plan(40, P, mode=mode, causal=True, layout="zigzag")
+            assert plan.backward_messages_per_rank() == 2 * plan.messages_per_rank()
+
+
+@pytest.mark.parametrize("n,chunks", [(1, 1), (3, 3), (5, 4), (8, 4), (8193, 4), (10, 7)])
+def test_key_chunks_cover_the_block_in_order(n, chunks):
+    cuts = backward.key_chunks(n, chunks)
+    assert len(cuts) == chunks and cuts[0][0] == 0 and cuts[-1][1] == n
+    assert all(lo < hi for lo, hi in cuts) and all(a[1] == b[0] for a, b in zip(cuts, cuts[1:]))
+    assert max(hi - lo for lo, hi in cuts) - min(hi - lo for lo, hi in cuts) <= 1
+
+
+@pytest.mark.parametrize("S,P,layout,want", [(40, 4, "zigzag", 4), (7, 2, "contiguous", 3), (9, 4, "zigzag", 2),
+                                             (5, 5, "striped", 1), (8, 1, "contiguous", 4)])
+def test_home_chunks_follow_the_shortest_shard(S, P, layout, want):
+    assert backward.home_chunks(make_plan(S, P, layout=layout)) == want
+
+
+def _pairs(pieces, n_q, n_k):
+    """Dense (query, key) visibility of ``plan.pieces``-style pieces, as counts (to catch overlaps)."""
+    seen = np.zeros((n_q, n_k), int)
+    for a, b, c, d, klo, khi in pieces:
+        cols = np.arange(c, d)
+        if klo is None:
+            seen[a:b, c:d] += 1
+        else:
+            seen[a:b, c:d] += (cols >= c + klo[:, None]) & (cols < c + khi[:, None])
+    return seen
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+@pytest.mark.parametrize("causal,window,cu", [(False, None, None), (True, None, None), (True, (5, 0), None),
+                                              (False, (3, 4), [0, 9, 9, 30, 43]), (True, None, [0, 17, 43])])
+def test_key_chunk_cuts_cover_the_pieces_exactly(layout, causal, window, cu):
+    """Cut into key chunks, a block's pieces still see each visible (query, key) pair once, in its own chunk."""
+    plan = make_plan(43, 3, layout=layout, causal=causal, window=window, cu_seqlens=cu)
+    for rank in range(3):
+        for source in range(3):
+            pieces = plan.pieces(rank, source)
+            n_q, n_k = len(plan.shards[rank]), len(plan.shards[source])
+            total = np.zeros((n_q, n_k), int)
+            for lo, hi in backward.key_chunks(n_k, backward.HOME_CHUNKS):
+                cut = backward._cut_to_keys(pieces, lo, hi)
+                assert all(lo <= c < d <= hi and a < b for a, b, c, d, _, _ in cut)
+                total += _pairs(cut, n_q, n_k)
+            np.testing.assert_array_equal(total, _pairs(pieces, n_q, n_k))
+            assert total.max() <= 1
+
+
+def test_chunks_without_work_go_home_right_after_the_first():
+    """Causal zigzag, P = 2: rank 1's queries see only the first half of block 0's keys."""
+    plan = make_plan(64, 2, layout="zigzag", causal=True)
+    order = backward._chunks_in_order(plan.pieces(1, 0), 32, 4)
+    assert [chunk for chunk, *_ in order] == [0, 2, 3, 1]
+    assert [bool(cut) for *_, cut in order] == [True, False, False, True]
+    order = backward._chunks_in_order(plan.pieces(0, 1), 32, 4)  # rank 0's last run sees all of block 1
+    assert [chunk for chunk, *_ in order] == [0, 1, 2, 3] and all(cut for *_, cut in order)
+    assert [lo for _, lo, _, _ in backward._chunks_in_order([], 32, 4)] == [0, 8, 16, 24]  # a skipped block
 
 
 MPIEXEC = shutil.which("mpiexec")

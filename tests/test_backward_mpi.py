@@ -146,3 +146,62 @@ def test_bad_input_raises_on_every_rank(comm, rng):
     # the ring still works afterwards
     grads = ring_attention_backward(dout, q, k, v, out, lse, comm, timeout=30)
     np.testing.assert_allclose(grads[0], _local(_reference(Q, K, V, dOut)[0], comm), atol=1e-10)
+
+
+@pytest.mark.parametrize("layout,mode", [("contiguous", "ring"), ("zigzag", "ring"), ("zigzag", "bidirectional"),
+                                         ("striped", "bidirectional")])
+@pytest.mark.parametrize("causal", [False, True])
+def test_blocks_shorter_than_the_home_chunks(comm, rng, layout, mode, causal):
+    """Shards of 2 or 3 tokens: the hop home is cut into 2 chunks on every rank, gradients stay exact."""
+    from mpiring.backward import home_chunks
+
+    S = 3 * comm.size - 1 if comm.size > 1 else 3
+    Q, K, V, dOut = _problem(rng, S)
+    options = dict(layout=layout, mode=mode, causal=causal)
+    rec = Record()
+    grads = _ring_grads(comm, Q, K, V, dOut, record=rec, **options)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, _reference(Q, K, V, dOut, causal)):
+        np.testing.assert_allclose(got, _local(want, comm, layout), atol=1e-10, rtol=0, err_msg=name)
+    plan = make_plan(S, comm.size, **options)
+    chunks = home_chunks(plan)
+    assert chunks == (2 if comm.size > 1 else 3)
+    homes = sum(rounds > 0 for rounds in plan.rounds.values())
+    assert rec.messages == plan.backward_messages_per_rank() == 2 * plan.messages_per_rank() + homes * 2 * (chunks - 1)
+    assert rec.bytes_sent == predicted_backward_bytes(plan, kv_width=2 * 2 * (8 + 6), itemsize=8)[comm.rank]
+
+
+@pytest.mark.parametrize("layout,mode,causal", [("contiguous", "ring", False), ("zigzag", "ring", True),
+                                                ("zigzag", "bidirectional", True)])
+def test_hop_home_goes_in_key_chunks_while_computing(comm, rng, layout, mode, causal):
+    """At a stream's last round each key chunk is sent home as soon as it is done, before the next one computes."""
+    from mpiring.backward import home_chunks, key_chunks
+
+    S = 16 * comm.size + 3
+    Q, K, V, dOut = _problem(rng, S)
+    rec = Record()
+    _ring_grads(comm, Q, K, V, dOut, record=rec, layout=layout, mode=mode, causal=causal)
+    plan = make_plan(S, comm.size, layout=layout, mode=mode, causal=causal)
+    chunks = home_chunks(plan)
+    assert chunks == 4
+    for stream, rounds in plan.rounds.items():
+        home = [(start, info) for name, start, _, info in rec.events
+                if name == "send" and info.get("data") == "dK/dV home" and info["stream"] == stream]
+        if rounds == 0:
+            assert not home
+            continue
+        source = plan.held_source(comm.rank, stream, rounds)
+        n = len(plan.shards[source])
+        assert sorted(info["keys"] for _, info in home) == sorted(f"{lo}:{hi}" for lo, hi in key_chunks(n, chunks))
+        assert all(info["step"] == rounds and info["dest"] == source for _, info in home)
+        assert sum(info["bytes"] for _, info in home) == 2 * 2 * (8 + 6) * n * 8  # the whole partial, once
+        # each chunk is computed before its send and after the previous send: sends interleave with compute
+        computed = [(start, end, info["keys"]) for name, start, end, info in rec.events
+                    if name == "compute" and info["step"] == rounds and info["stream"] == stream]
+        assert computed, "every block of these plans has work at its last round"
+        order, posted = [info["keys"] for _, info in home], {info["keys"]: t for t, info in home}
+        for start, end, keys in computed:
+            i = order.index(keys)
+            assert end <= posted[keys]  # a chunk goes home once its keys are computed ...
+            assert i == 0 or posted[order[i - 1]] <= start  # ... and the one before it went before they started
+    waits = [info for name, _, _, info in rec.events if name == "wait"]
+    assert all(info.get("data") in ("K/V", "dK/dV", "dK/dV home") for info in waits)
