@@ -235,7 +235,10 @@ def measure_limits(dims, n=1024, repeats=5, dtype=np.float32):
     For each head dim d: the two forward GEMMs of a tile, ``(n, d) @ (d, n)``
     and ``(n, n) @ (n, d)``, timed together (best of ``repeats``), and the faster
     of ``np.exp`` and ``np.exp2`` on n*n scores in [-16, 0) written to a second
-    buffer. Returns ``{d: {"gemm_flops": .., "exp_per_s": .., "exp_fn": ..}}``.
+    buffer. Also the machine's ceiling: one core's ``np.matmul`` on a square
+    2048 x 2048 fp32 product, the fastest GEMM this BLAS runs (no attention
+    kernel can beat it, since every score costs 4*d GEMM FLOPs).
+    Returns ``{d: {"gemm_flops": .., "exp_per_s": .., "exp_fn": .., "peak_flops": ..}}``.
     """
     from threadpoolctl import threadpool_limits
 
@@ -248,6 +251,8 @@ def measure_limits(dims, n=1024, repeats=5, dtype=np.float32):
             rate = n * n / _best(lambda fn=fn: fn(src, out=dst), repeats)
             if rate > exp_rate:
                 exp_rate, exp_fn = rate, name
+        big = rng.standard_normal((2048, 2048), dtype=np.float32)
+        peak = 2 * 2048 ** 3 / _best(lambda: np.matmul(big, big), max(2, repeats // 2))
         limits = {}
         for d in dims:
             q = rng.standard_normal((n, d), dtype=np.float32).astype(dtype)
@@ -259,7 +264,7 @@ def measure_limits(dims, n=1024, repeats=5, dtype=np.float32):
                 np.matmul(s, k, out=o)
 
             limits[d] = {"gemm_flops": 4 * n * n * d / _best(gemms, repeats), "exp_per_s": exp_rate,
-                         "exp_fn": exp_fn}
+                         "exp_fn": exp_fn, "peak_flops": peak}
     return limits
 
 
@@ -661,8 +666,11 @@ def _configs(args):
     passes = {"both": (False, True), "fwd": (False,), "fwd+bwd": (True,)}[args.passes]
     if args.no_backward or args.long:
         passes = (False,)
+    # every forward row before any fwd+bwd row: a process keeps some memory of a larger row
+    # (MPI's buffers, heap fragments) that the RSS reset cannot return, and a forward row
+    # measured after a fwd+bwd row would count it (about 50 MiB at S=16384).
     return [Config(S, D, H=args.heads, B=args.batch, causal=c, backward=b)
-            for S in sizes for D in dims for c in masks for b in passes]
+            for b in passes for S in sizes for D in dims for c in masks]
 
 
 def run(args, comm):
@@ -721,7 +729,7 @@ def run(args, comm):
     if args.long:
         _print_long(rows)
     else:
-        _print_targets(everything, report)
+        _print_targets(everything, report, limits)
     if others is not None:
         print(f"\nbackground load: other processes kept {others:.2f} cores busy on average during this run"
               + (" -- timings are unreliable, rerun on an idle machine" if others > 0.1 else ""))
@@ -757,6 +765,10 @@ def _print_header(args, size, report, limits, baseline_mb, configs, use_torch):
     for d, lim in limits.items():
         print(f"limit, one core: D={d}: np.matmul {lim['gemm_flops'] / 1e9:.1f} GFLOP/s, "
               f"np.{lim['exp_fn']} {lim['exp_per_s'] / 1e9:.2f} G/s")
+    if limits:
+        peak = next(iter(limits.values()))["peak_flops"]
+        print(f"ceiling: np.matmul 2048x2048x2048 on one core {peak / 1e9:.1f} GFLOP/s; no attention kernel "
+              f"on {size} rank(s) x {args.threads} thread(s) can pass {size * args.threads * peak / 1e9:.0f} GFLOP/s")
     print(f"interpreter baseline RSS {baseline_mb:.0f} MiB per rank; "
           f"torch SDPA column: {'yes, ' + str(size * args.threads) + ' threads' if use_torch else 'no'}")
     print()
@@ -769,18 +781,31 @@ def _print_long(rows):
     if not ok:
         return
     print("\nlong context: memory per rank (MiB) as S grows")
-    print("       S  tokens/rank  peak RSS per rank  model  baseline  scratch")
+    print("       S  tokens/rank  peak RSS per rank  model  baseline  beyond model  float64 (out, lse)  rest")
     for r in ok:
         print(f"{r['S']:>8}  {math.ceil(r['S'] / r['P']):>11}  {r['rss_per_rank_mb']:>17}  {r['model_mb']:>5.0f}  "
-              f"{r['baseline_mb']:>8.0f}  {r['scratch_mb']:>7.0f}")
+              f"{r['baseline_mb']:>8.0f}  {r['scratch_mb']:>12.0f}  {_running_mb(r):>18.1f}  "
+              f"{r['scratch_mb'] - _running_mb(r):>4.0f}")
     a, b = ok[0], ok[-1]
     if len(ok) > 1:
-        print(f"S x{b['S'] / a['S']:.0f}: model x{b['model_mb'] / a['model_mb']:.1f} (O(S/P)), "
-              f"scratch {a['scratch_mb']:.0f} -> {b['scratch_mb']:.0f} MiB")
+        print(f"S x{b['S'] / a['S']:.0f}: model x{b['model_mb'] / a['model_mb']:.1f} (O(S/P)); beyond the model "
+              f"{a['scratch_mb']:.0f} -> {b['scratch_mb']:.0f} MiB, of which the float64 running (out, lse) "
+              f"{_running_mb(a):.0f} -> {_running_mb(b):.0f} MiB (O(S/P), by design) and the rest "
+              f"{a['scratch_mb'] - _running_mb(a):.0f} -> {b['scratch_mb'] - _running_mb(b):.0f} MiB")
 
 
-def _print_targets(rows, report):
-    """Issue 5's targets at S=16384, D=64, P=2 (whichever rows this run has)."""
+def _running_mb(row):
+    """MiB of the forward pass's float64 running (out, lse) on the longest shard (ring._accumulators)."""
+    n = math.ceil(row["S"] / row["P"])
+    return row["B"] * row["H"] * n * (row["D"] + 1) * 8 / MB
+
+
+def _print_targets(rows, report, limits=None):
+    """Issue 5's targets at S=16384, D=64, P=2 (whichever rows this run has).
+
+    With ``limits``, also the ceiling of "x torch": two cores' square-GEMM
+    speed over torch's, the most any kernel could reach on this machine.
+    """
     pick = {(r["pass"], r["causal"]): r for r in rows
             if r.get("P") == 2 and r.get("S") == 16384 and r.get("D") == 64 and r.get("status") == "ok"}
     if not pick:
@@ -801,6 +826,9 @@ def _print_targets(rows, report):
             met = val >= goal if op == ">=" else val <= goal
             parts.append(f"{label} {val:.2f} ({op}{goal:g} {'met' if met else 'MISSED'})")
         print(f"  {name:>7} {mask:>6}: " + "; ".join(parts))
+        if limits and _num(r.get("torch_gflops")) and r["D"] in limits:
+            ceiling = r["P"] * limits[r["D"]]["peak_flops"] / 1e9 / r["torch_gflops"]
+            print(f"  {'':>7} {'':>6}  (ceiling: {r['P']} cores of square GEMM = {ceiling:.2f}x torch)")
 
 
 if __name__ == "__main__":  # child processes started by the benchmark (never import mpi4py here)

@@ -98,7 +98,7 @@ def chrome_trace(records, title="mpiring", meta=None):
     send to the wait on the receiving rank that completes it.
     """
     out = []
-    waits = {}  # (rank, step) -> wait event, to end the flow arrows
+    waits = {}  # (rank, step, data) -> wait event, to end the flow arrows
     for record in records:
         r = record["rank"]
         out.append({"ph": "M", "name": "process_name", "pid": r, "tid": 0, "args": {"name": f"rank {r}"}})
@@ -115,8 +115,10 @@ def chrome_trace(records, title="mpiring", meta=None):
                 what = f"send {e['data']}" if e.get("data") else "send"
                 out.append(dict(base, name=f"{what} -> {e['dest']}", cat="comm", tid=COMM_TID))
             elif e["name"] == "wait":
-                out.append(dict(base, name="wait", cat="comm", tid=COMM_TID))
-                waits[(r, e["step"])] = e
+                out.append(dict(base, name=f"wait {e['data']}" if e.get("data") else "wait", cat="comm",
+                                tid=COMM_TID))
+                waits[(r, e["step"], e.get("data"))] = e
+                waits.setdefault((r, e["step"], None), e)
             else:
                 out.append(dict(base, name=e["name"], cat="other", tid=COMM_TID))
         for s in step_table([record])[0]:
@@ -126,15 +128,26 @@ def chrome_trace(records, title="mpiring", meta=None):
     flow = 0
     for record in records:
         for e in rank_events(record):
-            target = waits.get((e.get("dest"), e.get("step"))) if e["name"] == "send" else None
+            target = _completing_wait(waits, e) if e["name"] == "send" else None
             if target is None:
                 continue
             flow += 1
-            common = {"name": "K/V", "cat": "transfer", "id": flow, "tid": COMM_TID}
+            common = {"name": e.get("data") or "K/V", "cat": "transfer", "id": flow, "tid": COMM_TID}
             out.append(dict(common, ph="s", pid=record["rank"], ts=_us(e["start"])))
             out.append(dict(common, ph="f", bp="e", pid=e["dest"], ts=_us(target["start"])))
     other = {"title": title, "time_base": "perf_counter seconds since each rank's start barrier, in microseconds"}
     return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": other | (meta or {})}
+
+
+def _completing_wait(waits, send):
+    """The receiver's wait that completes ``send``: K/V the same step, a dK/dV partial the next one
+    (backward pass), a partial going home the final wait; unlabelled waits (forward pass) match any."""
+    dest, step, data = send.get("dest"), send.get("step"), send.get("data")
+    if data == "dK/dV":
+        step += 1
+    elif data == "dK/dV home":
+        step = max((s for (r, s, d) in waits if r == dest and d == data), default=None)
+    return waits.get((dest, step, data)) or waits.get((dest, step, None))
 
 
 def write_chrome_trace(path, records, title="mpiring", meta=None):

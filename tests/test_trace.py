@@ -64,6 +64,23 @@ def test_chrome_trace_structure():
     assert len(steps) == 4
 
 
+def test_backward_flows_end_at_the_wait_for_their_data():
+    """K/V at the same step's K/V wait, a dK/dV partial at the next step's, a chunk home at the final wait."""
+    def rec(rank, events):
+        return {"rank": rank, "t0": 0.0, "events": [(n, a, b, info) for n, a, b, info in events]}
+    other = 1
+    records = [rec(0, [("send", 0.0, 0.0, {"step": 0, "dest": other, "data": "K/V"}),
+                       ("send", 0.5, 0.5, {"step": 1, "dest": other, "data": "dK/dV"}),
+                       ("send", 0.6, 0.6, {"step": 2, "dest": other, "data": "dK/dV home"})]),
+               rec(other, [("wait", 0.1, 0.2, {"step": 0, "data": "dK/dV"}),
+                           ("wait", 0.2, 0.3, {"step": 0, "data": "K/V"}),
+                           ("wait", 0.7, 0.8, {"step": 2, "data": "dK/dV"}),
+                           ("wait", 0.9, 1.0, {"step": 3, "data": "dK/dV home"})])]
+    ev = chrome_trace(records)["traceEvents"]
+    ends = {e["name"]: e["ts"] for e in ev if e["ph"] == "f"}
+    assert ends == {"K/V": 200000.0, "dK/dV": 700000.0, "dK/dV home": 900000.0}
+
+
 def test_text_timeline():
     text = format_timeline(_fake_records(), width=40)
     lines = text.splitlines()
