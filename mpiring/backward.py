@@ -19,9 +19,10 @@ from mpi4py import MPI
 from .comm import Buffers, RingComm, wait_until
 from .costmodel import predicted_bytes_sent
 from .kernels import attention_block_backward
-from .ring import (Record, _receive_buffers, _shift, _agree_outcome, _allgather, _canonical, _compared, _describe, _differences, _gather,
-                   _local_problem, _recorded_schedule, _root_problem, _scatter, _setup, _summary, _timeout_problem,
-                   _verdict, agree, ring_attention)
+from .ring import (Record, _agree_outcome, _allgather, _canonical, _compared, _describe, _differences,
+                   _flat_blocks, _gather, _local_problem, _receive_buffers, _recorded_schedule, _root_problem,
+                   _scatter, _setup, _shift, _start_allgather, _summary, _timeout_problem, _verdict,
+                   _wait_allgather, agree, ring_attention)
 from .schedule import make_plan
 
 __all__ = ["ring_attention_backward", "distributed_attention_backward", "predicted_backward_bytes"]
@@ -235,11 +236,9 @@ def _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec,
     homecoming = {}  # stream -> this rank's block's partial, from its last visitor on that stream
     for stream, rounds in plan.rounds.items():
         if rounds > 0:  # its receives, one per key chunk (dK and dV), are posted now
-            # zeros, not empty: the pages are mapped now, not while the last chunk lands (a first
-            # touch costs ~2 ms per MiB on the development VM, which the final wait would count)
-            homecoming[stream] = (np.zeros(k.shape, GRAD_DTYPE), np.zeros(v.shape, GRAD_DTYPE))
-            for a in homecoming[stream]:
-                a.fill(0)
+            # written now (np.full, not np.empty or calloc'd np.zeros), so the pages are mapped before
+            # the last chunk lands: a first touch costs ~2 ms per MiB on the development VM
+            homecoming[stream] = (np.full(k.shape, 0, GRAD_DTYPE), np.full(v.shape, 0, GRAD_DTYPE))
             home_ring.expect(stream, homecoming[stream], key_chunks(k.shape[-2], chunks))
 
     def progress():
@@ -307,28 +306,11 @@ def _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec,
     return dq, own[0], own[1]
 
 
-def _flat_blocks(template, lengths, dtype):
-    """One flat buffer holding a block per rank, and the per-rank views of it."""
-    per_token = int(np.prod(template.shape[:-2])) * template.shape[-1]
-    counts = [n * per_token for n in lengths]
-    flat = np.zeros(sum(counts), dtype)
-    offsets = np.cumsum([0] + counts)
-    views = [flat[offsets[j]:offsets[j + 1]].reshape(template.shape[:-2] + (n, template.shape[-1]))
-             for j, n in enumerate(lengths)]
-    return flat, counts, views
-
-
 def _allgather_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec, timeout):
     """All-gather K/V once, compute every block's dK/dV contribution here, reduce-scatter them to their owners."""
     rank, size = comm.Get_rank(), comm.Get_size()
     lengths = [len(s) for s in plan.shards]
-    gathered, requests = [], []
-    for a in (k, v):
-        flat, counts, views = _flat_blocks(a, lengths, a.dtype)
-        requests.append(comm.Iallgatherv(a, [flat, counts]))
-        gathered.append(views)
-        rec.bytes_sent += a.nbytes * (size - 1)  # as a ring all-gather moves it (as the forward pass counts)
-        rec.messages += size - 1
+    gathered, requests = _start_allgather(k, v, plan, comm, rec)  # as the forward pass
     sums = [_flat_blocks(a, lengths, GRAD_DTYPE) for a in (k, v)]  # this rank's share of every block's dK, dV
     queries = (dout, q, out, lse, delta)
     dq = np.zeros(q.shape, GRAD_DTYPE)
@@ -336,10 +318,7 @@ def _allgather_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec, 
     for step in range(plan.n_steps):
         task = plan.tasks(step, rank)[0]
         if step == 1:
-            start = time.perf_counter()
-            wait_until(requests, timeout, rank, "all-gather")
-            rec.wait_time += time.perf_counter() - start
-            rec.events.append(("wait", start, time.perf_counter(), {"step": 0}))
+            _wait_allgather(requests, timeout, rank, rec)
         kv = (k, v) if step == 0 else (gathered[0][task.source], gathered[1][task.source])
         pieces = plan.pieces(rank, task.source)
         _count_pairs(rec, pieces)
@@ -348,7 +327,8 @@ def _allgather_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec, 
         rec.tasks.append((step, task))
         if getattr(rec, "on_step", None) is not None:
             rec.on_step(step + 1, plan.n_steps)
-    MPI.Request.Waitall(requests)  # P = 1: no step waited
+    if plan.n_steps == 1:  # P = 1: no step waited
+        wait_until(requests, timeout, rank, "all-gather")
     own = [np.empty(a.shape, GRAD_DTYPE) for a in (k, v)]
     start = time.perf_counter()
     requests = [comm.Ireduce_scatter(flat, mine, counts) for (flat, counts, _), mine in zip(sums, own)]

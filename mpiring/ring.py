@@ -320,32 +320,59 @@ def _ring_loop(q, k, v, plan, ring, scale, rec, timeout):
     return acc[0].astype(q.dtype, copy=False), acc[1].astype(q.dtype, copy=False)
 
 
+def _flat_blocks(template, lengths, dtype, empty=False):
+    """One flat buffer holding a block per rank (``lengths[j]`` tokens shaped like ``template``), and its views.
+
+    Returns ``(flat, counts, views)``: counts are elements per rank, as MPI's
+    v-collectives take them. Zeros unless ``empty``.
+    """
+    per_token = int(np.prod(template.shape[:-2])) * template.shape[-1]
+    counts = [n * per_token for n in lengths]
+    flat = (np.empty if empty else np.zeros)(sum(counts), dtype)
+    offsets = np.cumsum([0] + counts)
+    views = [flat[offsets[j]:offsets[j + 1]].reshape(template.shape[:-2] + (n, template.shape[-1]))
+             for j, n in enumerate(lengths)]
+    return flat, counts, views
+
+
+def _start_allgather(k, v, plan, comm, rec):
+    """Post the all-gather of every rank's K and V; returns (per-rank K views, per-rank V views) and the requests.
+
+    Bytes and messages are counted as a ring all-gather moves them.
+    """
+    size = comm.Get_size()
+    lengths = [len(s) for s in plan.shards]
+    gathered, requests = [], []
+    for a in (k, v):
+        flat, counts, views = _flat_blocks(a, lengths, a.dtype, empty=True)
+        requests.append(comm.Iallgatherv(a, [flat, counts]))
+        gathered.append(views)
+        rec.bytes_sent += a.nbytes * (size - 1)
+        rec.messages += size - 1
+    return gathered, requests
+
+
+def _wait_allgather(requests, timeout, rank, rec):
+    """Complete the all-gather (with the timeout) and note the time blocked as step 0's wait."""
+    start = time.perf_counter()
+    wait_until(requests, timeout, rank, "all-gather")
+    end = time.perf_counter()
+    rec.wait_time += end - start
+    rec.events.append(("wait", start, end, {"step": 0}))
+
+
 def _allgather_loop(q, k, v, plan, comm, scale, rec, timeout):
     """All-gather K/V once (overlapped with the local block), then compute locally."""
     rank, size = comm.Get_rank(), comm.Get_size()
-    lengths = [len(s) for s in plan.shards]
-    gathered, requests = [], []
     posted = time.perf_counter()
-    for a in (k, v):
-        per_token = int(np.prod(a.shape[:-2])) * a.shape[-1]
-        counts = [n * per_token for n in lengths]
-        flat = np.empty(sum(counts), a.dtype)
-        requests.append(comm.Iallgatherv(np.ascontiguousarray(a), [flat, counts]))
-        offsets = np.cumsum([0] + counts)
-        gathered.append([flat[offsets[j]:offsets[j + 1]].reshape(a.shape[:-2] + (lengths[j], a.shape[-1]))
-                         for j in range(size)])
-        rec.bytes_sent += a.nbytes * (size - 1)  # as a ring all-gather moves it
-        rec.messages += size - 1
+    gathered, requests = _start_allgather(k, v, plan, comm, rec)
     rec.event("send", posted, step=0, stream=0, dest="all", bytes=(k.nbytes + v.nbytes) * (size - 1))
     acc = _accumulators(q, v)
     progress = lambda: MPI.Request.Testall(requests)  # noqa: E731
     for step in range(plan.n_steps):
         task = plan.tasks(step, rank)[0]
         if step == 1:
-            start = time.perf_counter()
-            wait_until(requests, timeout, rank, "all-gather")
-            rec.wait_time += time.perf_counter() - start
-            rec.events.append(("wait", start, time.perf_counter(), {"step": 0}))
+            _wait_allgather(requests, timeout, rank, rec)
         kv = (k, v) if step == 0 else (gathered[0][task.source], gathered[1][task.source])
         _compute(q, kv, task, plan, rank, scale, acc, rec, progress, step)
         if rec.on_step is not None:
