@@ -1,0 +1,317 @@
+"""A testing kit for anyone testing a ring attention under MPI (pytest, pytest-mpi, hypothesis).
+
+    mpiexec -n 4 python -m pytest --with-mpi -q my_tests/     # with ``from mpiring.testing import ring_comm``
+                                                              # in my_tests/conftest.py (docs/testing.md)
+
+- ``reference`` / ``reference_backward``: dense float64 attention and its gradients, with the mask
+  written directly from the definitions (causal, sliding window, packed documents), grouped-query
+  heads and arbitrary query/key positions (a rank's shard against the whole sequence). Independent
+  of ``mpiring.masks`` and of the tiled kernels, so it can check them.
+- ``TOLERANCE`` and ``assert_attention_close``: one tolerance table, one assertion with a useful message.
+- ``ring_comm``: a pytest fixture over three communicators (COMM_WORLD, a duplicate, COMM_SELF).
+- ``attention_problems``: hypothesis strategy for problems valid on P ranks (hypothesis imported lazily).
+
+Only NumPy is imported here; mpi4py, pytest and hypothesis are imported when first needed.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# and ``ring_comm``, made on first import (it needs pytest)
+__all__ = ["TOLERANCE", "AttentionProblem", "assert_attention_close", "attention_error", "attention_problems",
+           "dense_mask", "local_shards", "reference", "reference_backward", "ring_comm_fixture", "tolerance"]
+
+# Largest error allowed against the float64 reference, per input dtype: absolute for outputs,
+# relative to max(1, max|ref|) for gradients (what="dq", "dk", "dv", "grad..."). float16 and
+# bfloat16 rows are for implementations that compute in those types (NumPy has no bfloat16:
+# its row is looked up by the name "bfloat16", e.g. ml_dtypes' dtype).
+TOLERANCE = {
+    np.dtype(np.float64): 1e-12,
+    np.dtype(np.float32): 1e-5,
+    np.dtype(np.float16): 1e-2,
+    "bfloat16": 3e-2,
+}
+
+
+def tolerance(dtype):
+    """The TOLERANCE entry of a dtype (a NumPy dtype, a type like np.float32, or a name)."""
+    name = getattr(dtype, "name", None) or getattr(dtype, "__name__", None) or str(dtype)
+    if name == "bfloat16":
+        return TOLERANCE["bfloat16"]
+    try:
+        return TOLERANCE[np.dtype(dtype)]
+    except (KeyError, TypeError):
+        raise KeyError(f"no tolerance for dtype {dtype!r}; TOLERANCE has {list(map(str, TOLERANCE))}") from None
+
+
+# ---------------------------------------------------------------- the dense reference
+
+
+def dense_mask(q_positions, k_positions, *, causal=False, window=None, cu_seqlens=None):
+    """Boolean (len(q_positions), len(k_positions)) mask: True where query i may see key j.
+
+    Straight from the definitions, with i, j global token positions:
+    causal: j <= i; window (left, right), -1 unbounded (flash-attn): i - left <= j <= i + right;
+    cu_seqlens [0, e1, ..., S]: i and j lie in the same document [e_d, e_{d+1}).
+    """
+    i = np.asarray(q_positions, np.int64)[:, None]
+    j = np.asarray(k_positions, np.int64)[None, :]
+    ok = np.ones((i.shape[0], j.shape[1]), bool)
+    if causal:
+        ok &= j <= i
+    if window is not None:
+        left, right = (int(w) for w in window)
+        if left >= 0:
+            ok &= j >= i - left
+        if right >= 0:
+            ok &= j <= i + right
+    if cu_seqlens is not None:
+        bounds = np.asarray(cu_seqlens, np.int64)
+        if bounds.ndim != 1 or len(bounds) < 2 or bounds[0] != 0 or np.any(np.diff(bounds) < 0):
+            raise ValueError(f"cu_seqlens must be [0, e1, ..., S], non-decreasing; got {cu_seqlens!r}")
+        # document of a position: the number of boundaries after 0 that are <= it
+        doc_i = np.searchsorted(bounds[1:], i, side="right")
+        doc_j = np.searchsorted(bounds[1:], j, side="right")
+        ok &= doc_i == doc_j
+    return ok
+
+
+def _prepare(q, k, v, q_positions, k_positions, scale, mask_options):
+    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+    if q.ndim < 2 or k.ndim != q.ndim or v.ndim != q.ndim:
+        raise ValueError(f"q, k, v must be (..., seq, dim) with the same number of axes; got "
+                         f"{q.shape}, {k.shape}, {v.shape}")
+    if q.ndim >= 3 and k.shape[-3] != q.shape[-3]:
+        hq, hk = q.shape[-3], k.shape[-3]
+        if hk == 0 or hq % hk:
+            raise ValueError(f"q heads ({hq}) must be a multiple of k/v heads ({hk})")
+        # grouped-query: query head h uses K/V head h // g, i.e. each K/V head repeated g times
+        k, v = np.repeat(k, hq // hk, axis=-3), np.repeat(v, hq // hk, axis=-3)
+    qp = np.arange(q.shape[-2]) if q_positions is None else np.asarray(q_positions)
+    kp = np.arange(k.shape[-2]) if k_positions is None else np.asarray(k_positions)
+    if len(qp) != q.shape[-2] or len(kp) != k.shape[-2]:
+        raise ValueError(f"{len(qp)} query positions for {q.shape[-2]} queries, {len(kp)} key positions "
+                         f"for {k.shape[-2]} keys")
+    mask = dense_mask(qp, kp, **mask_options)
+    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return q, k, v, mask, scale
+
+
+def _probabilities(q, k, mask, scale):
+    """Softmax probabilities and log-sum-exp; rows that see no key get p = 0 and lse = -inf."""
+    s = np.where(mask, q @ np.swapaxes(k, -1, -2) * scale, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(s - m)
+    den = e.sum(axis=-1, keepdims=True)
+    p = e / np.where(den > 0, den, 1.0)
+    lse = np.where(den > 0, m + np.log(np.where(den > 0, den, 1.0)), -np.inf)[..., 0]
+    return p, lse
+
+
+def reference(q, k, v, *, causal=False, window=None, cu_seqlens=None, q_positions=None, k_positions=None,
+              scale=None):
+    """Dense attention in float64: ``(out, lse)``.
+
+    q (..., Hq, Sq, D), k (..., Hk, Sk, D), v (..., Hk, Sk, Dv), Hq a multiple of Hk (head h uses
+    K/V head h // (Hq/Hk)); 2-D (S, D) arrays work too. ``q_positions`` / ``k_positions`` are the
+    global token positions of the rows (default arange), so a rank's queries can be checked against
+    the whole sequence: ``reference(q_local, K, V, q_positions=shard_indices(S, P, rank), causal=True)``.
+    Rows that see no key get out 0 and lse -inf. The default scale is 1/sqrt(D).
+    """
+    q, k, v, mask, scale = _prepare(q, k, v, q_positions, k_positions, scale,
+                                    {"causal": causal, "window": window, "cu_seqlens": cu_seqlens})
+    p, lse = _probabilities(q, k, mask, scale)
+    return p @ v, lse
+
+
+def reference_backward(dout, q, k, v, *, causal=False, window=None, cu_seqlens=None, q_positions=None,
+                       k_positions=None, scale=None):
+    """Dense gradients of ``reference``'s output in float64: ``(dq, dk, dv)`` for the loss sum(dout * out).
+
+    dP = dout v^T, dS = P * (dP - rowsum(dout * out)), dq = scale dS k, dk = scale dS^T q, dv = P^T dout;
+    grouped-query K/V gradients are summed over the query heads that share them.
+    """
+    hk = np.shape(k)[-3] if np.ndim(k) >= 3 else None
+    q, kr, vr, mask, scale = _prepare(q, k, v, q_positions, k_positions, scale,
+                                      {"causal": causal, "window": window, "cu_seqlens": cu_seqlens})
+    dout = np.asarray(dout, dtype=np.float64)
+    p, _ = _probabilities(q, kr, mask, scale)
+    out = p @ vr
+    dv = np.swapaxes(p, -1, -2) @ dout
+    dp = dout @ np.swapaxes(vr, -1, -2)
+    ds = p * (dp - np.sum(dout * out, axis=-1, keepdims=True))
+    dq = ds @ kr * scale
+    dk = np.swapaxes(ds, -1, -2) @ q * scale
+    if hk is not None and kr.shape[-3] != hk:
+        g = kr.shape[-3] // hk
+        dk = dk.reshape(dk.shape[:-3] + (hk, g) + dk.shape[-2:]).sum(axis=-3)
+        dv = dv.reshape(dv.shape[:-3] + (hk, g) + dv.shape[-2:]).sum(axis=-3)
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------- comparing
+
+
+def attention_error(got, ref, what="out"):
+    """``(max error, index of it)``: absolute for outputs and lse, relative to max(1, max|ref|) for gradients.
+
+    NaN/Inf where the reference is finite counts as an infinite error; -inf lse where the
+    reference also has -inf (a row that sees no key) counts as exact.
+    """
+    got = np.asarray(got, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    if got.shape != ref.shape:
+        raise AssertionError(f"{what}: shape {got.shape}, expected {ref.shape}")
+    if got.size == 0:
+        return 0.0, ()
+    same = (got == ref) | (np.isnan(got) & np.isnan(ref))  # covers matching infinities
+    with np.errstate(invalid="ignore"):
+        err = np.where(same, 0.0, np.abs(got - ref))
+    err = np.where(np.isnan(err), np.inf, err)
+    if _is_gradient(what):
+        finite = ref[np.isfinite(ref)]
+        err = err / max(1.0, float(np.max(np.abs(finite), initial=0.0)))
+    index = np.unravel_index(int(np.argmax(err)), err.shape)
+    return float(err[index]), tuple(int(i) for i in index)
+
+
+def _is_gradient(what):
+    return what.lower().startswith(("dq", "dk", "dv", "grad", "d_"))
+
+
+def assert_attention_close(out, ref, dtype, what="out"):
+    """Raise AssertionError unless ``out`` is within ``tolerance(dtype)`` of the float64 ``ref``.
+
+    ``dtype`` is the dtype the computation ran in (float32 work is judged by the float32 row even
+    if it returns float64). Gradients (``what`` starting with dq, dk, dv, grad) are judged relative
+    to max(1, max|ref|). The message names the largest error, its index and the tolerance.
+    """
+    tol = tolerance(dtype)
+    error, index = attention_error(out, ref, what)
+    if not error <= tol:
+        got = float(np.asarray(out, dtype=np.float64)[index])
+        want = float(np.asarray(ref, dtype=np.float64)[index])
+        kind = "relative error (to max(1, max|ref|))" if _is_gradient(what) else "error"
+        raise AssertionError(f"{what}: max {kind} {error:.3g} at index {index} (got {got:.17g}, reference "
+                             f"{want:.17g}) exceeds the {np.dtype(dtype).name if dtype != 'bfloat16' else dtype} "
+                             f"tolerance {tol:g}")
+    return error
+
+
+# ---------------------------------------------------------------- pytest fixture
+
+
+def ring_comm_fixture(params=("world", "dup", "self")):
+    """A pytest fixture over the named communicators; ``ring_comm`` is ``ring_comm_fixture()``."""
+    import pytest
+
+    unknown = set(params) - {"world", "dup", "self"}
+    if unknown:
+        raise ValueError(f"unknown communicators {sorted(unknown)}; choose from world, dup, self")
+
+    @pytest.fixture(params=list(params))
+    def ring_comm(request):
+        """A communicator to run a ring on: COMM_WORLD, a duplicate of it (freed after the test), or COMM_SELF.
+
+        A ring must work on any communicator, not only COMM_WORLD: on a duplicate its messages
+        cannot mix with the caller's, and on COMM_SELF it is a ring of one rank.
+        """
+        from mpi4py import MPI
+
+        if request.param == "world":
+            yield MPI.COMM_WORLD
+        elif request.param == "self":
+            yield MPI.COMM_SELF
+        else:
+            comm = MPI.COMM_WORLD.Dup()
+            try:
+                yield comm
+            finally:
+                comm.Free()
+
+    return ring_comm
+
+
+def __getattr__(name):
+    # ``ring_comm`` is made on first use, so ``import mpiring.testing`` needs no pytest
+    if name == "ring_comm":
+        fixture = ring_comm_fixture()
+        globals()["ring_comm"] = fixture
+        return fixture
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def local_shards(arrays, comm, layout="contiguous"):
+    """This rank's shards of full arrays (sequence on axis -2) and its token positions."""
+    from . import shard, shard_indices
+
+    seq_len = arrays[0].shape[-2]
+    pieces = [np.ascontiguousarray(shard(a, comm.Get_size(), comm.Get_rank(), layout)) for a in arrays]
+    return pieces, shard_indices(seq_len, comm.Get_size(), comm.Get_rank(), layout)
+
+
+# ---------------------------------------------------------------- hypothesis
+
+
+@dataclass(frozen=True)
+class AttentionProblem:
+    """One drawn problem: shapes and mask options valid for ``P`` ranks (seq_len >= P)."""
+
+    P: int
+    seq_len: int
+    heads: int
+    kv_heads: int
+    dim: int
+    dtype: type
+    causal: bool
+    window: tuple | None
+    cu_seqlens: tuple | None
+
+    @property
+    def options(self):
+        """The mask options as keyword arguments for ``reference`` (and for mpiring.ring_attention)."""
+        cu = None if self.cu_seqlens is None else np.array(self.cu_seqlens)
+        return {"causal": self.causal, "window": self.window, "cu_seqlens": cu}
+
+    def arrays(self, seed=0):
+        """Full q (heads, S, dim), k and v (kv_heads, S, dim) in ``dtype``, the same for the same seed."""
+        rng = np.random.default_rng(seed)
+        q = rng.standard_normal((self.heads, self.seq_len, self.dim)).astype(self.dtype)
+        k = rng.standard_normal((self.kv_heads, self.seq_len, self.dim)).astype(self.dtype)
+        v = rng.standard_normal((self.kv_heads, self.seq_len, self.dim)).astype(self.dtype)
+        return q, k, v
+
+
+def attention_problems(P, dtype=np.float64, max_tokens_per_rank=8, max_heads=4, max_dim=16, masks=True):
+    """A hypothesis strategy of ``AttentionProblem``s for ``P`` ranks.
+
+    seq_len in [P, P * max_tokens_per_rank]; heads in [1, max_heads] and kv_heads a divisor of it
+    (grouped-query); dim in [1, max_dim]; with ``masks``: causal or not, an optional sliding window
+    (left, right) with -1 for unbounded, optional packed documents cu_seqlens = (0, ..., seq_len).
+    """
+    from hypothesis import strategies as st
+
+    if P < 1 or max_tokens_per_rank < 1:
+        raise ValueError(f"need P >= 1 and max_tokens_per_rank >= 1, got {P}, {max_tokens_per_rank}")
+
+    @st.composite
+    def problems(draw):
+        seq_len = draw(st.integers(P, P * max_tokens_per_rank))
+        heads = draw(st.integers(1, max_heads))
+        kv_heads = draw(st.sampled_from([d for d in range(1, heads + 1) if heads % d == 0]))
+        dim = draw(st.integers(1, max_dim))
+        causal = draw(st.booleans()) if masks else False
+        window = None
+        if masks and draw(st.booleans()):
+            side = st.integers(-1, seq_len)
+            window = (draw(side), draw(side))
+        cu_seqlens = None
+        if masks and draw(st.booleans()):
+            inner = draw(st.lists(st.integers(1, max(1, seq_len - 1)), max_size=4, unique=True))
+            cu_seqlens = tuple([0] + sorted(b for b in inner if 0 < b < seq_len) + [seq_len])
+        return AttentionProblem(P, seq_len, heads, kv_heads, dim, np.dtype(dtype).type, causal, window,
+                                cu_seqlens)
+
+    return problems()
