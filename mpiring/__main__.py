@@ -161,7 +161,7 @@ def run(args, comm):
     from threadpoolctl import threadpool_limits
 
     from .costmodel import calibrate, predicted_bytes_sent, ring_attention_context_parallel
-    from .kernels import reference_attention
+    from .reference import dense_attention
     from .ring import distributed_attention
     from .trace import Progress, format_timeline, timing_report
 
@@ -214,8 +214,7 @@ def run(args, comm):
           f"(4*B*H*D*visible pairs = {flops / 1e9:.3f} GFLOP)")
     ok = agrees and all(r["bytes_sent"] == p for r, p in zip(records, predicted))
     if not args.no_verify:
-        klo, khi = _full_mask(plan)
-        ref, _ = reference_attention(Q, K, V, klo=klo, khi=khi)
+        ref, _ = dense_attention(Q, K, V, mask=_reference_mask(args))
         err = float(np.max(np.abs(out - ref)))
         tol = VERIFY_TOL[dtype.type]
         ok = ok and err <= tol
@@ -235,12 +234,17 @@ def run(args, comm):
 VERIFY_TOL = {np.float64: 1e-10, np.float32: 1e-4}
 
 
-def _full_mask(plan):
-    """The plan's mask over the whole sequence, for the single-process reference."""
-    from .masks import visible_keys
+def _reference_mask(args):
+    """Rows a:b of the mask asked for on the command line, from the definitions (``mpiring.reference``).
 
-    pos = np.arange(plan.seq_len)
-    return visible_keys(pos, pos, causal=plan.causal, window=plan.window, cu_seqlens=plan.cu_seqlens)
+    Built from the arguments, not from the plan or ``mpiring.masks``: a bug in
+    the code under test cannot make its own reference agree with it.
+    """
+    from .reference import definition_mask
+
+    pos = np.arange(args.seq_len)
+    return lambda a, b: definition_mask(pos[a:b], pos, causal=args.causal, window=args.window,
+                                        cu_seqlens=args.cu_seqlens)
 
 
 def _write_trace_and_plot(args, records, title):
@@ -265,7 +269,7 @@ def _run_backward(args, comm, Q, K, V, variant):
     """``run --backward``: forward and backward through the ring, both checked against float64 references."""
     from .backward import distributed_attention_backward, predicted_backward_bytes
     from .costmodel import predicted_bytes_sent
-    from .kernels import reference_attention, reference_attention_backward
+    from .reference import dense_attention, dense_attention_backward
 
     rank, size = comm.Get_rank(), comm.Get_size()
     dtype = np.dtype(args.dtype)
@@ -305,11 +309,10 @@ def _run_backward(args, comm, Q, K, V, variant):
     ok = agrees and all(r["bytes_sent"] == p and r["messages"] == bwd_messages for r, p in zip(records, bwd_bytes))
     ok = ok and all(r["forward"]["bytes_sent"] == p for r, p in zip(records, fwd_bytes))
     if not args.no_verify:
-        klo, khi = _full_mask(plan)
         tol = VERIFY_TOL[dtype.type]
         got = (out, dQ, dK, dV)
-        want = (reference_attention(Q, K, V, klo=klo, khi=khi)[0],) + reference_attention_backward(dOut, Q, K, V,
-                                                                                                   klo=klo, khi=khi)
+        mask = _reference_mask(args)
+        want = (dense_attention(Q, K, V, mask=mask)[0],) + dense_attention_backward(dOut, Q, K, V, mask=mask)
         print(f"\nmax abs error vs single-process float64 reference (tolerance {tol:g}):")
         for name, a, b in zip(("out", "dQ", "dK", "dV"), got, want):
             err = float(np.max(np.abs(a - b)))

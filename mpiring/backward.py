@@ -18,7 +18,7 @@ from mpi4py import MPI
 
 from .comm import Buffers, RingComm, wait_until
 from .costmodel import predicted_bytes_sent
-from .kernels import attention_block_backward
+from .kernels import LSE_LIMIT, attention_block_backward
 from .ring import (Record, _agree_outcome, _allgather, _canonical, _compared, _describe, _differences,
                    _flat_blocks, _gather, _local_problem, _receive_buffers, _recorded_schedule, _root_problem,
                    _scatter, _setup, _shift, _start_allgather, _summary, _timeout_problem, _verdict,
@@ -48,6 +48,11 @@ def _grad_problem(dout, q, k, v, out, lse):
                 return f"{name} must have shape {shape} (from q and v), got {a.shape}"
             if a.dtype != q.dtype:
                 return f"{name} must have the dtype of q ({q.dtype}), got {a.dtype}"
+        peak = float(np.max(np.abs(lse), initial=0, where=np.isfinite(lse)))
+        if peak > LSE_LIMIT[q.dtype]:
+            return (f"lse reaches {peak:.3g}: the probabilities exp(scale q.k - lse) are recomputed from lse, "
+                    f"and in {q.dtype} beyond |lse| = {LSE_LIMIT[q.dtype]:g} they lose more than 0.1 % "
+                    f"(the gradient would be wrong); rescale q, k or the softmax scale")
     except Exception as exc:  # reported collectively, never raised alone
         return _describe(exc)
     return None

@@ -55,6 +55,14 @@ PROGRESS_INTERVAL = 0.002
 # A tile row sum above this triggers the exact (rescaling) path: keeps the
 # accumulators far from overflow.  Exponents are in log2 units.
 _LIMIT_LOG2 = {np.dtype(np.float32): 64.0, np.dtype(np.float64): 512.0}
+# Above this bound on |scores| (log2 units, max row norms of q and k) the rounding of a
+# score computed in the input dtype, with the offset folded into the GEMM, can reach one
+# unit of log2: such tiles take the exact float64 path (``_exact_rows``, ``_exact_probs``).
+# About (D+1) eps |q||k| is the error bound; 1/(256 eps) leaves room for D up to 255.
+_EXACT_ABOVE = {np.dtype(np.float32): 1 / (256 * 2.0 ** -23), np.dtype(np.float64): 1 / (256 * 2.0 ** -52)}
+# |lse| above which exp(s - lse), recomputed in the backward pass, is off by more than ~0.1 %
+# from the rounding of lse alone (2**-10 / eps): such gradients are refused, not returned wrong.
+LSE_LIMIT = {np.dtype(np.float32): 2.0 ** 13, np.dtype(np.float64): 2.0 ** 42}
 # exp2 below this is subnormal/zero and very slow; such scores are clipped up
 # to it (adds < Sk * 2**-126 relative to a row sum >= 1: far below rounding).
 _FLOOR_LOG2 = {np.dtype(np.float32): -126.0, np.dtype(np.float64): -1022.0}
@@ -303,6 +311,8 @@ def attention_block(q, k, v, scale=None, klo=None, khi=None, *, padded=False, in
     # kt's row of ones meets -m in q's extra column; p @ vt.T also gives the row sums
     kn = _tile_max_norm_t(kt[:, :d], tk)     # for the cheap "can exp2 underflow?" test
     qn = _tile_max_norm(sh.q, tq) * abs(c2)
+    exact = ~(qn * kn.max() <= _EXACT_ABOVE[dt])   # query tiles whose scores are too large (or inf/NaN)
+    sees = None if lo is None else hi > lo    # rows that see at least one key of this block
 
     nq = min(tq, sq)
     qa_buf = _scratch("qa", b * g * nq * (d + 1), dt)
@@ -327,7 +337,7 @@ def attention_block(q, k, v, scale=None, klo=None, khi=None, *, padded=False, in
             m_top = m.max()
             acc = acc_buf[:b * rows * (dv + 1)].reshape(b, g, e - a, dv + 1)
             acc.fill(0)
-            for c, dd, r0, r1, mask, t in tiles.row_block(a, e):
+            for c, dd, r0, r1, mask, t in [] if exact[it] else tiles.row_block(a, e):
                 n, cols = r1 - r0, dd - c
                 qt = qa[:, :, r0:r1].reshape(b, g * n, d + 1)   # a copy only if g > 1 and rows trimmed
                 s = s_buf[:b * g * n * cols].reshape(b, g * n, cols)
@@ -359,6 +369,19 @@ def attention_block(q, k, v, scale=None, klo=None, khi=None, *, padded=False, in
                 tile_lse = tile_lse_buf[:b * rows].reshape(b, g, e - a)
             np.divide(acc[..., :dv], np.where(ok, l, 1)[..., None], out=tile_out)
             tile_lse[...] = np.where(ok, (m + np.log2(l)) * LN2, -np.inf)
+            # A row sum is >= 1 in exact arithmetic (the offset is one of the row's scores, or
+            # its max). Below 1/2, or not finite, rounding beat the fast path: redo those rows.
+            redo = ~((l >= 0.5) & np.isfinite(acc).all(axis=-1)) if not exact[it] else np.ones(l.shape, bool)
+            if sees is not None:
+                redo &= sees[a:e]
+            if redo.any():
+                idx = np.flatnonzero(redo.any(axis=(0, 1)))
+                ex_out, ex_lse = _exact_rows(sh.q[:, :, a:e][:, :, idx], kt, vt, scale,
+                                             None if lo is None else lo[a:e][idx],
+                                             None if hi is None else hi[a:e][idx])
+                pick = redo[:, :, idx]
+                tile_out[:, :, idx] = np.where(pick[..., None], ex_out, tile_out[:, :, idx])
+                tile_lse[:, :, idx] = np.where(pick, ex_lse, tile_lse[:, :, idx])
             if into is not None:
                 merge_(out[:, :, a:e], lse[:, :, a:e], tile_out, tile_lse)
     return _unflatten(out, lse, sh) if into is None else into
@@ -383,6 +406,38 @@ def _exact_tile(qt, ktt, vtt, mask, s4, pv, acc, m):
     acc *= np.exp2(-inc)[..., None]
     acc += pv.reshape(acc.shape)
     m += inc
+
+
+def _exact_rows(q, kt, vt, scale, lo=None, hi=None):
+    """Attention of query rows ``q`` (b, g, n, d) in float64 with the true row max: ``(out, lse)``.
+
+    The slow path that is right for any finite logits: scores in float64, the
+    row max subtracted exactly, as the textbook softmax. ``kt``, ``vt`` are the
+    kernel's [k | 1]^T, [v | 1]^T (b, d+1, sk); rows see keys lo <= j < hi.
+    Raises FloatingPointError if the logits themselves overflow float64.
+    """
+    b, g, n, d = q.shape
+    dv, sk = vt.shape[1] - 1, kt.shape[-1]
+    k64 = kt[:, None, :d].astype(np.float64)
+    v64 = np.swapaxes(vt[:, None, :dv], -1, -2).astype(np.float64)
+    out, lse = np.zeros((b, g, n, dv)), np.full((b, g, n), -np.inf)
+    step = max(1, (1 << 22) // max(1, b * g * sk))   # rows per chunk: scores of at most 4M entries
+    with np.errstate(over="ignore", invalid="ignore"):
+        for r0 in range(0, n, step):
+            r1 = min(r0 + step, n)
+            s = np.matmul(q[:, :, r0:r1].astype(np.float64), k64) * scale
+            if lo is not None:
+                cols = np.arange(sk)
+                s = np.where((cols >= lo[r0:r1, None]) & (cols < hi[r0:r1, None]), s, -np.inf)
+            m = s.max(axis=-1, keepdims=True)
+            if np.any(m == np.inf) or np.isnan(m).any():
+                raise FloatingPointError("attention logits overflow float64: scale * q.k is beyond "
+                                         f"{np.finfo(np.float64).max:.3g}; rescale q, k or the softmax scale")
+            p = np.exp(s - np.where(np.isfinite(m), m, 0))
+            den = p.sum(axis=-1)
+            out[:, :, r0:r1] = np.matmul(p, v64) / np.where(den > 0, den, 1)[..., None]
+            lse[:, :, r0:r1] = np.where(den > 0, m[..., 0] + np.log(np.where(den > 0, den, 1)), -np.inf)
+    return out, lse
 
 
 def _unflatten(out, lse, sh):
@@ -451,6 +506,10 @@ def attention_block_backward(dout, q, k, v, out, lse, scale=None, klo=None, khi=
         delta3 = np.einsum("bgsd,bgsd->bgs", do4, np.asarray(out).reshape(b, g, sq, dv))
     else:
         delta3 = np.asarray(delta).reshape(b, g, sq)
+    peak = float(np.max(np.abs(lse3), initial=0, where=np.isfinite(lse3)))
+    if peak > LSE_LIMIT[dt]:
+        raise FloatingPointError(f"|lse| reaches {peak:.3g}, beyond {LSE_LIMIT[dt]:g} for {dt}: the recomputed "
+                                 "probabilities exp(scale q.k - lse) would be wrong; rescale q, k or the scale")
     dq = np.zeros((b, g, sq, d), dt)
     dk = np.zeros((b, sk, d), dt)
     dvv = np.zeros((b, sk, dv), dt)
@@ -483,7 +542,9 @@ def attention_block_backward(dout, q, k, v, out, lse, scale=None, klo=None, khi=
             np.multiply(sh.q[:, :, a:e], c2, out=qa[..., :d])
             np.copyto(doa[..., :dv], do4[:, :, a:e])
             np.multiply(lse3[:, :, a:e], -LOG2E, out=qa[..., d])
-            np.negative(delta3[:, :, a:e], out=doa[..., dv])
+            # not np.negative: NumPy 2.3-2.4's negative loop reads some strided views wrongly
+            # (a one-row view of delta gave wrong dQ, dK with few tokens per rank)
+            np.multiply(delta3[:, :, a:e], -1.0, out=doa[..., dv])
             dead = ~np.isfinite(lse3[:, :, a:e])
             if dead.any():
                 qa[dead] = 0
@@ -498,15 +559,19 @@ def attention_block_backward(dout, q, k, v, out, lse, scale=None, klo=None, khi=
                 p = p_buf[:b * g * n * cols].reshape(b, g * n, cols)
                 dp = dp_buf[:b * g * n * cols].reshape(b, g * n, cols)
                 # p = exp2(c2 q.k - lse*log2e): probabilities from the final lse
-                np.matmul(qt, ka[:, c:dd].transpose(0, 2, 1), out=p)
                 p4 = p.reshape(b, g, n, cols)
-                if mask is not None:
-                    p4 *= mask
-                if -qn[it] * kn[t] - top < floor:
-                    np.clip(p, floor, None, out=p)
-                np.exp2(p, out=p)
-                if mask is not None:
-                    p4 *= mask
+                if not qn[it] * kn[t] <= _EXACT_ABOVE[dt]:   # scores too large to fold lse in: float64
+                    p4[...] = _exact_probs(sh.q[:, :, a + r0:a + r1], sh.k[:, c:dd], lse3[:, :, a + r0:a + r1],
+                                           scale, mask)
+                else:
+                    np.matmul(qt, ka[:, c:dd].transpose(0, 2, 1), out=p)
+                    if mask is not None:
+                        p4 *= mask
+                    if -qn[it] * kn[t] - top < floor:
+                        np.clip(p, floor, None, out=p)
+                    np.exp2(p, out=p)
+                    if mask is not None:
+                        p4 *= mask
                 # dv += p^T dout
                 dvt = dvt_buf[:b * cols * dv].reshape(b, cols, dv)
                 np.matmul(p.transpose(0, 2, 1), dot[..., :dv], out=dvt)
@@ -527,6 +592,19 @@ def attention_block_backward(dout, q, k, v, out, lse, scale=None, klo=None, khi=
     dq *= scale
     dk *= LN2                                  # ds^T (c2 q) = scale*log2e * ds^T q
     return _unflatten_grads(dq, dk, dvv, sh)
+
+
+def _exact_probs(q, k, lse, scale, mask):
+    """Probabilities exp(scale q.k - lse) in float64 for rows q (b, g, n, d), keys k (b, cols, d).
+
+    For tiles whose scores are too large for the fast path; at most 1 (lse is
+    the log of the full row sum), 0 where masked or where the row sees no key.
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        s = np.matmul(q.astype(np.float64), np.swapaxes(k, -1, -2)[:, None].astype(np.float64)) * scale
+        p = np.exp(np.minimum(s - lse[..., None].astype(np.float64), 0))
+    p[~np.isfinite(lse)] = 0
+    return p if mask is None else p * mask
 
 
 def _unflatten_grads(dq, dk, dv, sh):

@@ -10,7 +10,8 @@ import numpy as np
 
 __all__ = ["visible_keys", "block_kind", "doc_ids", "check_window", "check_cu_seqlens"]
 
-_BIG = np.iinfo(np.int64).max // 4
+_INT64_MAX = int(np.iinfo(np.int64).max)
+_BIG = _INT64_MAX // 4  # beyond any position: q_pos +/- _BIG cannot wrap around
 
 
 def check_window(window):
@@ -27,6 +28,8 @@ def check_window(window):
             w = -1
         if isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < -1:
             raise ValueError(f"window {name} must be an integer >= 0, or -1/None for unbounded; got {w!r}")
+        if w > _INT64_MAX:
+            raise ValueError(f"window {name} must fit in 64 bits (at most {_INT64_MAX}); got {w!r}")
         out.append(int(w))
     return tuple(out)
 
@@ -65,10 +68,10 @@ def visible_keys(q_pos, k_pos, *, causal=False, window=(-1, -1), cu_seqlens=None
     hi = np.full(q_pos.shape, _BIG, dtype=np.int64)  # last visible position (inclusive)
     if causal:
         np.minimum(hi, q_pos, out=hi)
-    if right >= 0:
-        np.minimum(hi, q_pos + right, out=hi)
+    if right >= 0:  # a window wider than any sequence is clipped: q_pos + right must not wrap around
+        np.minimum(hi, q_pos + min(right, _BIG), out=hi)
     if left >= 0:
-        np.maximum(lo, q_pos - left, out=lo)
+        np.maximum(lo, q_pos - min(left, _BIG), out=lo)
     if cu_seqlens is not None:
         d = doc_ids(q_pos, cu_seqlens)
         np.maximum(lo, cu_seqlens[d], out=lo)

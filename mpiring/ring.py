@@ -221,7 +221,7 @@ def _setup(q, k, v, comm, scale, options, check_finite=False, expected_size=None
     naming each offending rank and argument. Nothing here raises before the
     all-gather, so one rank's bad input cannot leave the others waiting.
     """
-    problem = values = n_local = None
+    problem = values = n_local = peaks = None
     try:
         size = comm.Get_size()
         problem = (_timeout_problem(timeout) or _local_problem(q, k, v, scale, check_finite)
@@ -232,19 +232,46 @@ def _setup(q, k, v, comm, scale, options, check_finite=False, expected_size=None
             values.update({"dtype": _Shown(str(q.dtype)),
                            "scale": _Shown(scale), **_compared(options, timeout)})
             n_local = q.shape[-2]
+            peaks = (_peak(q), _peak(k))
     except Exception as exc:  # whatever goes wrong here is reported collectively, never raised alone
         problem, values = _describe(exc), None
-    metas = _allgather(comm, (problem, values, n_local), timeout)
-    message = _verdict([p for p, _, _ in metas]) or _verdict(_differences([m for _, m, _ in metas], 0))
+    metas = _allgather(comm, (problem, values, n_local, peaks), timeout)
+    message = _verdict([m[0] for m in metas]) or _verdict(_differences([m[1] for m in metas], 0))
     if message:
         raise ValueError(message)
-    lengths = [n for _, _, n in metas]
+    scale = default_scale(q.shape[-1]) if scale is None else float(scale)
+    message = logit_problem(scale, q.shape[-1], max(m[3][0] for m in metas), max(m[3][1] for m in metas), q.dtype)
+    if message:
+        raise ValueError(message)
+    lengths = [m[2] for m in metas]
     plan = make_plan(sum(lengths), comm.Get_size(), **options)  # deterministic, same options: raises everywhere
     expected = [len(s) for s in plan.shards]
     if lengths != expected:
         raise ValueError(f"local sequence lengths {lengths} do not match the {plan.layout} layout of "
                          f"{plan.seq_len} tokens over {plan.size} ranks, which needs {expected}")
-    return plan, default_scale(q.shape[-1]) if scale is None else float(scale)
+    return plan, scale
+
+
+def _peak(a):
+    """Largest |entry| of a, as a float (two passes, no temporary)."""
+    return float(max(a.max(), -a.min())) if a.size else 0.0
+
+
+def logit_problem(scale, dim, q_peak, k_peak, dtype):
+    """Why scale * q.k may overflow ``dtype`` (|q.k| <= dim * max|q| * max|k|), or None.
+
+    Any logits below that bound give a finite lse; beyond it no float arithmetic can.
+    """
+    limit = float(np.finfo(dtype).max) / 16
+    if not (np.isfinite(q_peak) and np.isfinite(k_peak)):
+        return None  # NaN or Inf inputs are not a scale problem: they propagate as in IEEE arithmetic
+    with np.errstate(over="ignore"):
+        bound = float(scale) * dim * q_peak * k_peak
+    if not bound <= limit:
+        return (f"the logits may overflow {np.dtype(dtype)}: scale * dim * max|q| * max|k| = {bound:.3g} "
+                f"(scale {scale:.3g}, dim {dim}, max|q| {q_peak:.3g}, max|k| {k_peak:.3g}) exceeds {limit:.3g}; "
+                f"rescale q, k or the softmax scale")
+    return None
 
 
 # ---------------------------------------------------------------- the ring

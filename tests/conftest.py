@@ -48,6 +48,30 @@ def naive_attention(q, k, v, mask=None, scale=None):
     return np.where(den > 0, p @ v / np.where(den > 0, den, 1), 0.0)
 
 
+def naive_attention_backward(dout, q, k, v, mask=None, scale=None):
+    """Dense float64 gradients (dq, dk, dv) of ``naive_attention``, from the textbook formulas."""
+    dout, q, k, v = (np.asarray(a, np.float64) for a in (dout, q, k, v))
+    g = q.shape[-3] // k.shape[-3] if q.ndim >= 3 else 1
+    kr, vr = (np.repeat(a, g, axis=-3) if g > 1 else a for a in (k, v))
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    s = q @ np.swapaxes(kr, -1, -2) * scale
+    if mask is not None:
+        s = np.where(mask, s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True)
+    e = np.exp(s - np.where(np.isfinite(m), m, 0))
+    den = e.sum(axis=-1, keepdims=True)
+    p = e / np.where(den > 0, den, 1)  # rows that see no key: all zero, no gradient
+    dp = dout @ np.swapaxes(vr, -1, -2)
+    ds = p * (dp - np.sum(dp * p, axis=-1, keepdims=True))
+    dq = ds @ kr * scale
+    dk = np.swapaxes(ds, -1, -2) @ q * scale
+    dv = np.swapaxes(p, -1, -2) @ dout
+    if g > 1:  # each K/V head gets the sum over its group of query heads
+        dk = dk.reshape(k.shape[:-3] + (k.shape[-3], g) + k.shape[-2:]).sum(axis=-3)
+        dv = dv.reshape(v.shape[:-3] + (v.shape[-3], g) + v.shape[-2:]).sum(axis=-3)
+    return dq, dk, dv
+
+
 def dense_mask(seq_len, causal=False, window=None, cu_seqlens=None):
     """Boolean (S, S) mask written independently of mpiring.masks."""
     i = np.arange(seq_len)[:, None]

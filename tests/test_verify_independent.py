@@ -1,0 +1,61 @@
+"""The command line's verification shares no code with what it verifies.
+
+    python -m pytest -q tests/test_verify_independent.py
+
+A broken mask inside the ring (here: windows ignored, or window ends that wrap
+around 64 bits as they once did) must make ``run`` report VERIFICATION FAILED,
+because the reference builds its mask from the definitions (mpiring.reference).
+"""
+
+import numpy as np
+import pytest
+
+from mpiring import masks, schedule
+from mpiring.__main__ import main
+from mpiring.reference import definition_mask
+
+
+def _ignore_window(q_pos, k_pos, *, causal=False, window=(-1, -1), cu_seqlens=None):
+    return masks.visible_keys(q_pos, k_pos, causal=causal, cu_seqlens=cu_seqlens)
+
+
+def _wrapping_window(q_pos, k_pos, *, causal=False, window=(-1, -1), cu_seqlens=None):
+    """The old overflow: q_pos + right computed in int64 wraps to a negative end."""
+    left, right = window
+    with np.errstate(over="ignore"):
+        hi = np.asarray(q_pos, np.int64) + np.int64(right)
+    klo = np.searchsorted(k_pos, np.asarray(q_pos) - (left if left >= 0 else len(k_pos) + max(q_pos)), side="left")
+    khi = np.maximum(np.searchsorted(k_pos, hi, side="right"), klo)
+    return klo, khi
+
+
+@pytest.mark.parametrize("broken,window", [(_ignore_window, ["3", "0"]),
+                                           (_wrapping_window, ["-1", str(2**63 - 1)])])
+def test_a_broken_mask_fails_verification(monkeypatch, capsys, broken, window):
+    argv = ["run", "--seq-len", "48", "--heads", "2", "--dim", "8", "--dtype", "float64", "--window", *window]
+    assert main(argv) == 0  # the real masks verify
+    monkeypatch.setattr(schedule, "visible_keys", broken)
+    assert main(argv) == 1
+    assert "VERIFICATION FAILED" in capsys.readouterr().out
+
+
+def test_definition_mask_reads_like_the_definitions():
+    pos = np.arange(6)
+    assert definition_mask(pos, pos, causal=True).sum() == 21
+    band = definition_mask(pos, pos, window=(1, 2**70))  # a right window beyond 64 bits: everything right
+    assert band[3].tolist() == [False, False, True, True, True, True]
+    docs = definition_mask(pos, pos, cu_seqlens=[0, 2, 2, 6])  # an empty middle document
+    assert docs[1].tolist() == [True, True, False, False, False, False]
+    assert docs[2].tolist() == [False, False, True, True, True, True]
+
+
+def test_windows_wider_than_any_sequence():
+    """A window end near 2**63 means 'unbounded'; beyond 64 bits it is a clear ValueError."""
+    from mpiring import make_plan
+
+    plan = make_plan(96, 2, window=(-1, 2**63 - 1))
+    assert plan.visible_pairs() == [48 * 96, 48 * 96]
+    plan = make_plan(96, 2, causal=True, window=(2**63 - 1, 2**63 - 1))
+    assert sum(plan.visible_pairs()) == 96 * 97 // 2
+    with pytest.raises(ValueError, match="must fit in 64 bits"):
+        make_plan(96, 2, window=(-1, 2**63))
