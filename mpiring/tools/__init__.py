@@ -1,0 +1,1 @@
+"""Tools built on mpiring (the grader and the deadlock demo among them)."""
