@@ -1,17 +1,30 @@
-"""mpiring: ring attention (context parallelism) on CPUs with real MPI and NumPy."""
+"""mpiring: ring attention (context parallelism) on CPUs with real MPI and NumPy.
 
-from .backward import distributed_attention_backward, predicted_backward_bytes, ring_attention_backward
-from .costmodel import predicted_bytes_sent, ring_attention_context_parallel
-from .kernels import (attention_block, attention_block_backward, merge, reference_attention,
-                      reference_attention_backward)
+Planning, the cost model, the kernels, the references and the one-process
+simulator need no MPI: ``import mpiring`` starts MPI only when an MPI-backed
+name (``ring_attention``, ``distributed_attention``, ...) is first used.
+"""
+
+import importlib
+
+from .costmodel import predicted_backward_bytes, predicted_bytes_sent, ring_attention_context_parallel
+from .kernels import attention_block, attention_block_backward, merge
 from .layouts import LAYOUTS, shard, shard_indices, unshard
 from .masks import visible_keys
-from .ring import Record, distributed_attention, ring_attention
-from .schedule import MODES, Schedule, Task, make_plan
+from .plan import MODES, Schedule, Task, make_plan
+from .record import Record
+from .reference import reference_attention, reference_attention_backward
 from .simulate import ring_attention_simulate, simulate
 
+# MPI-backed names: module that defines each, imported on first use (PEP 562)
+_LAZY = {
+    "ring_attention": "ring", "ring_attention_backward": "backward",
+    "distributed_attention": "distributed", "distributed_attention_backward": "distributed",
+    "CommTimeout": "comm",
+}
+
 __all__ = [
-    "ring_attention", "distributed_attention", "Record",
+    "ring_attention", "distributed_attention", "Record", "CommTimeout",
     "ring_attention_backward", "distributed_attention_backward", "predicted_backward_bytes",
     "attention_block_backward", "reference_attention_backward",
     "ring_attention_simulate", "simulate",
@@ -21,3 +34,15 @@ __all__ = [
     "MODES", "Schedule", "Task", "make_plan",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

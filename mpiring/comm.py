@@ -1,11 +1,17 @@
-"""Point-to-point traffic of the ring, on a private duplicate of the communicator."""
+"""How blocks move: the ring's transfers on a private communicator, the hop home, the all-gather.
 
+Everything here talks to MPI; what to send when comes from the plan
+(``mpiring.plan``), what to compute from ``mpiring.block``.
+"""
+
+import pickle
 import time
 
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["RingComm", "CommTimeout", "wait_until", "Buffers", "KVBuffers"]
+__all__ = ["RingComm", "HomeRing", "CommTimeout", "wait_until", "allgather", "Buffers", "KVBuffers",
+           "next_buffers", "shift", "flat_blocks", "start_allgather", "wait_allgather", "payload_bytes"]
 
 
 class CommTimeout(RuntimeError):
@@ -25,6 +31,26 @@ def wait_until(requests, timeout, rank, what, start=None):
         time.sleep(1e-4)
 
 
+def allgather(comm, obj, timeout=None):
+    """``comm.allgather(obj)`` that raises CommTimeout if some rank does not join in time.
+
+    Always non-blocking collectives (they never match blocking ones), so ranks
+    with and without a timeout still pair up.
+    """
+    valid = isinstance(timeout, (int, float, np.integer, np.floating)) and not isinstance(timeout, (bool, np.bool_))
+    if not (valid and np.isfinite(timeout) and timeout > 0):
+        timeout = None  # a bad timeout is reported by the agreement itself, after this exchange
+    start, rank = time.perf_counter(), comm.Get_rank()
+    data = np.frombuffer(pickle.dumps(obj), np.uint8)
+    sizes = np.empty(comm.Get_size(), np.int64)
+    mine = np.array([data.size], np.int64)
+    wait_until([comm.Iallgather(mine, sizes)], timeout, rank, "agreement", start)
+    flat = np.empty(int(sizes.sum()), np.uint8)
+    wait_until([comm.Iallgatherv(data, [flat, sizes])], timeout, rank, "agreement", start)
+    offsets = np.cumsum(np.concatenate([[0], sizes]))
+    return [pickle.loads(flat[offsets[r]:offsets[r + 1]].tobytes()) for r in range(len(sizes))]
+
+
 class RingComm:
     """Neighbours of this rank and the non-blocking K/V transfers between them.
 
@@ -32,6 +58,8 @@ class RingComm:
     while receiving the following blocks from the previous one, ``progress``
     lets MPI move data while the caller computes, and ``wait`` completes the
     transfers. Counters record bytes, messages and time spent blocked in wait.
+    Owns a duplicate of the caller's communicator: use it as a context manager
+    (``with RingComm(comm) as ring:``) or call ``free()``.
     """
 
     def __init__(self, comm):
@@ -45,6 +73,12 @@ class RingComm:
         self.bytes_sent = 0
         self.messages = 0
         self.wait_time = 0.0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.free()
 
     @staticmethod
     def _tag(stream, index):
@@ -167,3 +201,119 @@ class KVBuffers(Buffers):
         for view, a in zip(views, arrays):
             view[..., :-1, :] = np.swapaxes(a, -1, -2)
         return views
+
+
+class HomeRing(RingComm):
+    """The hop home: a stream's last visitor sends each block's partial to its owner, R ranks back.
+
+    Unlike ``RingComm.shift`` (all arrays at once), a partial goes home in key
+    chunks: ``send_chunk`` sends keys lo:hi of dK and dV as soon as they are
+    done, and the owner posts the matching receives early (``expect``). A chunk
+    is an MPI subarray datatype (keys lo:hi of every head), so nothing is copied
+    into a send buffer. Tags tell streams, chunks, dK and dV apart; K/V and the
+    onward partials use other communicators.
+    """
+
+    def __init__(self, comm, plan):
+        super().__init__(comm)
+        for stream, rounds in plan.rounds.items():  # the 'neighbours' are a stream's rounds away
+            self.send_rank[stream] = (self.rank - stream * rounds) % self.size
+            self.recv_rank[stream] = (self.rank + stream * rounds) % self.size
+        self._types = {}
+
+    @staticmethod
+    def _chunk_tag(stream, chunk, index):
+        return 4 * chunk + (0 if stream > 0 else 2) + index
+
+    def _keys(self, a, lo, hi):
+        """Keys lo:hi of the contiguous (..., n, d) array ``a`` as an MPI message (a subarray datatype)."""
+        rows, n, d = int(np.prod(a.shape[:-2])), a.shape[-2], a.shape[-1]
+        key = (a.dtype.char, rows, n, d, lo, hi)
+        if key not in self._types:
+            base = MPI._typedict[a.dtype.char]
+            self._types[key] = base.Create_subarray([rows, n, d], [rows, hi - lo, d], [0, lo, 0]).Commit()
+        return [a, 1, self._types[key]]
+
+    def expect(self, stream, arrays, chunks):
+        """Post the receives of every key chunk of ``arrays`` (dK, dV of this rank's block) on ``stream``."""
+        for chunk, (lo, hi) in enumerate(chunks):
+            for index, a in enumerate(arrays):
+                self._requests.append(self.comm.Irecv(self._keys(a, lo, hi), source=self.recv_rank[stream],
+                                                      tag=self._chunk_tag(stream, chunk, index)))
+
+    def send_chunk(self, stream, arrays, chunk, lo, hi):
+        """Start sending keys lo:hi of ``arrays`` (a partial's dK, dV) home; returns the bytes."""
+        sent = 0
+        for index, a in enumerate(arrays):
+            self._requests.append(self.comm.Isend(self._keys(a, lo, hi), dest=self.send_rank[stream],
+                                                  tag=self._chunk_tag(stream, chunk, index)))
+            sent += a.nbytes // a.shape[-2] * (hi - lo)
+            self.messages += 1
+        self.bytes_sent += sent
+        return sent
+
+    def free(self):
+        super().free()
+        for t in self._types.values():
+            t.Free()
+        self._types = {}
+
+
+def next_buffers(plan, rank, step, buffers):
+    """Per stream, a buffer for the block it brings next step, where some rank still needs it."""
+    incoming = {}
+    for stream, rounds in plan.rounds.items():
+        if step < rounds:
+            source = plan.held_source(rank, stream, step + 1)
+            incoming[stream] = buffers[stream].take(len(plan.shards[source]))
+    return incoming
+
+
+def shift(ring, sends, recvs, rec, step, data="K/V", pad=0):
+    """Start the next transfers (``ring.shift``) and note one "send" event per stream in ``rec``."""
+    posted = time.perf_counter()
+    ring.shift(sends, recvs, pad)
+    for stream, arrays in sends.items():
+        rec.event("send", posted, step=step, stream=stream, data=data, dest=ring.send_rank[stream],
+                  bytes=sum(payload_bytes(a, pad) for a in arrays))
+
+
+def flat_blocks(template, lengths, dtype, empty=False):
+    """One flat buffer holding a block per rank (``lengths[j]`` tokens shaped like ``template``), and its views.
+
+    Returns ``(flat, counts, views)``: counts are elements per rank, as MPI's
+    v-collectives take them. Zeros unless ``empty``.
+    """
+    per_token = int(np.prod(template.shape[:-2])) * template.shape[-1]
+    counts = [n * per_token for n in lengths]
+    flat = (np.empty if empty else np.zeros)(sum(counts), dtype)
+    offsets = np.cumsum([0] + counts)
+    views = [flat[offsets[j]:offsets[j + 1]].reshape(template.shape[:-2] + (n, template.shape[-1]))
+             for j, n in enumerate(lengths)]
+    return flat, counts, views
+
+
+def start_allgather(k, v, plan, comm, rec):
+    """Post the all-gather of every rank's K and V; returns (per-rank K views, per-rank V views) and the requests.
+
+    Bytes and messages are counted as a ring all-gather moves them.
+    """
+    size = comm.Get_size()
+    lengths = [len(s) for s in plan.shards]
+    gathered, requests = [], []
+    for a in (k, v):
+        flat, counts, views = flat_blocks(a, lengths, a.dtype, empty=True)
+        requests.append(comm.Iallgatherv(a, [flat, counts]))
+        gathered.append(views)
+        rec.bytes_sent += a.nbytes * (size - 1)
+        rec.messages += size - 1
+    return gathered, requests
+
+
+def wait_allgather(requests, timeout, rank, rec):
+    """Complete the all-gather (with the timeout) and note the time blocked as step 0's wait."""
+    start = time.perf_counter()
+    wait_until(requests, timeout, rank, "all-gather")
+    end = time.perf_counter()
+    rec.wait_time += end - start
+    rec.events.append(("wait", start, end, {"step": 0}))

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["ring_attention_context_parallel", "predicted_bytes_sent", "Machine", "PRESETS", "TIME_VARIANTS",
+__all__ = ["ring_attention_context_parallel", "predicted_bytes_sent", "predicted_backward_bytes", "Machine", "PRESETS",
+           "TIME_VARIANTS",
            "block_flops", "time_model", "predict_plan", "calibrate", "format_time_model"]
 
 
@@ -74,6 +75,26 @@ def predicted_bytes_sent(plan, kv_width, itemsize):
 
 
 # ---------------------------------------------------------------- time model: alpha-beta links, FLOP rate
+
+def predicted_backward_bytes(plan, kv_width, itemsize, grad_itemsize=8):
+    """Bytes each rank sends in the backward pass; ``kv_width`` = elements of K plus V per token.
+
+    Ring modes: at steps 0 .. R-1 of a stream the rank sends the K/V block it
+    holds, at steps 1 .. R the dK/dV partial of the block it holds (in
+    ``grad_itemsize`` bytes per element: float64 today). All-gather: K/V as the forward pass
+    counts them, then every block but the rank's own once as dK/dV.
+    """
+    n = [len(s) for s in plan.shards]
+    sent = []
+    for rank, kv_bytes in enumerate(predicted_bytes_sent(plan, kv_width, itemsize)):  # K/V: as forward
+        if plan.mode == "allgather":
+            grads = sum(n) - n[rank]
+        else:
+            grads = sum(n[plan.held_source(rank, d, s)] for d, rounds in plan.rounds.items()
+                        for s in range(1, rounds + 1))
+        sent.append(kv_bytes + kv_width * grads * grad_itemsize)
+    return sent
+
 
 TIME_VARIANTS = ("contiguous", "zigzag", "striped", "bidirectional", "allgather")
 

@@ -29,28 +29,28 @@ disappear.  Mathematically this is exactly the softmax; only rounding differs.
 """
 
 import math
-import threading
-import time
 
 import numpy as np
 
-__all__ = [
-    "attention_block", "attention_block_backward", "merge", "merge_",
-    "reference_attention", "reference_attention_backward", "default_tiles",
-    "release_workspace", "default_scale", "pad_ones",
-]
+from .tiles import (
+    Progress,
+    Shapes,
+    Tiles,
+    as_view,
+    default_scale,
+    default_tiles,
+    mask_arrays,
+    pad_ones,
+    scratch,
+    tile_max_norm,
+    tile_max_norm_t,
+    with_ones,
+)
+
+__all__ = ["attention_block", "attention_block_backward", "merge", "default_scale", "pad_ones", "LSE_LIMIT"]
 
 LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)
-
-# Default tiles, measured on a 2-core AMD EPYC (Zen 4), 1 BLAS thread, H=8,
-# S=4096 (NOTES.md): 512 x 256 for float32, 256 x 256 for float64, i.e. the
-# score tile of one head is 512 KiB.  Larger query tiles make better GEMMs;
-# larger key tiles spill the per-call scratch (H * tile_q * tile_k) from cache.
-TILE_BYTES = 512 * 1024
-TILE_K = 256
-# Seconds of compute between two calls of the progress callback.
-PROGRESS_INTERVAL = 0.002
 
 # A tile row sum above this triggers the exact (rescaling) path: keeps the
 # accumulators far from overflow.  Exponents are in log2 units.
@@ -67,189 +67,6 @@ LSE_LIMIT = {np.dtype(np.float32): 2.0 ** 13, np.dtype(np.float64): 2.0 ** 42}
 # to it (adds < Sk * 2**-126 relative to a row sum >= 1: far below rounding).
 _FLOOR_LOG2 = {np.dtype(np.float32): -126.0, np.dtype(np.float64): -1022.0}
 
-
-def default_tiles(d, dtype):
-    """Default (tile_q, tile_k) for head dim d and dtype (d did not matter: 64 and 128)."""
-    return TILE_BYTES // (TILE_K * np.dtype(dtype).itemsize), TILE_K
-
-
-# ---------------------------------------------------------------- helpers
-
-def default_scale(dim):
-    """Softmax scale 1/sqrt(dim), as in torch SDPA."""
-    return 1.0 / np.sqrt(dim)
-
-
-
-class _Shapes:
-    """Views of q, k, v as (B, g, Sq, D), (B, Sk, D), (B, Sk, Dv), B = batch*Hk."""
-
-    def __init__(self, q, k, v, padded=False):
-        q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
-        if padded:  # [k | 1]^T, [v | 1]^T (..., D+1, Sk): check and keep them, k, v as transposed views
-            kp, vp = k, v
-            k, v = np.swapaxes(k[..., :-1, :], -1, -2), np.swapaxes(v[..., :-1, :], -1, -2)
-        if q.ndim != k.ndim or q.ndim != v.ndim or q.ndim < 2:
-            raise ValueError("q, k, v must have the same ndim >= 2")
-        self.lead, self.k_shape, self.v_shape = q.shape[:-2], k.shape, v.shape
-        if q.ndim == 2:
-            q, k, v = q[None], k[None], v[None]
-        batch = q.shape[:-3]
-        if k.shape[:-3] != batch or v.shape[:-3] != batch:
-            raise ValueError("q, k, v batch dims differ")
-        hq, self.sq, self.d = q.shape[-3:]
-        hk, self.sk, dk = k.shape[-3:]
-        if dk != self.d or v.shape[-3:-1] != (hk, self.sk):
-            raise ValueError("shape mismatch: q %s k %s v %s" % (q.shape, k.shape, v.shape))
-        if hq % hk:
-            raise ValueError("Hq=%d is not a multiple of Hk=%d" % (hq, hk))
-        self.g = hq // hk
-        self.dv = v.shape[-1]
-        self.b = int(np.prod(batch, dtype=np.int64)) * hk
-        # float32 and float64 are kept; float16 computes in float32, ints in float64
-        self.dtype = np.result_type(q.dtype, np.float32) if q.dtype.kind == "f" else np.dtype(np.float64)
-        self.q = q.reshape(self.b, self.g, self.sq, self.d)
-        if padded:  # no copies: views of the caller's blocks (B, D+1, Sk)
-            self.kt, self.vt = _view(kp, (self.b, self.d + 1, self.sk)), _view(vp, (self.b, self.dv + 1, self.sk))
-        else:
-            self.k = k.reshape(self.b, self.sk, self.d)
-            self.v = v.reshape(self.b, self.sk, self.dv)
-
-
-def _mask_arrays(klo, khi, sq, sk):
-    """int64 klo, khi of shape (sq,), or (None, None) when all keys are visible."""
-    if klo is None and khi is None:
-        return None, None
-    lo = np.zeros(sq, np.int64) if klo is None else np.asarray(klo, np.int64).reshape(sq)
-    hi = np.full(sq, sk, np.int64) if khi is None else np.asarray(khi, np.int64).reshape(sq)
-    return np.clip(lo, 0, sk), np.clip(hi, 0, sk)
-
-
-# Scratch buffers are kept between calls (per thread): the ring calls the
-# kernels P times with the same shapes, and fresh multi-MiB buffers cost page
-# faults (~10 % of a call at S=1024).  Results are always new arrays.
-_workspace = threading.local()
-
-
-def _scratch(name, shape, dtype):
-    """A scratch array of this shape, reusing this thread's buffer `name` when big enough."""
-    n = int(np.prod(shape, dtype=np.int64))
-    bufs = _workspace.__dict__.setdefault("bufs", {})
-    buf = bufs.get((name, dtype))
-    if buf is None or buf.size < n:
-        buf = bufs[(name, dtype)] = np.empty(n, dtype)
-    return buf[:n].reshape(shape)
-
-
-def release_workspace():
-    """Free the scratch buffers this thread keeps between kernel calls."""
-    _workspace.__dict__.pop("bufs", None)
-
-
-def pad_ones(x, out=None):
-    """x (..., S, D) as [x | 1]^T, shape (..., D+1, S): the ``padded`` form of k and v.
-
-    Transposed, with a last row of ones. With ``out`` (an array of that
-    shape), fills it instead of allocating.
-    """
-    x = np.asarray(x)
-    if out is None:
-        out = np.empty(x.shape[:-2] + (x.shape[-1] + 1, x.shape[-2]), x.dtype)
-    out[..., :-1, :] = np.swapaxes(x, -1, -2)
-    out[..., -1, :] = 1
-    return out
-
-
-def _view(x, shape):
-    """x reshaped without a copy (raises if impossible): results written to it must land in x."""
-    y = x.view()
-    y.shape = shape
-    return y
-
-
-def _with_ones(x, dtype, name):
-    """Copy of x (B, S, D) as (B, S, D+1) with a last column of ones (a scratch buffer)."""
-    out = _scratch(name, x.shape[:-1] + (x.shape[-1] + 1,), dtype)
-    out[..., :-1] = x
-    out[..., -1] = 1
-    return out
-
-
-def _tile_max_norm_t(xt, tile):
-    """``_tile_max_norm`` of x given as xt = x^T (B, D, S): row by row of xt, each pass contiguous."""
-    n2 = np.zeros(xt.shape[::2], np.float64)
-    for row in np.moveaxis(xt, 1, 0):
-        n2 += np.square(row, dtype=np.float64)
-    n = np.sqrt(n2).max(axis=0)
-    return np.maximum.reduceat(n, np.arange(0, n.size, tile))
-
-
-def _tile_max_norm(x, tile):
-    """Max row norm of x (..., S, D) over each tile of rows: shape (ceil(S/tile),)."""
-    n = np.sqrt(np.einsum("...i,...i->...", x, x, dtype=np.float64))
-    n = n.reshape(-1, n.shape[-1]).max(axis=0)
-    return np.maximum.reduceat(n, np.arange(0, n.size, tile))
-
-
-class _Tiles:
-    """Classifies (query tile, key tile) pairs of a klo/khi mask and caches mask tiles."""
-
-    def __init__(self, lo, hi, sk, tile_k, dtype):
-        self.lo, self.hi, self.sk, self.tk, self.dtype = lo, hi, sk, tile_k, dtype
-        self._cache = {}
-
-    def row_block(self, a, b):
-        """Start work on query rows a:b; returns a list of key tiles (c, d, r0, r1, mask, t).
-
-        Keys c:d of key tile t are seen by some of the rows a+r0 : a+r1;
-        mask is None when all those rows see all those keys, else the float
-        0/1 mask (r1-r0, d-c).  Empty tiles are left out; partial tiles are
-        trimmed to the rows and columns that see something.
-        """
-        n = b - a
-        tiles = []
-        for t, c in enumerate(range(0, self.sk, self.tk)):
-            d = min(c + self.tk, self.sk)
-            if self.lo is None:
-                tiles.append((c, d, 0, n, None, t))
-                continue
-            lo, hi = np.maximum(self.lo[a:b], c), np.minimum(self.hi[a:b], d)
-            seen = np.flatnonzero(hi > lo)
-            if seen.size == 0:
-                continue                          # no row sees any key here
-            r0, r1 = int(seen[0]), int(seen[-1]) + 1
-            lo, hi = lo[r0:r1], hi[r0:r1]
-            c, d = int(lo[hi > lo].min()), int(hi.max())
-            if lo.max() <= c and hi.min() >= d:
-                tiles.append((c, d, r0, r1, None, t))   # all rows see all keys
-            else:
-                tiles.append((c, d, r0, r1, self._mask(lo - c, hi - c, d - c), t))
-        return tiles
-
-    def _mask(self, lo, hi, n):
-        key = (lo.tobytes(), hi.tobytes(), n)
-        m = self._cache.get(key)
-        if m is None:
-            cols = np.arange(n)
-            m = ((cols >= lo[:, None]) & (cols < hi[:, None])).astype(self.dtype)
-            if len(self._cache) < 64:
-                self._cache[key] = m
-        return m
-
-
-class _Progress:
-    """Calls fn() at most every PROGRESS_INTERVAL seconds."""
-
-    def __init__(self, fn):
-        self.fn = fn
-        self.last = time.perf_counter()
-
-    def __call__(self):
-        if self.fn is not None:
-            now = time.perf_counter()
-            if now - self.last >= PROGRESS_INTERVAL:
-                self.fn()
-                self.last = time.perf_counter()
 
 
 # ---------------------------------------------------------------- forward
@@ -274,13 +91,13 @@ def attention_block(q, k, v, scale=None, klo=None, khi=None, *, padded=False, in
             copy of k and v is made.
         into: running ``(out, lse)`` of the same query rows from other key
             blocks (e.g. float64 accumulators).  Each finished query tile is
-            merged into them in place with ``merge_`` (the log-sum-exp rule),
+            merged into them in place with ``merge`` (the log-sum-exp rule),
             so the block's own output is never materialized; returns them.
         tile_q, tile_k: tile sizes (default: default_tiles(D, dtype)).
         progress: zero-argument callable, called between tiles, at most
             every PROGRESS_INTERVAL seconds (e.g. to poll MPI requests).
     """
-    sh = _Shapes(q, k, v, padded)
+    sh = Shapes(q, k, v, padded)
     dt, b, g, sq, sk, d, dv = sh.dtype, sh.b, sh.g, sh.sq, sh.sk, sh.d, sh.dv
     dq_tile, dk_tile = default_tiles(d, dt)
     tq, tk = tile_q or dq_tile, tile_k or dk_tile
@@ -288,15 +105,15 @@ def attention_block(q, k, v, scale=None, klo=None, khi=None, *, padded=False, in
     c2 = scale * LOG2E                        # scores in log2 units: exp2 is ~2x faster
     limit = 2.0 ** _LIMIT_LOG2[dt]
     floor = _FLOOR_LOG2[dt]
-    lo, hi = _mask_arrays(klo, khi, sq, sk)
-    tiles = _Tiles(lo, hi, sk, tk, dt)
-    tick = _Progress(progress)
+    lo, hi = mask_arrays(klo, khi, sq, sk)
+    tiles = Tiles(lo, hi, sk, tk, dt)
+    tick = Progress(progress)
 
     if into is None:
         out = np.empty((b, g, sq, dv), dt)
         lse = np.empty((b, g, sq), dt)
     else:
-        out, lse = _view(into[0], (b, g, sq, dv)), _view(into[1], (b, g, sq))
+        out, lse = as_view(into[0], (b, g, sq, dv)), as_view(into[1], (b, g, sq))
     if sk == 0 or sq == 0:
         if into is None:
             out.fill(0)
@@ -306,22 +123,22 @@ def attention_block(q, k, v, scale=None, klo=None, khi=None, *, padded=False, in
     if padded:                                # [k | 1]^T and [v | 1]^T as given
         kt, vt = sh.kt, sh.vt
     else:                                     # one transposed copy each, in scratch
-        kt = pad_ones(sh.k, _scratch("kt", (b, d + 1, sk), dt))
-        vt = pad_ones(sh.v, _scratch("vt", (b, dv + 1, sk), dt))
+        kt = pad_ones(sh.k, scratch("kt", (b, d + 1, sk), dt))
+        vt = pad_ones(sh.v, scratch("vt", (b, dv + 1, sk), dt))
     # kt's row of ones meets -m in q's extra column; p @ vt.T also gives the row sums
-    kn = _tile_max_norm_t(kt[:, :d], tk)     # for the cheap "can exp2 underflow?" test
-    qn = _tile_max_norm(sh.q, tq) * abs(c2)
+    kn = tile_max_norm_t(kt[:, :d], tk)     # for the cheap "can exp2 underflow?" test
+    qn = tile_max_norm(sh.q, tq) * abs(c2)
     exact = ~(qn * kn.max() <= _EXACT_ABOVE[dt])   # query tiles whose scores are too large (or inf/NaN)
     sees = None if lo is None else hi > lo    # rows that see at least one key of this block
 
     nq = min(tq, sq)
-    qa_buf = _scratch("qa", b * g * nq * (d + 1), dt)
-    s_buf = _scratch("s", b * g * nq * min(tk, sk), dt)
-    pv_buf = _scratch("pv", b * g * nq * (dv + 1), dt)
-    acc_buf = _scratch("acc", b * g * nq * (dv + 1), dt)
+    qa_buf = scratch("qa", b * g * nq * (d + 1), dt)
+    s_buf = scratch("s", b * g * nq * min(tk, sk), dt)
+    pv_buf = scratch("pv", b * g * nq * (dv + 1), dt)
+    acc_buf = scratch("acc", b * g * nq * (dv + 1), dt)
     if into is not None:                      # this block's output of one query tile
-        tile_out_buf = _scratch("tile_out", b * g * nq * dv, dt)
-        tile_lse_buf = _scratch("tile_lse", b * g * nq, dt)
+        tile_out_buf = scratch("tile_out", b * g * nq * dv, dt)
+        tile_lse_buf = scratch("tile_lse", b * g * nq, dt)
 
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         for it, a in enumerate(range(0, sq, tq)):
@@ -360,18 +177,18 @@ def attention_block(q, k, v, scale=None, klo=None, khi=None, *, padded=False, in
                     qa[..., d] = -m
                     m_top = m.max()
                 tick()
-            l = acc[..., dv]
-            ok = l > 0
+            rowsum = acc[..., dv]
+            ok = rowsum > 0
             if into is None:
                 tile_out, tile_lse = out[:, :, a:e], lse[:, :, a:e]
             else:
                 tile_out = tile_out_buf[:b * rows * dv].reshape(b, g, e - a, dv)
                 tile_lse = tile_lse_buf[:b * rows].reshape(b, g, e - a)
-            np.divide(acc[..., :dv], np.where(ok, l, 1)[..., None], out=tile_out)
-            tile_lse[...] = np.where(ok, (m + np.log2(l)) * LN2, -np.inf)
+            np.divide(acc[..., :dv], np.where(ok, rowsum, 1)[..., None], out=tile_out)
+            tile_lse[...] = np.where(ok, (m + np.log2(rowsum)) * LN2, -np.inf)
             # A row sum is >= 1 in exact arithmetic (the offset is one of the row's scores, or
             # its max). Below 1/2, or not finite, rounding beat the fast path: redo those rows.
-            redo = ~((l >= 0.5) & np.isfinite(acc).all(axis=-1)) if not exact[it] else np.ones(l.shape, bool)
+            redo = ~((rowsum >= 0.5) & np.isfinite(acc).all(axis=-1)) if not exact[it] else np.ones(rowsum.shape, bool)
             if sees is not None:
                 redo &= sees[a:e]
             if redo.any():
@@ -383,7 +200,7 @@ def attention_block(q, k, v, scale=None, klo=None, khi=None, *, padded=False, in
                 tile_out[:, :, idx] = np.where(pick[..., None], ex_out, tile_out[:, :, idx])
                 tile_lse[:, :, idx] = np.where(pick, ex_lse, tile_lse[:, :, idx])
             if into is not None:
-                merge_(out[:, :, a:e], lse[:, :, a:e], tile_out, tile_lse)
+                merge(out[:, :, a:e], lse[:, :, a:e], tile_out, tile_lse, inplace=True)
     return _unflatten(out, lse, sh) if into is None else into
 
 
@@ -447,26 +264,23 @@ def _unflatten(out, lse, sh):
 
 # ---------------------------------------------------------------- merge
 
-def merge(out, lse, block_out, block_lse):
-    """Combine two normalized attentions over disjoint key sets (log-sum-exp rule).
+def merge(out, lse, block_out, block_lse, *, inplace=False):
+    """Combine two normalized attentions over disjoint key sets (the log-sum-exp rule).
 
-    out (..., S, Dv), lse (..., S).  NaN-free when either or both lse are -inf.
+    out (..., S, Dv), lse (..., S). NaN-free when either or both lse are -inf.
+    Returns the merged ``(out, lse)``: new arrays, or ``out`` and ``lse``
+    overwritten when ``inplace``.
     """
     # naive: new_lse = log(exp(lse) + exp(block_lse))
     #        new_out = (exp(lse) * out + exp(block_lse) * block_out) / exp(new_lse)
     # stable: weight of block_out = exp(block_lse - new_lse) = sigmoid(block_lse - lse)
     new_lse = np.logaddexp(lse, block_lse)
     w = np.exp(block_lse - np.where(np.isneginf(new_lse), 0, new_lse))[..., None]
-    return out + w * (block_out - out), new_lse
-
-
-def merge_(out, lse, block_out, block_lse):
-    """In-place merge: overwrites out and lse with the merged result and returns them."""
-    new_lse = np.logaddexp(lse, block_lse)
-    w = np.exp(block_lse - np.where(np.isneginf(new_lse), 0, new_lse))[..., None]
-    tmp = np.subtract(block_out, out)
-    tmp *= w
-    out += tmp
+    step = np.subtract(block_out, out)
+    step *= w
+    if not inplace:
+        return out + step, new_lse
+    out += step
     lse[...] = new_lse
     return out, lse
 
@@ -489,16 +303,16 @@ def attention_block_backward(dout, q, k, v, out, lse, scale=None, klo=None, khi=
         out, lse: final attention output and log-sum-exp.
         delta: optional precomputed rowsum(dout * out), shape of lse.
     """
-    sh = _Shapes(q, k, v)
+    sh = Shapes(q, k, v)
     dt, b, g, sq, sk, d, dv = sh.dtype, sh.b, sh.g, sh.sq, sh.sk, sh.d, sh.dv
     dq_tile, dk_tile = default_tiles(d, dt)
     tq, tk = tile_q or dq_tile, tile_k or dk_tile
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     c2 = scale * LOG2E
     floor = _FLOOR_LOG2[dt]
-    lo, hi = _mask_arrays(klo, khi, sq, sk)
-    tiles = _Tiles(lo, hi, sk, tk, dt)
-    tick = _Progress(progress)
+    lo, hi = mask_arrays(klo, khi, sq, sk)
+    tiles = Tiles(lo, hi, sk, tk, dt)
+    tick = Progress(progress)
 
     do4 = np.asarray(dout).reshape(b, g, sq, dv)
     lse3 = np.asarray(lse).reshape(b, g, sq)
@@ -516,21 +330,21 @@ def attention_block_backward(dout, q, k, v, out, lse, scale=None, klo=None, khi=
     if sk == 0 or sq == 0:
         return _unflatten_grads(dq, dk, dvv, sh)
 
-    ka = _with_ones(sh.k, dt, "ka")           # [k | 1] meets -lse
-    va = _with_ones(sh.v, dt, "va")           # [v | 1] meets -delta
-    kn = _tile_max_norm(sh.k, tk)
-    qn = _tile_max_norm(sh.q, tq) * abs(c2)
+    ka = with_ones(sh.k, dt, "ka")           # [k | 1] meets -lse
+    va = with_ones(sh.v, dt, "va")           # [v | 1] meets -delta
+    kn = tile_max_norm(sh.k, tk)
+    qn = tile_max_norm(sh.q, tq) * abs(c2)
 
     nq = min(tq, sq)
     nk = min(tk, sk)
-    qa_buf = _scratch("qa", b * g * nq * (d + 1), dt)
-    doa_buf = _scratch("doa", b * g * nq * (dv + 1), dt)
-    p_buf = _scratch("s", b * g * nq * nk, dt)
-    dp_buf = _scratch("dp", b * g * nq * nk, dt)
-    dqt_buf = _scratch("pv", b * g * nq * d, dt)
-    dqa_buf = _scratch("acc", b * g * nq * d, dt)
-    dkt_buf = _scratch("dkt", b * nk * d, dt)
-    dvt_buf = _scratch("dvt", b * nk * dv, dt)
+    qa_buf = scratch("qa", b * g * nq * (d + 1), dt)
+    doa_buf = scratch("doa", b * g * nq * (dv + 1), dt)
+    p_buf = scratch("s", b * g * nq * nk, dt)
+    dp_buf = scratch("dp", b * g * nq * nk, dt)
+    dqt_buf = scratch("pv", b * g * nq * d, dt)
+    dqa_buf = scratch("acc", b * g * nq * d, dt)
+    dkt_buf = scratch("dkt", b * nk * d, dt)
+    dvt_buf = scratch("dvt", b * nk * dv, dt)
 
     with np.errstate(over="ignore", invalid="ignore"):
         for it, a in enumerate(range(0, sq, tq)):
@@ -610,88 +424,3 @@ def _exact_probs(q, k, lse, scale, mask):
 def _unflatten_grads(dq, dk, dv, sh):
     """Reshape flat gradients back to the shapes of q, k, v."""
     return dq.reshape(sh.lead + dq.shape[-2:]), dk.reshape(sh.k_shape), dv.reshape(sh.v_shape)
-
-
-# ---------------------------------------------------------------- references
-
-
-# ---------------------------------------------------------------- plain references (float64, dense row chunks)
-
-def _group(q, k):
-    """View q as (..., Hk, g, Sq, D) so that it broadcasts against k's heads."""
-    if q.ndim < 3 or q.shape[-3] == k.shape[-3]:
-        return q, 1
-    g = q.shape[-3] // k.shape[-3]
-    return q.reshape(q.shape[:-3] + (k.shape[-3], g) + q.shape[-2:]), g
-
-
-def _visible(klo, khi, sk):
-    """Dense boolean mask (Sq, Sk) from per-row key ranges."""
-    cols = np.arange(sk)
-    return (cols >= klo[:, None]) & (cols < khi[:, None])
-
-
-def reference_attention(q, k, v, scale=None, klo=None, khi=None, *, row_chunk=1024):
-    """Plain softmax(q k^T * scale) v in float64, one dense row chunk at a time.
-
-    Returns ``(out, lse)`` in float64. Rows that see no key give out 0, lse -inf.
-    """
-    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
-    scale = default_scale(q.shape[-1]) if scale is None else scale
-    qg, g = _group(q, k)
-    if g > 1:
-        k, v = k[..., None, :, :], v[..., None, :, :]
-    sq = q.shape[-2]
-    outs, lses = [], []
-    for a in range(0, sq, row_chunk):
-        b = min(a + row_chunk, sq)
-        s = np.matmul(qg[..., a:b, :], np.swapaxes(k, -1, -2)) * scale
-        if klo is not None:
-            s = np.where(_visible(klo[a:b], khi[a:b], k.shape[-2]), s, -np.inf)
-        m = s.max(axis=-1, keepdims=True)
-        m = np.where(np.isfinite(m), m, 0)
-        p = np.exp(s - m)
-        l = p.sum(axis=-1, keepdims=True)
-        outs.append(np.matmul(p, v) / np.where(l > 0, l, 1))
-        lses.append(np.where(l > 0, m + np.log(np.where(l > 0, l, 1)), -np.inf)[..., 0])
-    out, lse = np.concatenate(outs, axis=-2), np.concatenate(lses, axis=-1)
-    if g > 1:
-        hq = q.shape[-3]
-        out = out.reshape(out.shape[:-4] + (hq,) + out.shape[-2:])
-        lse = lse.reshape(lse.shape[:-3] + (hq,) + lse.shape[-1:])
-    return out, lse
-
-
-def reference_attention_backward(dout, q, k, v, scale=None, klo=None, khi=None, *, row_chunk=256):
-    """Plain dense gradients of softmax(q k^T * scale) v in float64: ``(dq, dk, dv)``.
-
-    Independent of the forward pass: the probabilities are built from scratch,
-    one row chunk at a time; grouped-query K/V heads are repeated, then their
-    gradients are summed back. Rows that see no key contribute nothing.
-    """
-    dout, q, k, v = (np.asarray(a, dtype=np.float64) for a in (dout, q, k, v))
-    scale = default_scale(q.shape[-1]) if scale is None else scale
-    g = q.shape[-3] // k.shape[-3] if q.ndim >= 3 else 1
-    kr, vr = (np.repeat(a, g, axis=-3) if g > 1 else a for a in (k, v))
-    dq = np.zeros(q.shape)
-    dk, dv = np.zeros(kr.shape), np.zeros(vr.shape)
-    for a in range(0, q.shape[-2], row_chunk):
-        b = min(a + row_chunk, q.shape[-2])
-        s = np.matmul(q[..., a:b, :], np.swapaxes(kr, -1, -2)) * scale
-        if klo is not None:
-            s = np.where(_visible(klo[a:b], khi[a:b], k.shape[-2]), s, -np.inf)
-        m = s.max(axis=-1, keepdims=True)
-        e = np.exp(s - np.where(np.isfinite(m), m, 0))
-        den = e.sum(axis=-1, keepdims=True)
-        p = e / np.where(den > 0, den, 1)  # softmax; all-zero rows for rows that see nothing
-        do = dout[..., a:b, :]
-        o = np.matmul(p, vr)
-        dv += np.matmul(np.swapaxes(p, -1, -2), do)
-        dp = np.matmul(do, np.swapaxes(vr, -1, -2))
-        ds = p * (dp - np.sum(do * o, axis=-1, keepdims=True))
-        dq[..., a:b, :] = np.matmul(ds, kr) * scale
-        dk += np.matmul(np.swapaxes(ds, -1, -2), q[..., a:b, :]) * scale
-    if g > 1:
-        dk = dk.reshape(k.shape[:-2] + (g,) + k.shape[-2:]).sum(axis=-3)
-        dv = dv.reshape(v.shape[:-2] + (g,) + v.shape[-2:]).sum(axis=-3)
-    return dq, dk, dv

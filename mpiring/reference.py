@@ -7,7 +7,8 @@ every (query, key) pair, and attention is the textbook softmax.
 
 import numpy as np
 
-__all__ = ["definition_mask", "dense_attention", "dense_attention_backward"]
+__all__ = ["definition_mask", "dense_attention", "dense_attention_backward", "reference_attention",
+           "reference_attention_backward"]
 
 
 def definition_mask(q_pos, k_pos, *, causal=False, window=None, cu_seqlens=None):
@@ -91,3 +92,21 @@ def dense_attention_backward(dout, q, k, v, scale=None, mask=None, *, row_chunk=
         dk = dk.reshape(k.shape[:-3] + (k.shape[-3], g) + k.shape[-2:]).sum(axis=-3)
         dv = dv.reshape(v.shape[:-3] + (v.shape[-3], g) + v.shape[-2:]).sum(axis=-3)
     return dq, dk, dv
+
+
+def _ranges(klo, khi, sk):
+    """A ``mask(a, b)`` from per-row key ranges klo <= j < khi (the kernels' form), or None."""
+    if klo is None:
+        return None
+    cols = np.arange(sk)
+    return lambda a, b: (cols >= klo[a:b, None]) & (cols < khi[a:b, None])
+
+
+def reference_attention(q, k, v, scale=None, klo=None, khi=None, *, row_chunk=1024):
+    """``dense_attention`` with the mask given as per-row key ranges: row i sees keys klo[i] <= j < khi[i]."""
+    return dense_attention(q, k, v, scale, _ranges(klo, khi, np.shape(k)[-2]), row_chunk=row_chunk)
+
+
+def reference_attention_backward(dout, q, k, v, scale=None, klo=None, khi=None, *, row_chunk=256):
+    """``dense_attention_backward`` with the mask given as per-row key ranges, as ``reference_attention``."""
+    return dense_attention_backward(dout, q, k, v, scale, _ranges(klo, khi, np.shape(k)[-2]), row_chunk=row_chunk)

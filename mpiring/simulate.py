@@ -2,10 +2,11 @@
 
 import numpy as np
 
+from .block import accumulators, attend
 from .kernels import default_scale
 from .layouts import shard, unshard
-from .ring import Record, _accumulators, _compute
-from .schedule import make_plan
+from .plan import make_plan
+from .record import Record
 
 __all__ = ["ring_attention_simulate", "simulate"]
 
@@ -30,7 +31,8 @@ def simulate(Q, K, V, num_devices, *, causal=False, scale=None, layout="contiguo
     if isinstance(num_devices, bool) or not isinstance(num_devices, (int, np.integer)) or num_devices < 1:
         raise ValueError(f"num_devices must be a positive integer, got {num_devices!r}")
     if Q.ndim < 2 or Q.ndim != K.ndim or K.ndim != V.ndim:
-        raise ValueError(f"Q, K, V must have shape (..., seq_len, d) with equal ranks, got {Q.shape}, {K.shape}, {V.shape}")
+        raise ValueError(f"Q, K, V must have shape (..., seq_len, d) with equal ranks, "
+                         f"got {Q.shape}, {K.shape}, {V.shape}")
     if Q.shape[-2] != K.shape[-2] or K.shape[:-1] != V.shape[:-1] or Q.shape[-1] != K.shape[-1]:
         raise ValueError(f"mismatched shapes: Q {Q.shape}, K {K.shape}, V {V.shape}")
     if Q.ndim >= 3 and (Q.shape[:-3] != K.shape[:-3] or Q.shape[-3] % K.shape[-3]):
@@ -48,18 +50,19 @@ def simulate(Q, K, V, num_devices, *, causal=False, scale=None, layout="contiguo
     outs, lses = [], []
     for device in range(P):
         q = np.ascontiguousarray(shard(Q, P, device, layout))
-        acc = _accumulators(q, V)  # float64, as in the MPI ring
+        acc = accumulators(q, V)  # float64, as in the MPI ring
         rec = Record(device)
         for step in range(plan.n_steps):
             for task in plan.tasks(step, device):
-                _compute(q, (ks[task.source], vs[task.source]), task, plan, device, scale, acc, rec, None, step)
+                attend(q, (ks[task.source], vs[task.source]), task, plan.pieces(device, task.source), scale, acc,
+                       rec, None, step)
         outs.append(acc[0].astype(dtype, copy=False))
         lses.append(acc[1].astype(dtype, copy=False)[..., None])
     return unshard(outs, layout), unshard(lses, layout)[..., 0], plan.schedule
 
 
 def ring_attention_simulate(Q, K, V, num_devices):
-    """Seed 001's contract: ``(output rounded to 4 decimals, comm_schedule)``.
+    """The one-process simulator contract: ``(output rounded to 4 decimals, comm_schedule)``.
 
     Device i owns rows [i*C, (i+1)*C) with C = seq_len // num_devices; at each
     of num_devices steps it attends to the K/V block it holds, then the blocks

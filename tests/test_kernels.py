@@ -5,7 +5,8 @@ import warnings
 import numpy as np
 import pytest
 
-from mpiring.kernels import attention_block, merge, pad_ones, reference_attention
+from mpiring.kernels import attention_block, merge, pad_ones
+from mpiring.reference import reference_attention
 from mpiring.masks import visible_keys
 
 from conftest import SHAPES, dense_mask, naive_attention, qkv, tol

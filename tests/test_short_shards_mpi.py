@@ -17,7 +17,7 @@ import itertools
 import numpy as np
 import pytest
 
-from mpiring import LAYOUTS, MODES, kernels, ring_attention, ring_attention_backward
+from mpiring import LAYOUTS, MODES, kernels, reference_attention, ring_attention, ring_attention_backward, tiles
 
 from conftest import dense_mask, local, naive_attention, naive_attention_backward
 
@@ -56,8 +56,8 @@ def _check(comm, S, layout, mode, causal, window, cu, heads, kv_heads, seed):
 @pytest.fixture
 def small_tiles(monkeypatch):
     """Kernel tiles of 4 keys x 8 query rows (float64): tiles are crossed at a handful of tokens."""
-    monkeypatch.setattr(kernels, "TILE_K", 4)
-    monkeypatch.setattr(kernels, "TILE_BYTES", 8 * 4 * 8)
+    monkeypatch.setattr(tiles, "TILE_K", 4)
+    monkeypatch.setattr(tiles, "TILE_BYTES", 8 * 4 * 8)
 
 
 @pytest.mark.parametrize("n", list(range(1, 21)) + [23, 33])
@@ -97,7 +97,7 @@ def test_kernel_backward_with_one_row_views():
     """The kernel reads strided one-row views of lse and delta correctly (np.negative misread them)."""
     rng = np.random.default_rng(3)
     q, k, v, dout = (rng.standard_normal((1, 2, 8, 8)) for _ in range(4))
-    out, lse = kernels.reference_attention(q, k, v)
+    out, lse = reference_attention(q, k, v)
     delta = np.sum(dout * out, axis=-1)
     want = kernels.attention_block_backward(dout[..., :1, :], q[..., :1, :], k[..., 5:6, :], v[..., 5:6, :],
                                             out[..., :1, :], np.ascontiguousarray(lse[..., :1]), 0.35,

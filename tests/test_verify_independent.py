@@ -10,7 +10,8 @@ because the reference builds its mask from the definitions (mpiring.reference).
 import numpy as np
 import pytest
 
-from mpiring import masks, schedule
+from mpiring import masks
+from mpiring import plan as plans
 from mpiring.__main__ import main
 from mpiring.reference import definition_mask
 
@@ -34,7 +35,7 @@ def _wrapping_window(q_pos, k_pos, *, causal=False, window=(-1, -1), cu_seqlens=
 def test_a_broken_mask_fails_verification(monkeypatch, capsys, broken, window):
     argv = ["run", "--seq-len", "48", "--heads", "2", "--dim", "8", "--dtype", "float64", "--window", *window]
     assert main(argv) == 0  # the real masks verify
-    monkeypatch.setattr(schedule, "visible_keys", broken)
+    monkeypatch.setattr(plans, "visible_keys", broken)
     assert main(argv) == 1
     assert "VERIFICATION FAILED" in capsys.readouterr().out
 

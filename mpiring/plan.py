@@ -1,7 +1,8 @@
 """The ring schedule: which K/V block every rank processes at every step.
 
 A plan is pure data, computed the same way on every rank without any
-communication, and the one ring loop in ``mpiring.ring`` just follows it.
+communication: the forward loop in ``mpiring.ring`` and the backward loop in
+``mpiring.backward`` just follow it. No MPI here.
 
 Unidirectional ring (``mode="ring"``): at step s rank r holds the block of
 rank (r - s) mod P, and passes it to rank r + 1 for the next step::
@@ -20,16 +21,30 @@ the ring early: those transfers are not made.
 """
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 from .layouts import block_range, check_layout, shard_indices
 from .masks import block_kind, check_cu_seqlens, check_window, visible_keys
 
-__all__ = ["MODES", "Task", "Schedule", "Plan", "make_plan"]
+__all__ = ["MODES", "NEXT", "PREV", "HOME_CHUNKS", "Task", "Piece", "Schedule", "Plan", "make_plan",
+           "home_chunks", "key_chunks", "cut_to_keys", "chunks_in_order"]
 
 MODES = ("ring", "bidirectional", "allgather")
-FORWARD, BACKWARD = +1, -1  # a stream's direction: +1 sends to rank + 1
+NEXT, PREV = +1, -1  # a stream's direction: NEXT sends to rank + 1 (receives from rank - 1), PREV the reverse
+HOME_CHUNKS = 4  # the backward pass sends a partial home in this many key chunks, each as soon as its keys are done
+
+
+class Piece(NamedTuple):
+    """Query rows q0:q1 of a rank against keys k0:k1 of a block; klo, khi (relative to k0) or None: all visible."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    klo: np.ndarray | None = None
+    khi: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -38,14 +53,20 @@ class Task:
 
     source: int  # rank whose K/V block it is
     kind: str  # "full", "masked" (diagonal or partial) or "skip" (nothing visible)
-    stream: int = FORWARD  # +1: arrived from rank - 1; -1: arrived from rank + 1
+    stream: int = NEXT  # NEXT (+1): arrived from rank - 1; PREV (-1): arrived from rank + 1
 
 
 class Schedule:
-    """``table[step][rank]`` is the tuple of Tasks that rank does at that step."""
+    """``table[step][rank]`` is the tuple of Tasks that rank does at that step.
 
-    def __init__(self, table):
+    A schedule the ranks recorded (``distributed_*``) also carries their
+    counters, ``records[rank]`` (``Record.summary()``), and the ``plan``.
+    """
+
+    def __init__(self, table, records=None, plan=None):
         self.table = [[tuple(tasks) for tasks in row] for row in table]
+        self.records = records
+        self.plan = plan
 
     def __eq__(self, other):
         return isinstance(other, Schedule) and self.table == other.table
@@ -58,7 +79,7 @@ class Schedule:
         return len(self.table)
 
     def sources(self):
-        """``sources[step][rank]``: source rank of the first block processed (seed 001's comm_schedule)."""
+        """``sources[step][rank]``: source rank of the first block processed (the simulator's comm_schedule)."""
         return [[tasks[0].source if tasks else None for tasks in row] for row in self.table]
 
     def format(self):
@@ -109,7 +130,7 @@ class Plan:
         return (rank - stream * step) % self.size
 
     def pieces(self, rank, source):
-        """Sub-blocks worth computing: ``(a, b, c, d, klo, khi)`` = query rows a:b against keys c:d.
+        """Sub-blocks worth computing, as ``Piece(q0, q1, k0, k1, klo, khi)``: query rows q0:q1 against keys k0:k1.
 
         A rank's positions fall into runs (zigzag: two chunks). For each run the
         visible keys form one index range; only that range is computed, which is
@@ -120,7 +141,7 @@ class Plan:
             return []
         n_q, n_k = len(self.shards[rank]), len(self.shards[source])
         if self.kinds[rank][source] == "full":
-            return [(0, n_q, 0, n_k, None, None)]
+            return [Piece(0, n_q, 0, n_k)]
         klo, khi = self.mask(rank, source)
         out = []
         for a, b in self.runs[rank]:
@@ -129,12 +150,12 @@ class Plan:
             if d <= c:
                 continue
             full = bool(np.all(lo == c) and np.all(hi == d))
-            out.append((a, b, c, d, None, None) if full else (a, b, c, d, lo - c, hi - c))
+            out.append(Piece(a, b, c, d) if full else Piece(a, b, c, d, lo - c, hi - c))
         return out
 
     def computed_pairs(self):
         """Per rank: score entries the kernel is given (its tiles may skip more inside)."""
-        return [sum((b - a) * (d - c) for j in range(self.size) for a, b, c, d, _, _ in self.pieces(r, j))
+        return [sum((p.q1 - p.q0) * (p.k1 - p.k0) for j in range(self.size) for p in self.pieces(r, j))
                 for r in range(self.size)]
 
     def visible_pairs(self):
@@ -150,14 +171,12 @@ class Plan:
 
         The dK/dV partial of a block joins it at its first visitor, so a ring
         stream of R rounds sends K and V R times, the partial onward R - 1
-        times, and home once, in ``backward.home_chunks(plan)`` key chunks (4,
-        or the shortest shard's length). All-gather counts its all-gather of
-        K, V and reduce-scatter of dK, dV as ring collectives: P - 1 messages per array.
+        times, and home once, in ``home_chunks(plan)`` key chunks (4, or the
+        shortest shard's length). All-gather counts its all-gather of K, V and
+        reduce-scatter of dK, dV as ring collectives: P - 1 messages per array.
         """
         if self.mode == "allgather":
             return 4 * (self.size - 1)
-        from .backward import home_chunks  # the backward pass decides how the hop home is cut
-
         chunks = home_chunks(self)
         # per stream: K and V, the partial onward (dK, dV), and its chunks home (dK, dV each)
         return sum(2 * rounds + 2 * (rounds - 1) + 2 * chunks for rounds in self.rounds.values() if rounds > 0)
@@ -195,10 +214,10 @@ def make_plan(seq_len, size, *, layout="contiguous", mode="ring", causal=False, 
         plan.pairs.append(row_pairs)
 
     if mode == "ring":
-        plan.rounds = {FORWARD: _last_needed(plan.kinds, size, FORWARD, size - 1)}
+        plan.rounds = {NEXT: _last_needed(plan.kinds, size, NEXT, size - 1)}
     elif mode == "bidirectional":
-        plan.rounds = {FORWARD: _last_needed(plan.kinds, size, FORWARD, size // 2),
-                       BACKWARD: _last_needed(plan.kinds, size, BACKWARD, (size - 1) // 2)}
+        plan.rounds = {NEXT: _last_needed(plan.kinds, size, NEXT, size // 2),
+                       PREV: _last_needed(plan.kinds, size, PREV, (size - 1) // 2)}
     else:
         plan.rounds = {}
 
@@ -207,8 +226,61 @@ def make_plan(seq_len, size, *, layout="contiguous", mode="ring", causal=False, 
     for step in range(n_steps):
         row = []
         for r in range(size):
-            streams = [FORWARD] if step == 0 or mode == "allgather" else [d for d in plan.rounds if step <= plan.rounds[d]]
+            streams = [NEXT] if step == 0 or mode == "allgather" else [d for d in plan.rounds if step <= plan.rounds[d]]
             row.append(tuple(Task(j, plan.kinds[r][j], d) for d in streams for j in [plan.held_source(r, d, step)]))
         table.append(row)
     plan.schedule = Schedule(table)
     return plan
+
+
+# ---------------------------------------------------------------- key chunks of the backward's hop home
+
+
+def home_chunks(plan):
+    """Key chunks of every hop home: HOME_CHUNKS, or fewer if a shard is shorter (the same on every rank)."""
+    return min(HOME_CHUNKS, min(len(s) for s in plan.shards))
+
+
+def key_chunks(n, chunks):
+    """``chunks`` near-equal, non-empty key ranges ``(lo, hi)`` that cover 0:n in order (needs chunks <= n)."""
+    return [(i * n // chunks, (i + 1) * n // chunks) for i in range(chunks)]
+
+
+def cut_to_keys(pieces, lo, hi):
+    """The parts of ``pieces`` (as ``plan.pieces`` gives them) on keys lo:hi, with the query rows that see them.
+
+    Together, the cuts of a block's key chunks cover exactly its pieces' visible
+    (query, key) pairs, so the dK/dV of keys lo:hi are complete once these are done.
+    """
+    cut = []
+    for a, b, c, d, klo, khi in pieces:
+        c2, d2 = max(c, lo), min(d, hi)
+        if d2 <= c2:
+            continue
+        if klo is None:  # every row sees every key
+            cut.append(Piece(a, b, c2, d2))
+            continue
+        first, last = np.clip(c + klo, c2, d2), np.clip(c + khi, c2, d2)  # each row's visible keys in lo:hi
+        seen = np.flatnonzero(last > first)
+        if seen.size == 0:
+            continue
+        r0, r1 = int(seen[0]), int(seen[-1]) + 1
+        first, last = first[r0:r1], last[r0:r1]
+        if np.all(first == c2) and np.all(last == d2):
+            cut.append(Piece(a + r0, a + r1, c2, d2))
+        else:
+            cut.append(Piece(a + r0, a + r1, c2, d2, first - c2, last - c2))
+    return cut
+
+
+def chunks_in_order(pieces, n, chunks):
+    """A block's key chunks as ``(chunk, lo, hi, pieces)``, in the order to compute and send them home.
+
+    Chunks in key order, except those this rank adds nothing to: they are
+    complete as soon as the arriving partial is, so they go right after the
+    first chunk with work (by then that partial has been waited for) rather
+    than add to the transfers left at the end.
+    """
+    cuts = [(chunk, lo, hi, cut_to_keys(pieces, lo, hi)) for chunk, (lo, hi) in enumerate(key_chunks(n, chunks))]
+    busy = [c for c in cuts if c[3]]
+    return busy[:1] + [c for c in cuts if not c[3]] + busy[1:]

@@ -1,0 +1,308 @@
+"""Validation and collective agreement: every rank ends a call's checks with the same verdict.
+
+Each rank checks what it can alone, then one all-gather shares every rank's
+problem and options; either every rank goes on with the same plan, or every
+rank raises the same ValueError naming each offending rank. Nothing here
+raises before that all-gather, so one rank's bad input cannot leave the
+others waiting.
+"""
+
+import hashlib
+
+import numpy as np
+
+from .comm import allgather
+from .kernels import LSE_LIMIT, default_scale
+from .layouts import check_layout
+from .masks import check_window
+from .plan import MODES, make_plan
+
+__all__ = ["agree", "setup", "agree_root", "local_problem", "grad_problem", "root_problem", "root_grad_problem",
+           "timeout_problem", "scale_problem", "logit_problem", "describe"]
+
+
+def local_problem(q, k, v, scale, check_finite=False):
+    """What is wrong with this rank's own arguments, or None."""
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(a, np.ndarray):
+            return f"{name} must be a NumPy array, got {type(a).__name__}"
+        if a.dtype not in (np.float32, np.float64):
+            return f"{name} must be float32 or float64, got {a.dtype}"
+        if a.ndim < 2:
+            return f"{name} must have shape (..., seq, dim), got {a.shape}"
+    if not (q.dtype == k.dtype == v.dtype):
+        return f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+    if not (q.ndim == k.ndim == v.ndim):
+        return f"q, k, v must have the same number of axes, got {q.shape}, {k.shape}, {v.shape}"
+    if k.shape[:-1] != v.shape[:-1]:
+        return f"k and v must agree on all but the last axis, got {k.shape} and {v.shape}"
+    if q.shape[-1] != k.shape[-1]:
+        return f"q and k must have the same head dim, got {q.shape[-1]} and {k.shape[-1]}"
+    if q.shape[-2] != k.shape[-2]:
+        return f"q and k must hold the same local tokens, got {q.shape[-2]} and {k.shape[-2]}"
+    if q.ndim >= 3:
+        if q.shape[:-3] != k.shape[:-3]:
+            return f"q and k must have the same batch axes, got {q.shape} and {k.shape}"
+        if k.shape[-3] == 0 or q.shape[-3] % k.shape[-3]:
+            return f"q heads ({q.shape[-3]}) must be a multiple of k/v heads ({k.shape[-3]})"
+    if min(q.shape[-1], v.shape[-1]) < 1 or q.shape[-2] < 1:
+        return f"every rank needs at least one token and a positive head dim, got q {q.shape}, v {v.shape}"
+    if scale_problem(scale):
+        return scale_problem(scale)
+    if check_finite:  # one pass over the inputs: off by default
+        for name, a in (("q", q), ("k", k), ("v", v)):
+            bad = ~np.isfinite(a)
+            if bad.any():
+                first = tuple(int(i) for i in np.argwhere(bad)[0])
+                return f"{name} has {int(bad.sum())} NaN/Inf values, the first at index {first}"
+    return None
+
+
+def _is_real(x):
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+
+
+def timeout_problem(timeout):
+    if timeout is not None and not (_is_real(timeout) and np.isfinite(timeout) and timeout > 0):
+        return f"timeout must be None or a positive number of seconds, got {timeout!r}"
+    return None
+
+
+def size_problem(size, expected_size):
+    if expected_size is not None and size != expected_size:
+        return f"the communicator has {size} ranks but expected_size={expected_size!r}"
+    return None
+
+
+def canonical(options):
+    """This rank's options in a form ranks can compare; raises ValueError on a bad one.
+
+    Only checks that need no other rank are made here; make_plan checks the rest
+    (cu_seqlens against the total length) once every rank holds the same options.
+    """
+    check_layout(options["layout"])
+    if options["mode"] not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}; got {options['mode']!r}")
+    cu = options["cu_seqlens"]
+    if cu is not None:
+        cu = np.asarray(cu)
+        if cu.ndim != 1 or not np.issubdtype(cu.dtype, np.integer):
+            raise ValueError(f"cu_seqlens must be a 1-D integer array [0, ..., seq_len], got {cu!r}")
+        cu = cu.astype(np.int64)
+    return dict(layout=options["layout"], mode=options["mode"], causal=bool(options["causal"]),
+                window=check_window(options["window"]), cu_seqlens=cu)
+
+
+class _Shown:
+    """A value compared by content (cu_seqlens by digest) and shown briefly in messages."""
+
+    def __init__(self, value, text=None):
+        if text is not None:
+            self.text, self.key = text, value
+        elif isinstance(value, np.ndarray):
+            items = value.tolist()
+            self.text = str(items) if len(items) <= 8 else f"[{', '.join(map(str, items[:4]))}, ..., {items[-1]}]" \
+                f" ({len(items)} entries)"
+            self.key = (len(items), hashlib.sha1(value.tobytes()).hexdigest())
+        else:
+            self.text, self.key = repr(value), value
+
+    def __eq__(self, other):
+        return self.key == other.key
+
+    def __repr__(self):
+        return self.text
+
+
+def _shape_text(a):
+    """A shape with the sequence axis, which may differ between ranks, shown as *."""
+    return "(" + ", ".join("*" if i == a.ndim - 2 else str(n) for i, n in enumerate(a.shape)) + ")"
+
+
+def verdict(problems, prefix="rank"):
+    """One message naming every rank with a problem; ranks with the same problem share a line."""
+    by_text = {}
+    for r, p in enumerate(problems):
+        if p:
+            by_text.setdefault(p, []).append(r)
+    parts = [f"{prefix} {ranks[0]}: {p}" if len(ranks) == 1 else f"{prefix}s {', '.join(map(str, ranks))}: {p}"
+             for p, ranks in by_text.items()]
+    return "; ".join(parts) or None
+
+
+def differences(values, ref):
+    """Per rank: which named value differs from rank ``ref``'s (values[r] is a dict, or None)."""
+    out = [None] * len(values)
+    for r, mine in enumerate(values):
+        if mine is None or values[ref] is None or r == ref:
+            continue
+        for name, val in mine.items():
+            if not val == values[ref][name]:
+                out[r] = f"{name} {val!r} differs from rank {ref}'s {values[ref][name]!r}"
+                break
+    return out
+
+
+def describe(exc):
+    return str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+
+
+def agree(comm, problem, timeout=None):
+    """Collective: raise the same ValueError on every rank if any rank has a problem."""
+    message = verdict(allgather(comm, problem, timeout))
+    if message:
+        raise ValueError(message)
+
+
+
+
+def compared(options, timeout):
+    """The values every rank must pass identically, by argument name."""
+    values = dict(options, timeout=timeout)
+    return {name: _Shown(val) for name, val in values.items()}
+
+
+def setup(q, k, v, comm, scale, options, check_finite=False, expected_size=None, timeout=None):
+    """Validate on every rank, agree collectively (one all-gather), and build the shared plan.
+
+    Every rank ends with the same verdict: either the plan or the same ValueError,
+    naming each offending rank and argument. Nothing here raises before the
+    all-gather, so one rank's bad input cannot leave the others waiting.
+    """
+    problem = values = n_local = peaks = None
+    try:
+        size = comm.Get_size()
+        problem = (timeout_problem(timeout) or local_problem(q, k, v, scale, check_finite)
+                   or size_problem(size, expected_size))
+        if problem is None:
+            options = canonical(options)
+            values = {f"{n} shape": _Shown(*[_shape_text(a)] * 2) for n, a in (("q", q), ("k", k), ("v", v))}
+            values.update({"dtype": _Shown(str(q.dtype)),
+                           "scale": _Shown(scale), **compared(options, timeout)})
+            n_local = q.shape[-2]
+            peaks = (_peak(q), _peak(k))
+    except Exception as exc:  # whatever goes wrong here is reported collectively, never raised alone
+        problem, values = describe(exc), None
+    metas = allgather(comm, (problem, values, n_local, peaks), timeout)
+    message = verdict([m[0] for m in metas]) or verdict(differences([m[1] for m in metas], 0))
+    if message:
+        raise ValueError(message)
+    scale = default_scale(q.shape[-1]) if scale is None else float(scale)
+    message = logit_problem(scale, q.shape[-1], max(m[3][0] for m in metas), max(m[3][1] for m in metas), q.dtype)
+    if message:
+        raise ValueError(message)
+    lengths = [m[2] for m in metas]
+    plan = make_plan(sum(lengths), comm.Get_size(), **options)  # deterministic, same options: raises everywhere
+    expected = [len(s) for s in plan.shards]
+    if lengths != expected:
+        raise ValueError(f"local sequence lengths {lengths} do not match the {plan.layout} layout of "
+                         f"{plan.seq_len} tokens over {plan.size} ranks, which needs {expected}")
+    return plan, scale
+
+
+def _peak(a):
+    """Largest |entry| of a, as a float (two passes, no temporary)."""
+    return float(max(a.max(), -a.min())) if a.size else 0.0
+
+
+def logit_problem(scale, dim, q_peak, k_peak, dtype):
+    """Why scale * q.k may overflow ``dtype`` (|q.k| <= dim * max|q| * max|k|), or None.
+
+    Any logits below that bound give a finite lse; beyond it no float arithmetic can.
+    """
+    limit = float(np.finfo(dtype).max) / 16
+    if not (np.isfinite(q_peak) and np.isfinite(k_peak)):
+        return None  # NaN or Inf inputs are not a scale problem: they propagate as in IEEE arithmetic
+    with np.errstate(over="ignore"):
+        bound = float(scale) * dim * q_peak * k_peak
+    if not bound <= limit:
+        return (f"the logits may overflow {np.dtype(dtype)}: scale * dim * max|q| * max|k| = {bound:.3g} "
+                f"(scale {scale:.3g}, dim {dim}, max|q| {q_peak:.3g}, max|k| {k_peak:.3g}) exceeds {limit:.3g}; "
+                f"rescale q, k or the softmax scale")
+    return None
+
+
+
+
+def grad_problem(dout, q, k, v, out, lse):
+    """What is wrong with this rank's dout, out or lse, or None (q, k, v are checked by ``_setup``)."""
+    try:
+        if local_problem(q, k, v, None):
+            return None
+        rows = q.shape[:-1]
+        for name, a, shape in (("dout", dout, rows + v.shape[-1:]), ("out", out, rows + v.shape[-1:]),
+                               ("lse", lse, rows)):
+            if not isinstance(a, np.ndarray):
+                return f"{name} must be a NumPy array, got {type(a).__name__}"
+            if a.shape != shape:
+                return f"{name} must have shape {shape} (from q and v), got {a.shape}"
+            if a.dtype != q.dtype:
+                return f"{name} must have the dtype of q ({q.dtype}), got {a.dtype}"
+        peak = float(np.max(np.abs(lse), initial=0, where=np.isfinite(lse)))
+        if peak > LSE_LIMIT[q.dtype]:
+            return (f"lse reaches {peak:.3g}: the probabilities exp(scale q.k - lse) are recomputed from lse, "
+                    f"and in {q.dtype} beyond |lse| = {LSE_LIMIT[q.dtype]:g} they lose more than 0.1 % "
+                    f"(the gradient would be wrong); rescale q, k or the softmax scale")
+    except Exception as exc:  # reported collectively, never raised alone
+        return describe(exc)
+    return None
+
+
+def root_problem(Q, K, V):
+    for name, a in (("Q", Q), ("K", K), ("V", V)):
+        if not isinstance(a, np.ndarray):
+            return f"{name} must be a NumPy array on the root rank, got {type(a).__name__}"
+    return None
+
+
+
+def root_grad_problem(Q, K, V, dOut, scale, size):
+    """What is wrong with root's full arrays, or None."""
+    problem = root_problem(Q, K, V) or local_problem(Q, K, V, scale)
+    if problem:
+        return problem
+    want = Q.shape[:-1] + V.shape[-1:]
+    if not isinstance(dOut, np.ndarray) or dOut.shape != want or dOut.dtype != Q.dtype:
+        got = f"{dOut.shape} {dOut.dtype}" if isinstance(dOut, np.ndarray) else type(dOut).__name__
+        return f"dOut must be a {Q.dtype} array of shape {want}, got {got}"
+    if Q.shape[-2] < size:
+        return f"sequence length {Q.shape[-2]} is shorter than the number of ranks {size}"
+    return None
+
+
+def scale_problem(scale):
+    """Why ``scale`` is not a valid softmax scale, or None (None means the default)."""
+    if scale is not None and not (_is_real(scale) and np.isfinite(scale) and scale > 0):
+        return f"scale must be a finite positive number, got {scale!r}"
+    return None
+
+
+def agree_root(comm, root, check_root, options, timeout=None, expected_size=None, scale=None):
+    """Agreement for a call where ``root`` holds the full arrays: the same verdict on every rank.
+
+    Every rank checks its options, root, scale and timeout and compares them
+    with rank 0's; root also runs ``check_root() -> (problem, meta)`` on its
+    arrays. Returns ``(canonical options, root's meta)`` or raises the same
+    ValueError everywhere: option problems and disagreements first (the same
+    text on every rank even if ranks disagree on root), then root's arrays.
+    """
+    rank, size = comm.Get_rank(), comm.Get_size()
+    problem = values = root_found = meta = None
+    try:
+        problem = timeout_problem(timeout) or size_problem(size, expected_size) or scale_problem(scale)
+        if problem is None and not (_is_real(root) and isinstance(root, (int, np.integer)) and 0 <= root < size):
+            problem = f"root must be a rank of the communicator, 0 .. {size - 1}; got {root!r}"
+        if problem is None:
+            options = canonical(options)
+            values = dict(compared(options, timeout), root=_Shown(root), scale=_Shown(scale))
+            if rank == root:
+                root_found, meta = check_root()
+    except Exception as exc:  # reported collectively, never raised alone
+        problem, values = describe(exc), None
+    gathered = allgather(comm, (problem, values, root_found, meta), timeout)
+    message = verdict([g[0] for g in gathered]) or verdict(differences([g[1] for g in gathered], 0))
+    if not message and gathered[root][2]:
+        message = f"root rank {root}: {gathered[root][2]}"
+    if message:
+        raise ValueError(message)
+    return options, gathered[root][3]

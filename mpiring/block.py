@@ -1,0 +1,88 @@
+"""One K/V block into a rank's running results: the forward (out, lse) or the gradients. No MPI.
+
+Every way of moving data (the ring, the bidirectional ring, the all-gather,
+the one-process simulator) calls these with the block it holds; the loops only
+decide which block, when. Tests wrap ``attend`` or ``block_grads`` to inject faults.
+"""
+
+import time
+
+import numpy as np
+
+from .kernels import attention_block, attention_block_backward
+
+__all__ = ["GRAD_DTYPE", "accumulators", "count_pairs", "attend", "block_grads", "add_grads", "grads_of"]
+
+GRAD_DTYPE = np.dtype(np.float64)  # travelling and accumulated gradients: no precision lost as P grows
+
+
+def accumulators(q, v):
+    """Running (out, lse) in float64 whatever the input dtype, as flash-attn keeps fp32 for fp16:
+    with fp32 ones the merge's rounding made the error grow with P (docs/reliability.md)."""
+    return [np.zeros(q.shape[:-1] + v.shape[-1:], np.float64), np.full(q.shape[:-1], -np.inf, np.float64)]
+
+
+def count_pairs(rec, pieces):
+    """Note the score entries of a block's pieces, and how many of them the mask lets through."""
+    for a, b, c, d, klo, khi in pieces:
+        rec.computed_pairs += (b - a) * (d - c)
+        rec.visible_pairs += (b - a) * (d - c) if klo is None else int(np.sum(khi - klo))
+
+
+def attend(q, kv, task, pieces, scale, acc, rec, progress, step=None, padded=False):
+    """Attend this rank's queries to one K/V block's ``pieces`` and merge into ``acc`` = [out, lse].
+
+    The kernel merges every finished query tile into the running (out, lse)
+    with ``merge`` (the log-sum-exp rule), so no block-sized output is made.
+    ``padded``: k and v are the ring's [k | 1]^T, [v | 1]^T blocks (``comm.KVBuffers``).
+    """
+    if task.kind != "skip":
+        start = time.perf_counter()
+        k, v = kv
+        count_pairs(rec, pieces)
+        for a, b, c, d, klo, khi in pieces:
+            keys = np.s_[..., c:d] if padded else np.s_[..., c:d, :]  # padded: tokens on the last axis
+            attention_block(q[..., a:b, :], k[keys], v[keys], scale, klo, khi, padded=padded,
+                            into=(acc[0][..., a:b, :], acc[1][..., a:b]), progress=progress)
+        end = rec.event("compute", start, step=step, source=task.source, kind=task.kind, stream=task.stream)
+        rec.compute_time += end - start
+    rec.tasks.append((step, task))
+
+
+def block_grads(queries, kv, pieces, scale, dq, progress):
+    """This rank's queries against ``pieces`` of one K/V block: add into ``dq``, return the keys' shares.
+
+    ``queries = (dout, q, out, lse, delta)`` are this rank's arrays that never move.
+    Returns ``[(c, d, dk, dv), ...]``, the kernel's dK and dV of keys c:d (in
+    the input dtype); ``add_grads`` adds them into the block's float64 partial.
+    """
+    dout, q, out, lse, delta = queries
+    k, v = kv
+    grads = []
+    for a, b, c, d, klo, khi in pieces:
+        bq, bk, bv = attention_block_backward(dout[..., a:b, :], q[..., a:b, :], k[..., c:d, :], v[..., c:d, :],
+                                              out[..., a:b, :], lse[..., a:b], scale, klo, khi,
+                                              delta=delta[..., a:b], progress=progress)
+        dq[..., a:b, :] += bq
+        grads.append((c, d, bk, bv))
+        progress()
+    return grads
+
+
+def add_grads(total, grads):
+    """Add ``block_grads``' shares into ``total = (dk, dv)``, the block's float64 partial, in place."""
+    for c, d, bk, bv in grads:
+        total[0][..., c:d, :] += bk
+        total[1][..., c:d, :] += bv
+
+
+def grads_of(queries, kv, task, pieces, scale, dq, rec, progress, step, **info):
+    """``block_grads`` of one block (or key chunk of it), noted as a "compute" event; [] if nothing to compute."""
+    if not pieces:
+        return []
+    start = time.perf_counter()
+    grads = block_grads(queries, kv, pieces, scale, dq, progress)
+    info = {"step": step, "source": task.source, "kind": task.kind, "stream": task.stream, "pass": "backward", **info}
+    end = rec.event("compute", start, **info)
+    rec.compute_time += end - start
+    return grads

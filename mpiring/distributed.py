@@ -1,0 +1,130 @@
+"""Root holds the full arrays: it scatters shards, the ring runs, root gathers results and schedules.
+
+    mpiexec -n 4 python -m mpiring run --causal --layout zigzag
+
+One agreement (``agree.agree_root``) checks root's arrays and every rank's
+options for both the forward and the backward call.
+"""
+
+import numpy as np
+from mpi4py import MPI
+
+from .agree import agree_root, local_problem, root_grad_problem, root_problem
+from .backward import ring_attention_backward
+from .comm import wait_until
+from .layouts import shard, unshard
+from .plan import Schedule, make_plan
+from .record import Record
+from .ring import ring_attention
+
+__all__ = ["distributed_attention", "distributed_attention_backward"]
+
+
+def _scatter(x, meta, plan, comm, root, timeout=None):
+    """Root deals out shards of a full array; every rank returns its own piece."""
+    lead, dim, dtype = meta
+    rank = comm.Get_rank()
+    counts = [len(s) * int(np.prod(lead)) * dim for s in plan.shards]
+    piece = np.empty(lead + (len(plan.shards[rank]), dim), dtype)
+    send = None
+    if rank == root:
+        flat = np.concatenate([np.ascontiguousarray(shard(x, plan.size, r, plan.layout)).ravel()
+                               for r in range(plan.size)])
+        send = [flat, counts]
+    wait_until([comm.Iscatterv(send, piece, root=root)], timeout, rank, "scatter")
+    return piece
+
+
+def _gather(piece, plan, comm, root, timeout=None):
+    """Inverse of _scatter: root gets the full array back in sequence order."""
+    per_token = int(np.prod(piece.shape)) // piece.shape[-2] if piece.ndim >= 2 else 1
+    counts = [len(s) * per_token for s in plan.shards]
+    flat = np.empty(sum(counts), piece.dtype) if comm.Get_rank() == root else None
+    piece = np.ascontiguousarray(piece)
+    wait_until([comm.Igatherv(piece, [flat, counts] if flat is not None else None, root=root)], timeout,
+                comm.Get_rank(), "gather")
+    if flat is None:
+        return None
+    offsets = np.cumsum([0] + counts)
+    pieces = [flat[offsets[r]:offsets[r + 1]].reshape(piece.shape[:-2] + (len(plan.shards[r]), piece.shape[-1]))
+              for r in range(plan.size)]
+    return unshard(pieces, plan.layout)
+
+
+def _recorded_schedule(columns, plan):
+    """The schedule the ranks recorded, with their counters (``records``) and the ``plan``."""
+    table = [[columns[r][0][step] for r in range(plan.size)] for step in range(plan.n_steps)]
+    return Schedule(table, records=[c[1] for c in columns], plan=plan)
+
+
+def distributed_attention(Q, K, V, comm=None, *, causal=False, root=0, scale=None, layout="contiguous",
+                          mode="ring", window=None, cu_seqlens=None, timeout=None, return_lse=False,
+                          on_step=None, check_finite=False, expected_size=None):
+    """Root scatters full Q, K, V, the ring runs, root gathers the output and the schedule.
+
+    Returns ``(out, schedule)`` on root and ``(None, None)`` elsewhere;
+    ``schedule.table[step][rank]`` holds the Tasks each rank recorded, and
+    ``schedule.records[rank]`` its traffic and timing counters. With
+    ``return_lse=True`` root gets ``(out, lse, schedule)``. ``on_step(done, n_steps)``
+    is called on this rank after each of its ring steps (e.g. for a progress line).
+    ``timeout``, ``check_finite`` (on root's full arrays) and ``expected_size``
+    are as in ``ring_attention``; options must be the same on every rank.
+    """
+    comm = MPI.COMM_WORLD if comm is None else comm
+    rank, size = comm.Get_rank(), comm.Get_size()
+
+    def check_root():
+        problem = root_problem(Q, K, V) or local_problem(Q, K, V, scale, check_finite)
+        if problem is None and Q.shape[-2] < size:
+            problem = f"sequence length {Q.shape[-2]} is shorter than the number of ranks {size}"
+        meta = None if problem else [(a.shape[:-2], a.shape[-1], a.dtype) for a in (Q, K, V)] + [Q.shape[-2]]
+        return problem, meta
+
+    options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens)
+    options, meta = agree_root(comm, root, check_root, options, timeout, expected_size, scale)
+    plan = make_plan(meta[3], size, **options)  # deterministic, same options everywhere: raises everywhere
+    q, k, v = (_scatter(x, m, plan, comm, root, timeout) for x, m in zip((Q, K, V), meta[:3]))
+    rec = Record(rank, on_step=on_step)
+    out, lse = ring_attention(q, k, v, comm, scale=scale, timeout=timeout, record=rec,
+                              expected_size=expected_size, **options)
+    full_out, full_lse = (_gather(a, plan, comm, root, timeout) for a in (out, lse[..., None]))
+    columns = comm.gather((rec.table(plan.n_steps), rec.summary()), root=root)
+    if rank != root:
+        return (None, None, None) if return_lse else (None, None)
+    schedule = _recorded_schedule(columns, plan)
+    return (full_out, full_lse[..., 0], schedule) if return_lse else (full_out, schedule)
+
+
+def distributed_attention_backward(Q, K, V, dOut, comm=None, *, root=0, causal=False, scale=None,
+                                   layout="contiguous", mode="ring", window=None, cu_seqlens=None, timeout=None,
+                                   return_out=False):
+    """Root scatters Q, K, V and dOut; the ring runs forward then backward; root gathers the gradients.
+
+    Returns ``(dQ, dK, dV, schedule)`` on root and Nones elsewhere.
+    ``schedule.table[step][rank]`` holds the Tasks each rank recorded in the
+    backward pass, ``schedule.records[rank]`` its counters (bytes, messages,
+    times), with the forward pass's under ``"forward"``. With
+    ``return_out=True`` root gets ``(out, dQ, dK, dV, schedule)``.
+    """
+    comm = MPI.COMM_WORLD if comm is None else comm
+    rank, size = comm.Get_rank(), comm.Get_size()
+
+    def check_root():
+        problem = root_grad_problem(Q, K, V, dOut, scale, size)
+        meta = None if problem else [(a.shape[:-2], a.shape[-1], a.dtype) for a in (Q, K, V, dOut)] + [Q.shape[-2]]
+        return problem, meta
+
+    options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens)
+    options, meta = agree_root(comm, root, check_root, options, timeout, scale=scale)
+    plan = make_plan(meta[4], size, **options)  # same options everywhere: raises everywhere or nowhere
+    q, k, v, dout = (_scatter(x, m, plan, comm, root, timeout) for x, m in zip((Q, K, V, dOut), meta[:4]))
+    forward, backward = Record(rank), Record(rank)
+    out, lse = ring_attention(q, k, v, comm, scale=scale, timeout=timeout, record=forward, **options)
+    dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, comm, scale=scale, timeout=timeout,
+                                         record=backward, **options)
+    full = [_gather(a, plan, comm, root, timeout) for a in ((out,) if return_out else ()) + (dq, dk, dv)]
+    summary = dict(backward.summary(), forward=forward.summary())
+    columns = comm.gather((backward.table(plan.n_steps), summary), root=root)
+    if rank != root:
+        return (None,) * (len(full) + 1)
+    return (*full, _recorded_schedule(columns, plan))
