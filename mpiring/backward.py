@@ -19,17 +19,7 @@ from mpi4py import MPI
 from . import block
 from .agree import agree, grad_problem, setup
 from .block import GRAD_DTYPE, add_grads, count_pairs
-from .comm import (
-    Buffers,
-    HomeRing,
-    RingComm,
-    flat_blocks,
-    next_buffers,
-    shift,
-    start_allgather,
-    wait_allgather,
-    wait_until,
-)
+from .comm import Buffers, HomeRing, RingComm, allgathered, flat_blocks, next_buffers, shift, wait_until
 from .plan import chunks_in_order, home_chunks, key_chunks
 from .record import Record
 from .ring import agree_outcome
@@ -132,24 +122,16 @@ def _allgather_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec, 
     """All-gather K/V once, compute every block's dK/dV contribution here, reduce-scatter them to their owners."""
     rank, size = comm.Get_rank(), comm.Get_size()
     lengths = [len(s) for s in plan.shards]
-    gathered, requests = start_allgather(k, v, plan, comm, rec)  # as the forward pass
     sums = [flat_blocks(a, lengths, GRAD_DTYPE) for a in (k, v)]  # this rank's share of every block's dK, dV
     queries = (dout, q, out, lse, delta)
     dq = np.zeros(q.shape, GRAD_DTYPE)
-    progress = lambda: MPI.Request.Testall(requests)  # noqa: E731
-    for step in range(plan.n_steps):
-        task = plan.tasks(step, rank)[0]
-        if step == 1:
-            wait_allgather(requests, timeout, rank, rec)
-        kv = (k, v) if step == 0 else (gathered[0][task.source], gathered[1][task.source])
+    for step, task, kv, progress in allgathered(k, v, plan, comm, rec, timeout):  # as the forward pass
         pieces = plan.pieces(rank, task.source)
         count_pairs(rec, pieces)
         grads = block.grads_of(queries, kv, task, pieces, scale, dq, rec, progress, step)
         add_grads((sums[0][2][task.source], sums[1][2][task.source]), grads)
         rec.tasks.append((step, task))
         rec.step_done(step, plan.n_steps)
-    if plan.n_steps == 1:  # P = 1: no step waited
-        wait_until(requests, timeout, rank, "all-gather")
     own = [np.empty(a.shape, GRAD_DTYPE) for a in (k, v)]
     start = time.perf_counter()
     requests = [comm.Ireduce_scatter(flat, mine, counts) for (flat, counts, _), mine in zip(sums, own)]

@@ -11,7 +11,7 @@ import numpy as np
 from mpi4py import MPI
 
 __all__ = ["RingComm", "HomeRing", "CommTimeout", "wait_until", "allgather", "Buffers", "KVBuffers",
-           "next_buffers", "shift", "flat_blocks", "start_allgather", "wait_allgather", "payload_bytes"]
+           "next_buffers", "shift", "flat_blocks", "allgathered", "payload_bytes"]
 
 
 class CommTimeout(RuntimeError):
@@ -308,6 +308,29 @@ def start_allgather(k, v, plan, comm, rec):
         rec.bytes_sent += a.nbytes * (size - 1)
         rec.messages += size - 1
     return gathered, requests
+
+
+def allgathered(k, v, plan, comm, rec, timeout):
+    """The all-gather as a loop: post it, then yield ``(step, task, (k, v) of the task's block, progress)``.
+
+    Step 0 is this rank's own block, computed while the all-gather moves; it
+    is completed (with the timeout) before step 1, or after step 0 when P = 1.
+    """
+    rank, size = comm.Get_rank(), comm.Get_size()
+    posted = time.perf_counter()
+    gathered, requests = start_allgather(k, v, plan, comm, rec)
+    rec.event("send", posted, step=0, stream=0, dest="all", bytes=(k.nbytes + v.nbytes) * (size - 1))
+
+    def progress():
+        MPI.Request.Testall(requests)
+
+    for step in range(plan.n_steps):
+        task = plan.tasks(step, rank)[0]
+        if step == 1:
+            wait_allgather(requests, timeout, rank, rec)
+        yield step, task, (k, v) if step == 0 else (gathered[0][task.source], gathered[1][task.source]), progress
+    if plan.n_steps == 1:
+        wait_until(requests, timeout, rank, "all-gather")
 
 
 def wait_allgather(requests, timeout, rank, rec):

@@ -16,7 +16,7 @@ from mpi4py import MPI
 
 from . import block
 from .agree import setup
-from .comm import KVBuffers, RingComm, next_buffers, shift, start_allgather, wait_allgather, wait_until
+from .comm import KVBuffers, RingComm, allgathered, next_buffers, shift, wait_until
 from .record import Record
 
 __all__ = ["ring_attention", "agree_outcome"]
@@ -48,21 +48,11 @@ def _ring_loop(q, k, v, plan, ring, scale, rec, timeout):
 
 def _allgather_loop(q, k, v, plan, comm, scale, rec, timeout):
     """All-gather K/V once (overlapped with the local block), then compute locally."""
-    rank, size = comm.Get_rank(), comm.Get_size()
-    posted = time.perf_counter()
-    gathered, requests = start_allgather(k, v, plan, comm, rec)
-    rec.event("send", posted, step=0, stream=0, dest="all", bytes=(k.nbytes + v.nbytes) * (size - 1))
+    rank = comm.Get_rank()
     acc = block.accumulators(q, v)
-    progress = lambda: MPI.Request.Testall(requests)  # noqa: E731
-    for step in range(plan.n_steps):
-        task = plan.tasks(step, rank)[0]
-        if step == 1:
-            wait_allgather(requests, timeout, rank, rec)
-        kv = (k, v) if step == 0 else (gathered[0][task.source], gathered[1][task.source])
+    for step, task, kv, progress in allgathered(k, v, plan, comm, rec, timeout):
         block.attend(q, kv, task, plan.pieces(rank, task.source), scale, acc, rec, progress, step)
         rec.step_done(step, plan.n_steps)
-    if plan.n_steps == 1:
-        wait_until(requests, timeout, rank, "all-gather")
     return acc[0].astype(q.dtype, copy=False), acc[1].astype(q.dtype, copy=False)
 
 

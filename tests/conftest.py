@@ -1,8 +1,12 @@
 import numpy as np
 import pytest
 
-# agreement with the float64 single-process reference, per input dtype
+from mpiring.reference import definition_mask, dense_attention, dense_attention_backward
+
+# agreement with the float64 single-process reference, per input dtype: outputs, and gradients
+# (the backward adds a recomputation and three more products per element)
 TOL = {np.float64: 1e-12, np.float32: 1e-5}
+GRAD_TOL = {np.float64: 1e-10, np.float32: 1e-4}
 
 
 # (q shape, k/v shape or None for the same): 2-D, (batch, heads, seq, dim), grouped-query g = 2, multi-query g = 4
@@ -32,73 +36,45 @@ def qkv(rng, shape_q, shape_kv=None, dtype=np.float64, scale=1.0):
     return q, k, v
 
 
+def dense_mask(seq_len, causal=False, window=None, cu_seqlens=None):
+    """The one reference mask of the suite: boolean (S, S) from the definitions (``mpiring.reference``).
+
+    It shares no code with mpiring.masks or the plan, which it checks.
+    """
+    pos = np.arange(seq_len)
+    return definition_mask(pos, pos, causal=causal, window=window, cu_seqlens=cu_seqlens)
+
+
 def naive_attention(q, k, v, mask=None, scale=None):
-    """The textbook formula, as plain as it gets: softmax(q k^T / sqrt(d)) v in float64."""
-    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
-    if q.ndim >= 3 and q.shape[-3] != k.shape[-3]:  # grouped-query: repeat K/V heads
-        g = q.shape[-3] // k.shape[-3]
-        k, v = np.repeat(k, g, axis=-3), np.repeat(v, g, axis=-3)
-    s = q @ np.swapaxes(k, -1, -2) * (1 / np.sqrt(q.shape[-1]) if scale is None else scale)
-    if mask is not None:
-        s = np.where(mask, s, -np.inf)
-    m = np.max(s, axis=-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0)
-    p = np.exp(s - m)
-    den = p.sum(axis=-1, keepdims=True)
-    return np.where(den > 0, p @ v / np.where(den > 0, den, 1), 0.0)
+    """The textbook softmax(scale q k^T) v in float64 under a dense boolean mask (rows that see nothing: 0)."""
+    return dense_attention(q, k, v, scale, None if mask is None else lambda a, b: mask[a:b])[0]
 
 
 def naive_attention_backward(dout, q, k, v, mask=None, scale=None):
     """Dense float64 gradients (dq, dk, dv) of ``naive_attention``, from the textbook formulas."""
-    dout, q, k, v = (np.asarray(a, np.float64) for a in (dout, q, k, v))
-    g = q.shape[-3] // k.shape[-3] if q.ndim >= 3 else 1
-    kr, vr = (np.repeat(a, g, axis=-3) if g > 1 else a for a in (k, v))
-    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
-    s = q @ np.swapaxes(kr, -1, -2) * scale
-    if mask is not None:
-        s = np.where(mask, s, -np.inf)
-    m = np.max(s, axis=-1, keepdims=True)
-    e = np.exp(s - np.where(np.isfinite(m), m, 0))
-    den = e.sum(axis=-1, keepdims=True)
-    p = e / np.where(den > 0, den, 1)  # rows that see no key: all zero, no gradient
-    dp = dout @ np.swapaxes(vr, -1, -2)
-    ds = p * (dp - np.sum(dp * p, axis=-1, keepdims=True))
-    dq = ds @ kr * scale
-    dk = np.swapaxes(ds, -1, -2) @ q * scale
-    dv = np.swapaxes(p, -1, -2) @ dout
-    if g > 1:  # each K/V head gets the sum over its group of query heads
-        dk = dk.reshape(k.shape[:-3] + (k.shape[-3], g) + k.shape[-2:]).sum(axis=-3)
-        dv = dv.reshape(v.shape[:-3] + (v.shape[-3], g) + v.shape[-2:]).sum(axis=-3)
-    return dq, dk, dv
-
-
-def dense_mask(seq_len, causal=False, window=None, cu_seqlens=None):
-    """Boolean (S, S) mask written independently of mpiring.masks."""
-    i = np.arange(seq_len)[:, None]
-    j = np.arange(seq_len)[None, :]
-    ok = np.ones((seq_len, seq_len), bool)
-    if causal:
-        ok &= j <= i
-    if window is not None:
-        left, right = window
-        if left >= 0:
-            ok &= j >= i - left
-        if right >= 0:
-            ok &= j <= i + right
-    if cu_seqlens is not None:
-        doc = np.zeros(seq_len, int)
-        for d, (a, b) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:])):
-            doc[a:b] = d
-        ok &= doc[:, None] == doc[None, :]
-    return ok
+    return dense_attention_backward(dout, q, k, v, scale, None if mask is None else lambda a, b: mask[a:b])
 
 
 @pytest.fixture
-def comm():
-    """The world communicator (size 1 in the serial run, P under mpiexec -n P)."""
+def comm(request):
+    """The world communicator (size 1 in the serial run, P under mpiexec -n P).
+
+    A test may run over others too, as mpi4py's own tests do:
+    ``@pytest.mark.parametrize("comm", COMMS, indirect=True)`` gives COMM_WORLD,
+    a duplicate of it (freed after the test) and COMM_SELF (P = 1 on every rank).
+    """
     from mpi4py import MPI
 
-    return MPI.COMM_WORLD
+    kind = getattr(request, "param", "world")
+    if kind == "dup":
+        dup = MPI.COMM_WORLD.Dup()
+        yield dup
+        dup.Free()
+    else:
+        yield {"world": MPI.COMM_WORLD, "self": MPI.COMM_SELF}[kind]
+
+
+COMMS = ["world", "dup", "self"]
 
 
 def local(x, comm, layout="contiguous"):

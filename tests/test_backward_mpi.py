@@ -9,25 +9,20 @@ backward ring, and checks its own gradients, messages and bytes; P is the world 
 import numpy as np
 import pytest
 
-from mpiring import (LAYOUTS, MODES, Record, distributed_attention_backward, make_plan, predicted_backward_bytes,
-                     reference_attention_backward, ring_attention, ring_attention_backward, shard, visible_keys)
+from mpiring import (
+    LAYOUTS,
+    MODES,
+    Record,
+    distributed_attention_backward,
+    make_plan,
+    predicted_backward_bytes,
+    ring_attention,
+    ring_attention_backward,
+)
 
-from conftest import qkv
+from conftest import COMMS, GRAD_TOL, dense_mask, local, naive_attention_backward, qkv
 
 pytestmark = pytest.mark.mpi
-
-GRAD_TOL = {np.float64: 1e-10, np.float32: 1e-4}
-
-
-@pytest.fixture
-def comm():
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD
-
-
-def _local(x, comm, layout="contiguous"):
-    return np.ascontiguousarray(shard(x, comm.size, comm.rank, layout))
 
 
 def _problem(rng, S, heads=4, kv_heads=2, dim=8, dim_v=6, dtype=np.float64):
@@ -38,15 +33,12 @@ def _problem(rng, S, heads=4, kv_heads=2, dim=8, dim_v=6, dtype=np.float64):
 
 
 def _reference(Q, K, V, dOut, causal=False, window=None, cu=None, scale=None):
-    pos = np.arange(Q.shape[-2])
-    klo, khi = visible_keys(pos, pos, causal=causal, window=window or (-1, -1),
-                            cu_seqlens=None if cu is None else np.array(cu))
-    return reference_attention_backward(dOut, Q, K, V, scale, klo, khi)
+    return naive_attention_backward(dOut, Q, K, V, dense_mask(Q.shape[-2], causal, window, cu), scale)
 
 
 def _ring_grads(comm, Q, K, V, dOut, record=None, **options):
     layout = options.get("layout", "contiguous")
-    q, k, v, dout = (_local(x, comm, layout) for x in (Q, K, V, dOut))
+    q, k, v, dout = (local(x, comm, layout) for x in (Q, K, V, dOut))
     out, lse = ring_attention(q, k, v, comm, **options)
     return ring_attention_backward(dout, q, k, v, out, lse, comm, record=record, **options)
 
@@ -68,7 +60,7 @@ def test_gradients_match_reference(comm, rng, layout, mode, causal, window, cu):
     rec = Record()
     grads = _ring_grads(comm, Q, K, V, dOut, record=rec, **options)
     for name, got, want in zip(("dq", "dk", "dv"), grads, _reference(Q, K, V, dOut, causal, window, cu)):
-        np.testing.assert_allclose(got, _local(want, comm, layout), atol=1e-10, rtol=0, err_msg=name)
+        np.testing.assert_allclose(got, local(want, comm, layout), atol=1e-10, rtol=0, err_msg=name)
     plan = make_plan(S, comm.size, **options)
     assert rec.messages == plan.backward_messages_per_rank()
     assert rec.bytes_sent == predicted_backward_bytes(plan, kv_width=2 * 2 * (8 + 6), itemsize=8)[comm.rank]
@@ -88,10 +80,11 @@ def test_shapes_and_dtypes(comm, rng, dtype, shape_q, shape_kv, layout, mode):
     dOut = rng.standard_normal(shape_q).astype(dtype)
     grads = _ring_grads(comm, Q, K, V, dOut, layout=layout, mode=mode, causal=True, scale=0.4)
     for got, want, x in zip(grads, _reference(Q, K, V, dOut, causal=True, scale=0.4), (Q, K, V)):
-        assert got.dtype == dtype and got.shape == _local(x, comm, layout).shape
-        np.testing.assert_allclose(got, _local(want, comm, layout), atol=GRAD_TOL[dtype], rtol=0)
+        assert got.dtype == dtype and got.shape == local(x, comm, layout).shape
+        np.testing.assert_allclose(got, local(want, comm, layout), atol=GRAD_TOL[dtype], rtol=0)
 
 
+@pytest.mark.parametrize("comm", COMMS, indirect=True)
 def test_float32_accumulates_in_float64(comm, rng):
     """Many ranks' contributions to one block: the float32 error stays at the kernel's level."""
     S = 64 * comm.size
@@ -100,7 +93,7 @@ def test_float32_accumulates_in_float64(comm, rng):
     dq, dk, dv = _ring_grads(comm, Q, K, V, dOut, record=rec, layout="zigzag", causal=True)
     _, want_k, want_v = _reference(Q, K, V, dOut, causal=True)
     for got, want in ((dk, want_k), (dv, want_v)):
-        np.testing.assert_allclose(got, _local(want, comm, "zigzag"), atol=2e-5, rtol=0)
+        np.testing.assert_allclose(got, local(want, comm, "zigzag"), atol=2e-5, rtol=0)
     plan = make_plan(S, comm.size, layout="zigzag", causal=True)
     assert rec.bytes_sent == predicted_backward_bytes(plan, kv_width=2 * 1 * 32, itemsize=4)[comm.rank]
 
@@ -127,7 +120,7 @@ def test_distributed_backward_gathers_gradients(comm, rng):
 
 def test_bad_input_raises_on_every_rank(comm, rng):
     Q, K, V, dOut = _problem(rng, 4 * comm.size)
-    q, k, v, dout = (_local(x, comm) for x in (Q, K, V, dOut))
+    q, k, v, dout = (local(x, comm) for x in (Q, K, V, dOut))
     out, lse = ring_attention(q, k, v, comm)
     last = comm.size - 1
     bad = dout[..., :5] if comm.rank == last else dout  # only the last rank is wrong
@@ -145,7 +138,7 @@ def test_bad_input_raises_on_every_rank(comm, rng):
         distributed_attention_backward(Q, K, V, dOut[..., :3] if comm.rank == 0 else None, comm)
     # the ring still works afterwards
     grads = ring_attention_backward(dout, q, k, v, out, lse, comm, timeout=30)
-    np.testing.assert_allclose(grads[0], _local(_reference(Q, K, V, dOut)[0], comm), atol=1e-10)
+    np.testing.assert_allclose(grads[0], local(_reference(Q, K, V, dOut)[0], comm), atol=1e-10)
 
 
 @pytest.mark.parametrize("layout,mode", [("contiguous", "ring"), ("zigzag", "ring"), ("zigzag", "bidirectional"),
@@ -161,7 +154,7 @@ def test_blocks_shorter_than_the_home_chunks(comm, rng, layout, mode, causal):
     rec = Record()
     grads = _ring_grads(comm, Q, K, V, dOut, record=rec, **options)
     for name, got, want in zip(("dq", "dk", "dv"), grads, _reference(Q, K, V, dOut, causal)):
-        np.testing.assert_allclose(got, _local(want, comm, layout), atol=1e-10, rtol=0, err_msg=name)
+        np.testing.assert_allclose(got, local(want, comm, layout), atol=1e-10, rtol=0, err_msg=name)
     plan = make_plan(S, comm.size, **options)
     chunks = home_chunks(plan)
     assert chunks == (2 if comm.size > 1 else 3)

@@ -9,10 +9,18 @@ checks its own part of the output; root also checks the gathered results.
 import numpy as np
 import pytest
 
-from mpiring import (LAYOUTS, MODES, Record, distributed_attention, make_plan, predicted_bytes_sent,
-                     ring_attention, ring_attention_context_parallel)
+from mpiring import (
+    LAYOUTS,
+    MODES,
+    Record,
+    distributed_attention,
+    make_plan,
+    predicted_bytes_sent,
+    ring_attention,
+    ring_attention_context_parallel,
+)
 
-from conftest import local, dense_mask, naive_attention, qkv, tol
+from conftest import COMMS, dense_mask, local, naive_attention, qkv, tol
 
 pytestmark = pytest.mark.mpi
 
@@ -22,6 +30,7 @@ pytestmark = pytest.mark.mpi
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", [(24, 8), (2, 3, 24, 16)])
+@pytest.mark.parametrize("comm", COMMS, indirect=True)
 def test_ring_attention_matches_reference(comm, rng, dtype, causal, shape):
     Q, K, V = qkv(rng, shape, dtype=dtype)
     out, lse = ring_attention(*(local(x, comm) for x in (Q, K, V)), comm, causal=causal)

@@ -15,13 +15,6 @@ from mpiring import distributed_attention, ring_attention
 pytestmark = pytest.mark.mpi
 
 
-@pytest.fixture
-def comm():
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD
-
-
 def _inputs(comm, heads=2, dim=8, per_rank=4, dtype=np.float64):
     rng = np.random.default_rng(comm.rank)
     return [rng.standard_normal((heads, per_rank, dim)).astype(dtype) for _ in range(3)]
