@@ -1,0 +1,193 @@
+"""The benchmark's rows on paper: CSV in and out, parallel efficiency, the table and its summaries."""
+
+import csv
+import math
+import os
+
+from .memory import running_mb
+
+__all__ = ["COLUMNS", "write_csv", "read_csv", "add_efficiency", "format_table", "format_header", "format_long",
+           "format_targets"]
+
+# CSV columns, in order
+COLUMNS = [
+    "P", "S", "D", "H", "B", "causal", "layout", "pass", "status", "repeats",
+    "wall_s", "gflops", "limit_s", "of_limit", "compute_s", "kernel_of_limit",
+    "torch_s", "torch_gflops", "vs_torch", "efficiency", "exposed_comm",
+    "bytes_sent", "bytes_predicted", "bytes_match",
+    "peak_rss_mb", "rss_per_rank_mb", "model_mb", "baseline_mb", "rss_vs_model", "scratch_mb",
+    "blas", "blas_arch", "blas_threads", "background_cores",
+]
+
+
+def _num(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+
+
+# ---------------------------------------------------------------- CSV
+
+
+def write_csv(rows, path):
+    """Write benchmark rows to ``path`` with the ``COLUMNS`` header."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: _csv_value(row.get(k, "")) for k in COLUMNS})
+
+
+def _csv_value(v):
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return v
+
+
+def read_csv(path):
+    """Rows of a benchmark CSV, numbers converted back."""
+    rows = []
+    with open(path, newline="") as f:
+        for raw in csv.DictReader(f):
+            row = {}
+            for key, val in raw.items():
+                try:
+                    row[key] = int(val)
+                except ValueError:
+                    try:
+                        row[key] = float(val)
+                    except ValueError:
+                        row[key] = val
+            rows.append(row)
+    return rows
+
+
+def _row_key(row):
+    return (int(row["S"]), int(row["D"]), int(row["H"]), int(row["B"]), int(row["causal"]), row["pass"])
+
+
+def add_efficiency(rows, baseline_rows):
+    """Fill ``efficiency`` = T(P=1) / (P * T(P)) from P=1 rows (this run's or a baseline's)."""
+    ones = {_row_key(r): r for r in list(baseline_rows) + list(rows) if r.get("P") == 1 and _num(r.get("wall_s"))}
+    for row in rows:
+        one = ones.get(_row_key(row))
+        if one is not None and _num(row.get("wall_s")) and row["P"] > 1:
+            row["efficiency"] = one["wall_s"] / (row["P"] * row["wall_s"])
+    return rows
+
+
+# ---------------------------------------------------------------- the table
+
+
+def _fmt(v, spec, width):
+    return (format(v, spec) if _num(v) else "-").rjust(width)
+
+
+TABLE = [  # header, key, format, width
+    ("P", "P", "d", 2), ("S", "S", "d", 6), ("D", "D", "d", 4), ("mask", None, "", 7), ("pass", "pass", "", 7),
+    ("wall s", "wall_s", ".3f", 8), ("GFLOP/s", "gflops", ".1f", 8), ("%lim", "of_limit", ".0%", 5),
+    ("kern%", "kernel_of_limit", ".0%", 6), ("torch", "torch_gflops", ".1f", 6), ("x torch", "vs_torch", ".2f", 7),
+    ("eff", "efficiency", ".0%", 5), ("comm%", "exposed_comm", ".1%", 6), ("bytes/rank", "bytes_sent", "d", 11),
+    ("=model", "bytes_match", "", 6), ("RSS MB", "peak_rss_mb", ".0f", 7), ("model+base", None, "", 10),
+    ("ratio", "rss_vs_model", ".2f", 6), ("bg", "background_cores", ".1f", 4),
+]
+
+
+def format_table(rows):
+    """The benchmark table as text (rows that were skipped say why)."""
+    lines = ["  ".join(h.rjust(w) for h, _, _, w in TABLE)]
+    for row in rows:
+        cells = []
+        for header, key, spec, width in TABLE:
+            if header == "mask":
+                cells.append(("causal" if row.get("causal") else "full").rjust(width))
+            elif header == "model+base":
+                total = (row.get("model_mb") or 0) + (row.get("baseline_mb") or 0)
+                cells.append(_fmt(total, ".0f", width))
+            elif header == "=model":
+                match = row.get("bytes_match")
+                cells.append(("yes" if match == 1 else "NO" if match == 0 else "-").rjust(width))
+            elif header == "pass":
+                cells.append(str(row.get("pass", "")).rjust(width))
+            else:
+                cells.append(_fmt(row.get(key), spec, width))
+        line = "  ".join(cells)
+        if str(row.get("status", "ok")) != "ok":
+            line = "  ".join(cells[:5]) + "  " + str(row["status"])
+        lines.append(line)
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- around the table
+
+
+def format_header(*, size, threads, long, rows, report, limits, baseline_mb, use_torch):
+    """What the run measured before the first row: BLAS, one core's limits, the interpreter's RSS."""
+    lines = [f"mpiring bench: P={size} ranks, {threads} BLAS thread(s) per rank, fp32, "
+             f"{rows} rows{' (long context)' if long else ''}",
+             f"BLAS: {report['blas']}, kernels {report['blas_arch']}, threads per rank {threads}"
+             + (f", OPENBLAS_CORETYPE={report['coretype_env']}" if report["coretype_env"] else "")]
+    if report["warning"]:
+        lines.append(f"{'WARNING' if 'below' in report['warning'] else 'NOTE'}: {report['warning']}")
+    for d, lim in limits.items():
+        lines.append(f"limit, one core: D={d}: np.matmul {lim['gemm_flops'] / 1e9:.1f} GFLOP/s, "
+                     f"np.{lim['exp_fn']} {lim['exp_per_s'] / 1e9:.2f} G/s")
+    if limits:
+        peak = next(iter(limits.values()))["peak_flops"]
+        lines.append(f"ceiling: np.matmul 2048x2048x2048 on one core {peak / 1e9:.1f} GFLOP/s; no attention kernel "
+                     f"on {size} rank(s) x {threads} thread(s) can pass {size * threads * peak / 1e9:.0f} GFLOP/s")
+    lines.append(f"interpreter baseline RSS {baseline_mb:.0f} MiB per rank; "
+                 f"torch SDPA column: {'yes, ' + str(size * threads) + ' threads' if use_torch else 'no'}")
+    lines += ["", format_table([])]
+    return "\n".join(lines)
+
+
+def format_long(rows):
+    """Memory per rank as S grows: peak RSS, the model, and the scratch beyond model + baseline ("" if no rows)."""
+    ok = [r for r in rows if r.get("status") == "ok"]
+    if not ok:
+        return ""
+    lines = ["long context: memory per rank (MiB) as S grows",
+             "       S  tokens/rank  peak RSS per rank  model  baseline  beyond model  float64 (out, lse)  rest"]
+    for r in ok:
+        lines.append(f"{r['S']:>8}  {math.ceil(r['S'] / r['P']):>11}  {r['rss_per_rank_mb']:>17}  "
+                     f"{r['model_mb']:>5.0f}  {r['baseline_mb']:>8.0f}  {r['scratch_mb']:>12.0f}  "
+                     f"{running_mb(r):>18.1f}  {r['scratch_mb'] - running_mb(r):>4.0f}")
+    a, b = ok[0], ok[-1]
+    if len(ok) > 1:
+        lines.append(f"S x{b['S'] / a['S']:.0f}: model x{b['model_mb'] / a['model_mb']:.1f} (O(S/P)); beyond the "
+                     f"model {a['scratch_mb']:.0f} -> {b['scratch_mb']:.0f} MiB, of which the float64 running "
+                     f"(out, lse) {running_mb(a):.0f} -> {running_mb(b):.0f} MiB (O(S/P), by design) and the rest "
+                     f"{a['scratch_mb'] - running_mb(a):.0f} -> {b['scratch_mb'] - running_mb(b):.0f} MiB")
+    return "\n".join(lines)
+
+
+def format_targets(rows, report, limits=None):
+    """The performance targets at S=16384, D=64, P=2 (whichever rows this run has; "" if none).
+
+    With ``limits``, also the ceiling of "x torch": two cores' square-GEMM
+    speed over torch's, the most any kernel could reach on this machine.
+    """
+    pick = {(r["pass"], r["causal"]): r for r in rows
+            if r.get("P") == 2 and r.get("S") == 16384 and r.get("D") == 64 and r.get("status") == "ok"}
+    if not pick:
+        return ""
+    forced = bool(report and report.get("coretype_env"))
+    lines = ["targets at S=16384, D=64, H=8, P=2:"]
+    for (name, causal), r in sorted(pick.items()):
+        mask = "causal" if causal else "full"
+        need = 1.0 if (name == "fwd+bwd" or forced) else 1.5
+        checks = [("x torch", r.get("vs_torch"), need, ">="), ("kernel of limit", r.get("kernel_of_limit"), 0.85, ">="),
+                  ("efficiency", r.get("efficiency"), 0.95, ">="), ("exposed comm", r.get("exposed_comm"), 0.02, "<="),
+                  ("RSS/model", r.get("rss_vs_model"), 1.5, "<=")]
+        parts = []
+        for label, val, goal, op in checks:
+            if not _num(val):
+                parts.append(f"{label} -")
+                continue
+            met = val >= goal if op == ">=" else val <= goal
+            parts.append(f"{label} {val:.2f} ({op}{goal:g} {'met' if met else 'MISSED'})")
+        lines.append(f"  {name:>7} {mask:>6}: " + "; ".join(parts))
+        if limits and _num(r.get("torch_gflops")) and r["D"] in limits:
+            ceiling = r["P"] * limits[r["D"]]["peak_flops"] / 1e9 / r["torch_gflops"]
+            lines.append(f"  {'':>7} {'':>6}  (ceiling: {r['P']} cores of square GEMM = {ceiling:.2f}x torch)")
+    return "\n".join(lines)
