@@ -3,7 +3,7 @@
 ``ring_attention_context_parallel`` is seed 000's report, exactly. The time
 model (``time_model``, ``predict_plan``) adds a FLOP rate and an alpha-beta
 link: presets for an NVLink- and an InfiniBand-connected GPU, and
-``calibrate()`` for this machine.
+``mpiring.tools.calibrate`` for this machine.
 """
 
 from dataclasses import dataclass
@@ -12,7 +12,7 @@ import numpy as np
 
 __all__ = ["ring_attention_context_parallel", "predicted_bytes_sent", "predicted_backward_bytes", "Machine", "PRESETS",
            "TIME_VARIANTS",
-           "block_flops", "time_model", "predict_plan", "calibrate", "format_time_model"]
+           "block_flops", "time_model", "predict_plan", "format_time_model"]
 
 
 def _positive_int(name, value):
@@ -270,86 +270,6 @@ def predict_plan(plan, machine, *, batch, heads, kv_heads, head_dim, itemsize, b
             transfer = max(transfer, t)
         out.append((compute, transfer, max(compute, transfer)))
     return out
-
-
-def calibrate(comm=None, *, head_dim=64, dtype="float32", tokens=512, nbytes=32 << 20, seconds=0.4, threads=1):
-    """Measure this machine: the attention kernel's FLOP/s and the link's alpha and beta.
-
-    Compute: ``attention_block`` on one head of ``tokens`` x ``tokens`` with
-    ``threads`` BLAS threads (every rank at once, so shared cores count),
-    without and with a causal mask (the NumPy kernel pays for masking).
-    Link: with a communicator of two or more ranks, every rank sends to the
-    next around the ring at once (as the ring does), first 8 bytes (alpha),
-    then ``nbytes`` (beta); the slowest rank counts. With one process, a
-    memory copy of ``nbytes`` (beta) and an 8-byte message to itself (alpha).
-    Takes about ``seconds``.
-    """
-    import time
-
-    from threadpoolctl import threadpool_limits
-
-    from .kernels import attention_block
-
-    rng = np.random.default_rng(0)
-    q, k, v = (rng.standard_normal((1, tokens, head_dim)).astype(dtype) for _ in range(3))
-    klo, khi = np.zeros(tokens, np.int64), np.arange(1, tokens + 1)  # causal diagonal block
-
-    def rate(*mask):
-        attention_block(q, k, v, None, *mask)  # warm up
-        reps, start = 0, time.perf_counter()
-        while reps < 3 or time.perf_counter() - start < seconds / 4:
-            attention_block(q, k, v, None, *mask)
-            reps += 1
-        return block_flops(tokens, tokens, 1, head_dim) * reps / (time.perf_counter() - start)
-
-    with threadpool_limits(threads):
-        flops, masked = rate(), rate(klo, khi)
-    small, big = np.zeros(1, np.float64), np.zeros(max(nbytes // 8, 1), np.float64)
-    if comm is not None and comm.Get_size() > 1:
-        from mpi4py import MPI
-
-        rank, size = comm.Get_rank(), comm.Get_size()
-        dest, source = (rank + 1) % size, (rank - 1) % size
-
-        def ring(buf, reps):
-            recv = np.empty_like(buf)
-            comm.Barrier()
-            t = time.perf_counter()
-            for _ in range(reps):
-                comm.Sendrecv(buf, dest, 7, recv, source, 7)
-            return comm.allreduce((time.perf_counter() - t) / reps, op=MPI.MAX)
-
-        ring(small, 5)
-        alpha = ring(small, 50)
-        beta = big.nbytes / max(ring(big, 4) - alpha, 1e-9)
-        flops, masked = comm.allreduce(flops, op=MPI.MIN), comm.allreduce(masked, op=MPI.MIN)
-        where = f"{size} ranks"
-    else:
-        dst = np.empty_like(big)
-        np.copyto(dst, big)
-        reps, start = 0, time.perf_counter()
-        while reps < 3 or time.perf_counter() - start < seconds / 4:
-            np.copyto(dst, big)
-            reps += 1
-        beta = big.nbytes * reps / (time.perf_counter() - start)
-        try:
-            from mpi4py import MPI
-
-            self_comm = MPI.COMM_SELF
-            recv = np.empty_like(small)
-            start = time.perf_counter()
-            for _ in range(50):
-                req = self_comm.Irecv(recv, 0, 7)
-                self_comm.Send(small, 0, 7)
-                req.Wait()
-            alpha = (time.perf_counter() - start) / 50
-        except ImportError:
-            alpha = 1e-6
-        where = "one process: memory copy"
-    note = (f"measured: attention kernel {flops / 1e9:.2f} GFLOP/s, {masked / 1e9:.2f} masked ({dtype}, "
-            f"{threads} thread, {tokens}x{tokens}x{head_dim}); link {beta / 1e9:.2f} GB/s, {alpha * 1e6:.1f} us "
-            f"({where})")
-    return Machine("this-machine", float(flops), float(alpha), float(beta), note, float(masked))
 
 
 def _fmt_time(seconds):

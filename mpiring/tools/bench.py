@@ -1,0 +1,299 @@
+"""Benchmark of ring attention: throughput, machine limits, communication, memory.
+
+    mpiexec -n 1 python -m mpiring bench --csv p1.csv
+    mpiexec -n 2 python -m mpiring bench --baseline p1.csv --csv bench.csv
+    mpiexec -n 2 python -m mpiring bench --long        # long context, 1 head
+    run/bench                                          # both runs and the combined table
+
+One rank per core and one BLAS thread per rank. Every rank makes random inputs
+for its own shard only (no root scatter), so memory per rank is O(S/P) plus
+the kernel's scratch. Columns (see docs/performance.md):
+
+- wall: median over repeats of the slowest rank's ``ring_attention`` time
+  (forward+backward: the forward and the backward ring back to back).
+- GFLOP/s: forward 4*B*H*D*visible pairs; forward+backward 3.5x that
+  (FlashAttention's count: 2 GEMMs forward, 5 backward).
+- limit: the same work at the single-core rate of ``np.matmul`` on the GEMM
+  shapes of a tile, plus the faster of ``np.exp``/``np.exp2`` on one exponential
+  per visible pair (two for forward+backward), measured at the start of the run;
+  the busiest rank's share of the pairs. ``%lim`` = limit / wall,
+  ``kern%`` = limit / time inside the kernels and merges.
+- eff: parallel efficiency T(P=1) / (P * T(P)) against a baseline CSV of P=1.
+- comm%: the largest fraction of wall any rank spent blocked in Wait.
+- bytes: bytes each rank sent, checked against ``predicted_bytes_sent``.
+- RSS: peak resident memory per rank (VmHWM, reset before each row) against
+  ``memory_model`` plus the interpreter baseline measured at start.
+- torch: ``torch.nn.functional.scaled_dot_product_attention`` on the whole
+  sequence with P threads, in a child process while the ranks idle.
+- bg: cores kept busy by other processes while the row ran (0 on an idle machine).
+"""
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from mpi4py import MPI
+from threadpoolctl import threadpool_limits
+
+from mpiring import (
+    Record,
+    make_plan,
+    predicted_backward_bytes,
+    predicted_bytes_sent,
+    ring_attention,
+    ring_attention_backward,
+)
+
+from .benchtable import add_efficiency, format_header, format_long, format_table, format_targets, read_csv, write_csv
+from .cli import command_parser
+from .limits import blas_report, limit_seconds, measure_limits
+from .memory import MB, kernel_scratch, memory_model
+from .probes import available_mb, busy_cpu_seconds, own_cpu_seconds, peak_rss_mb, reset_peak_rss, rss_mb
+from .torchref import torch_available, torch_times
+
+__all__ = ["Config", "bench", "bench_parser", "run_config"]
+
+
+@dataclass(frozen=True)
+class Config:
+    """One row of the benchmark: the problem and which pass is timed."""
+
+    S: int
+    D: int
+    H: int = 8
+    B: int = 1
+    causal: bool = False
+    backward: bool = False
+    dtype: str = "float32"
+
+    @property
+    def layout(self):
+        return "zigzag" if self.causal else "contiguous"
+
+    @property
+    def name(self):
+        return "fwd+bwd" if self.backward else "fwd"
+
+    def key(self):
+        return (self.S, self.D, self.H, self.B, self.causal, self.name)
+
+
+# ---------------------------------------------------------------- running one configuration
+
+
+def _idle_barrier(comm, poll=0.01):
+    """A barrier that sleeps instead of spinning, so an idle rank leaves its core free."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(poll)
+
+
+def _local_inputs(cfg, plan, rank, seed):
+    """Random q, k, v (and dout) for this rank's shard only: (B, H, n_local, D)."""
+    rng = np.random.default_rng([seed, rank])
+    shape = (cfg.B, cfg.H, len(plan.shards[rank]), cfg.D)
+    dtype = np.dtype(cfg.dtype)
+    arrays = [rng.standard_normal(shape, dtype=np.float32).astype(dtype, copy=False) for _ in range(3)]
+    if cfg.backward:
+        arrays.append(rng.standard_normal(shape, dtype=np.float32).astype(dtype, copy=False))
+    return arrays
+
+
+def _one_run(q, k, v, dout, comm, cfg):
+    """One timed pass; returns (wall, wait, compute, bytes) of this rank."""
+    comm.Barrier()
+    rec = Record(comm.Get_rank())
+    start = time.perf_counter()
+    out, lse = ring_attention(q, k, v, comm, causal=cfg.causal, layout=cfg.layout, record=rec)
+    wait, compute, sent = rec.wait_time, rec.compute_time, rec.bytes_sent
+    if cfg.backward:
+        brec = Record(comm.Get_rank())
+        ring_attention_backward(dout, q, k, v, out, lse, comm, causal=cfg.causal, layout=cfg.layout, record=brec)
+        wait, compute, sent = wait + brec.wait_time, compute + brec.compute_time, sent + brec.bytes_sent
+    wall = time.perf_counter() - start
+    return wall, wait, compute, sent
+
+
+def _predicted_bytes(cfg, plan):
+    """Bytes per rank predicted by the cost model for this pass."""
+    e = np.dtype(cfg.dtype).itemsize
+    forward = predicted_bytes_sent(plan, cfg.B * cfg.H * 2 * cfg.D, e)
+    if not cfg.backward:
+        return forward
+    return [f + b for f, b in zip(forward, predicted_backward_bytes(plan, cfg.B * cfg.H * 2 * cfg.D, e), strict=True)]
+
+
+def run_config(comm, cfg, *, repeats=3, budget=30.0, seed=0, limits=None, baseline_mb=0.0,
+               guard_mb=None, local_ranks=1):
+    """Time one configuration on every rank; returns the row (complete on rank 0)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    plan = make_plan(cfg.S, size, causal=cfg.causal, layout=cfg.layout)
+    model = memory_model(cfg, size)
+    flops = 4 * cfg.B * cfg.H * cfg.D * sum(plan.visible_pairs()) * (3.5 if cfg.backward else 1)
+    row = {"P": size, "S": cfg.S, "D": cfg.D, "H": cfg.H, "B": cfg.B, "causal": int(cfg.causal),
+           "layout": cfg.layout, "pass": cfg.name, "model_mb": model["total"] / MB, "baseline_mb": baseline_mb}
+    need = (model["total"] + kernel_scratch(cfg, plan)) / MB
+    if guard_mb is not None and need * local_ranks > 0.8 * guard_mb:
+        row["status"] = (f"skipped: needs ~{need:.0f} MiB per rank x {local_ranks} ranks, "
+                         f"{guard_mb:.0f} MiB available")
+        return row
+
+    reset_peak_rss()
+    q, k, v, *rest = _local_inputs(cfg, plan, rank, seed)
+    dout = rest[0] if rest else None
+    samples, elapsed = [], 0.0
+    first = _one_run(q, k, v, dout, comm, cfg)
+    slowest = comm.allreduce(first[0], op=MPI.MAX)
+    if slowest * (repeats + 1) > budget:  # too slow to afford a warm-up: the first run counts
+        samples.append(first)
+        elapsed = slowest
+    while len(samples) < repeats and (not samples or elapsed + slowest <= budget):
+        samples.append(_one_run(q, k, v, dout, comm, cfg))
+        slowest = comm.allreduce(samples[-1][0], op=MPI.MAX)
+        elapsed += slowest
+    peak = peak_rss_mb()
+    del q, k, v, dout, rest
+
+    walls = comm.gather([s[0] for s in samples], root=0)
+    fractions = [s[1] / s[0] for s in samples]
+    comm_frac = comm.allreduce(statistics.median(fractions), op=MPI.MAX)
+    compute = comm.allreduce(statistics.median(s[2] for s in samples), op=MPI.MAX)
+    sent = comm.gather(samples[0][3], root=0)
+    peaks = comm.gather(peak, root=0)
+    if rank != 0:
+        return row
+    # a pass ends with its slowest rank
+    wall = statistics.median(max(per_rank) for per_rank in zip(*walls, strict=True))
+    predicted = _predicted_bytes(cfg, plan)
+    row.update(status="ok", repeats=len(samples), wall_s=wall, gflops=flops / wall / 1e9,
+               compute_s=compute, exposed_comm=comm_frac, bytes_sent=max(sent), bytes_predicted=max(predicted),
+               bytes_match=int(list(sent) == list(predicted)),
+               peak_rss_mb=max(peaks), rss_per_rank_mb=" ".join(f"{p:.0f}" for p in peaks))
+    row["rss_vs_model"] = (row["peak_rss_mb"] - baseline_mb) / (model["total"] / MB) if model["total"] else ""
+    row["scratch_mb"] = row["peak_rss_mb"] - baseline_mb - model["total"] / MB
+    if limits:
+        lim = limit_seconds(limits, cfg, max(plan.visible_pairs()))
+        row.update(limit_s=lim, of_limit=lim / wall, kernel_of_limit=lim / compute if compute else "")
+    return row
+
+
+def _background_load(comm, clock):
+    """Cores kept busy by processes other than the ranks (and their children) since ``clock``."""
+    start, busy, own = clock
+    own = comm.allreduce(own_cpu_seconds()) - own
+    now = busy_cpu_seconds()
+    if busy is None or now is None:
+        return None
+    return max(0.0, (now - busy - own) / (time.perf_counter() - start))
+
+
+# ---------------------------------------------------------------- the command
+
+
+QUICK_SIZES, QUICK_DIMS = [512, 1024], [32, 64]
+FULL_SIZES, FULL_DIMS = [4096, 8192, 16384, 32768], [64, 128]
+LONG_SIZES = [32768, 65536, 131072, 262144]
+
+
+def bench_parser():
+    p = command_parser("bench", bench)
+    p.add_argument("--quick", action="store_true", help="small sizes, a smoke test (seconds)")
+    p.add_argument("--sizes", type=int, nargs="+", metavar="S", help=f"sequence lengths (default {FULL_SIZES})")
+    p.add_argument("--dims", type=int, nargs="+", metavar="D", help=f"head dims (default {FULL_DIMS})")
+    p.add_argument("--heads", type=int, default=8, help="query heads (= K/V heads)")
+    p.add_argument("--batch", type=int, default=1, help="batch size")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per row (median reported)")
+    p.add_argument("--budget", type=float, default=30.0, help="seconds per row before repeats stop (>= 1 run)")
+    p.add_argument("--no-backward", action="store_true", help="forward only (same as --passes fwd)")
+    p.add_argument("--passes", choices=["both", "fwd", "fwd+bwd"], default="both", help="which passes to time")
+    p.add_argument("--no-torch", action="store_true", help="skip the torch SDPA column")
+    p.add_argument("--mask", choices=["both", "causal", "full"], default="both", help="which masks to time")
+    p.add_argument("--long", action="store_true", help="long-context run: 1 head, D=64, causal zigzag, forward")
+    p.add_argument("--threads", type=int, default=1, help="BLAS threads per rank")
+    p.add_argument("--csv", metavar="PATH", help="write the rows as CSV")
+    p.add_argument("--baseline", metavar="CSV", help="P=1 rows of an earlier run, for parallel efficiency")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    return p
+
+
+def _configs(args):
+    if args.long:
+        sizes = args.sizes or LONG_SIZES
+        return [Config(S, 64, H=1, B=1, causal=True) for S in sizes]
+    sizes = args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES)
+    dims = args.dims or (QUICK_DIMS if args.quick else FULL_DIMS)
+    masks = {"both": (False, True), "causal": (True,), "full": (False,)}[args.mask]
+    passes = {"both": (False, True), "fwd": (False,), "fwd+bwd": (True,)}[args.passes]
+    if args.no_backward:
+        passes = (False,)
+    # every forward row before any fwd+bwd row: a process keeps some memory of a larger row
+    # (MPI's buffers, heap fragments) that the RSS reset cannot return, and a forward row
+    # measured after a fwd+bwd row would count it (about 50 MiB at S=16384).
+    return [Config(S, D, H=args.heads, B=args.batch, causal=c, backward=b)
+            for b in passes for S in sizes for D in dims for c in masks]
+
+
+def bench(comm, args=None):
+    """Time ring attention on every rank; rank 0 prints the benchmark table and writes CSV."""
+    args = bench_parser().parse_args(args)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    threadpool_limits(args.threads, user_api="blas")
+    baseline_mb = comm.allreduce(rss_mb(), op=MPI.MAX)  # interpreter + numpy + mpi4py, before any array
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    local_ranks = local.Get_size()
+    local.Free()
+    configs = _configs(args)
+    quick = args.quick and not args.sizes
+    clock = (time.perf_counter(), busy_cpu_seconds(), comm.allreduce(own_cpu_seconds()))
+    report = limits = None
+    use_torch = not args.no_torch and not args.long and torch_available()
+    if rank == 0:
+        report = blas_report()
+        limits = measure_limits(sorted({c.D for c in configs}), n=256 if quick else 1024,
+                                repeats=3 if quick else 5)
+    _idle_barrier(comm)
+    limits = comm.bcast(limits, root=0)
+    guard = comm.bcast(available_mb() if rank == 0 else None, root=0)
+    if rank == 0:
+        print(format_header(size=size, threads=args.threads, long=args.long, rows=len(configs), report=report,
+                            limits=limits, baseline_mb=baseline_mb, use_torch=use_torch))
+    rows = []
+    for cfg in configs:
+        start = (time.perf_counter(), busy_cpu_seconds(), comm.allreduce(own_cpu_seconds()))
+        row = run_config(comm, cfg, repeats=args.repeats, budget=args.budget, seed=args.seed, limits=limits,
+                         baseline_mb=baseline_mb, guard_mb=guard, local_ranks=local_ranks)
+        load = _background_load(comm, start)  # other processes' cores while this row ran
+        if rank == 0:
+            row.update(blas=report["blas"], blas_arch=report["blas_arch"], blas_threads=args.threads,
+                       background_cores="" if load is None else load)
+            rows.append(row)
+            print(format_table([row]).splitlines()[1], flush=True)
+    if use_torch:  # rank 0 runs torch with P threads while the other ranks sleep
+        if rank == 0:
+            todo = [(i, c) for i, c in enumerate(configs) if rows[i].get("status") == "ok"]
+            times = torch_times([c for _, c in todo], threads=size * args.threads, repeats=args.repeats,
+                                budget=args.budget)
+            for (i, _), t in zip(todo, times, strict=True):
+                if t:
+                    flops = rows[i]["gflops"] * rows[i]["wall_s"]
+                    rows[i].update(torch_s=t, torch_gflops=flops / t, vs_torch=t / rows[i]["wall_s"])
+        _idle_barrier(comm)
+    others = _background_load(comm, clock)
+    if rank != 0:
+        return 0
+    baseline_rows = read_csv(args.baseline) if args.baseline else []
+    add_efficiency(rows, baseline_rows)
+    everything = [r for r in baseline_rows if r.get("P") != size] + rows
+    print()
+    print(format_table(everything))
+    summary = format_long(rows) if args.long else format_targets(everything, report, limits)
+    if summary:
+        print("\n" + summary)
+    if others is not None:
+        print(f"\nbackground load: other processes kept {others:.2f} cores busy on average during this run"
+              + (" -- timings are unreliable, rerun on an idle machine" if others > 0.1 else ""))
+    if args.csv:
+        write_csv(everything, args.csv)
+        print(f"\nwrote {args.csv}")
+    return 0

@@ -1,0 +1,98 @@
+"""The commands that need no MPI: ``schedule`` (the plan) and ``cost`` (the cost report and the time model).
+
+    python -m mpiring schedule -P 4 --layout zigzag --causal
+    python -m mpiring cost --seq-len 1048576 -P 8 --hidden 4096 --heads 32 --causal
+
+Each is ``(comm, args=None) -> exit code``; they ignore ``comm`` (pass None).
+"""
+
+from mpiring import make_plan
+from mpiring.costmodel import PRESETS, Machine, format_time_model, ring_attention_context_parallel
+
+from .calibrate import calibrate
+from .cli import add_variant_args, command_parser, variant
+
+__all__ = ["schedule", "schedule_parser", "cost", "cost_parser", "compute_table"]
+
+
+def compute_table(plan, records=None):
+    """Per-rank work: from the plan, or from what the ranks recorded when ``records`` is given."""
+    lines = ["rank  blocks computed  visible pairs  computed pairs"]
+    if records is None:
+        visible, computed = plan.visible_pairs(), plan.computed_pairs()
+        blocks_per_rank = [sum(k != "skip" for k in plan.kinds[r]) for r in range(plan.size)]
+    else:
+        visible = [rec["visible_pairs"] for rec in records]
+        computed = [rec["computed_pairs"] for rec in records]
+        blocks_per_rank = [rec["blocks_computed"] for rec in records]
+    for r, blocks in enumerate(blocks_per_rank):
+        lines.append(f"{r:>4}  {blocks:>15}  {visible[r]:>13}  {computed[r]:>14}")
+    lines.append(f"max/mean visible pairs: {max(visible) / (sum(visible) / plan.size):.3f}")
+    return "\n".join(lines)
+
+
+def schedule_parser():
+    p = command_parser("schedule", schedule)
+    p.add_argument("-P", "--ranks", type=int, default=4, help="number of ranks")
+    p.add_argument("--seq-len", type=int, help="tokens (default 64 per rank)")
+    add_variant_args(p)
+    return p
+
+
+def schedule(comm=None, args=None):
+    """Print the ring schedule and the work of every rank (no MPI needed)."""
+    args = schedule_parser().parse_args(args)
+    seq_len = args.seq_len or 64 * args.ranks
+    plan = make_plan(seq_len, args.ranks, **variant(args))
+    print(f"P={plan.size} seq_len={seq_len} layout={plan.layout} mode={plan.mode} causal={plan.causal} "
+          f"window={plan.window} steps={plan.n_steps} messages/rank={plan.messages_per_rank()}")
+    print(plan.schedule.format())
+    print(compute_table(plan))
+    return 0
+
+
+def cost_parser():
+    p = command_parser("cost", cost)
+    p.add_argument("--seq-len", type=int, required=True, help="tokens of the whole sequence")
+    p.add_argument("-P", "--ranks", type=int, required=True, help="devices the sequence is split over")
+    p.add_argument("--hidden", type=int, required=True, help="K width per token, all heads")
+    p.add_argument("--heads", type=int, required=True, help="query heads")
+    p.add_argument("--bytes-per-element", type=int, default=2, help="bytes of one element of Q, K, V")
+    p.add_argument("--dim", type=int, help="head dim (default hidden / heads); K/V heads = hidden / dim (GQA)")
+    p.add_argument("--batch", type=int, default=1, help="batch size")
+    p.add_argument("--causal", action="store_true", help="causal mask (zigzag/striped halve the work per step)")
+    p.add_argument("--preset", nargs="+", default=["nvlink", "infiniband"],
+                   choices=["nvlink", "infiniband", "this-machine"], help="machines for the time model")
+    p.add_argument("--flops", type=float, help="a custom machine: FLOP/s (with --bandwidth, --latency)")
+    p.add_argument("--bandwidth", type=float, help="custom machine: bytes/s per direction")
+    p.add_argument("--latency", type=float, default=10e-6, help="custom machine: seconds per transfer")
+    return p
+
+
+def cost(comm=None, args=None):
+    """Print the analytical cost report of splitting a sequence over P devices, then the time model."""
+    args = cost_parser().parse_args(args)
+    report = ring_attention_context_parallel(args.seq_len, args.ranks, args.hidden, args.heads, args.bytes_per_element)
+    for key, value in report.items():
+        print(f"{key:>24}: {value}")
+    print()
+    print(_time_model_text(args))
+    return 0
+
+
+def _time_model_text(args):
+    """The time model for ``cost``: head dim and K/V heads from --hidden, --heads and --dim."""
+    dim = args.dim or args.hidden // args.heads
+    if dim < 1 or args.hidden % dim or args.heads % (args.hidden // dim):
+        raise ValueError(f"--hidden {args.hidden} must be K/V heads x --dim {dim}, with heads {args.heads} "
+                         f"a multiple of the K/V heads")
+    machines = [calibrate(head_dim=dim) if name == "this-machine" else PRESETS[name] for name in args.preset]
+    if args.flops or args.bandwidth:
+        if not (args.flops and args.bandwidth):
+            raise ValueError("a custom machine needs both --flops and --bandwidth")
+        machines.append(Machine("custom", args.flops, args.latency, args.bandwidth,
+                                f"{args.flops / 1e12:g} TFLOP/s, {args.bandwidth / 1e9:g} GB/s, "
+                                f"{args.latency * 1e6:g} us"))
+    return format_time_model(args.seq_len, args.ranks, heads=args.heads, head_dim=dim, kv_heads=args.hidden // dim,
+                             batch=args.batch, bytes_per_element=args.bytes_per_element, machines=machines,
+                             causal=args.causal)
