@@ -3,7 +3,6 @@
 No timing assertions: speed targets live in the benchmark's output (docs/performance.md).
 """
 
-import argparse
 import os
 import shutil
 import subprocess
@@ -11,17 +10,14 @@ import sys
 
 import pytest
 
-from mpiring import bench
-from mpiring.bench import COLUMNS, Config, format_table, memory_model, read_csv, write_csv
+from mpiring.tools import bench
+from mpiring.tools.bench import Config
+from mpiring.tools.benchtable import COLUMNS, format_table, read_csv, write_csv
+from mpiring.tools.memory import memory_model
+from mpiring.tools.torchref import torch_available, torch_times
 
 MPIEXEC = shutil.which("mpiexec")
 TINY = ["--quick", "--sizes", "256", "--dims", "16", "--heads", "2", "--repeats", "2", "--budget", "5"]
-
-
-def _args(argv):
-    p = argparse.ArgumentParser()
-    bench.add_arguments(p)
-    return p.parse_args(argv)
 
 
 def _check_rows(rows, size, fresh=True):
@@ -47,7 +43,7 @@ def test_quick_bench_in_process(tmp_path, capsys):
     from mpi4py import MPI
 
     path = tmp_path / "p1.csv"
-    assert bench.run(_args(TINY + ["--no-torch", "--csv", str(path)]), MPI.COMM_SELF) == 0
+    assert bench.bench(MPI.COMM_SELF, TINY + ["--no-torch", "--csv", str(path)]) == 0
     text = capsys.readouterr().out
     assert "BLAS:" in text and "limit, one core" in text and "GFLOP/s" in text
     rows = read_csv(path)
@@ -62,7 +58,7 @@ def test_quick_bench_two_ranks_against_baseline(tmp_path):
     from mpi4py import MPI
 
     p1 = tmp_path / "p1.csv"
-    assert bench.run(_args(TINY + ["--no-torch", "--csv", str(p1)]), MPI.COMM_SELF) == 0
+    assert bench.bench(MPI.COMM_SELF, TINY + ["--no-torch", "--csv", str(p1)]) == 0
     both = tmp_path / "both.csv"
     cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "mpiring", "bench", *TINY, "--no-torch",
            "--baseline", str(p1), "--csv", str(both)]
@@ -78,9 +74,9 @@ def test_quick_bench_two_ranks_against_baseline(tmp_path):
     assert result.stdout.count("wrote ") == 1  # only rank 0 reports
 
 
-@pytest.mark.skipif(not bench.torch_available(), reason="torch not installed")
+@pytest.mark.skipif(not torch_available(), reason="torch not installed")
 def test_torch_column():
-    (t,) = bench.torch_times([Config(256, 16, H=2, causal=True)], threads=1, repeats=1, budget=5)
+    (t,) = torch_times([Config(256, 16, H=2, causal=True)], threads=1, repeats=1, budget=5)
     assert t is not None and t > 0
 
 
@@ -88,8 +84,8 @@ def test_memory_model_parts():
     one = memory_model(Config(4096, 64), 1)
     two = memory_model(Config(4096, 64), 2)
     e = 4
-    assert one["seed000_qkv"] == 3 * 4096 * 8 * 64 * e and one["kv_buffers"] == 0
-    assert two["seed000_qkv"] == one["seed000_qkv"] // 2 and two["kv_buffers"] == 4 * 2048 * 8 * 64 * e
+    assert one["local_qkv"] == 3 * 4096 * 8 * 64 * e and one["kv_buffers"] == 0
+    assert two["local_qkv"] == one["local_qkv"] // 2 and two["kv_buffers"] == 4 * 2048 * 8 * 64 * e
     assert one["total"] == sum(v for k, v in one.items() if k != "total")
     back = memory_model(Config(4096, 64, backward=True), 2)
     assert back["total"] > two["total"]
@@ -117,7 +113,7 @@ def test_table_and_csv_round_trip(tmp_path):
 
 
 def test_blas_report_warns_about_forced_kernels():
-    code = "import json; from mpiring.bench import blas_report; print(json.dumps(blas_report()))"
+    code = "import json; from mpiring.tools.limits import blas_report; print(json.dumps(blas_report()))"
     env = dict(os.environ, OPENBLAS_CORETYPE="Haswell")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -134,8 +130,7 @@ def test_long_mode_reports_memory_per_rank(tmp_path, capsys):
     from mpi4py import MPI
 
     path = tmp_path / "long.csv"
-    assert bench.run(_args(["--long", "--sizes", "256", "512", "--repeats", "1", "--csv", str(path)]),
-                     MPI.COMM_SELF) == 0
+    assert bench.bench(MPI.COMM_SELF, ["--long", "--sizes", "256", "512", "--repeats", "1", "--csv", str(path)]) == 0
     text = capsys.readouterr().out
     assert "memory per rank" in text and "model x2.0" in text
     rows = read_csv(path)

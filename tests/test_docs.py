@@ -100,9 +100,9 @@ def test_tutorial_pictures_exist():
 
 @pytest.mark.parametrize("path", sorted(p.name for p in DOCS.glob("*.md") if p != TUTORIAL))
 def test_other_docs_commands_parse(path):
-    from mpiring.__main__ import _parser
+    from mpiring.__main__ import parse
 
     for lang, text in blocks(DOCS / path):
         for line in commands(text):
             words = shlex.split(line.split("#")[0])
-            _parser().parse_args(words[words.index("mpiring") + 1:])
+            parse(words[words.index("mpiring") + 1:])

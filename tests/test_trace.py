@@ -14,8 +14,10 @@ import sys
 import numpy as np
 import pytest
 
-from mpiring.trace import (Progress, chrome_trace, format_timeline, measured_steps, plot_timeline, step_table,
-                           stdout_is_terminal, write_chrome_trace)
+from mpiring.tools.plot import plot_timeline
+from mpiring.tools.progress import Progress, stdout_is_terminal
+from mpiring.tools.report import format_timeline, measured_steps
+from mpiring.tools.trace import chrome_trace, step_table, write_chrome_trace
 
 MPIEXEC = shutil.which("mpiexec")
 SKEW = 0.05  # seconds: start-barrier exit skew allowed between ranks (generous: ranks may share cores)
