@@ -1,6 +1,6 @@
 """Analytical cost of ring attention: memory, communication volume, steps, and time.
 
-``ring_attention_context_parallel`` is seed 000's report, exactly. The time
+``ring_attention_context_parallel`` is the cost report of the problem statement, exactly. The time
 model (``time_model``, ``predict_plan``) adds a FLOP rate and an alpha-beta
 link: presets for an NVLink- and an InfiniBand-connected GPU, and
 ``mpiring.tools.calibrate`` for this machine.
@@ -20,19 +20,31 @@ def _positive_int(name, value):
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+def _number(name, value):
+    """The cost report takes what the formulas take: real numbers (as its contract's own code does)."""
+    if not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+
+
 def ring_attention_context_parallel(total_seq_len, num_gpus, hidden_dim, num_heads, bytes_per_element=2):
-    """Seed 000's report for splitting ``total_seq_len`` tokens over ``num_gpus`` devices.
+    """The cost report for splitting ``total_seq_len`` tokens over ``num_gpus`` devices, exactly as its contract.
 
     ``hidden_dim`` is the width of K (and of V) per token, all heads together.
-    Returns chunk length, ring steps, per-device memory of the local Q and K/V,
-    full K/V memory, bytes sent per step and in total (per device), and the
-    fraction of Q/K/V memory saved against one device holding everything.
+    Returns chunk length (``total_seq_len // num_gpus``: a remainder is left
+    out, as the contract's formulas do), ring steps, per-device memory of the
+    local Q and K/V, full K/V memory, bytes sent per step and in total (per
+    device), and the fraction of Q/K/V memory saved against one device holding
+    everything. ``num_heads`` is part of the contract but enters no formula.
+    Where the formulas would divide by zero, a ValueError says why.
     """
     for name, value in (("total_seq_len", total_seq_len), ("num_gpus", num_gpus), ("hidden_dim", hidden_dim),
                         ("num_heads", num_heads), ("bytes_per_element", bytes_per_element)):
-        _positive_int(name, value)
-    if total_seq_len % num_gpus:
-        raise ValueError(f"total_seq_len {total_seq_len} is not divisible by num_gpus {num_gpus}")
+        _number(name, value)
+    if num_gpus == 0:
+        raise ValueError("num_gpus must not be 0: the chunk length is total_seq_len // num_gpus")
+    if total_seq_len * hidden_dim * bytes_per_element == 0:
+        raise ValueError("total_seq_len, hidden_dim and bytes_per_element must be non-zero: the memory saved is a "
+                         "fraction of total_seq_len * hidden_dim * bytes_per_element * 3")
     chunk_len = total_seq_len // num_gpus
     per_gpu_q_bytes = chunk_len * hidden_dim * bytes_per_element
     per_gpu_kv_bytes = chunk_len * hidden_dim * bytes_per_element * 2
@@ -59,7 +71,7 @@ def ring_attention_context_parallel(total_seq_len, num_gpus, hidden_dim, num_hea
 def predicted_bytes_sent(plan, kv_width, itemsize):
     """Bytes each rank sends under ``plan``; ``kv_width`` = elements of K plus V per token.
 
-    For an even split this is seed 000's total_comm_bytes (times batch) when
+    For an even split this is the cost report's total_comm_bytes (times batch) when
     every ring step is needed; windows and packed documents can stop the ring
     early, and the all-gather mode moves the same bytes in one collective.
     """

@@ -1,4 +1,6 @@
-"""Seed 000's cost model, exactly, on hand-computed cases."""
+"""The cost report, exactly as its contract: hand-computed cases, and the contract's own code on many inputs."""
+
+import itertools
 
 import pytest
 
@@ -29,19 +31,52 @@ def test_video_scale_case():
     assert ring_attention_context_parallel(8, 1, 4, 1)["total_comm_bytes"] == 0
 
 
+def _contract(total_seq_len, num_gpus, hidden_dim, num_heads, bytes_per_element=2):
+    """The contract, as the problem statement gives its code (names and formulas unchanged)."""
+    chunk_len = total_seq_len // num_gpus
+    per_gpu_q_bytes = chunk_len * hidden_dim * bytes_per_element
+    per_gpu_kv_bytes = chunk_len * hidden_dim * bytes_per_element * 2
+    full_kv_bytes = total_seq_len * hidden_dim * bytes_per_element * 2
+    ring_steps = num_gpus
+    per_step_comm_bytes = per_gpu_kv_bytes
+    total_comm_bytes = per_step_comm_bytes * (ring_steps - 1)
+    memory_per_gpu = per_gpu_q_bytes + per_gpu_kv_bytes
+    no_parallel_memory = total_seq_len * hidden_dim * bytes_per_element * 3
+    memory_savings = 1 - (memory_per_gpu / no_parallel_memory)
+    return {
+        "chunk_length": chunk_len, "ring_steps": ring_steps, "memory_per_gpu_bytes": memory_per_gpu,
+        "memory_per_gpu_mb": round(memory_per_gpu / (1024**2), 2), "full_kv_memory_bytes": full_kv_bytes,
+        "per_step_comm_bytes": per_step_comm_bytes, "total_comm_bytes": total_comm_bytes,
+        "total_comm_mb": round(total_comm_bytes / (1024**2), 2), "memory_savings_fraction": round(memory_savings, 4),
+    }
+
+
+CONTRACT_INPUTS = list(itertools.product([1, 5, 1000, 1024, 4097, 1_048_576], [1, 2, 3, 7, 8], [1, 64, 4096],
+                                         [1, 8, 32], [1, 2, 4]))
+# inputs the contract's code accepts although they make little sense: it returns its dict, so must we
+ODD_INPUTS = [(-8, 2, 64, 8, 2), (10.0, 4, 64, 8, 2), (True, 1, 2, 3, 2), (8, -2, 64, 8, 2), (3, 8, 64, 8)]
+
+
+@pytest.mark.parametrize("args", CONTRACT_INPUTS[::7] + ODD_INPUTS)
+def test_equals_the_contracts_code(args):
+    """Every input the contract's code accepts gives its dict, to the type (uneven lengths floor, as it does)."""
+    want, got = _contract(*args), ring_attention_context_parallel(*args)
+    assert got == want and [type(v) for v in got.values()] == [type(v) for v in want.values()]
+
+
 @pytest.mark.parametrize("args,match", [
-    ((1000, 3, 64, 8), "not divisible"), ((0, 1, 64, 8), "total_seq_len"), ((8, 0, 64, 8), "num_gpus"),
-    ((8, 2, -1, 8), "hidden_dim"), ((8, 2, 4, 0), "num_heads"), ((8, 2, 4, 1, 0), "bytes_per_element"),
-    ((8.0, 2, 4, 1), "total_seq_len"), ((8, True, 4, 1), "num_gpus"),
+    ((8, 0, 64, 8), "num_gpus"), ((0, 1, 64, 8), "non-zero"), ((8, 2, 0, 8), "non-zero"),
+    ((8, 2, 4, 1, 0), "non-zero"), (("8", 2, 4, 1), "total_seq_len"), ((8, 2, 4, None), "num_heads"),
 ])
-def test_bad_arguments(args, match):
+def test_inputs_the_contract_cannot_take_are_clear_errors(args, match):
+    """Where the contract's code divides by zero or fails on a type, a ValueError says why."""
     with pytest.raises(ValueError, match=match):
         ring_attention_context_parallel(*args)
 
 
-def test_predicted_bytes_match_seed_for_a_full_ring():
+def test_predicted_bytes_match_the_cost_report_for_a_full_ring():
     plan = make_plan(1024, 4)
-    seed = ring_attention_context_parallel(1024, 4, 64, 8, 4)["total_comm_bytes"]
-    assert predicted_bytes_sent(plan, kv_width=2 * 64, itemsize=4) == [seed] * 4
+    report = ring_attention_context_parallel(1024, 4, 64, 8, 4)["total_comm_bytes"]
+    assert predicted_bytes_sent(plan, kv_width=2 * 64, itemsize=4) == [report] * 4
     # grouped-query: only the smaller K/V travels
-    assert predicted_bytes_sent(plan, kv_width=2 * 16, itemsize=4) == [seed // 4] * 4
+    assert predicted_bytes_sent(plan, kv_width=2 * 16, itemsize=4) == [report // 4] * 4
