@@ -3,8 +3,6 @@
     python -m pytest -q tests/test_backward.py
 """
 
-import os
-import shutil
 import subprocess
 import sys
 import warnings
@@ -18,6 +16,7 @@ from mpiring.kernels import attention_block, attention_block_backward, reference
 from mpiring.masks import visible_keys
 
 from conftest import SHAPES, dense_mask, naive_attention, qkv
+from launch import MPIEXEC, clean_env, mpiexec_argv
 
 GRAD_TOL = {np.float64: 1e-10, np.float32: 1e-4}
 
@@ -212,14 +211,11 @@ def test_chunks_without_work_go_home_right_after_the_first():
     assert [lo for _, lo, _, _ in backward._chunks_in_order([], 32, 4)] == [0, 8, 16, 24]  # a skipped block
 
 
-MPIEXEC = shutil.which("mpiexec")
-
-
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
 def test_run_backward_command_verifies():
-    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "mpiring", "run", "--backward", "--seq-len", "96",
-           "--heads", "4", "--kv-heads", "2", "--dim", "8", "--causal", "--layout", "zigzag", "--mode", "bidirectional"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    cmd = mpiexec_argv(2, sys.executable, "-m", "mpiring", "run", "--backward", "--seq-len", "96", "--heads", "4",
+                       "--kv-heads", "2", "--dim", "8", "--causal", "--layout", "zigzag", "--mode", "bidirectional")
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=clean_env())
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("VERIFIED") == 1 and "recorded schedule equals the plan: yes" in result.stdout
     assert "backward wall time" in result.stdout and "2.5x forward" in result.stdout

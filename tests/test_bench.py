@@ -4,7 +4,6 @@ No timing assertions: speed targets live in the benchmark's output (docs/perform
 """
 
 import os
-import shutil
 import subprocess
 import sys
 
@@ -16,7 +15,8 @@ from mpiring.tools.benchtable import COLUMNS, format_table, read_csv, write_csv
 from mpiring.tools.memory import memory_model
 from mpiring.tools.torchref import torch_available, torch_times
 
-MPIEXEC = shutil.which("mpiexec")
+from launch import MPIEXEC, clean_env, mpiexec_argv
+
 TINY = ["--quick", "--sizes", "256", "--dims", "16", "--heads", "2", "--repeats", "2", "--budget", "5"]
 
 
@@ -60,10 +60,9 @@ def test_quick_bench_two_ranks_against_baseline(tmp_path):
     p1 = tmp_path / "p1.csv"
     assert bench.bench(MPI.COMM_SELF, TINY + ["--no-torch", "--csv", str(p1)]) == 0
     both = tmp_path / "both.csv"
-    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "mpiring", "bench", *TINY, "--no-torch",
-           "--baseline", str(p1), "--csv", str(both)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "OMPI_", "PMIX_"))}
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    cmd = mpiexec_argv(2, sys.executable, "-m", "mpiring", "bench", *TINY, "--no-torch",
+                       "--baseline", p1, "--csv", both)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=clean_env())
     assert result.returncode == 0, result.stdout + result.stderr
     rows = read_csv(both)
     _check_rows([r for r in rows if r["P"] == 2], 2)

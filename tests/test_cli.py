@@ -1,7 +1,5 @@
 """The command line: schedule (no MPI) and run (under mpiexec, as a user types it)."""
 
-import os
-import shutil
 import subprocess
 import sys
 
@@ -9,7 +7,7 @@ import pytest
 
 from mpiring.__main__ import main
 
-MPIEXEC = shutil.which("mpiexec")
+from launch import MPIEXEC, clean_env, mpiexec_argv
 
 
 def test_schedule_command(capsys):
@@ -29,8 +27,8 @@ def test_bad_arguments_exit_nonzero(capsys):
 
 
 def _mpirun(n, *args, timeout=120):
-    cmd = [MPIEXEC, "-n", str(n), sys.executable, "-m", "mpiring", "run", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+    cmd = mpiexec_argv(n, sys.executable, "-m", "mpiring", "run", *args)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=clean_env())
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")

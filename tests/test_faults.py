@@ -9,7 +9,6 @@ for library calls. Nothing here may hang: every launch has a hard limit.
 """
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +16,8 @@ import time
 
 import pytest
 
-MPIEXEC = shutil.which("mpiexec")
+from launch import MPIEXEC, clean_env, mpiexec_argv
+
 JOB = os.path.join(os.path.dirname(__file__), "fault_job.py")
 BOUND = 30  # seconds: every faulty job must be over by then (measured times are in docs/reliability.md)
 T = 1.5  # the timeout given to ring_attention or the tool in these tests
@@ -27,11 +27,11 @@ pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
 
 def _job(n, *args, report=None):
     """Run the fault job; return (exit code, stderr, seconds, {rank: outcome})."""
-    cmd = [MPIEXEC, "-n", str(n), sys.executable, JOB, *args]
+    cmd = mpiexec_argv(n, sys.executable, JOB, *args)
     if report is not None:
         cmd += ["--report", str(report)]
     # a fresh launch: no MPI variables from a parent that may itself run under mpiexec
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "OMPI_", "PMIX_", "MPIR_"))}
+    env = clean_env()
     start = time.perf_counter()
     # its own process group, so that a hung job can be killed with every rank it started
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,

@@ -6,8 +6,6 @@
 
 import io
 import json
-import os
-import shutil
 import subprocess
 import sys
 
@@ -19,7 +17,8 @@ from mpiring.tools.progress import Progress, stdout_is_terminal
 from mpiring.tools.report import format_timeline, measured_steps
 from mpiring.tools.trace import chrome_trace, step_table, write_chrome_trace
 
-MPIEXEC = shutil.which("mpiexec")
+from launch import MPIEXEC, clean_env, mpiexec_argv
+
 SKEW = 0.05  # seconds: start-barrier exit skew allowed between ranks (generous: ranks may share cores)
 
 
@@ -193,8 +192,8 @@ def test_run_writes_trace_and_plot(tmp_path):
     args = ["--seq-len", "96", "--heads", "2", "--dim", "8", "--causal", "--layout", "zigzag",
             "--trace", "t.json", "--progress", "on"]
     plot = pytest.importorskip("matplotlib", reason="no matplotlib") and ["--plot", "t.png"]
-    result = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "mpiring", "run", *args, *plot],
-                            capture_output=True, text=True, timeout=120, cwd=tmp_path, env=dict(os.environ))
+    result = subprocess.run(mpiexec_argv(2, sys.executable, "-m", "mpiring", "run", *args, *plot),
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path, env=clean_env())
     assert result.returncode == 0, result.stdout + result.stderr
     assert "predicted" in result.stdout and "measured" in result.stdout
     assert "timeline (text" in result.stdout and "rank  1 " in result.stdout
