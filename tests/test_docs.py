@@ -6,22 +6,26 @@ docs/tutorial.md: its ```python blocks run in order in one namespace; in its
 ```sh blocks every line starting with ``python -m mpiring`` or ``mpiexec`` runs
 as a subprocess (exit code 0); a ```text block right after a ``schedule``
 command must show lines that command prints. Everything runs in a temporary
-directory (with docs/img/), so the committed pictures are not overwritten.
-Other docs/*.md: their ``python -m mpiring`` command lines must parse.
+directory, and the tutorial's scratch files ``/tmp/mpiring-*`` go there too, so
+concurrent runs do not share them; the committed pictures in docs/img/ (drawn
+by run/figures) must come out untouched. Other docs/*.md: their ``python -m
+mpiring`` command lines must parse.
 """
 
-import os
+import hashlib
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from launch import MPIEXEC, clean_env, mpiexec_argv
+
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 TUTORIAL = DOCS / "tutorial.md"
+SCRATCH = "/tmp/mpiring-"  # where the tutorial's pictures and traces go
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 try:
     import matplotlib  # noqa: F401
@@ -42,13 +46,23 @@ def commands(text):
 
 
 def _argv(line):
-    """A documented command as an argv: our interpreter for python, mpiexec from PATH."""
+    """A documented command as an argv: our interpreter for python, ``mpiexec -n N`` as tests/launch.py runs it."""
     words = shlex.split(line)
     i = words.index("python")
-    launcher = words[:i]
-    if launcher:
-        launcher[0] = shutil.which(launcher[0]) or launcher[0]
-    return launcher + [sys.executable] + words[i + 1:]
+    launcher, command = words[:i], [sys.executable] + words[i + 1:]
+    if not launcher:
+        return command
+    assert launcher[:2] == ["mpiexec", "-n"], line
+    return mpiexec_argv(int(launcher[2]), *launcher[3:], *command)
+
+
+def _in(workdir, text):
+    """``text`` with the tutorial's scratch paths moved into ``workdir``."""
+    return text.replace(SCRATCH, f"{workdir}/mpiring-")
+
+
+def _pictures():
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((DOCS / "img").iterdir())}
 
 
 def _needs_mpl(text):
@@ -57,29 +71,28 @@ def _needs_mpl(text):
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tutorial")
-    (path / "docs" / "img").mkdir(parents=True)
-    return path
+    return tmp_path_factory.mktemp("tutorial")
 
 
 def test_tutorial_runs(workdir, monkeypatch):
     monkeypatch.chdir(workdir)
+    pictures = _pictures()
     namespace, previous, ran = {"__name__": "__tutorial__"}, None, 0
     for lang, text in blocks(TUTORIAL):
         if lang == "python":
             if _needs_mpl(text) and not HAVE_MPL:
                 continue
-            exec(compile(text, f"{TUTORIAL.name} python block", "exec"), namespace)
+            exec(compile(_in(workdir, text), f"{TUTORIAL.name} python block", "exec"), namespace)
             ran += 1
         elif lang == "sh":
             for line in commands(text):
-                if (_needs_mpl(line) and not HAVE_MPL) or (line.startswith("mpiexec") and not shutil.which("mpiexec")):
+                if (_needs_mpl(line) and not HAVE_MPL) or (line.startswith("mpiexec") and MPIEXEC is None):
                     continue
-                result = subprocess.run(_argv(line), capture_output=True, text=True, timeout=120, cwd=workdir,
-                                        env=dict(os.environ))
+                result = subprocess.run(_argv(_in(workdir, line)), capture_output=True, text=True, timeout=120,
+                                        cwd=workdir, env=clean_env())
                 assert result.returncode == 0, f"{line}\n{result.stdout}\n{result.stderr}"
-                for out in re.findall(r"--plot (\S+)", line):
-                    assert (workdir / out).stat().st_size > 1000, out
+                for out in re.findall(r"--plot (\S+)", _in(workdir, line)):
+                    assert Path(out).stat().st_size > 1000, out
                 previous = (line, result.stdout)
                 ran += 1
             continue
@@ -90,6 +103,15 @@ def test_tutorial_runs(workdir, monkeypatch):
             assert not missing, f"{previous[0]} does not print {missing}"
         previous = None
     assert ran >= 20
+    assert _pictures() == pictures, "following the tutorial changed docs/img/"
+
+
+def test_tutorial_writes_only_to_scratch():
+    """No command or snippet of the tutorial names docs/img/: that is run/figures' job."""
+    for lang, text in blocks(TUTORIAL):
+        assert "docs/img" not in text, text
+        for out in re.findall(r"--plot (\S+)|--trace (\S+)|plot_\w+\(\"([^\"]+)", text):
+            assert "".join(out).startswith(SCRATCH), out
 
 
 def test_tutorial_pictures_exist():
