@@ -518,20 +518,27 @@ def _drain(gcomm, ledger, timeout):
             pass
     _wait_for(receives, timeout, "cancelling unfinished receives")
     _wait_for([gcomm.Ibarrier()], timeout, "clean-up")  # from here on no receive of the student's can match
+    # Rounds: every rank lists its sends still unfinished; each receiver takes the listed messages it
+    # can probe. A listed send whose message was already matched (by a receive that completed before
+    # it was cancelled) finishes on its own, and leaves the list in a later round.
     index = {id(c): i for i, c in enumerate(ledger.comms)}
-    sends = [(index[id(r._comm)], r._peer, r._tag) for r in ledger.pending() if getattr(r, "_kind", None) == "send"]
-    me = gcomm.Get_rank()
-    for source, theirs in enumerate(_allgather(gcomm, sends, timeout, "clean-up")):
-        for i, dest, tag in theirs:
-            if dest != me:
-                continue
-            comm, status, start = ledger.comms[i], MPI.Status(), time.perf_counter()
-            while not comm.Iprobe(source, tag, status):
-                if time.perf_counter() - start > timeout:
-                    raise _Lost(f"clean-up: an unreceived message of rank {source} never arrived")
-                time.sleep(2e-4)
-            comm.Recv(bytearray(status.Get_count(MPI.BYTE)), source, status.Get_tag())
-    _wait_for(ledger.pending(), timeout, "clean-up of unfinished sends")
+    me, start = gcomm.Get_rank(), time.perf_counter()
+    while True:
+        sends = [r for r in ledger.pending() if getattr(r, "_kind", None) == "send"]
+        MPI.Request.Testall(sends)
+        listed = [(index[id(r._comm)], r._peer, r._tag) for r in ledger.pending()
+                  if getattr(r, "_kind", None) == "send"]
+        everyone = _allgather(gcomm, listed, timeout, "clean-up")
+        if not any(everyone):
+            break
+        if time.perf_counter() - start > timeout:
+            raise _Lost("clean-up: unfinished sends of the student's could not be matched")
+        for source, theirs in enumerate(everyone):
+            for i, dest, tag in theirs:
+                status = MPI.Status()
+                if dest == me and ledger.comms[i].Iprobe(source, tag, status):
+                    ledger.comms[i].Recv(bytearray(status.Get_count(MPI.BYTE)), source, status.Get_tag())
+        time.sleep(1e-3)
     _wait_for([gcomm.Ibarrier()], timeout, "clean-up")
     return left, True
 
@@ -575,7 +582,14 @@ EXERCISES = {
                          "ring_attention_backward(dout, q, k, v, out, lse, comm, causal=False) -> (dq, dk, dv)",
                          kind="backward"),
 }
-WORK_SIZE = "large"  # the cases whose compute time the work checks compare
+WORK_SIZE = "large"  # the case whose compute time the work checks measure
+# Thresholds of the work checks. Measured with the solutions on a 2-core machine (least of 3 runs):
+# rank 0 / rank P-1 is about 0.7 at P = 2 (the masked diagonal block costs more than a full one)
+# and 0.3 at P = 4, against 1.0 or more without skipping; zigzag max/min about 1.0-1.2, and causal /
+# non-causal work 0.7-0.8, against about 1.5 without skipping.
+SKIP_RATIO = 0.9
+BALANCE_RATIO = 1.4
+SAVED_RATIO = 0.95
 
 
 @dataclass(frozen=True)
@@ -607,8 +621,6 @@ def make_cases(exercise, quick=False):
     if quick:
         picks = [("tiny", np.float64), ("tiny", np.float32), ("medium", np.float64), ("medium", np.float32)]
         combos = [(size, dtype, exercise.causal[i % len(exercise.causal)]) for i, (size, dtype) in enumerate(picks)]
-        if exercise.work:
-            combos += [(WORK_SIZE, np.float64, c) for c in ((True,) if exercise.work == "skip" else (True, False))]
     else:
         combos = [(size, dtype, causal) for size in SIZES for dtype in DTYPES for causal in exercise.causal]
     unique = list(dict.fromkeys(combos))
@@ -721,7 +733,8 @@ def call_student(call, gcomm, opts, what):
         timer.cancel()
         _ACTIVE = None
         run.cpu = time.process_time() - cpu - ledger.mpi_cpu
-    run.bytes, run.messages, run.sent_to, run.pickled = ledger.bytes, ledger.messages, dict(ledger.sent_to), ledger.pickled
+    run.bytes, run.messages, run.pickled = ledger.bytes, ledger.messages, ledger.pickled
+    run.sent_to = dict(ledger.sent_to)
     run.collective_bytes, run.calls, run.world_calls = ledger.collective_bytes, dict(ledger.calls), ledger.world_calls
     run.left, run.clean = _drain(gcomm, ledger, opts.sync_timeout)
     if run.clean:
@@ -879,7 +892,7 @@ def _arrays(case, count, seq_len, kv_heads=None):
     return [rng.standard_normal((h, seq_len, d)).astype(case.dtype) for _ in range(count)]
 
 
-def run_forward_case(case, exercise, fn, gcomm, opts):
+def run_forward_case(case, exercise, fn, gcomm, opts, check_output=True):
     P, rank = gcomm.Get_size(), gcomm.Get_rank()
     S = case.shape[1] * P
     Q, K, V = _arrays(case, 3, S)
@@ -889,7 +902,7 @@ def run_forward_case(case, exercise, fn, gcomm, opts):
     run = call_student(lambda comm: fn(q.copy(), k.copy(), v.copy(), comm, causal=case.causal), gcomm, opts,
                        exercise.function)
     check = {"ok": False, "error": None, "text": "", "hints": []}
-    if run.outcome == "returned":
+    if run.outcome == "returned" and check_output:
         got = run.value
         if isinstance(got, tuple) and len(got) == 2 and np.shape(got[0]) == q.shape:
             got = got[0]  # (out, lse) is fine too
@@ -1195,38 +1208,60 @@ def traffic_verdict(case, exercise, runs):
     return Verdict("FAIL" if details else "ok", short, details, hints)
 
 
-def work_verdict(exercise, case_runs, P):
-    """Causal skipping / zigzag balance, from the CPU time each rank spent outside MPI in the 'large' cases."""
-    causal = next((runs for case, runs in case_runs if case.size == WORK_SIZE and case.causal
-                   and case.dtype == np.float64), None)
-    plain = next((runs for case, runs in case_runs if case.size == WORK_SIZE and not case.causal
-                  and case.dtype == np.float64), None)
-    if causal is None or any(run.outcome != "returned" for run in causal):
+WORK_REPEATS = 3  # the work checks take each rank's least CPU time over this many calls
+
+
+def measure_work(exercise, fn, gcomm, opts):
+    """{causal: [CPU seconds per rank]} of the 'large' float64 case, the least of WORK_REPEATS calls.
+
+    CPU time outside the calls made through comm, with one BLAS thread: the work a rank did,
+    whoever else shared its core. None if a call did not return on every rank.
+    """
+    cpu = {}
+    for causal in (True,) if exercise.work == "skip" else (True, False):
+        case = Case(WORK_SIZE, np.float64, causal, seed=999)
+        for _ in range(WORK_REPEATS):
+            run, _ = run_forward_case(case, exercise, fn, gcomm, opts, check_output=False)
+            runs = _allgather(gcomm, run, opts.sync_timeout)
+            if any(r.outcome != "returned" for r in runs):
+                return None
+            times = [r.cpu for r in runs]
+            cpu[causal] = times if causal not in cpu else [min(a, b) for a, b in zip(cpu[causal], times)]
+    return cpu
+
+
+def work_verdict(exercise, cpu, P):
+    """Causal skipping / zigzag balance, from the CPU time per rank of the causal (and non-causal) 'large' case."""
+    if cpu is None:
         return Verdict("not run")
-    cpu = [run.cpu for run in causal]
-    shown = ", ".join(f"{c:.3f}" for c in cpu)
     if P == 1:
         return Verdict("ok", "one rank: nothing to compare")
+    causal = cpu[True]
+    shown = ", ".join(f"{c:.3f}" for c in causal)
+    where = f"CPU s per rank, causal {WORK_SIZE} float64 case, least of {WORK_REPEATS} runs"
     if exercise.work == "skip":
-        ok = cpu[0] <= 0.7 * cpu[-1]
-        short = f"rank 0 {cpu[0]:.3f} s, rank {P - 1} {cpu[-1]:.3f} s"
-        details = [] if ok else [f"compute time per rank (CPU s, causal {WORK_SIZE} case): {shown}"]
-        hints = [] if ok else [("skip", (f"rank 0 needs 1 block and rank {P - 1} all {P}, yet they computed about as "
-                                        f"long: skip the blocks that lie entirely after a rank's queries"))]
+        ok = causal[0] <= SKIP_RATIO * causal[-1]
+        short = f"rank 0 {causal[0]:.3f} s, rank {P - 1} {causal[-1]:.3f} s"
+        details = [] if ok else [f"compute time ({where}): {shown}"]
+        hints = [] if ok else [("skip", f"rank 0 needs 1 block and rank {P - 1} all {P}, yet rank 0 computed "
+                                        f"{causal[0] / causal[-1]:.2f} x as long (skipping gives about 1/P plus "
+                                        f"the cost of the mask): skip the blocks that lie entirely after a "
+                                        f"rank's queries")]
         return Verdict("ok" if ok else "FAIL", short, details, hints)
-    balance = max(cpu) / max(min(cpu), 1e-9)
-    saved = sum(cpu) / max(sum(run.cpu for run in plain), 1e-9) if plain else 0.0
-    ok = balance <= 1.4 and saved <= 0.9
-    short = f"max/min {balance:.2f}, causal/non-causal {saved:.2f}"
+    balance = max(causal) / max(min(causal), 1e-9)
+    saved = sum(causal) / max(sum(cpu[False]), 1e-9)
+    # at P = 2 the masked diagonal block is half the work: the saving is too small to tell from noise
+    ok = balance <= BALANCE_RATIO and (saved <= SAVED_RATIO or P < 3)
+    short = f"max/min {balance:.2f}, causal/non-causal {saved:.2f}" + (" (not judged at P = 2)" if P < 3 else "")
     details, hints = [], []
-    if balance > 1.4:
-        details.append(f"compute time per rank (CPU s, causal {WORK_SIZE} case): {shown}, max/min {balance:.2f}")
-        hints.append(("balance", ("with zigzag shards every rank has the same causal work: compute only the visible "
-                                 "half of each off-diagonal block")))
-    if saved > 0.9:
-        details.append(f"causal work is {saved:.2f} x the non-causal work")
-        hints.append(("saved", ("a causal zigzag ring computes about half as much as a non-causal one: skip what is "
-                               "masked")))
+    if balance > BALANCE_RATIO:
+        details.append(f"compute time ({where}): {shown}, max/min {balance:.2f} > {BALANCE_RATIO}")
+        hints.append(("balance", "with zigzag shards every rank has the same causal work: compute only the visible "
+                                 "half of each off-diagonal block"))
+    if saved > SAVED_RATIO and P >= 3:
+        details.append(f"causal work is {saved:.2f} x the non-causal work (> {SAVED_RATIO})")
+        hints.append(("saved", "a causal zigzag ring computes about half as much as a non-causal one, plus the "
+                               "masked diagonal blocks: skip what is masked"))
     return Verdict("ok" if ok else "FAIL", short, details, hints)
 
 
@@ -1278,7 +1313,8 @@ def parser(rank=0):
                         "docs/exercises.md")
     p.add_argument("--quick", action="store_true", help="4 cases instead of the full matrix")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
-                   help=f"seconds one MPI call may block before the ring is declared stuck (default {DEFAULT_TIMEOUT:g})")
+                   help=f"seconds one MPI call may block before the ring is declared stuck "
+                        f"(default {DEFAULT_TIMEOUT:g})")
     p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT,
                    help=f"seconds one call of the student's function may take; past it the job is aborted "
                         f"(default {DEFAULT_TIME_LIMIT:g})")
@@ -1331,7 +1367,7 @@ def _grade(gcomm, exercise, quick, opts):
     _say(rank, f"grading {name}: {exercise.name} ({exercise.title}), P = {P}, {len(cases)} cases, "
                f"timeout {opts.timeout:g} s")
     _say(rank, f"  {exercise.signature}")
-    table, case_runs, hints, clean = [], [], {}, True
+    table, hints, clean, stopped = [], {}, True, False
     for i, case in enumerate(cases):
         if exercise.kind == "merge":
             run, check, _, _ = run_merge_case(case, fn, gcomm, opts)
@@ -1348,7 +1384,6 @@ def _grade(gcomm, exercise, quick, opts):
             verdicts["traffic"] = traffic_verdict(case, exercise, runs)
         verdicts["safety"] = safety
         table.append((labels[i], verdicts))
-        case_runs.append((case, runs))
         line = " | ".join(f"{n} {v.status}" + (f" ({v.short})" if v.short and v.status != "not run" else "")
                           for n, v in verdicts.items())
         _say(rank, f"[{i + 1:2d}/{len(cases)}] {labels[i]}: {line}")
@@ -1361,10 +1396,11 @@ def _grade(gcomm, exercise, quick, opts):
             for label in labels[i + 1:]:
                 table.append((label, {n: Verdict("not run") for n in checks}))
             _say(rank, f"stopped: the remaining {len(cases) - i - 1} cases are not run")
+            stopped = True
             break
     if exercise.work:
         title = "work: causal skipping" if exercise.work == "skip" else "work: zigzag balance"
-        work = work_verdict(exercise, case_runs, P)
+        work = work_verdict(exercise, None if stopped else measure_work(exercise, fn, gcomm, opts), P)
         table.append((title, {"output": work}))
         _say(rank, f"{title}: {work.status}" + (f" ({work.short})" if work.short else ""))
         _show(rank, {"work": work})
