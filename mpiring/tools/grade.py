@@ -984,24 +984,27 @@ def _diagnose_backward(got, refs, errors, tol, dk_all, dv_all, dk_part, dv_part,
     return hints
 
 
-MERGE_CASES = [  # name, heads, queries, keys in block 1 and 2, score scale, dtype, causal (the second block empty)
-    ("halves", 2, 16, (12, 12), 1.0, np.float64, False),
-    ("uneven blocks", 2, 16, (3, 29), 1.0, np.float64, False),
-    ("large scores (lse ~ 1e3)", 2, 16, (12, 12), 20.0, np.float64, False),
-    ("an empty block (lse = -inf)", 2, 16, (16, 16), 1.0, np.float64, True),
-    ("float32", 2, 16, (12, 12), 1.0, np.float32, False),
+# name, heads, queries, keys in block 1 and 2, score scale, dtype, blocks empty (causal, keys after the queries)
+MERGE_CASES = [
+    ("halves", 2, 16, (12, 12), 1.0, np.float64, 0),
+    ("uneven blocks", 2, 16, (3, 29), 1.0, np.float64, 0),
+    ("large scores (exp(lse) overflows)", 2, 16, (12, 12), 40.0, np.float64, 0),
+    ("an empty block (lse = -inf)", 2, 16, (16, 16), 1.0, np.float64, 1),
+    ("both blocks empty", 2, 16, (16, 16), 1.0, np.float64, 2),
+    ("float32", 2, 16, (12, 12), 1.0, np.float32, 0),
 ]
 
 
 def run_merge_case(index, fn, gcomm, opts):
-    name, h, n, (a, b), scale, dtype, causal = MERGE_CASES[index]
+    name, h, n, (a, b), scale, dtype, empty = MERGE_CASES[index]
+    causal = empty > 0
     rng = np.random.default_rng(2000 + index)
     d = 8
     q, k, v = (rng.standard_normal((h, n, d)) for n in (n, a + b, a + b))
     q, k = q * scale, k * scale
     qpos, kpos = np.arange(n), np.arange(a + b)
-    if causal:  # queries 0..n-1 and keys 0..a+b-1 with the second block after every query: it is empty
-        kpos = np.concatenate([np.arange(a), n + np.arange(b)])
+    if causal:  # causal, with the empty blocks' keys after every query
+        kpos = np.concatenate([np.arange(a) + (n if empty == 2 else 0), n + np.arange(b)])
     parts = [testing.reference(q, k[..., s, :], v[..., s, :], causal=causal, q_positions=qpos,
                                k_positions=kpos[s]) for s in (slice(0, a), slice(a, a + b))]
     ref_out, ref_lse = testing.reference(q, k, v, causal=causal, q_positions=qpos, k_positions=kpos)
@@ -1030,7 +1033,7 @@ def run_merge_case(index, fn, gcomm, opts):
 def _diagnose_merge(got, ref_out, ref_lse, parts, tol, causal, scale):
     out, lse = (np.asarray(x, dtype=np.float64) for x in got)
     (o1, l1), (o2, l2) = parts
-    if not np.all(np.isfinite(out)) or np.any(np.isnan(lse)):
+    if not np.all(np.isfinite(out)) or np.any(np.isnan(lse)) or not np.all(np.isfinite(lse[np.isfinite(ref_lse)])):
         if causal:
             return [("nan", ("NaN: an empty block has lse = -inf; with m = max(lse1, lse2), exp(-inf - m) = 0 is "
                             "fine but exp(-inf - (-inf)) is NaN: a row both blocks miss must give out 0, lse -inf"))]
@@ -1113,15 +1116,20 @@ def _hang_verdict(runs, stuck):
     details = []
     for r, (call, waiting, seconds) in sorted(stuck.items()):
         line = f"rank {r} waited {seconds:.1f} s in {call}"
+        texts = [text for _, _, text in waiting if text != call]
+        if texts:
+            line += " for: " + ", ".join(texts)
+        peers = {}
         for kind, peer, _ in waiting:
-            if not isinstance(peer, int) or not 0 <= peer < P:
-                continue
+            if isinstance(peer, int) and 0 <= peer < P and peer != r:
+                peers.setdefault(peer, kind)
+        for peer, kind in peers.items():
             other = runs[peer]
             if other.outcome == "returned":
                 line += f"; rank {peer} had returned without {'receiving' if kind == 'send' else 'sending'} it"
             elif other.outcome == "raised":
                 line += f"; rank {peer} had raised {other.exception}"
-            elif peer != r:
+            else:
                 line += f"; rank {peer} was itself blocked in {other.stuck[0]}"
         details.append(line)
     raised = [r for r, run in enumerate(runs) if run.outcome == "raised"]

@@ -23,9 +23,9 @@ def ring_attention(q, k, v, comm, causal=False):
         source = (rank - step) % size
         if not causal or source <= rank:
             mask = np.tril(np.ones((q.shape[-2],) * 2, bool)) if causal and step == 1 else None  # bug: step 1, not 0
-            o, l = attend(q, k, v, mask)
-            new = np.logaddexp(lse, l)
-            out = np.exp(lse - new)[..., None] * out + np.exp(l - new)[..., None] * o
+            o, lb = attend(q, k, v, mask)
+            new = np.logaddexp(lse, lb)
+            out = np.exp(lse - new)[..., None] * out + np.exp(lb - new)[..., None] * o
             lse = new
         if step < size - 1:
             k_next, v_next = np.empty_like(k), np.empty_like(v)

@@ -23,9 +23,9 @@ def ring_attention(q, k, v, comm, causal=False):
         source = (rank - step) % size
         if not causal or source <= rank:
             mask = np.tril(np.ones((q.shape[-2],) * 2, bool)) if causal and source == rank else None
-            o, l = attend(q, k, v, mask)
+            o, lb = attend(q, k, v, mask)
             out = out + o  # the bug: block outputs added up as they are, no log-sum-exp weights
-            lse = np.logaddexp(lse, l)
+            lse = np.logaddexp(lse, lb)
         if step < size - 1:
             k_next, v_next = np.empty_like(k), np.empty_like(v)
             comm.Sendrecv(k, dest=(rank + 1) % size, sendtag=0, recvbuf=k_next, source=(rank - 1) % size, recvtag=0)
