@@ -202,3 +202,16 @@ def test_figures_are_drawn_by_the_tutorial_commands():
     shown = set(re.findall(r"\]\(img/([^)]+)\)", text))
     drawn = set(re.findall(r"docs/img/(\S+?\.png)", out))
     assert shown == drawn
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
+def test_figures_draws_every_picture(tmp_path):
+    """A real run/figures, into a temporary directory (MPIRING_FIGURES_DIR) instead of docs/img/."""
+    pytest.importorskip("matplotlib", reason="no matplotlib")
+    shown = set(re.findall(r"\]\(img/([^)]+)\)", TUTORIAL.read_text()))
+    before = {name: (ROOT / "docs" / "img" / name).read_bytes() for name in shown}
+    done = subprocess.run([str(RUN / "figures")], capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+                          env=clean_env(_script_env(), MPIRING_FIGURES_DIR=str(tmp_path)))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert {p.name for p in tmp_path.iterdir() if p.stat().st_size > 1000} == shown
+    assert before == {name: (ROOT / "docs" / "img" / name).read_bytes() for name in shown}
