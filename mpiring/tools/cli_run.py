@@ -1,40 +1,62 @@
-"""The ``run`` command: ring attention on seeded inputs under mpiexec, verified and reported on rank 0.
+"""The ``run`` command: ring attention on seeded inputs under mpiexec, verified on every rank, reported on rank 0.
 
     mpiexec -n 4 python -m mpiring run --seq-len 4096 --dim 64 --heads 8 --causal --layout zigzag
     mpiexec -n 4 python -m mpiring run --causal --backward
     mpiexec -n 4 python -m mpiring run --causal --trace trace.json --plot timeline.png
 
-The check builds its reference from the definitions (``mpiring.reference``),
-never from the plan or the masks under test.
+Every rank makes its own shard from the seed (``tools.verify.Inputs``: no
+scatter), runs ``ring_attention`` (and ``ring_attention_backward``), then
+checks rows of its own shard against an exact float64 computation of its own
+(``tools.verify``: built from the definitions, never from the plan or the
+masks under test). Rank 0 gathers what the ranks recorded and checked, and
+prints the report.
 """
 
+import argparse
+import importlib.util
 import os
-import sys
+import pickle
 
 import numpy as np
 from threadpoolctl import threadpool_limits
 
 from mpiring import (
-    distributed_attention,
-    distributed_attention_backward,
     predicted_backward_bytes,
     predicted_bytes_sent,
+    ring_attention,
+    ring_attention_backward,
     ring_attention_context_parallel,
+    shard_indices,
 )
-from mpiring.reference import definition_mask, dense_attention, dense_attention_backward
+from mpiring.plan import Schedule
+from mpiring.record import Record
 
+from . import verify
 from .calibrate import calibrate
-from .cli import add_variant_args, command_parser, variant
+from .cli import Agreed, add_variant_args, at_least, command_parser, poll, variant
 from .cli_plan import compute_table
 from .plot import plot_timeline
 from .progress import Progress
 from .report import format_timeline, timing_report
 from .trace import write_chrome_trace
 
-__all__ = ["run", "run_parser", "VERIFY_TOL"]
+__all__ = ["run", "run_parser", "VERIFY_TOL", "job_problem"]
 
-# what `run` accepts against the float64 single-process reference
-VERIFY_TOL = {np.float64: 1e-10, np.float32: 1e-4}
+# what `run` accepts against the exact float64 computation (absolute; gradients relative to max(1, max |ref|))
+VERIFY_TOL = {np.float64: verify.TOLERANCE[np.dtype(np.float64)], np.float32: verify.TOLERANCE[np.dtype(np.float32)]}
+
+
+def _timeout(text):
+    """``--timeout``: "auto", or seconds (0 = wait forever)."""
+    if text == "auto":
+        return text
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0 or seconds == float("inf"):
+        raise argparse.ArgumentTypeError(f"'auto', a number of seconds, or 0 (wait forever); got {text!r}")
+    return seconds
 
 
 def run_parser():
@@ -45,47 +67,152 @@ def run_parser():
     p.add_argument("--kv-heads", type=int, help="K/V heads (grouped-query attention); default = heads")
     p.add_argument("--batch", type=int, default=1, help="batch size")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="dtype of Q, K, V")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (rank 0 makes them)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (each rank makes its own shard)")
     p.add_argument("--threads", type=int, default=1, help="BLAS threads per rank")
-    p.add_argument("--timeout", type=float, default=60.0,
-                   help="seconds a rank may wait for the others before the job aborts (0 = forever)")
-    p.add_argument("--no-verify", action="store_true", help="skip the single-process reference")
+    p.add_argument("--timeout", type=_timeout, default="auto", metavar="auto|SECONDS",
+                   help="how long a rank waits for the others before the job ends: 'auto' (the library's: 60 s "
+                        "to arrive, then 60 s + the busiest rank's FLOPs at 1e8 FLOP/s per wait), seconds, "
+                        "or 0 = forever")
+    p.add_argument("--no-verify", action="store_true", help="skip comparing the results (the schedule and the "
+                   "bytes sent are still checked)")
     p.add_argument("--backward", action="store_true", help="also run the backward pass and verify the gradients")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome trace (open in ui.perfetto.dev or chrome://tracing)")
     p.add_argument("--plot", metavar="FILE", help="draw a timeline (Gantt chart) PNG; needs matplotlib")
     p.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
                    help="ring step counter on rank 0 (auto: when output is a terminal)")
     add_variant_args(p)
+    p.checks += [at_least(1, **{"--seq-len": "seq_len", "--dim": "dim", "--heads": "heads",
+                                "--kv-heads": "kv_heads", "--batch": "batch", "--threads": "threads"}),
+                 at_least(0, **{"--seed": "seed"}), _heads_problem]
     return p
 
 
+def _heads_problem(args):
+    """Grouped-query heads must divide the query heads."""
+    if args.kv_heads and args.heads % args.kv_heads:
+        return f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}"
+    return None
+
+
+def _writable(option, path):
+    """None if ``path`` can be written (its directory exists and is writable), else why not."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"{option} {path}: directory {folder} does not exist"
+    if not os.access(folder, os.W_OK):
+        return f"{option} {path}: directory {folder} is not writable"
+    return None
+
+
+def job_problem(args, size):
+    """What is wrong with the options for a job of ``size`` ranks, or None (rank 0 decides, before the run)."""
+    if args.seq_len < size:
+        return (f"--seq-len {args.seq_len} is shorter than the number of ranks {size}: "
+                f"every rank needs at least one token")
+    if args.trace and _writable("--trace", args.trace):
+        return _writable("--trace", args.trace)
+    if args.plot:
+        if importlib.util.find_spec("matplotlib") is None:
+            return '--plot needs matplotlib, which is not installed: pip install -e ".[plot]" (or leave out --plot)'
+        if _writable("--plot", args.plot):
+            return _writable("--plot", args.plot)
+    return verify.check_partition(args.seq_len, size, args.layout)
+
+
+def _share_text(comm, text):
+    """Rank 0's ``text`` (or None) on every rank, waited for without spinning."""
+    data = np.frombuffer(pickle.dumps(text), np.uint8) if comm.Get_rank() == 0 else None
+    size = np.array([0 if data is None else data.size], np.int64)
+    poll([comm.Ibcast(size, root=0)])
+    buf = data.copy() if data is not None else np.empty(int(size[0]), np.uint8)
+    poll([comm.Ibcast(buf, root=0)])
+    return pickle.loads(buf.tobytes())
+
+
+def gather_objects(comm, obj, root=0):
+    """``comm.gather(obj, root)``, waited for in a polling loop: ranks done first leave their cores to the others."""
+    rank = comm.Get_rank()
+    data = np.frombuffer(pickle.dumps(obj), np.uint8)
+    sizes = np.empty(comm.Get_size(), np.int64) if rank == root else None
+    poll([comm.Igather(np.array([data.size], np.int64), sizes, root=root)])
+    flat = np.empty(int(sizes.sum()), np.uint8) if rank == root else None
+    poll([comm.Igatherv(data, [flat, sizes] if rank == root else None, root=root)])
+    if rank != root:
+        return None
+    offsets = np.cumsum(np.concatenate([[0], sizes]))
+    return [pickle.loads(flat[offsets[r]:offsets[r + 1]].tobytes()) for r in range(len(sizes))]
+
+
+def allgather_arrays(comm, piece):
+    """Every rank's float64 ``piece`` (same shape but for the last axis), waited for in a polling loop."""
+    piece = np.ascontiguousarray(piece, np.float64)
+    counts = np.empty(comm.Get_size(), np.int64)
+    poll([comm.Iallgather(np.array([piece.size], np.int64), counts)])
+    flat = np.empty(int(counts.sum()))
+    poll([comm.Iallgatherv(piece, [flat, counts])])
+    offsets = np.cumsum(np.concatenate([[0], counts]))
+    return [flat[offsets[r]:offsets[r + 1]].reshape(piece.shape[:-1] + (-1,)) for r in range(len(counts))]
+
+
 def run(comm, args=None):
-    """Make seeded inputs on rank 0, run ring attention on every rank, verify and report on rank 0."""
+    """Every rank makes its seeded shard and runs ring attention; every rank checks its rows; rank 0 reports."""
     args = run_parser().parse_args(args)
     threadpool_limits(args.threads)
     rank, size = comm.Get_rank(), comm.Get_size()
+    problem = _share_text(comm, job_problem(args, size) if rank == 0 else None)
+    if problem:
+        raise Agreed(problem)
     dtype = np.dtype(args.dtype)
     hk = args.kv_heads or args.heads
     options = variant(args)
-    Q = K = V = None
-    if rank == 0:
-        rng = np.random.default_rng(args.seed)
-        Q = rng.standard_normal((args.batch, args.heads, args.seq_len, args.dim)).astype(dtype)
-        K, V = (rng.standard_normal((args.batch, hk, args.seq_len, args.dim)).astype(dtype) for _ in range(2))
-    comm.Barrier()
-    if args.backward:
-        return _run_backward(args, comm, Q, K, V, options)
+    inputs = verify.Inputs(args.seed, args.batch, args.heads, hk, args.dim, dtype)
+    positions = shard_indices(args.seq_len, size, rank, args.layout)
+    q, k, v = (inputs.tokens(kind, positions) for kind in ("q", "k", "v"))
+    timeout = None if args.timeout == 0 else args.timeout
     progress = Progress("ring step (rank 0)", enabled={"auto": None, "on": True, "off": False}[args.progress])
-    out, sched = distributed_attention(Q, K, V, comm, timeout=args.timeout or None, **options,
-                                       on_step=progress if rank == 0 else None)
+    forward = Record(rank, on_step=progress if rank == 0 and not args.backward else None)
+    got = {}
+    try:  # bad arguments: the library raises the same ValueError on every rank, before any transfer
+        got["out"], got["lse"] = ring_attention(q, k, v, comm, timeout=timeout, record=forward, **options)
+        if args.backward:
+            backward = Record(rank)
+            dout = inputs.tokens("dout", positions)
+            got["dq"], got["dk"], got["dv"] = ring_attention_backward(dout, q, k, v, got["out"], got["lse"], comm,
+                                                                      timeout=timeout, record=backward, **options)
+    except ValueError as exc:
+        raise Agreed(str(exc)) from exc
     progress.close()
-    n_local = args.seq_len // size
-    machine = calibrate(comm, head_dim=args.dim, dtype=args.dtype, tokens=max(16, min(n_local, 1024)),
-                        seconds=0.2, threads=args.threads,
-                        nbytes=min(max(2 * args.batch * hk * n_local * args.dim * dtype.itemsize, 1 << 16), 1 << 26))
+    plan = forward.plan
+    machine = None
+    if not args.backward:
+        n_local = args.seq_len // size
+        machine = calibrate(comm, head_dim=args.dim, dtype=args.dtype, tokens=max(16, min(n_local, 1024)),
+                            seconds=0.2, threads=args.threads,
+                            nbytes=min(max(2 * args.batch * hk * n_local * args.dim * dtype.itemsize, 1 << 16),
+                                       1 << 26))
+    checked = None
+    if not args.no_verify:
+        mask = dict(causal=args.causal, window=args.window, cu_seqlens=args.cu_seqlens)
+        checked = verify.check_rank(inputs, args.seq_len, size, rank, args.layout, mask, got,
+                                    share=lambda piece: allgather_arrays(comm, piece))
+    rec = backward if args.backward else forward
+    summary = dict(rec.summary(), **({"forward": forward.summary()} if args.backward else {}))
+    columns = gather_objects(comm, (rec.table(plan.n_steps), summary, checked))
     if rank != 0:
         return 0
+    table = [[columns[r][0][step] for r in range(size)] for step in range(plan.n_steps)]
+    sched = Schedule(table, records=[c[1] for c in columns], plan=plan)
+    checks = None if args.no_verify else [c[2] for c in columns]
+    if args.backward:
+        return _report_backward(args, sched, checks)
+    return _report_forward(args, sched, checks, machine)
+
+
+def _report_forward(args, sched, checks, machine):
+    """Rank 0's report of a forward run; its exit code."""
     plan, records = sched.plan, sched.records
+    size, dtype = plan.size, np.dtype(args.dtype)
+    hk = args.kv_heads or args.heads
     wall = max(r["wall_time"] for r in records)
     flops = 4 * args.batch * args.heads * args.dim * sum(plan.visible_pairs())
     itemsize = dtype.itemsize
@@ -110,12 +237,7 @@ def run(comm, args=None):
     print(f"\nwall time {wall:.4f} s   attention {flops / wall / 1e9:.2f} GFLOP/s "
           f"(4*B*H*D*visible pairs = {flops / 1e9:.3f} GFLOP)")
     ok = agrees and all(r["bytes_sent"] == p for r, p in zip(records, predicted, strict=True))
-    if not args.no_verify:
-        ref, _ = dense_attention(Q, K, V, mask=_reference_mask(args))
-        err = float(np.max(np.abs(out - ref)))
-        tol = VERIFY_TOL[dtype.type]
-        ok = ok and err <= tol
-        print(f"max abs error vs single-process float64 reference: {err:.3e} (tolerance {tol:g})")
+    passed = _print_checks(checks, dtype)
     print()
     print(timing_report(records, plan, machine, batch=args.batch, heads=args.heads, kv_heads=hk, head_dim=args.dim,
                         itemsize=itemsize, ranks_per_core=size * args.threads / (os.cpu_count() or 1)))
@@ -123,19 +245,64 @@ def run(comm, args=None):
     print(format_timeline(records))
     _write_trace_and_plot(args, records, f"P={size} {plan.layout} {plan.mode}{' causal' if plan.causal else ''}, "
                           f"seq_len={args.seq_len}, H={args.heads} d={args.dim} {dtype}")
-    print("VERIFIED" if ok else "VERIFICATION FAILED")
-    return 0 if ok else 1
+    return _verdict(ok, passed, checks)
 
 
-def _reference_mask(args):
-    """Rows a:b of the mask asked for on the command line, from the definitions (``mpiring.reference``).
+NAMES = ("out", "lse", "dQ", "dK", "dV")
 
-    Built from the arguments, not from the plan or ``mpiring.masks``: a bug in
-    the code under test cannot make its own reference agree with it.
+
+def _print_checks(checks, dtype):
+    """The table of what every rank checked, and the largest errors; whether they are within the tolerance.
+
+    None when nothing was compared (--no-verify).
     """
-    pos = np.arange(args.seq_len)
-    return lambda a, b: definition_mask(pos[a:b], pos, causal=args.causal, window=args.window,
-                                        cu_seqlens=args.cu_seqlens)
+    if checks is None:
+        return None
+    tol = verify.TOLERANCE[dtype]
+    names = [n for n in NAMES if n in checks[0]["error"]]
+    print("\nverification: every rank recomputed rows of its own shard exactly (float64, from the seeded "
+          "inputs; mask from its definition)")
+    head = "rank  query rows checked" + ("  dQ rows  keys (dK, dV)" if "dQ" in names else "")
+    print(head + "".join(f"  {n + ' error':>10}" for n in names))
+    for r, c in enumerate(checks):
+        rows = f"{c['rows']} of {c['of']}"
+        line = f"{r:>4}  {rows:>18}"
+        if "dQ" in names:
+            line += f"  {c['dq_rows']:>7}  {c['keys'] or '-':>13}"
+        print(line + "".join(f"  {c['error'][n]:>10.3e}" for n in names))
+    passed = True
+    relative = "; gradients relative to max(1, max |reference|)" if "dQ" in names else ""
+    print(f"largest error over all ranks (tolerance {tol:g}{relative}):")
+    for n in names:
+        err = max(c["error"][n] for c in checks)
+        largest = max(c["largest"][n] for c in checks)
+        rel = err / max(1.0, largest) if n in ("dQ", "dK", "dV") else err
+        passed = passed and rel <= tol
+        extra = f" relative, max |reference| {largest:.3g}" if n in ("dQ", "dK", "dV") else " absolute"
+        print(f"  {n:>3} {rel:.3e}{extra}")
+    if "dQ" in names and "dK" not in names:
+        print(f"  dK, dV not checked: seq_len > {verify.DKV_MAX_SEQ} (they need every row's exact lse, "
+              f"a pass as costly as the forward ring)")
+    return passed
+
+
+def _verdict(ok, passed, checks):
+    """The last line (VERIFIED only when results were compared and passed) and the exit code."""
+    if checks is None:
+        if ok:
+            print("NOT VERIFIED (--no-verify): the schedule and the bytes sent were checked, the results were not "
+                  "compared")
+            return 0
+        print("VERIFICATION FAILED (schedule or bytes sent; results not compared: --no-verify)")
+        return 1
+    if not (ok and passed):
+        print("VERIFICATION FAILED")
+        return 1
+    if "dQ" in checks[0]["error"] and "dK" not in checks[0]["error"]:
+        print("VERIFIED out, lse and dQ on sampled rows; dK and dV NOT CHECKED (see above)")
+    else:
+        print("VERIFIED")
+    return 0
 
 
 def _write_trace_and_plot(args, records, title):
@@ -147,26 +314,15 @@ def _write_trace_and_plot(args, records, title):
         size, cores = len(records), os.cpu_count() or 1
         shared = size * args.threads > cores
         note = f"{size} ranks on {cores} cores share them: times are not meaningful" if shared else None
-        try:
-            plot_timeline(records, args.plot, title=title, note=note)
-            print(f"timeline written to {args.plot}")
-        except ImportError as exc:  # matplotlib is an optional extra: the run itself still counts
-            print(f"--plot skipped: {exc}", file=sys.stderr)
+        plot_timeline(records, args.plot, title=title, note=note)  # matplotlib: checked before the run
+        print(f"timeline written to {args.plot}")
 
 
-def _run_backward(args, comm, Q, K, V, options):
-    """``run --backward``: forward and backward through the ring, both checked against float64 references."""
-    rank, size = comm.Get_rank(), comm.Get_size()
-    dtype = np.dtype(args.dtype)
-    dOut = None
-    if rank == 0:
-        dOut = np.random.default_rng(args.seed + 1).standard_normal(Q.shape).astype(dtype)
-    out, dQ, dK, dV, sched = distributed_attention_backward(Q, K, V, dOut, comm, timeout=args.timeout or None,
-                                                            return_out=True, **options)
-    if rank != 0:
-        return 0
+def _report_backward(args, sched, checks):
+    """Rank 0's report of ``run --backward``; its exit code."""
     plan, records = sched.plan, sched.records
-    hk = K.shape[-3]
+    size, dtype = plan.size, np.dtype(args.dtype)
+    hk = args.kv_heads or args.heads
     kv_width = args.batch * hk * 2 * args.dim
     fwd_bytes = predicted_bytes_sent(plan, kv_width, dtype.itemsize)
     bwd_bytes = predicted_backward_bytes(plan, kv_width, dtype.itemsize)
@@ -194,17 +350,7 @@ def _run_backward(args, comm, Q, K, V, options):
     ok = agrees and all(r["bytes_sent"] == p and r["messages"] == bwd_messages
                         for r, p in zip(records, bwd_bytes, strict=True))
     ok = ok and all(r["forward"]["bytes_sent"] == p for r, p in zip(records, fwd_bytes, strict=True))
-    if not args.no_verify:
-        tol = VERIFY_TOL[dtype.type]
-        got = (out, dQ, dK, dV)
-        mask = _reference_mask(args)
-        want = (dense_attention(Q, K, V, mask=mask)[0],) + dense_attention_backward(dOut, Q, K, V, mask=mask)
-        print(f"\nmax abs error vs single-process float64 reference (tolerance {tol:g}):")
-        for name, a, b in zip(("out", "dQ", "dK", "dV"), got, want, strict=True):
-            err = float(np.max(np.abs(a - b)))
-            ok = ok and err <= tol
-            print(f"  {name:>3} {err:.3e}   (max |reference| {float(np.max(np.abs(b))):.3g})")
+    passed = _print_checks(checks, dtype)
     _write_trace_and_plot(args, records, f"backward pass: P={size} {plan.layout} {plan.mode}"
                           f"{' causal' if plan.causal else ''}, seq_len={args.seq_len}, H={args.heads} d={args.dim}")
-    print("VERIFIED" if ok else "VERIFICATION FAILED")
-    return 0 if ok else 1
+    return _verdict(ok, passed, checks)

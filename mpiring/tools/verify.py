@@ -1,0 +1,241 @@
+"""Verification that scales: every rank makes its own inputs from the seed and checks rows of its own shard.
+
+    mpiexec -n 4 python -m mpiring run --seq-len 4096 --dim 64 --heads 8 --causal --layout zigzag
+
+Inputs are counter-based: token block ``b`` (positions ``b*BLOCK`` up to
+``(b+1)*BLOCK``) of tensor kind ``c`` (q, k, v, dout = 0, 1, 2, 3) is drawn
+from ``np.random.default_rng([seed, c, b])`` and cast to the run's dtype. Any
+rank can make any token's values without the others: each makes its own shard
+(no scatter), and the checker regenerates the keys it needs a block at a time
+(no rank ever holds a whole tensor).
+
+The check is an exact float64 computation from those inputs (rounded to the
+run's dtype, then widened), with the mask from its definition
+(``mpiring.reference.definition_mask``, never ``mpiring.masks`` or the plan) and
+the textbook softmax, written out below with an online max and sum over key
+blocks. It shares no code with the ring it checks. What it covers:
+
+- forward: ``out`` and ``lse`` of a sample of each rank's query rows (all of
+  them when the shard has at most ``SAMPLE`` rows, or when dK/dV are checked);
+- backward: dQ of the sampled rows (a second pass over the keys with
+  ``delta_i = dout_i . out_i``); dK and dV of a sample of each rank's own keys
+  when ``seq_len <= DKV_MAX_SEQ``: they need every query row's exact lse, a
+  pass over all rows as costly as the forward ring, shared out over the ranks.
+"""
+
+import numpy as np
+
+from mpiring.layouts import shard_indices
+from mpiring.reference import definition_mask
+
+__all__ = ["BLOCK", "SAMPLE", "DKV_MAX_SEQ", "TOLERANCE", "Inputs", "sample_rows", "check_partition",
+           "forward_reference", "dq_reference", "dkv_reference", "check_rank"]
+
+BLOCK = 1024  # tokens per seeded block
+KINDS = ("q", "k", "v", "dout")
+SAMPLE = 256  # rows (and keys) checked per rank at most, unless all rows are computed anyway
+DKV_MAX_SEQ = 16384  # dK and dV are checked up to this sequence length
+ROW_CHUNK = 256  # query rows per matrix product in the forward pass (bounds its memory)
+# accepted error: absolute for out and lse (unit-normal inputs), relative to max(1, max |reference|) for gradients
+TOLERANCE = {np.dtype(np.float64): 1e-10, np.dtype(np.float32): 1e-4}
+
+
+class Inputs:
+    """The seeded inputs of a run, made one block of ``BLOCK`` tokens at a time."""
+
+    def __init__(self, seed, batch, heads, kv_heads, dim, dtype):
+        self.seed, self.batch, self.heads, self.kv_heads, self.dim = seed, batch, heads, kv_heads, dim
+        self.dtype = np.dtype(dtype)
+
+    def block(self, kind, b):
+        """All ``BLOCK`` tokens of block ``b`` of ``kind``: ``(batch, heads of kind, BLOCK, dim)``, run dtype."""
+        heads = self.heads if kind in ("q", "dout") else self.kv_heads
+        rng = np.random.default_rng([self.seed, KINDS.index(kind), b])
+        return rng.standard_normal((self.batch, heads, BLOCK, self.dim)).astype(self.dtype)
+
+    def tokens(self, kind, positions):
+        """The tokens at sorted global ``positions``: ``(batch, heads, len(positions), dim)``, run dtype."""
+        positions = np.asarray(positions, np.int64)
+        parts = []
+        for b in np.unique(positions // BLOCK):
+            inside = positions[(positions >= b * BLOCK) & (positions < (b + 1) * BLOCK)]
+            parts.append(self.block(kind, int(b))[..., inside - b * BLOCK, :])
+        if not parts:
+            heads = self.heads if kind in ("q", "dout") else self.kv_heads
+            return np.empty((self.batch, heads, 0, self.dim), self.dtype)
+        return np.concatenate(parts, axis=-2)
+
+    def blocks(self, kinds, seq_len):
+        """``(start, stop, arrays)`` over the sequence, one block at a time, the arrays in float64."""
+        for b in range((seq_len + BLOCK - 1) // BLOCK):
+            start, stop = b * BLOCK, min(seq_len, (b + 1) * BLOCK)
+            yield start, stop, [self.block(kind, b)[..., :stop - start, :].astype(np.float64) for kind in kinds]
+
+
+def sample_rows(n, seed, rank, what):
+    """Local indices of the rows (or keys) to check: all when ``n <= SAMPLE``, else a seeded sample of SAMPLE."""
+    if n <= SAMPLE:
+        return np.arange(n)
+    rng = np.random.default_rng([seed, len(KINDS) + ("rows", "keys").index(what), rank])
+    return np.sort(rng.choice(n, SAMPLE, replace=False))
+
+
+def check_partition(seq_len, size, layout):
+    """None if the ranks' shards together hold every position exactly once, else what is wrong."""
+    held = np.concatenate([shard_indices(seq_len, size, r, layout) for r in range(size)])
+    if not np.array_equal(np.sort(held), np.arange(seq_len)):
+        return f"the {layout} shards of {seq_len} tokens over {size} ranks do not hold every position once"
+    return None
+
+
+def _grouped(x, kv_heads):
+    """(B, H, n, d) -> (B, Hk, g, n, d): query head h uses K/V head h // g."""
+    b, h, n, d = x.shape
+    return x.reshape(b, kv_heads, h // kv_heads, n, d)
+
+
+def _t(k):
+    """K/V (B, Hk, n, d) as the right-hand side of a grouped product: (B, Hk, 1, d, n)."""
+    return np.swapaxes(k, -1, -2)[:, :, None]
+
+
+def forward_reference(inputs, rows, seq_len, scale, mask):
+    """Exact ``(out, lse)`` in float64 of the query rows at sorted global positions ``rows``.
+
+    Streams over the keys a block at a time, keeping for each row the running
+    max ``m`` of its visible scores, the sum ``l`` of ``exp(score - m)`` and the
+    weighted sum of values ``acc``; rescales both when the max grows. Rows that
+    see no key get out 0 and lse -inf. ``mask``: the keyword arguments of
+    ``definition_mask``.
+    """
+    rows = np.asarray(rows, np.int64)
+    q = _grouped(inputs.tokens("q", rows).astype(np.float64), inputs.kv_heads)
+    m = np.full(q.shape[:-1], -np.inf)
+    l = np.zeros(q.shape[:-1])  # noqa: E741 (the name the textbook gives it)
+    acc = np.zeros(q.shape)
+    for start, stop, (k, v) in inputs.blocks(("k", "v"), seq_len):
+        allowed = definition_mask(rows, np.arange(start, stop), **mask)
+        for a in range(0, len(rows), ROW_CHUNK):
+            b = min(a + ROW_CHUNK, len(rows))
+            if not allowed[a:b].any():
+                continue  # no row of this chunk sees a key of this block
+            s = np.where(allowed[a:b], q[..., a:b, :] @ _t(k) * scale, -np.inf)
+            new_m = np.maximum(m[..., a:b], s.max(axis=-1))
+            base = np.where(np.isfinite(new_m), new_m, 0.0)  # a row that has seen nothing yet stays at 0
+            p = np.exp(s - base[..., None])
+            rescale = np.exp(m[..., a:b] - base)
+            l[..., a:b] = l[..., a:b] * rescale + p.sum(axis=-1)
+            acc[..., a:b, :] = acc[..., a:b, :] * rescale[..., None] + p @ v[:, :, None]
+            m[..., a:b] = new_m
+    seen = l > 0
+    out = np.where(seen[..., None], acc / np.where(seen, l, 1.0)[..., None], 0.0)
+    lse = np.where(seen, m + np.log(np.where(seen, l, 1.0)), -np.inf)
+    shape = (q.shape[0], q.shape[1] * q.shape[2], len(rows))
+    return out.reshape(shape + (q.shape[-1],)), lse.reshape(shape)
+
+
+def _probabilities(s, allowed, lse):
+    """softmax probabilities from scores and exact per-row lse; 0 where masked or the row sees nothing."""
+    finite = np.isfinite(lse)
+    p = np.exp(s - np.where(finite, lse, 0.0)[..., None])
+    return np.where(allowed & finite[..., None], p, 0.0)
+
+
+def dq_reference(inputs, rows, seq_len, scale, mask, out, lse):
+    """Exact dQ in float64 of the query rows ``rows``, given their exact ``out`` and ``lse``.
+
+    dq_i = scale * sum_j p_ij (dout_i . v_j - delta_i) k_j, delta_i = dout_i . out_i.
+    """
+    rows = np.asarray(rows, np.int64)
+    kh = inputs.kv_heads
+    q = _grouped(inputs.tokens("q", rows).astype(np.float64), kh)
+    dout = _grouped(inputs.tokens("dout", rows).astype(np.float64), kh)
+    lse, delta = _grouped(lse[..., None], kh)[..., 0], np.sum(dout * _grouped(out, kh), axis=-1)
+    dq = np.zeros(q.shape)
+    for start, stop, (k, v) in inputs.blocks(("k", "v"), seq_len):
+        allowed = definition_mask(rows, np.arange(start, stop), **mask)
+        if not allowed.any():
+            continue
+        p = _probabilities(np.where(allowed, q @ _t(k) * scale, -np.inf), allowed, lse)
+        ds = p * (dout @ _t(v) - delta[..., None])
+        dq += ds @ k[:, :, None] * scale
+    return dq.reshape(dq.shape[0], -1, len(rows), dq.shape[-1])
+
+
+def dkv_reference(inputs, keys, seq_len, scale, mask, lse, delta):
+    """Exact ``(dK, dV)`` in float64 of the keys at sorted positions ``keys``, from every query row.
+
+    ``lse`` and ``delta`` (``(B, H, seq_len)``) are every row's exact lse and
+    ``dout_i . out_i``. dv_j = sum_i p_ij dout_i; dk_j = scale * sum_i ds_ij q_i,
+    summed over the query heads of each K/V head. Streams over query blocks.
+    """
+    keys = np.asarray(keys, np.int64)
+    kh = inputs.kv_heads
+    k = inputs.tokens("k", keys).astype(np.float64)
+    v = inputs.tokens("v", keys).astype(np.float64)
+    dk, dv = np.zeros(k.shape), np.zeros(v.shape)
+    for start, stop, (q, dout) in inputs.blocks(("q", "dout"), seq_len):
+        allowed = definition_mask(np.arange(start, stop), keys, **mask)
+        if not allowed.any():
+            continue
+        q, dout = _grouped(q, kh), _grouped(dout, kh)
+        rows_lse = _grouped(lse[..., start:stop, None], kh)[..., 0]
+        rows_delta = _grouped(delta[..., start:stop, None], kh)[..., 0]
+        p = _probabilities(np.where(allowed, q @ _t(k) * scale, -np.inf), allowed, rows_lse)
+        dv += (np.swapaxes(p, -1, -2) @ dout).sum(axis=2)
+        ds = p * (dout @ _t(v) - rows_delta[..., None])
+        dk += (np.swapaxes(ds, -1, -2) @ q).sum(axis=2) * scale
+    return dk, dv
+
+
+def _error(got, want):
+    """Largest |got - want| (0 where both are the same infinity, as lse of a row that sees nothing)."""
+    got = np.asarray(got, np.float64)
+    same = (got == want) | (np.isnan(got) & np.isnan(want))
+    return float(np.max(np.where(same, 0.0, np.abs(got - want)), initial=0.0))
+
+
+def check_rank(inputs, seq_len, size, rank, layout, mask, got, share=None):
+    """This rank's check: ``{"rows", "of", "keys", "error": {name: err}, "largest": {name: max |ref|}}``.
+
+    ``got``: this rank's ``out`` and ``lse`` (and ``dq``, ``dk``, ``dv`` after a
+    backward pass), its shard of the ``layout`` in sequence order.
+    ``share(piece)``: every rank's ``piece`` (an all-gather), needed (and called,
+    collectively) only when dK and dV are checked.
+    """
+    scale = 1.0 / np.sqrt(inputs.dim)
+    seed = inputs.seed
+    positions = shard_indices(seq_len, size, rank, layout)
+    n = len(positions)
+    backward = "dq" in got
+    with_dkv = backward and seq_len <= DKV_MAX_SEQ
+    rows = np.arange(n) if with_dkv else sample_rows(n, seed, rank, "rows")
+    out, lse = forward_reference(inputs, positions[rows], seq_len, scale, mask)
+    result = {"rows": len(rows), "of": n, "keys": 0, "error": {}, "largest": {}}
+
+    def compare(name, mine, ref):
+        result["error"][name] = _error(mine, ref)
+        result["largest"][name] = float(np.max(np.abs(ref), initial=0.0, where=np.isfinite(ref)))
+
+    compare("out", got["out"][..., rows, :], out)
+    compare("lse", got["lse"][..., rows], lse)
+    if not backward:
+        return result
+    sampled = rows if not with_dkv else sample_rows(n, seed, rank, "rows")
+    compare("dQ", got["dq"][..., sampled, :],
+            dq_reference(inputs, positions[sampled], seq_len, scale, mask, out[..., sampled, :], lse[..., sampled]))
+    result["dq_rows"] = len(sampled)
+    if not with_dkv:
+        return result
+    # every row's exact lse and delta: each rank has its own rows' (all of them, above); share them out
+    delta = np.sum(inputs.tokens("dout", positions).astype(np.float64) * out, axis=-1)
+    pieces = share(np.ascontiguousarray(np.stack([lse, delta])))
+    every = np.empty((2,) + lse.shape[:-1] + (seq_len,))
+    for r, piece in enumerate(pieces):
+        every[..., shard_indices(seq_len, size, r, layout)] = piece
+    keys = sample_rows(n, seed, rank, "keys")
+    dk, dv = dkv_reference(inputs, positions[keys], seq_len, scale, mask, every[0], every[1])
+    compare("dK", got["dk"][..., keys, :], dk)
+    compare("dV", got["dv"][..., keys, :], dv)
+    result["keys"] = len(keys)
+    return result
