@@ -9,13 +9,31 @@
 Every command lives in ``mpiring.tools``, owns its parser (``<command>_parser()``)
 and prints on rank 0 only. Commands that need no MPI get ``comm=None`` and never
 import mpi4py; the others get ``MPI.COMM_WORLD``, and every rank leaves with rank 0's exit code.
+
+How a job ends under mpiexec:
+
+- bad options (argparse's usage and errors, ``--help``): answered before MPI
+  starts, printed by rank 0 only, exit 2 (``--help``: 0) on every rank;
+- an error every rank finds alike (``tools.cli.Agreed``: an option that does
+  not fit the job, the library's agreed ValueError): printed once by rank 0,
+  every rank exits 2, no abort;
+- an exception or a ``sys.exit`` on one rank: that rank prints it and aborts
+  the job (``MPI_Abort``), so nobody waits for it forever;
+- Ctrl-C (SIGINT, which mpiexec passes to every rank): rank 0 prints
+  ``interrupted``, every rank exits 130 at once, no traceback.
 """
 
 import argparse
+import contextlib
 import importlib
+import os
+import signal
 import sys
+import threading
 import time
 import traceback
+
+from mpiring.tools.cli import Agreed, launch_rank, poll
 
 # command: (module in mpiring.tools, needs MPI, what it does)
 COMMANDS = {
@@ -28,6 +46,7 @@ COMMANDS = {
 DESCRIPTION = "Ring attention (context parallelism) on CPUs with MPI and NumPy."
 EPILOG = ("commands:\n" + "".join(f"  {name:<10}{what}\n" for name, (_, _, what) in COMMANDS.items())
           + "\n'python -m mpiring COMMAND --help' lists the options of a command.")
+INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
 
 
 def command(name):
@@ -55,6 +74,23 @@ def _top_parser():
     return p
 
 
+@contextlib.contextmanager
+def _only_on_rank0(rank):
+    """Output inside goes nowhere except on rank 0 (every rank parses; one says what is wrong)."""
+    if rank == 0:
+        yield
+        return
+    with open(os.devnull, "w") as null, contextlib.redirect_stdout(null), contextlib.redirect_stderr(null):
+        yield
+
+
+def _exit_code(exc):
+    """The exit code a SystemExit stands for."""
+    if exc.code is None:
+        return 0
+    return exc.code if isinstance(exc.code, int) else 1
+
+
 def _abort(comm, code):
     """End the whole job after this rank's last words have left it.
 
@@ -75,8 +111,47 @@ def _abort_hook(comm):
     return hook
 
 
+def _on_interrupt(rank):
+    """A SIGINT handler: rank 0 says ``interrupted``, every rank ends with 130, no traceback.
+
+    mpiexec passes Ctrl-C to every rank. A rank that left on its own would
+    make mpiexec kill the others (SIGKILL, "BAD TERMINATION"), so each rank
+    finalizes MPI first: that waits until every rank got here, and then all
+    exit alike. Transfers still pending are left as they are; a watchdog ends
+    the process anyway if finalizing takes longer than ``FINALIZE_WAIT``
+    (a rank that never got the signal). Handlers run between Python bytecodes:
+    the ring and the verifier wait in polling loops, so a rank gets here
+    within one block's compute.
+    """
+    def handler(signum, frame):
+        with contextlib.suppress(Exception):  # the interrupted code may be in the middle of a write
+            sys.stdout.flush()
+        if rank[0] == 0:
+            os.write(2, b"interrupted\n")
+        mpi = sys.modules.get("mpi4py.MPI")
+        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+            threading.Thread(target=_exit_after, args=(FINALIZE_WAIT,), daemon=True).start()
+            mpi.Finalize()
+        os._exit(INTERRUPTED)
+    return handler
+
+
+FINALIZE_WAIT = 10.0  # seconds an interrupted rank waits for the others in MPI_Finalize
+
+
+def _exit_after(seconds):
+    time.sleep(seconds)
+    os._exit(INTERRUPTED)
+
+
 def main(argv=None):
-    top = _top_parser().parse_args(argv)
+    rank = [launch_rank()]  # known before MPI starts; the real one once it has
+    try:  # --help, bad options and bad values: answered before MPI starts, by rank 0 alone
+        with _only_on_rank0(rank[0]):
+            top = _top_parser().parse_args(argv)
+            parser(top.command).parse_args(top.args)
+    except SystemExit as exc:
+        return _exit_code(exc)
     func = command(top.command)
     if not COMMANDS[top.command][1]:
         try:
@@ -84,23 +159,52 @@ def main(argv=None):
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-    parser(top.command).parse_args(top.args)  # --help and bad options: answered before MPI starts
+    previous = signal.signal(signal.SIGINT, _on_interrupt(rank))
+    try:
+        return _main_mpi(func, top, rank)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _main_mpi(func, top, rank):
+    """Run an MPI command on every rank: see the module's docstring for how the job ends."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
+    rank[0] = comm.Get_rank()
     sys.excepthook = _abort_hook(comm)
     try:
         code = func(comm, top.args)
-    except Exception as exc:  # one failing rank must not leave the others waiting forever
-        print(f"rank {comm.Get_rank()}: error: {exc}", file=sys.stderr)
+    except Agreed as exc:  # every rank has it: rank 0 says it, all leave with 2
+        if rank[0] == 0:
+            print(f"python -m mpiring {top.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except SystemExit as exc:  # one rank leaving alone would leave the others waiting for it
+        code = _exit_code(exc)
+        if code == 0:
+            return 0
+        print(f"rank {rank[0]}: exit {code}", file=sys.stderr)
+        if comm.Get_size() > 1:
+            _abort(comm, code)
+        return code
+    except BaseException as exc:  # noqa: BLE001 (one failing rank must not leave the others waiting forever)
+        print(f"rank {rank[0]}: error: {exc}", file=sys.stderr)
         if not isinstance(exc, ValueError):
             traceback.print_exc()
         sys.stderr.flush()
         if comm.Get_size() > 1:
             _abort(comm, 2)
         return 2
-    # every rank leaves with rank 0's verdict
-    return comm.bcast(code, root=0)
+    return _rank0_code(comm, code)
+
+
+def _rank0_code(comm, code):
+    """Every rank leaves with rank 0's verdict (waiting for it without spinning on a core)."""
+    import numpy as np
+
+    verdict = np.array([code], np.int64)
+    poll([comm.Ibcast(verdict, root=0)])
+    return int(verdict[0])
 
 
 if __name__ == "__main__":

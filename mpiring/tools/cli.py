@@ -1,10 +1,20 @@
-"""What the commands of ``python -m mpiring`` share: their parser, and the options that pick a ring variant."""
+"""What the commands of ``python -m mpiring`` share: parsers and option checks, ring variants, MPI waiting."""
 
 import argparse
+import os
+import time
 
 import numpy as np
 
-__all__ = ["command_parser", "add_variant_args", "variant"]
+__all__ = ["command_parser", "add_variant_args", "variant", "at_least", "Agreed", "launch_rank", "poll"]
+
+
+class Agreed(Exception):  # noqa: N818 (not an error of one rank: the same verdict on every rank)
+    """An error that every rank finds alike (a bad option, the library's agreed ValueError).
+
+    ``python -m mpiring`` prints it once, on rank 0, and every rank exits 2:
+    nobody is left waiting, so there is nothing to abort.
+    """
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -16,10 +26,41 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class CommandParser(argparse.ArgumentParser):
+    """An ArgumentParser that also checks values: ``checks`` are functions ``args -> problem or None``.
+
+    A problem is reported like any argparse error (usage, the message, exit 2),
+    before the command does anything.
+    """
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.checks = []
+
+    def parse_args(self, args=None, namespace=None):
+        parsed = super().parse_args(args, namespace)
+        for check in self.checks:
+            problem = check(parsed)
+            if problem:
+                self.error(problem)
+        return parsed
+
+
 def command_parser(command, func):
     """The parser of ``python -m mpiring <command>``, described by the first line of ``func``'s docstring."""
-    return argparse.ArgumentParser(prog=f"python -m mpiring {command}", description=func.__doc__.splitlines()[0],
-                                   formatter_class=_HelpFormatter)
+    return CommandParser(prog=f"python -m mpiring {command}", description=func.__doc__.splitlines()[0],
+                         formatter_class=_HelpFormatter)
+
+
+def at_least(minimum, **options):
+    """A check: each of ``options`` (option name -> attribute) is None or at least ``minimum``."""
+    def check(args):
+        for name, attr in options.items():
+            value = getattr(args, attr)
+            if value is not None and value < minimum:
+                return f"{name} must be at least {minimum}, got {value}"
+        return None
+    return check
 
 
 def add_variant_args(p):
@@ -38,3 +79,33 @@ def variant(args):
     return dict(causal=args.causal, layout=args.layout, mode=args.mode,
                 window=tuple(args.window) if args.window else None,
                 cu_seqlens=np.array(args.cu_seqlens) if args.cu_seqlens else None)
+
+
+# where launchers put a process's rank before MPI starts: MPICH/Hydra and PMI-2, Open MPI, PMIx, Slurm
+RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
+
+
+def launch_rank(environ=None):
+    """This process's rank as its launcher announced it (0 when none did), known before MPI starts."""
+    environ = os.environ if environ is None else environ
+    for name in RANK_VARIABLES:
+        value = environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def poll(requests, timeout=None, what="the other ranks"):
+    """Complete MPI ``requests`` by testing them every millisecond, sleeping in between.
+
+    A rank that waits here leaves its core to the ranks still working (a
+    blocking MPI wait spins on it), and stays responsive to Ctrl-C. Raises
+    TimeoutError after ``timeout`` seconds (None: never).
+    """
+    from mpi4py import MPI
+
+    start = time.perf_counter()
+    while not MPI.Request.Testall(requests):
+        if timeout is not None and time.perf_counter() - start > timeout:
+            raise TimeoutError(f"waited {timeout:g} s for {what}")
+        time.sleep(0.001)

@@ -10,7 +10,7 @@ from mpiring import make_plan
 from mpiring.costmodel import PRESETS, Machine, format_time_model, ring_attention_context_parallel
 
 from .calibrate import calibrate
-from .cli import add_variant_args, command_parser, variant
+from .cli import add_variant_args, at_least, command_parser, variant
 
 __all__ = ["schedule", "schedule_parser", "cost", "cost_parser", "compute_table"]
 
@@ -36,6 +36,7 @@ def schedule_parser():
     p.add_argument("-P", "--ranks", type=int, default=4, help="number of ranks")
     p.add_argument("--seq-len", type=int, help="tokens (default 64 per rank)")
     add_variant_args(p)
+    p.checks.append(at_least(1, **{"-P/--ranks": "ranks", "--seq-len": "seq_len"}))
     return p
 
 
@@ -66,6 +67,9 @@ def cost_parser():
     p.add_argument("--flops", type=float, help="a custom machine: FLOP/s (with --bandwidth, --latency)")
     p.add_argument("--bandwidth", type=float, help="custom machine: bytes/s per direction")
     p.add_argument("--latency", type=float, default=10e-6, help="custom machine: seconds per transfer")
+    p.checks.append(at_least(1, **{"--seq-len": "seq_len", "-P/--ranks": "ranks", "--hidden": "hidden",
+                                   "--heads": "heads", "--bytes-per-element": "bytes_per_element", "--dim": "dim",
+                                   "--batch": "batch"}))
     return p
 
 

@@ -1,0 +1,157 @@
+"""How ``python -m mpiring`` ends: bad options, errors every rank finds, one rank failing, Ctrl-C, --no-verify.
+
+    python -m pytest -q tests/test_cli_errors.py
+
+Bad options and errors that every rank finds alike are printed once (rank 0)
+and every rank exits 2, with no MPI_Abort; one rank's exception or sys.exit
+aborts the job at once; Ctrl-C ends every rank with 130 and one line. Every
+launch has a hard time limit and is killed with its whole process group.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mpiring.__main__ import main
+
+from launch import MPIEXEC, clean_env, mpiexec_argv
+
+HERE = os.path.dirname(__file__)
+needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
+try:
+    import matplotlib  # noqa: F401
+
+    HAVE_MPL = True
+except ImportError:
+    HAVE_MPL = False
+NOISE = ("Abort", "BAD TERMINATION", "Traceback")
+
+
+def _launch(n, *args, limit=120, interrupt_after=None):
+    """Run ``mpiexec -n n python *args`` in its own process group: (exit code, stdout, stderr, seconds).
+
+    ``interrupt_after``: send SIGINT to the whole group (mpiexec and the ranks, as a terminal's Ctrl-C does)
+    after that many seconds. The group is killed at the end whatever happened.
+    """
+    cmd = mpiexec_argv(n, sys.executable, *args)
+    start = time.perf_counter()
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
+                           start_new_session=True)
+    try:
+        if interrupt_after is not None:
+            try:
+                job.wait(interrupt_after)
+            except subprocess.TimeoutExpired:
+                os.killpg(job.pid, signal.SIGINT)
+        out, err = job.communicate(timeout=limit)
+        return job.returncode, out, err, time.perf_counter() - start
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"job hung: {' '.join(cmd)}") from None
+    finally:
+        try:
+            os.killpg(job.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        job.communicate()
+
+
+def _run(n, *args, **kw):
+    return _launch(n, "-m", "mpiring", "run", *args, **kw)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["run", "--batch", "0"], "--batch must be at least 1, got 0"),
+    (["run", "--dim", "-4"], "--dim must be at least 1, got -4"),
+    (["run", "--heads", "0"], "--heads must be at least 1, got 0"),
+    (["run", "--kv-heads", "0"], "--kv-heads must be at least 1, got 0"),
+    (["run", "--threads", "0"], "--threads must be at least 1, got 0"),
+    (["run", "--threads", "-1"], "--threads must be at least 1, got -1"),
+    (["run", "--heads", "3", "--kv-heads", "2"], "--heads 3 must be a multiple of --kv-heads 2"),
+    (["run", "--timeout", "-1"], "argument --timeout"),
+    (["schedule", "-P", "0"], "-P/--ranks must be at least 1, got 0"),
+    (["cost", "--seq-len", "1024", "-P", "0", "--hidden", "64", "--heads", "8"], "-P/--ranks must be at least 1"),
+])
+def test_option_checks_name_the_option(capsys, argv, message):
+    """Checked before anything runs (run starts no MPI for them): exit 2, the option named."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "usage:" in err
+
+
+def test_timeout_accepts_auto_seconds_and_zero():
+    from mpiring.tools.cli_run import run_parser
+
+    assert run_parser().parse_args([]).timeout == "auto"
+    assert run_parser().parse_args(["--timeout", "2.5"]).timeout == 2.5
+    assert run_parser().parse_args(["--timeout", "0"]).timeout == 0
+
+
+@needs_mpiexec
+@pytest.mark.parametrize("args,message", [
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--dim", "0"], "--dim must be at least 1"),
+    (["--seq-len", "2"], "--seq-len 2 is shorter than the number of ranks 3"),
+    (["--seq-len", "48", "--trace", "/nonexistent/x.json"], "--trace /nonexistent/x.json: directory /nonexistent"),
+    (["--seq-len", "64", "--heads", "1", "--dim", "4", "--cu-seqlens", "0", "10", "60"],
+     "error: cu_seqlens must start at 0 and end at the total length 64"),  # the library's agreed ValueError
+])
+def test_errors_every_rank_finds_are_printed_once_and_exit_2(args, message):
+    rc, out, err, _ = _run(3, *args)
+    assert rc == 2, out + err
+    assert err.count(message) == 1, err
+    assert err.count("usage:") <= 1 and not any(n in out + err for n in NOISE), out + err
+    assert "schedule as recorded" not in out  # nothing ran
+
+
+@needs_mpiexec
+@pytest.mark.skipif(HAVE_MPL, reason="matplotlib is installed")
+def test_plot_without_matplotlib_fails_before_the_run():
+    rc, out, err, _ = _run(2, "--seq-len", "48", "--heads", "1", "--dim", "4", "--plot", "/tmp/never.png")
+    assert rc == 2 and err.count('pip install -e ".[plot]"') == 1, out + err
+    assert "schedule as recorded" not in out
+
+
+@needs_mpiexec
+def test_help_once():
+    rc, out, err, _ = _run(3, "--help")
+    assert rc == 0 and out.count("usage:") == 1 and "--timeout" in out
+
+
+@needs_mpiexec
+def test_sys_exit_on_one_rank_ends_the_job():
+    rc, out, err, seconds = _launch(3, os.path.join(HERE, "cli_exit_job.py"), "--seq-len", "96", "--heads", "2",
+                                    "--dim", "8", limit=60)
+    assert rc != 0 and "rank 1: exit 3" in err, out + err
+    assert seconds < 30  # aborted at once, not after the 60 s timeout
+
+
+@needs_mpiexec
+def test_no_verify_says_so():
+    rc, out, err, _ = _run(2, "--seq-len", "64", "--heads", "2", "--dim", "8", "--no-verify")
+    assert rc == 0, out + err
+    assert out.splitlines()[-1].startswith("NOT VERIFIED (--no-verify): ")
+    assert "largest error" not in out
+
+
+@needs_mpiexec
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_ring_of_one_or_two_ranks_verifies(n):
+    rc, out, err, _ = _run(n, "--seq-len", "300", "--heads", "4", "--kv-heads", "2", "--dim", "8", "--causal",
+                           "--layout", "striped", "--backward", "--dtype", "float64")
+    assert rc == 0, out + err
+    assert out.splitlines()[-1] == "VERIFIED" and "largest error over all ranks" in out
+    assert out.count("of 300" if n == 1 else "of 150") == n  # every rank checked all its rows
+
+
+@needs_mpiexec
+@pytest.mark.parametrize("attempt", range(6))
+def test_ctrl_c_ends_every_rank_with_130(attempt):
+    """SIGINT to mpiexec's process group in the middle of a long ring: one line, exit 130, no traceback."""
+    rc, out, err, seconds = _run(4, "--seq-len", "65536", interrupt_after=4 + attempt % 3, limit=60)
+    assert rc == 130, out + err
+    assert err.count("interrupted") == 1 and not any(n in out + err for n in NOISE), out + err
+    assert seconds < 30
