@@ -1,0 +1,312 @@
+"""The exercises, the matrix of cases, and one call of the student's function on this rank.
+
+``call_student`` runs a call with a fresh ``GradedComm``, a watchdog (``--time-limit``) and the
+clean-up every rank does together; ``run_forward_case`` / ``run_backward_case`` /
+``run_merge_case`` build one case's arrays (the same on every rank), call the student's function
+and check this rank's result against ``mpiring.testing``'s reference.
+"""
+
+import importlib.util
+import os
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import numpy as np
+from mpi4py import MPI
+
+from ... import shard_indices, testing
+from .diagnose import diagnose_backward, diagnose_forward, diagnose_merge
+from .sync import drain, timed_sum
+from .wire import ACTIVE, GradedComm, Ledger, Stuck, instrument
+
+__all__ = ["DTYPES", "EXERCISES", "MERGE_CASES", "SIZES", "Case", "Exercise", "Run", "call_student",
+           "load_student", "make_cases", "run_backward_case", "run_forward_case", "run_merge_case"]
+
+
+SIZES = {  # name: (H, n, D) of each rank's shard; a K or V message is n * H * D * itemsize bytes
+    "tiny": (1, 8, 16),  # 1 KiB in float64
+    "small": (2, 32, 16),  # 8 KiB
+    "medium": (4, 64, 32),  # 64 KiB
+    "large": (4, 512, 64),  # 1 MiB
+}
+DTYPES = (np.float64, np.float32)
+
+
+@dataclass(frozen=True)
+class Exercise:
+    name: str
+    function: str
+    title: str
+    signature: str
+    kind: str = "forward"  # forward | backward | merge
+    layout: str = "contiguous"
+    causal: tuple = (False, True)
+    work: str | None = None  # None | "skip" (causal skipping) | "balance" (zigzag)
+    directions: bool = False  # bidirectional: both neighbours, at most floor(P/2) blocks each way
+
+
+_RING = "ring_attention(q, k, v, comm, causal=False) -> out"
+EXERCISES = {
+    "forward": Exercise("forward", "ring_attention", "ring attention, causal and not", _RING),
+    "merge": Exercise("merge", "merge", "merge two softmax blocks", "merge(out1, lse1, out2, lse2) -> (out, lse)",
+                      kind="merge"),
+    "ring": Exercise("ring", "ring_attention", "the ring loop (non-causal)", _RING, causal=(False,)),
+    "causal": Exercise("causal", "ring_attention", "causal skipping", _RING, work="skip"),
+    "zigzag": Exercise("zigzag", "ring_attention", "zigzag balance (q, k, v are zigzag shards)", _RING,
+                       layout="zigzag", work="balance"),
+    "bidirectional": Exercise("bidirectional", "ring_attention", "bidirectional ring", _RING, directions=True),
+    "backward": Exercise("backward", "ring_attention_backward", "the backward pass",
+                         "ring_attention_backward(dout, q, k, v, out, lse, comm, causal=False) -> (dq, dk, dv)",
+                         kind="backward"),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    size: str
+    dtype: type
+    causal: bool
+    seed: int
+
+    @property
+    def shape(self):
+        return SIZES[self.size]
+
+    @property
+    def message(self):
+        """Bytes of one K (or V) shard: n * H * D * itemsize."""
+        h, n, d = self.shape
+        return h * n * d * np.dtype(self.dtype).itemsize
+
+    @property
+    def label(self):
+        h, n, d = self.shape
+        return f"H={h} n={n} D={d} {np.dtype(self.dtype).name} {'causal' if self.causal else 'non-causal'}"
+
+
+def make_cases(exercise, quick=False):
+    """The case matrix: every size x dtype x causal option, or with ``quick`` four of them
+    (plus the float64 'large' cases a work check measures)."""
+    if quick:
+        picks = [("tiny", np.float64), ("tiny", np.float32), ("medium", np.float64), ("medium", np.float32)]
+        combos = [(size, dtype, exercise.causal[i % len(exercise.causal)]) for i, (size, dtype) in enumerate(picks)]
+    else:
+        combos = [(size, dtype, causal) for size in SIZES for dtype in DTYPES for causal in exercise.causal]
+    unique = list(dict.fromkeys(combos))
+    return [Case(size, dtype, causal, seed=1000 + i) for i, (size, dtype, causal) in enumerate(unique)]
+
+
+def load_student(path, function):
+    """Import the student's file; its ``MPI`` (and ``Request``) names are pointed at the timed proxies."""
+    path = os.path.abspath(path)
+    spec = importlib.util.spec_from_file_location("student", path)
+    if spec is None:
+        raise ImportError(f"{path} is not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    folder = os.path.dirname(path)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    spec.loader.exec_module(module)
+    instrument(module)
+    fn = getattr(module, function, None)
+    if not callable(fn):
+        raise TypeError(f"{os.path.basename(path)} defines no function {function}")
+    return fn
+
+
+def _student_trace(exc, path):
+    """The traceback lines that lie in the student's file, and the exception itself."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if os.path.abspath(f.filename) == path]
+    lines = [f"  {os.path.basename(f.filename)}, line {f.lineno}, in {f.name}: {(f.line or '').strip()}"
+             for f in frames[-4:]]
+    return "\n".join(lines + [f"  {type(exc).__name__}: {exc}"])
+
+
+@dataclass
+class Run:
+    """What one rank saw in one call of the student's function."""
+
+    outcome: str = "returned"  # returned | raised | stuck
+    value: object = None
+    error: str = ""
+    exception: str = ""
+    stuck: tuple | None = None  # (call, [(kind, peer, text)], seconds)
+    bytes: int = 0
+    messages: int = 0
+    pickled: int = 0
+    sent_to: dict = field(default_factory=dict)
+    collective_bytes: int = 0
+    calls: dict = field(default_factory=dict)
+    world_calls: int = 0
+    cpu: float = 0.0
+    left: list = field(default_factory=list)
+    clean: bool = True
+
+
+def _watchdog(limit, ledger, rank, what):
+    def fire():
+        sys.stdout.flush()
+        sys.stderr.write(f"grade: rank {rank}: {what} has not returned after {limit:g} s (--time-limit); it is "
+                         f"{ledger.state_text()}; aborting the job\n")
+        sys.stderr.flush()
+        time.sleep(0.5)
+        MPI.COMM_WORLD.Abort(4)
+
+    timer = threading.Timer(limit, fire)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def call_student(call, gcomm, opts, what):
+    """Run ``call(comm)`` with a fresh GradedComm; every rank then cleans up together. Returns a Run."""
+    from threadpoolctl import threadpool_limits
+
+    scomm = gcomm.Dup()
+    ledger = Ledger(opts.timeout)
+    comm = GradedComm(scomm, ledger)
+    run = Run()
+    ACTIVE.ledger = ledger
+    timer = _watchdog(opts.time_limit, ledger, gcomm.Get_rank(), what)
+    cpu = time.process_time()
+    try:
+        with threadpool_limits(1):  # compute time per rank is then the work it did
+            run.value = call(comm)
+    except Stuck as exc:
+        run.outcome, run.stuck = "stuck", (exc.call, exc.waiting, exc.seconds)
+    except (Exception, SystemExit) as exc:  # noqa: BLE001  any error of the student's is reported
+        run.outcome = "raised"
+        run.exception = f"{type(exc).__name__}: {exc}"
+        run.error = _student_trace(exc, opts.path)
+    finally:
+        timer.cancel()
+        ACTIVE.ledger = None
+        run.cpu = time.process_time() - cpu - ledger.mpi_cpu
+    run.bytes, run.messages, run.pickled = ledger.bytes, ledger.messages, ledger.pickled
+    run.sent_to = dict(ledger.sent_to)
+    run.collective_bytes, run.calls, run.world_calls = ledger.collective_bytes, dict(ledger.calls), ledger.world_calls
+    run.left, run.clean = drain(gcomm, ledger, opts.sync_timeout)
+    if run.clean:
+        for c in ledger.comms:
+            if c is not MPI.COMM_WORLD and c != MPI.COMM_NULL:
+                c.Free()
+    return run
+
+
+def _arrays(case, count, seq_len, kv_heads=None):
+    rng = np.random.default_rng(case.seed)
+    h, _, d = case.shape
+    return [rng.standard_normal((h, seq_len, d)).astype(case.dtype) for _ in range(count)]
+
+
+def run_forward_case(case, exercise, fn, gcomm, opts, check_output=True):
+    P, rank = gcomm.Get_size(), gcomm.Get_rank()
+    S = case.shape[1] * P
+    Q, K, V = _arrays(case, 3, S)
+    positions = [shard_indices(S, P, s, exercise.layout) for s in range(P)]
+    idx = positions[rank]
+    q, k, v = (np.ascontiguousarray(X[..., idx, :]) for X in (Q, K, V))
+    run = call_student(lambda comm: fn(q.copy(), k.copy(), v.copy(), comm, causal=case.causal), gcomm, opts,
+                       exercise.function)
+    check = {"ok": False, "error": None, "text": "", "hints": []}
+    if run.outcome == "returned" and check_output:
+        got = run.value
+        if isinstance(got, tuple) and len(got) == 2 and np.shape(got[0]) == q.shape:
+            got = got[0]  # (out, lse) is fine too
+        if not isinstance(got, np.ndarray) or got.shape != q.shape:
+            shape = got.shape if isinstance(got, np.ndarray) else type(got).__name__
+            check["text"] = f"rank {rank} returned {shape}, expected an array of shape (H, n, D) = {q.shape}"
+        else:
+            ref, _ = testing.reference(q, K, V, causal=case.causal, q_positions=idx)
+            tol = testing.tolerance(case.dtype)
+            err, index = testing.attention_error(got, ref)
+            check.update(ok=err <= tol, error=err, index=index, tol=tol)
+            if err > tol:
+                check["text"] = f"max error {err:.3g} at rank {rank} (head, row, col) = {index}, tolerance {tol:g}"
+                check["hints"] = diagnose_forward(got, ref, q, K, V, idx, positions, case.causal, tol, rank)
+    run.value = None
+    return run, check
+
+
+def run_backward_case(case, exercise, fn, gcomm, opts):
+    P, rank = gcomm.Get_size(), gcomm.Get_rank()
+    S = case.shape[1] * P
+    Q, K, V, dO = _arrays(case, 4, S)
+    positions = [shard_indices(S, P, s, exercise.layout) for s in range(P)]
+    idx = positions[rank]
+    q, k, v, do = (np.ascontiguousarray(X[..., idx, :]) for X in (Q, K, V, dO))
+    out, lse = (a.astype(case.dtype) for a in testing.reference(q, K, V, causal=case.causal, q_positions=idx))
+    run = call_student(lambda comm: fn(do.copy(), q.copy(), k.copy(), v.copy(), out.copy(), lse.copy(), comm,
+                                       causal=case.causal), gcomm, opts, exercise.function)
+    # reference: each rank's queries contribute to every key's gradient; the contributions are summed
+    dq, dk_part, dv_part = testing.reference_backward(do, q, K, V, causal=case.causal, q_positions=idx)
+    dk_all = timed_sum(gcomm, dk_part, opts.sync_timeout)
+    dv_all = timed_sum(gcomm, dv_part, opts.sync_timeout)
+    check = {"ok": False, "error": None, "text": "", "hints": []}
+    if run.outcome == "returned":
+        got = run.value
+        if not (isinstance(got, (tuple, list)) and len(got) == 3
+                and all(isinstance(g, np.ndarray) and g.shape == q.shape for g in got)):
+            check["text"] = f"rank {rank} must return (dq, dk, dv), three arrays of shape {q.shape}"
+        else:
+            tol = testing.tolerance(case.dtype)
+            refs = {"dq": dq, "dk": dk_all[..., idx, :], "dv": dv_all[..., idx, :]}
+            errors = {name: testing.attention_error(g, refs[name], name) for name, g in zip(refs, got)}
+            name, (err, index) = max(errors.items(), key=lambda item: item[1][0])
+            check.update(ok=err <= tol, error=err, index=index, tol=tol)
+            if err > tol:
+                wrong = [nm for nm, (e, _) in errors.items() if e > tol]
+                check["text"] = (f"{', '.join(wrong)} wrong: max relative error {err:.3g} in {name} at rank {rank} "
+                                 f"{index}, tolerance {tol:g}")
+                check["hints"] = diagnose_backward(got, refs, errors, tol, dk_all, dv_all, dk_part, dv_part,
+                                                    positions, idx, rank)
+    run.value = None
+    return run, check
+
+
+MERGE_CASES = [
+    ("halves", 2, 16, (12, 12), 1.0, np.float64, 0),
+    ("uneven blocks", 2, 16, (3, 29), 1.0, np.float64, 0),
+    ("large scores (exp(lse) overflows)", 2, 16, (12, 12), 40.0, np.float64, 0),
+    ("an empty block (lse = -inf)", 2, 16, (16, 16), 1.0, np.float64, 1),
+    ("both blocks empty", 2, 16, (16, 16), 1.0, np.float64, 2),
+    ("float32", 2, 16, (12, 12), 1.0, np.float32, 0),
+]
+
+
+def run_merge_case(index, fn, gcomm, opts):
+    name, h, n, (a, b), scale, dtype, empty = MERGE_CASES[index]
+    causal = empty > 0
+    rng = np.random.default_rng(2000 + index)
+    d = 8
+    q, k, v = (rng.standard_normal((h, n, d)) for n in (n, a + b, a + b))
+    q, k = q * scale, k * scale
+    qpos, kpos = np.arange(n), np.arange(a + b)
+    if causal:  # causal, with the empty blocks' keys after every query
+        kpos = np.concatenate([np.arange(a) + (n if empty == 2 else 0), n + np.arange(b)])
+    parts = [testing.reference(q, k[..., s, :], v[..., s, :], causal=causal, q_positions=qpos,
+                               k_positions=kpos[s]) for s in (slice(0, a), slice(a, a + b))]
+    ref_out, ref_lse = testing.reference(q, k, v, causal=causal, q_positions=qpos, k_positions=kpos)
+    args = [x.astype(dtype) for part in parts for x in part]
+    run = call_student(lambda comm: fn(*(x.copy() for x in args)), gcomm, opts, "merge")
+    check = {"ok": False, "error": None, "text": "", "hints": []}
+    if run.outcome == "returned":
+        got = run.value
+        if not (isinstance(got, (tuple, list)) and len(got) == 2 and np.shape(got[0]) == ref_out.shape
+                and np.shape(got[1]) == ref_lse.shape):
+            check["text"] = f"merge must return (out, lse) with shapes {ref_out.shape} and {ref_lse.shape}"
+        else:
+            tol = testing.tolerance(dtype)
+            err_o, i_o = testing.attention_error(got[0], ref_out, "out")
+            err_l, i_l = testing.attention_error(got[1], ref_lse, "lse")
+            err = max(err_o, err_l)
+            check.update(ok=err <= tol, error=err, tol=tol)
+            if err > tol:
+                what = "out" if err_o >= err_l else "lse"
+                check["text"] = f"{what}: max error {err:.3g} at {i_o if what == 'out' else i_l}, tolerance {tol:g}"
+                check["hints"] = diagnose_merge(got, ref_out, ref_lse, parts, tol, causal, scale)
+    run.value = None
+    return run, check, name, dtype
