@@ -6,6 +6,9 @@ Every test launches ``mpiexec -n P python -m mpiring.tools.grade ...`` (or the d
 a subprocess with a clean MPI environment and a hard time limit; a launch that overruns it is
 killed with its whole process group and fails the test. The defective rings are in
 tests/students/, the exercises in examples/exercises/ (skeletons must fail, solutions pass).
+A defect whose report does not depend on the number of ranks is graded at one P; the correct
+ring, the causal mask and the work checks at several. The work checks count products (no timing),
+so their verdicts are the same on every run, however loaded the machine.
 """
 
 import os
@@ -61,7 +64,7 @@ def test_a_correct_ring_passes(P):
     assert output.count("output ok") == 4 and output.count("traffic ok") == 4 and output.count("safety ok") == 4
 
 
-@pytest.mark.parametrize("P", [2, 3, 4])
+@pytest.mark.parametrize("P", [3])
 def test_blocking_sends_deadlock_and_are_reported_as_unsafe(P):
     code, output = grade(P, STUDENTS / "blocking_send.py")
     assert code == 1, output
@@ -73,7 +76,7 @@ def test_blocking_sends_deadlock_and_are_reported_as_unsafe(P):
     assert "FAIL: 0 of 12 checks passed, 1 failed, 11 not run" in output
 
 
-@pytest.mark.parametrize("P", [2, 3, 4])
+@pytest.mark.parametrize("P", [3])
 def test_a_merge_without_rescale_is_named(P):
     code, output = grade(P, STUDENTS / "no_rescale.py")
     assert code == 1, output
@@ -84,7 +87,7 @@ def test_a_merge_without_rescale_is_named(P):
     assert "traffic ok" in output and "traffic FAIL" not in output and "safety FAIL" not in output
 
 
-@pytest.mark.parametrize("P", [2, 3, 4])
+@pytest.mark.parametrize("P", [2, 4])
 def test_a_causal_mask_off_by_one_block_is_named(P):
     code, output = grade(P, STUDENTS / "causal_off_by_one.py")
     assert code == 1, output
@@ -100,7 +103,7 @@ def test_a_causal_mask_off_by_one_block_is_named(P):
             assert "output FAIL" in line, line
 
 
-@pytest.mark.parametrize("P", [2, 3, 4])
+@pytest.mark.parametrize("P", [3])
 def test_sending_kv_twice_breaks_the_cost_model(P):
     code, output = grade(P, STUDENTS / "kv_twice.py")
     assert code == 1, output
@@ -136,8 +139,43 @@ def test_exercise_solutions_pass(exercise):
     code, output = grade(3, EXERCISES / "solutions" / f"{EXERCISE_FILES[exercise]}.py", "--exercise", exercise)
     assert code == 0, output
     assert "PASS: all" in output
-    if exercise in ("causal", "zigzag"):
-        assert re.search(r"^work: .*: ok", output, re.M), output
+    if exercise == "causal":
+        assert "work: causal skipping: ok (blocks per rank 1, 2, 3 (plan 1, 2, 3))" in output, output
+    if exercise == "zigzag":
+        assert "work: zigzag balance: ok (blocks per rank 2, 2, 2 (plan 2, 2, 2), max/min 1)" in output, output
+
+
+@pytest.mark.parametrize("P", [2, 4])
+def test_causal_work_without_skipping_fails(P):
+    """Counted products: rank 0 computed P blocks where it needs 1, on every run."""
+    code, output = grade(P, STUDENTS / "no_skip.py", "--exercise", "causal")
+    assert code == 1, output
+    blocks = ", ".join([str(P)] * P)
+    plan = ", ".join(str(r + 1) for r in range(P))
+    assert f"work: causal skipping: FAIL (blocks per rank {blocks} (plan {plan}))" in output, output
+    assert (f"hint: rank 0 computed {P} blocks where it needs 1 (its own block): skip the blocks that lie entirely "
+            f"after a rank's queries") in output
+    assert "FAIL: 12 of 13 checks passed, 1 failed, 0 not run" in output
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_zigzag_work_with_whole_blocks_fails(P):
+    """Balanced, but every off-diagonal block computed whole: judged at P = 2 too, where timing could not tell."""
+    code, output = grade(P, STUDENTS / "zigzag_no_skip.py", "--exercise", "zigzag")
+    assert code == 1, output
+    plan = ", ".join([f"{1 + (P - 1) / 2:g}"] * P)
+    assert f"work: zigzag balance: FAIL (blocks per rank {', '.join([str(P)] * P)} (plan {plan}), max/min 1)" \
+        in output, output
+    assert "with zigzag shards each off-diagonal block is half visible; compute only the visible half" in output
+
+
+def test_uncountable_products_are_not_judged():
+    """q, k, v made plain arrays (np.array): the work check says so, and the grade still passes."""
+    code, output = grade(2, STUDENTS / "plain_arrays.py", "--exercise", "causal")
+    assert code == 0, output
+    assert "work: causal skipping: not judged (products not counted)" in output
+    assert "no matrix product involved q, k or v as the grader gave them" in output
+    assert "PASS: all 12 checks passed (1 not judged)" in output
 
 
 def test_the_documented_commands_name_existing_files():

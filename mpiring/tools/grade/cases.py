@@ -6,6 +6,7 @@ clean-up every rank does together; ``run_forward_case`` / ``run_backward_case`` 
 and check this rank's result against ``mpiring.testing``'s reference.
 """
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -19,6 +20,7 @@ from mpi4py import MPI
 
 from ... import shard_indices, testing
 from .diagnose import diagnose_backward, diagnose_forward, diagnose_merge
+from .flops import Meter, counted
 from .sync import drain, timed_sum
 from .wire import ACTIVE, GradedComm, Ledger, Stuck, instrument
 
@@ -88,8 +90,7 @@ class Case:
 
 
 def make_cases(exercise, quick=False):
-    """The case matrix: every size x dtype x causal option, or with ``quick`` four of them
-    (plus the float64 'large' cases a work check measures)."""
+    """The case matrix: every size x dtype x causal option, or with ``quick`` four of them."""
     if quick:
         picks = [("tiny", np.float64), ("tiny", np.float32), ("medium", np.float64), ("medium", np.float32)]
         combos = [(size, dtype, exercise.causal[i % len(exercise.causal)]) for i, (size, dtype) in enumerate(picks)]
@@ -141,7 +142,7 @@ class Run:
     collective_bytes: int = 0
     calls: dict = field(default_factory=dict)
     world_calls: int = 0
-    cpu: float = 0.0
+    macs: int | None = None  # multiply-adds of the products counted (a counted call only)
     left: list = field(default_factory=list)
     clean: bool = True
 
@@ -161,8 +162,11 @@ def _watchdog(limit, ledger, rank, what):
     return timer
 
 
-def call_student(call, gcomm, opts, what):
-    """Run ``call(comm)`` with a fresh GradedComm; every rank then cleans up together. Returns a Run."""
+def call_student(call, gcomm, opts, what, meter=None):
+    """Run ``call(comm)`` with a fresh GradedComm; every rank then cleans up together. Returns a Run.
+
+    With a ``meter`` (``flops.Meter``), the products made during the call are counted in ``run.macs``.
+    """
     from threadpoolctl import threadpool_limits
 
     scomm = gcomm.Dup()
@@ -171,9 +175,8 @@ def call_student(call, gcomm, opts, what):
     run = Run()
     ACTIVE.ledger = ledger
     timer = _watchdog(opts.time_limit, ledger, gcomm.Get_rank(), what)
-    cpu = time.process_time()
     try:
-        with threadpool_limits(1):  # compute time per rank is then the work it did
+        with threadpool_limits(1), meter or contextlib.nullcontext():  # one BLAS thread: ranks share the cores
             run.value = call(comm)
     except Stuck as exc:
         run.outcome, run.stuck = "stuck", (exc.call, exc.waiting, exc.seconds)
@@ -184,7 +187,7 @@ def call_student(call, gcomm, opts, what):
     finally:
         timer.cancel()
         ACTIVE.ledger = None
-        run.cpu = time.process_time() - cpu - ledger.mpi_cpu
+        run.macs = meter.macs if meter is not None else None
     run.bytes, run.messages, run.pickled = ledger.bytes, ledger.messages, ledger.pickled
     run.sent_to = dict(ledger.sent_to)
     run.collective_bytes, run.calls, run.world_calls = ledger.collective_bytes, dict(ledger.calls), ledger.world_calls
@@ -202,15 +205,17 @@ def _arrays(case, count, seq_len, kv_heads=None):
     return [rng.standard_normal((h, seq_len, d)).astype(case.dtype) for _ in range(count)]
 
 
-def run_forward_case(case, exercise, fn, gcomm, opts, check_output=True):
+def run_forward_case(case, exercise, fn, gcomm, opts, check_output=True, count=False):
+    """One forward case on this rank: (Run, check). ``count``: q, k, v are given as Counted arrays."""
     P, rank = gcomm.Get_size(), gcomm.Get_rank()
     S = case.shape[1] * P
     Q, K, V = _arrays(case, 3, S)
     positions = [shard_indices(S, P, s, exercise.layout) for s in range(P)]
     idx = positions[rank]
     q, k, v = (np.ascontiguousarray(X[..., idx, :]) for X in (Q, K, V))
-    run = call_student(lambda comm: fn(q.copy(), k.copy(), v.copy(), comm, causal=case.causal), gcomm, opts,
-                       exercise.function)
+    given = counted if count else (lambda a: a)
+    run = call_student(lambda comm: fn(given(q.copy()), given(k.copy()), given(v.copy()), comm, causal=case.causal),
+                       gcomm, opts, exercise.function, Meter() if count else None)
     check = {"ok": False, "error": None, "text": "", "hints": []}
     if run.outcome == "returned" and check_output:
         got = run.value

@@ -35,11 +35,13 @@ def summary(rank, table, checks, P, seconds, hints):
             counts[v.status] += 1
             cells.append((v.status + ("  " + v.short if v.short and v.status != "not run" else ""))[:32].ljust(34))
         say(rank, "  " + label.ljust(width) + "".join(cells).rstrip())
+    unjudged = counts.pop("not judged", 0)  # a check that could not be made: neither passed nor failed
     total = sum(counts.values())
+    aside = f" ({unjudged} not judged)" if unjudged else ""
     if counts["ok"] == total:
-        say(rank, f"PASS: all {total} checks passed")
+        say(rank, f"PASS: all {total} checks passed{aside}")
     else:
         say(rank, f"FAIL: {counts['ok']} of {total} checks passed, {counts['FAIL']} failed, "
-                   f"{counts['not run']} not run")
+                   f"{counts['not run']} not run{aside}")
         for hint in list(hints.values())[:4]:
             say(rank, f"  hint: {hint}")

@@ -12,6 +12,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from .flops import mark
+
 __all__ = ["ACTIVE", "DEFAULT_TIMEOUT", "GradedComm", "Ledger", "Stuck", "TimedRequest", "instrument", "nbytes_of",
            "request_text", "size_text"]
 
@@ -28,7 +30,7 @@ class Stuck(BaseException):
 
 
 class Ledger:
-    """What one rank's student did through ``comm`` during one call: traffic, requests, time in MPI."""
+    """What one rank's student did through ``comm`` during one call: traffic, requests, the call in progress."""
 
     def __init__(self, timeout):
         self.timeout = timeout
@@ -41,7 +43,6 @@ class Ledger:
         self.collective_bytes = 0
         self.calls = collections.Counter()  # name -> count, calls forwarded without being timed
         self.world_calls = 0
-        self.mpi_cpu = 0.0  # process time spent in calls made through comm
         self.current = None  # description of the blocking call in progress
 
     def count(self, dest, nbytes):
@@ -100,7 +101,7 @@ def _poll(requests, call, statuses=None, objects=False, any_one=False):
     """
     ledger = ACTIVE.ledger
     timeout = ledger.timeout if ledger is not None else DEFAULT_TIMEOUT
-    start, cpu, nap = time.perf_counter(), time.process_time(), NAP
+    start, nap = time.perf_counter(), NAP
     results = [None] * len(requests)
     done = [False] * len(requests)
     if ledger is not None and ledger.current is None:
@@ -118,7 +119,7 @@ def _poll(requests, call, statuses=None, objects=False, any_one=False):
                 if done[i] and any_one:
                     return i
             if all(done):
-                return results if objects else None
+                return [mark(x) for x in results] if objects else None
             waited = time.perf_counter() - start
             if waited > timeout:
                 left = [requests[i] for i in range(len(requests)) if not done[i]]
@@ -127,10 +128,8 @@ def _poll(requests, call, statuses=None, objects=False, any_one=False):
             time.sleep(nap)
             nap = min(2 * nap, NAP_MAX)
     finally:
-        if ledger is not None:
-            ledger.mpi_cpu += time.process_time() - cpu
-            if ledger.current == call:
-                ledger.current = None
+        if ledger is not None and ledger.current == call:
+            ledger.current = None
 
 
 class TimedRequest(MPI.Request):
@@ -310,13 +309,13 @@ class GradedComm:
     def _probe_recv(self, source, tag, status, call):
         """A pickled message, received once a matched probe finds it (polled, so it can time out)."""
         self._note()
-        ledger, start, cpu, nap = self._ledger, time.perf_counter(), time.process_time(), NAP
+        ledger, start, nap = self._ledger, time.perf_counter(), NAP
         ledger.current = call
         try:
             while True:
                 message = self._comm.improbe(source, tag, status)
                 if message is not None:
-                    return message.recv(status)
+                    return mark(message.recv(status))
                 waited = time.perf_counter() - start
                 if waited > ledger.timeout:
                     raise Stuck(call, [("recv", source, call)], waited)
@@ -324,7 +323,6 @@ class GradedComm:
                 nap = min(2 * nap, NAP_MAX)
         finally:
             ledger.current = None
-            ledger.mpi_cpu += time.process_time() - cpu
 
     def recv(self, buf=None, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=None):
         return self._probe_recv(source, tag, status, f"recv {_peer_text('recv', source, tag, None)}")
@@ -374,7 +372,7 @@ class GradedComm:
         flat = np.empty(int(sizes.sum()), np.uint8)
         self._collective(self._comm.Iallgatherv(data, [flat, sizes]), "allgather")
         edges = np.concatenate([[0], np.cumsum(sizes)])
-        return [MPI.pickle.loads(flat[edges[r]:edges[r + 1]].tobytes()) for r in range(self.size)]
+        return [mark(MPI.pickle.loads(flat[edges[r]:edges[r + 1]].tobytes())) for r in range(self.size)]
 
     def allreduce(self, sendobj, op=MPI.SUM):
         values = self.allgather(sendobj)

@@ -1,74 +1,117 @@
-"""The work checks: causal skipping (exercise 3) and zigzag balance (exercise 4)."""
+"""The work checks, causal skipping (exercise 3) and zigzag balance (exercise 4), by counting products.
+
+After the case matrix, the student's function is called once more on the causal ``WORK_SIZE``
+float64 case with q, k, v as ``flops.Counted`` arrays, which tally the multiply-adds of every
+matrix product made from them. A query-key pair costs 2 H D of them (H D in q k^T, H D in p v),
+so each rank's count, divided by 2 H D, is the number of pairs it computed. It is judged against
+``mpiring.make_plan(S, P, layout=..., causal=True)``:
+
+- at most ``allowed``: the pairs of the plan's pieces, with the rank's own block taken whole (a
+  masked diagonal block computed in full with ``np.tril`` is fine), plus ``SLACK``;
+- zigzag: the busiest rank at most ``1 + SLACK`` times the least busy one;
+- at least ``plan.visible_pairs()``, the least a ring that makes its products with NumPy can
+  compute: a rank counted below it made products the grader could not see (q, k, v turned into
+  plain arrays, lists or torch tensors); the check is then "not judged", which does not fail.
+
+The counts are exact and the same on every run: no timing is involved.
+"""
+
+from dataclasses import dataclass
 
 import numpy as np
 
+from ... import make_plan
 from .cases import Case, run_forward_case
 from .sync import allgather
-from .verdicts import Verdict
+from .verdicts import Verdict, ranks_text
 
-__all__ = ["measure_work", "work_verdict"]
+__all__ = ["SLACK", "WORK_SIZE", "Work", "allowed_pairs", "measure_work", "work_verdict"]
 
-WORK_SIZE = "large"  # the case whose compute time the work checks measure
-# Thresholds of the work checks. Measured with the solutions on a 2-core machine (least of 3 runs):
-# rank 0 / rank P-1 is about 0.7 at P = 2 (the masked diagonal block costs more than a full one)
-# and 0.3 at P = 4, against 1.0 or more without skipping; zigzag max/min about 1.0-1.2, and causal /
-# non-causal work 0.7-0.8, against about 1.5 without skipping.
-SKIP_RATIO = 0.9
-BALANCE_RATIO = 1.4
-SAVED_RATIO = 0.95
+WORK_SIZE = "medium"  # the case the work checks count (H, n, D) = (4, 64, 32)
+SLACK = 0.1  # extra products allowed over the plan (row sums as products, merges with einsum, ...)
 
-WORK_REPEATS = 3  # the work checks take each rank's least CPU time over this many calls
+
+@dataclass
+class Work:
+    """Per rank: query-key pairs computed (None where nothing returned), and what the plan says."""
+
+    pairs: list
+    allowed: list
+    visible: list
+    block: int  # pairs in one rank's full block, n * n
+    problem: str = ""  # why the counts cannot be judged
+
+
+def allowed_pairs(plan):
+    """Per rank: pairs of the plan's pieces, the rank's own block whole."""
+    return [sum((p.q1 - p.q0) * (p.k1 - p.k0) for j in range(plan.size) if j != r for p in plan.pieces(r, j))
+            + len(plan.shards[r]) ** 2 for r in range(plan.size)]
 
 
 def measure_work(exercise, fn, gcomm, opts):
-    """{causal: [CPU seconds per rank]} of the 'large' float64 case, the least of WORK_REPEATS calls.
+    """Count every rank's products on the causal WORK_SIZE float64 case (one call); returns a Work."""
+    case = Case(WORK_SIZE, np.float64, True, seed=999)
+    h, n, d = case.shape
+    P = gcomm.Get_size()
+    plan = make_plan(n * P, P, layout=exercise.layout, causal=True)
+    run, _ = run_forward_case(case, exercise, fn, gcomm, opts, check_output=False, count=True)
+    runs = allgather(gcomm, run, opts.sync_timeout)
+    work = Work([None if r.macs is None else r.macs / (2 * h * d) for r in runs], allowed_pairs(plan),
+                plan.visible_pairs(), n * n)
+    failed = [r for r, other in enumerate(runs) if other.outcome != "returned"]
+    if failed:
+        first = runs[failed[0]]
+        why = first.exception or f"blocked in {first.stuck[0]}"
+        work.problem = (f"{ranks_text(failed)} did not return when given the grader's counting arrays (an ndarray "
+                        f"subclass), though the cases above passed: {why}")
+    elif not any(work.pairs):
+        work.problem = ("no matrix product involved q, k or v as the grader gave them: they were converted "
+                        "(np.asarray, np.array, tolist, torch) before any product, or the products were not made with "
+                        "@ / matmul / dot / einsum / tensordot")
+    else:
+        short = [r for r in range(P) if work.pairs[r] < work.visible[r]]
+        if short:
+            r = short[0]
+            work.problem = (f"rank {r}'s products that the grader could count cover {work.pairs[r]:.0f} query-key "
+                            f"pairs, fewer than the {work.visible[r]} it must see: some products were made on arrays "
+                            f"no longer of the grader's counting type (np.asarray, np.array, tolist, torch) or "
+                            f"without @ / matmul / dot / einsum / tensordot")
+    return work
 
-    CPU time outside the calls made through comm, with one BLAS thread: the work a rank did,
-    whoever else shared its core. None if a call did not return on every rank.
-    """
-    cpu = {}
-    for causal in (True,) if exercise.work == "skip" else (True, False):
-        case = Case(WORK_SIZE, np.float64, causal, seed=999)
-        for _ in range(WORK_REPEATS):
-            run, _ = run_forward_case(case, exercise, fn, gcomm, opts, check_output=False)
-            runs = allgather(gcomm, run, opts.sync_timeout)
-            if any(r.outcome != "returned" for r in runs):
-                return None
-            times = [r.cpu for r in runs]
-            cpu[causal] = times if causal not in cpu else [min(a, b) for a, b in zip(cpu[causal], times)]
-    return cpu
+
+def _blocks(pairs, block):
+    return ", ".join(f"{p / block:.3g}" for p in pairs)
 
 
-def work_verdict(exercise, cpu, P):
-    """Causal skipping / zigzag balance, from the CPU time per rank of the causal (and non-causal) 'large' case."""
-    if cpu is None:
+def work_verdict(exercise, work):
+    """Causal skipping / zigzag balance from the counted pairs; "not judged" when they could not be counted."""
+    if work is None:
         return Verdict("not run")
-    if P == 1:
-        return Verdict("ok", "one rank: nothing to compare")
-    causal = cpu[True]
-    shown = ", ".join(f"{c:.3f}" for c in causal)
-    where = f"CPU s per rank, causal {WORK_SIZE} float64 case, least of {WORK_REPEATS} runs"
-    if exercise.work == "skip":
-        ok = causal[0] <= SKIP_RATIO * causal[-1]
-        short = f"rank 0 {causal[0]:.3f} s, rank {P - 1} {causal[-1]:.3f} s"
-        details = [] if ok else [f"compute time ({where}): {shown}"]
-        hints = [] if ok else [("skip", f"rank 0 needs 1 block and rank {P - 1} all {P}, yet rank 0 computed "
-                                        f"{causal[0] / causal[-1]:.2f} x as long (skipping gives about 1/P plus "
-                                        f"the cost of the mask): skip the blocks that lie entirely after a "
-                                        f"rank's queries")]
-        return Verdict("ok" if ok else "FAIL", short, details, hints)
-    balance = max(causal) / max(min(causal), 1e-9)
-    saved = sum(causal) / max(sum(cpu[False]), 1e-9)
-    # at P = 2 the masked diagonal block is half the work: the saving is too small to tell from noise
-    ok = balance <= BALANCE_RATIO and (saved <= SAVED_RATIO or P < 3)
-    short = f"max/min {balance:.2f}, causal/non-causal {saved:.2f}" + (" (not judged at P = 2)" if P < 3 else "")
+    if work.problem:
+        return Verdict("not judged", "products not counted", [work.problem + "; the work check was not judged"])
+    pairs, allowed, block = work.pairs, work.allowed, work.block
+    short = f"blocks per rank {_blocks(pairs, block)} (plan {_blocks(allowed, block)})"
+    where = (f"query-key pairs per rank, counted from the multiply-adds of your products on the causal {WORK_SIZE} "
+             f"float64 case, in blocks of n x n")
+    over = [r for r in range(len(pairs)) if pairs[r] > (1 + SLACK) * allowed[r]]
     details, hints = [], []
-    if balance > BALANCE_RATIO:
-        details.append(f"compute time ({where}): {shown}, max/min {balance:.2f} > {BALANCE_RATIO}")
-        hints.append(("balance", "with zigzag shards every rank has the same causal work: compute only the visible "
-                                 "half of each off-diagonal block"))
-    if saved > SAVED_RATIO and P >= 3:
-        details.append(f"causal work is {saved:.2f} x the non-causal work (> {SAVED_RATIO})")
-        hints.append(("saved", "a causal zigzag ring computes about half as much as a non-causal one, plus the "
-                               "masked diagonal blocks: skip what is masked"))
-    return Verdict("ok" if ok else "FAIL", short, details, hints)
+    if over:
+        r = max(over, key=lambda i: pairs[i] / allowed[i])
+        details.append(f"{where}: {_blocks(pairs, block)}; the plan computes at most {_blocks(allowed, block)}")
+        if exercise.work == "skip":
+            needs = f"the blocks of ranks 0 to {r}" if r else "its own block"
+            hints.append(("skip", f"rank {r} computed {pairs[r] / block:.3g} blocks where it needs "
+                                  f"{allowed[r] / block:.3g} ({needs}): skip the blocks that lie entirely after a "
+                                  f"rank's queries"))
+        else:
+            hints.append(("saved", f"rank {r} computed {pairs[r] / block:.3g} blocks where the plan needs "
+                                   f"{allowed[r] / block:.3g}: with zigzag shards each off-diagonal block is half "
+                                   f"visible; compute only the visible half"))
+    if exercise.work == "balance":
+        balance = max(pairs) / max(min(pairs), 1)
+        short += f", max/min {balance:.3g}"
+        if balance > 1 + SLACK:
+            details.append(f"{where}: {_blocks(pairs, block)}, max/min {balance:.3g} > {1 + SLACK:g}")
+            hints.append(("balance", "with zigzag shards every rank has the same causal work: compute only the "
+                                     "visible half of each off-diagonal block"))
+    return Verdict("FAIL" if details else "ok", short, details[:1] if len(details) > 1 else details, hints)
