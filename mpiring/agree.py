@@ -10,6 +10,7 @@ others waiting.
 import hashlib
 
 import numpy as np
+from mpi4py import MPI
 
 from .comm import allgather
 from .kernels import LSE_LIMIT, default_scale
@@ -17,8 +18,9 @@ from .layouts import check_layout
 from .masks import check_window
 from .plan import MODES, make_plan
 
-__all__ = ["agree", "setup", "agree_root", "local_problem", "grad_problem", "root_problem", "root_grad_problem",
-           "timeout_problem", "scale_problem", "logit_problem", "describe"]
+__all__ = ["agree", "setup", "agree_root", "check_comm", "comm_problem", "resolve_timeout", "agreement_timeout",
+           "local_problem", "grad_problem", "root_problem", "root_grad_problem", "timeout_problem", "scale_problem",
+           "logit_problem", "describe"]
 
 
 def local_problem(q, k, v, scale, check_finite=False):
@@ -47,6 +49,8 @@ def local_problem(q, k, v, scale, check_finite=False):
             return f"q heads ({q.shape[-3]}) must be a multiple of k/v heads ({k.shape[-3]})"
     if min(q.shape[-1], v.shape[-1]) < 1 or q.shape[-2] < 1:
         return f"every rank needs at least one token and a positive head dim, got q {q.shape}, v {v.shape}"
+    if 0 in q.shape[:-2] or 0 in k.shape[:-2]:
+        return f"batch and head axes must not be empty, got q {q.shape}, k {k.shape}"
     if scale_problem(scale):
         return scale_problem(scale)
     if check_finite:  # one pass over the inputs: off by default
@@ -62,10 +66,59 @@ def _is_real(x):
     return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
 
 
-def timeout_problem(timeout):
-    if timeout is not None and not (_is_real(timeout) and np.isfinite(timeout) and timeout > 0):
-        return f"timeout must be None or a positive number of seconds, got {timeout!r}"
+def comm_problem(comm):
+    """Why ``comm`` cannot carry a ring, or None: checked on this rank alone, before any collective."""
+    if not isinstance(comm, MPI.Comm):
+        return f"comm must be an mpi4py communicator, got {type(comm).__name__}"
+    if comm == MPI.COMM_NULL:
+        return "comm is MPI.COMM_NULL"
+    if comm.Is_inter():
+        return "comm is an intercommunicator: the ring needs an intracommunicator (e.g. MPI.COMM_WORLD)"
     return None
+
+
+def check_comm(comm):
+    """``comm``, or COMM_WORLD for None; raises ValueError at once if it cannot carry a ring.
+
+    Local: the other ranks cannot know, and give up when their timeout expires.
+    """
+    comm = MPI.COMM_WORLD if comm is None else comm
+    problem = comm_problem(comm)
+    if problem:
+        raise ValueError(problem)
+    return comm
+
+
+def timeout_problem(timeout):
+    if isinstance(timeout, str) and timeout == "auto":
+        return None
+    if timeout is not None and not (_is_real(timeout) and np.isfinite(timeout) and timeout > 0):
+        return f"timeout must be 'auto', a positive number of seconds, or None (wait forever); got {timeout!r}"
+    return None
+
+
+# timeout="auto": how long a rank waits for the others. Generous: a hang ends, a slow run never does.
+AUTO_AGREE = 60.0  # seconds for ranks to arrive at a call (they may have other work before it)
+AUTO_BASE = 60.0  # seconds for any transfer, plus ...
+AUTO_RATE = 1e8  # ... the whole call's FLOPs at this rate (FLOP/s): 100x below a CPU core's GEMM speed
+
+
+def agreement_timeout(timeout):
+    """The timeout of the agreement itself, before the plan is known."""
+    return AUTO_AGREE if isinstance(timeout, str) else timeout
+
+
+def resolve_timeout(timeout, plan, batch_heads, dim, factor=1.0):
+    """Seconds for every wait of a call under ``plan`` (the same on every rank): ``timeout`` unless "auto".
+
+    "auto": AUTO_BASE plus the busiest rank's attention FLOPs (4 x batch x
+    heads x dim per visible pair, times ``factor``: 2.5 more for a backward)
+    at AUTO_RATE, so no compute step of a working run can outlast it.
+    """
+    if not isinstance(timeout, str):
+        return timeout
+    flops = 4.0 * batch_heads * dim * max(plan.visible_pairs()) * factor
+    return AUTO_BASE + flops / AUTO_RATE
 
 
 def size_problem(size, expected_size):
@@ -89,6 +142,8 @@ def canonical(options):
         if cu.ndim != 1 or not np.issubdtype(cu.dtype, np.integer):
             raise ValueError(f"cu_seqlens must be a 1-D integer array [0, ..., seq_len], got {cu!r}")
         cu = cu.astype(np.int64)
+    if not isinstance(options["causal"], (bool, np.bool_)):
+        raise ValueError(f"causal must be True or False, got {options['causal']!r}")
     return dict(layout=options["layout"], mode=options["mode"], causal=bool(options["causal"]),
                 window=check_window(options["window"]), cu_seqlens=cu)
 
@@ -149,7 +204,7 @@ def describe(exc):
 
 def agree(comm, problem, timeout=None):
     """Collective: raise the same ValueError on every rank if any rank has a problem."""
-    message = verdict(allgather(comm, problem, timeout))
+    message = verdict(allgather(comm, problem, agreement_timeout(timeout)))
     if message:
         raise ValueError(message)
 
@@ -162,18 +217,26 @@ def compared(options, timeout):
     return {name: _Shown(val) for name, val in values.items()}
 
 
-def setup(q, k, v, comm, scale, options, check_finite=False, expected_size=None, timeout=None):
+def setup(q, k, v, comm, scale, options, check_finite=False, expected_size=None, timeout=None, prepare=None,
+          problem=None):
     """Validate on every rank, agree collectively (one all-gather), and build the shared plan.
 
-    Every rank ends with the same verdict: either the plan or the same ValueError,
-    naming each offending rank and argument. Nothing here raises before the
-    all-gather, so one rank's bad input cannot leave the others waiting.
+    Every rank ends with the same verdict: either ``(plan, scale, prepared)``
+    or the same ValueError, naming each offending rank and argument. Nothing
+    here raises before the all-gather, so one rank's bad input cannot leave the
+    others waiting. ``prepare()``, run once this rank's arguments are valid,
+    does the work that may fail on one rank alone (contiguous copies,
+    temporaries: a MemoryError) before the agreement, so such a failure is
+    reported by every rank too; its result is returned as ``prepared``.
+    ``problem``: one more of this rank's problems, found by the caller (or None).
     """
-    problem = values = n_local = peaks = None
+    values = n_local = peaks = prepared = None
     try:
         size = comm.Get_size()
-        problem = (timeout_problem(timeout) or local_problem(q, k, v, scale, check_finite)
-                   or size_problem(size, expected_size))
+        problem = (comm_problem(comm) or timeout_problem(timeout) or local_problem(q, k, v, scale, check_finite)
+                   or problem or size_problem(size, expected_size))
+        if problem is None and prepare is not None:
+            prepared = prepare()
         if problem is None:
             options = canonical(options)
             values = {f"{n} shape": _Shown(*[_shape_text(a)] * 2) for n, a in (("q", q), ("k", k), ("v", v))}
@@ -183,7 +246,7 @@ def setup(q, k, v, comm, scale, options, check_finite=False, expected_size=None,
             peaks = (_peak(q), _peak(k))
     except Exception as exc:  # whatever goes wrong here is reported collectively, never raised alone
         problem, values = describe(exc), None
-    metas = allgather(comm, (problem, values, n_local, peaks), timeout)
+    metas = allgather(comm, (problem, values, n_local, peaks), agreement_timeout(timeout))
     message = verdict([m[0] for m in metas]) or verdict(differences([m[1] for m in metas], 0))
     if message:
         raise ValueError(message)
@@ -197,7 +260,7 @@ def setup(q, k, v, comm, scale, options, check_finite=False, expected_size=None,
     if lengths != expected:
         raise ValueError(f"local sequence lengths {lengths} do not match the {plan.layout} layout of "
                          f"{plan.seq_len} tokens over {plan.size} ranks, which needs {expected}")
-    return plan, scale
+    return plan, scale, prepared
 
 
 def _peak(a):
@@ -299,7 +362,7 @@ def agree_root(comm, root, check_root, options, timeout=None, expected_size=None
                 root_found, meta = check_root()
     except Exception as exc:  # reported collectively, never raised alone
         problem, values = describe(exc), None
-    gathered = allgather(comm, (problem, values, root_found, meta), timeout)
+    gathered = allgather(comm, (problem, values, root_found, meta), agreement_timeout(timeout))
     message = verdict([g[0] for g in gathered]) or verdict(differences([g[1] for g in gathered], 0))
     if not message and gathered[root][2]:
         message = f"root rank {root}: {gathered[root][2]}"

@@ -14,10 +14,9 @@ stays O(S/P). Partial gradients travel in float64 whatever the input dtype.
 import time
 
 import numpy as np
-from mpi4py import MPI
 
 from . import block
-from .agree import agree, grad_problem, setup
+from .agree import check_comm, grad_problem, resolve_timeout, setup
 from .block import GRAD_DTYPE, add_grads, count_pairs
 from .comm import Buffers, HomeRing, RingComm, allgathered, flat_blocks, next_buffers, shift, wait_until
 from .plan import chunks_in_order, home_chunks, key_chunks
@@ -145,7 +144,7 @@ def _allgather_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec, 
 
 
 def ring_attention_backward(dout, q, k, v, out, lse, comm=None, *, causal=False, scale=None, layout="contiguous",
-                            mode="ring", window=None, cu_seqlens=None, timeout=None, record=None):
+                            mode="ring", window=None, cu_seqlens=None, timeout="auto", record=None):
     """Gradients ``(dq, dk, dv)`` of this rank's shard, given the upstream gradient ``dout``.
 
     ``out`` and ``lse`` are what ``ring_attention`` returned on this rank, with
@@ -155,18 +154,24 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm=None, *, causal=False,
     accumulated in float64. Options are those of ``ring_attention``; bad
     input on any rank raises the same ValueError on every rank.
     """
-    comm = MPI.COMM_WORLD if comm is None else comm
-    agree(comm, grad_problem(dout, q, k, v, out, lse), timeout)
+    comm = check_comm(comm)
     options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens)
-    plan, scale = setup(q, k, v, comm, scale, options, timeout=timeout)
-    dout, q, k, v, out, lse = (np.ascontiguousarray(a) for a in (dout, q, k, v, out, lse))
-    delta = np.sum(dout.astype(GRAD_DTYPE) * out, axis=-1).astype(q.dtype)
+
+    def prepare():  # what may fail on one rank alone (MemoryError) is done before the agreement
+        arrays = [np.ascontiguousarray(a) for a in (dout, q, k, v, out, lse)]
+        delta = np.sum(arrays[0].astype(GRAD_DTYPE) * arrays[4], axis=-1).astype(q.dtype)
+        return arrays + [delta]
+
+    problem = grad_problem(dout, q, k, v, out, lse)
+    plan, scale, (dout, q, k, v, out, lse, delta) = setup(q, k, v, comm, scale, options, timeout=timeout,
+                                                          prepare=prepare, problem=problem)
+    timeout = resolve_timeout(timeout, plan, q.size // (q.shape[-2] * q.shape[-1]), q.shape[-1], factor=2.5)
     rec = Record(comm.Get_rank()) if record is None else record
     rings = []
     try:  # private duplicates: K/V, dK/dV onward, dK/dV home (all-gather needs only the first)
-        rings.append(RingComm(comm))
+        rings.append(RingComm(comm, timeout))
         if plan.mode != "allgather":
-            rings += [RingComm(comm), HomeRing(comm, plan)]
+            rings += [RingComm(comm, timeout), HomeRing(comm, plan, timeout)]
         wait_until([rings[0].comm.Ibarrier()], timeout, rings[0].rank, "start barrier")  # a common start
         rec.t0 = start = time.perf_counter()
         if plan.mode == "allgather":
@@ -178,7 +183,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm=None, *, causal=False,
             rec.messages = sum(ring.messages for ring in rings)
             rec.wait_time = sum(ring.wait_time for ring in rings)
         if timeout is not None:  # as in the forward pass: a failed rank skips this, the others time out
-            agree_outcome(rings[0], timeout)
+            agree_outcome(rings[0].comm, timeout, rec.t0)
     finally:
         for ring in rings:
             ring.free()

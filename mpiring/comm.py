@@ -10,16 +10,23 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["RingComm", "HomeRing", "CommTimeout", "wait_until", "allgather", "Buffers", "KVBuffers",
+__all__ = ["RingComm", "HomeRing", "CommTimeout", "wait_until", "allgather", "gather", "Buffers", "KVBuffers",
            "next_buffers", "shift", "flat_blocks", "allgathered", "payload_bytes"]
+
+
+# rings given up on an error path: (communicator, pending requests, datatypes), kept alive, never freed
+ABANDONED = []
 
 
 class CommTimeout(RuntimeError):
     """A ring transfer did not complete within the requested timeout."""
 
 
-def wait_until(requests, timeout, rank, what, start=None):
-    """Complete ``requests``, or raise CommTimeout ``timeout`` seconds after ``start`` (None: wait forever)."""
+def wait_until(requests, timeout, rank, what, start=None, note=None):
+    """Complete ``requests``, or raise CommTimeout ``timeout`` seconds after ``start`` (None: wait forever).
+
+    ``note`` replaces the message's guess at the cause when the caller knows better.
+    """
     if timeout is None:
         MPI.Request.Waitall(requests)
         return
@@ -27,7 +34,7 @@ def wait_until(requests, timeout, rank, what, start=None):
     while not MPI.Request.Testall(requests):
         if time.perf_counter() - start > timeout:
             raise CommTimeout(f"rank {rank}: {what} not complete after {timeout:g} s "
-                              f"(another rank may have failed or stalled)")
+                              f"({note or 'another rank may have failed or stalled'})")
         time.sleep(1e-4)
 
 
@@ -51,6 +58,21 @@ def allgather(comm, obj, timeout=None):
     return [pickle.loads(flat[offsets[r]:offsets[r + 1]].tobytes()) for r in range(len(sizes))]
 
 
+def gather(comm, obj, root, timeout=None):
+    """``comm.gather(obj, root)`` (a list on root, None elsewhere) that raises CommTimeout past ``timeout``."""
+    start, rank = time.perf_counter(), comm.Get_rank()
+    data = np.frombuffer(pickle.dumps(obj), np.uint8)
+    sizes = np.empty(comm.Get_size(), np.int64) if rank == root else None
+    wait_until([comm.Igather(np.array([data.size], np.int64), sizes, root=root)], timeout, rank, "gather", start)
+    flat = np.empty(int(sizes.sum()), np.uint8) if rank == root else None
+    wait_until([comm.Igatherv(data, [flat, sizes] if rank == root else None, root=root)], timeout, rank, "gather",
+               start)
+    if rank != root:
+        return None
+    offsets = np.cumsum(np.concatenate([[0], sizes]))
+    return [pickle.loads(flat[offsets[r]:offsets[r + 1]].tobytes()) for r in range(len(sizes))]
+
+
 class RingComm:
     """Neighbours of this rank and the non-blocking K/V transfers between them.
 
@@ -62,14 +84,21 @@ class RingComm:
     (``with RingComm(comm) as ring:``) or call ``free()``.
     """
 
-    def __init__(self, comm):
-        self.comm = comm.Dup()  # the ring's messages never mix with the caller's
-        self.rank = self.comm.Get_rank()
-        self.size = self.comm.Get_size()
+    def __init__(self, comm, timeout=None):
+        # the ring's messages never mix with the caller's; a non-blocking duplicate, so a rank
+        # that failed before joining it cannot leave this one waiting beyond the timeout
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.comm, request = comm.Idup()
+        self._requests = [request]
+        try:
+            wait_until(self._requests, timeout, self.rank, "communicator duplicate")
+        except BaseException:
+            self.free()
+            raise
+        self._requests = []
         # stream +1 sends to rank + 1 and receives from rank - 1; stream -1 the reverse
         self.send_rank = {+1: (self.rank + 1) % self.size, -1: (self.rank - 1) % self.size}
         self.recv_rank = {+1: (self.rank - 1) % self.size, -1: (self.rank + 1) % self.size}
-        self._requests = []
         self.bytes_sent = 0
         self.messages = 0
         self.wait_time = 0.0
@@ -106,26 +135,32 @@ class RingComm:
         if self._requests:
             MPI.Request.Testall(self._requests)
 
-    def wait(self, timeout=None):
+    def wait(self, timeout=None, note=None):
         """Complete the transfers started by ``shift``; blocked time goes to ``wait_time``."""
         start = time.perf_counter()
         try:
-            wait_until(self._requests, timeout, self.rank, "ring transfer", start)
+            wait_until(self._requests, timeout, self.rank, "ring transfer", start, note)
         finally:
             self.wait_time += time.perf_counter() - start
         self._requests = []
 
     def free(self):
-        """Release the private communicator (pending requests are cancelled first)."""
-        for req in self._requests:
-            try:
-                req.Cancel()
-                req.Free()
-            except MPI.Exception:
-                pass
+        """Release the private communicator, or abandon it if transfers are still pending.
+
+        Pending transfers exist only on an error path (another rank failed or
+        stalled). They are never cancelled (cancelling a pending send crashed
+        MPICH) nor freed: the requests, their buffers and the communicator are
+        kept alive in ``ABANDONED`` for the life of the process, so MPI can
+        never touch freed memory, and the caller's error propagates.
+        """
+        if self._requests and not MPI.Request.Testall(self._requests):
+            ABANDONED.append((self.comm, self._requests, getattr(self, "_types", None)))
+            self._requests = []
+            return False
         self._requests = []
         if self.comm != MPI.COMM_NULL:
             self.comm.Free()
+        return True
 
 
 _vector_types = {}
@@ -214,8 +249,8 @@ class HomeRing(RingComm):
     onward partials use other communicators.
     """
 
-    def __init__(self, comm, plan):
-        super().__init__(comm)
+    def __init__(self, comm, plan, timeout=None):
+        super().__init__(comm, timeout)
         for stream, rounds in plan.rounds.items():  # the 'neighbours' are a stream's rounds away
             self.send_rank[stream] = (self.rank - stream * rounds) % self.size
             self.recv_rank[stream] = (self.rank + stream * rounds) % self.size
@@ -253,9 +288,9 @@ class HomeRing(RingComm):
         return sent
 
     def free(self):
-        super().free()
-        for t in self._types.values():
-            t.Free()
+        if super().free():  # abandoned transfers may still use the datatypes: then they are kept too
+            for t in self._types.values():
+                t.Free()
         self._types = {}
 
 

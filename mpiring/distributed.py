@@ -7,11 +7,19 @@ options for both the forward and the backward call.
 """
 
 import numpy as np
-from mpi4py import MPI
 
-from .agree import agree_root, local_problem, root_grad_problem, root_problem
+from .agree import (
+    agree,
+    agree_root,
+    check_comm,
+    describe,
+    local_problem,
+    resolve_timeout,
+    root_grad_problem,
+    root_problem,
+)
 from .backward import ring_attention_backward
-from .comm import wait_until
+from .comm import CommTimeout, gather, wait_until
 from .layouts import shard, unshard
 from .plan import Schedule, make_plan
 from .record import Record
@@ -58,7 +66,7 @@ def _recorded_schedule(columns, plan):
 
 
 def distributed_attention(Q, K, V, comm=None, *, causal=False, root=0, scale=None, layout="contiguous",
-                          mode="ring", window=None, cu_seqlens=None, timeout=None, return_lse=False,
+                          mode="ring", window=None, cu_seqlens=None, timeout="auto", return_lse=False,
                           on_step=None, check_finite=False, expected_size=None):
     """Root scatters full Q, K, V, the ring runs, root gathers the output and the schedule.
 
@@ -70,7 +78,7 @@ def distributed_attention(Q, K, V, comm=None, *, causal=False, root=0, scale=Non
     ``timeout``, ``check_finite`` (on root's full arrays) and ``expected_size``
     are as in ``ring_attention``; options must be the same on every rank.
     """
-    comm = MPI.COMM_WORLD if comm is None else comm
+    comm = check_comm(comm)
     rank, size = comm.Get_rank(), comm.Get_size()
 
     def check_root():
@@ -83,20 +91,40 @@ def distributed_attention(Q, K, V, comm=None, *, causal=False, root=0, scale=Non
     options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens)
     options, meta = agree_root(comm, root, check_root, options, timeout, expected_size, scale)
     plan = make_plan(meta[3], size, **options)  # deterministic, same options everywhere: raises everywhere
-    q, k, v = (_scatter(x, m, plan, comm, root, timeout) for x, m in zip((Q, K, V), meta[:3]))
+    wait = resolve_timeout(timeout, plan, int(np.prod(meta[0][0])), meta[0][1])  # for scatter and gather
+    q, k, v = (_scatter(x, m, plan, comm, root, wait) for x, m in zip((Q, K, V), meta[:3]))
     rec = Record(rank, on_step=on_step)
     out, lse = ring_attention(q, k, v, comm, scale=scale, timeout=timeout, record=rec,
                               expected_size=expected_size, **options)
-    full_out, full_lse = (_gather(a, plan, comm, root, timeout) for a in (out, lse[..., None]))
-    columns = comm.gather((rec.table(plan.n_steps), rec.summary()), root=root)
+    pieces = [out, lse[..., None]]
+    full_out, full_lse, schedule = _collect(comm, root, plan, pieces, rec, {}, wait)
     if rank != root:
         return (None, None, None) if return_lse else (None, None)
-    schedule = _recorded_schedule(columns, plan)
     return (full_out, full_lse[..., 0], schedule) if return_lse else (full_out, schedule)
 
 
+def _collect(comm, root, plan, pieces, rec, extra, timeout):
+    """Root gathers ``pieces`` (full arrays back in sequence order) and every rank's record.
+
+    Ends with one agreement, so a failure while root assembles the results
+    (a MemoryError, say) raises on every rank, not on root alone. Returns the
+    full arrays and the recorded schedule on root, Nones elsewhere.
+    """
+    full, problem = [None] * len(pieces), None
+    try:
+        full = [_gather(a, plan, comm, root, timeout) for a in pieces]
+        columns = gather(comm, (rec.table(plan.n_steps), dict(rec.summary(), **extra)), root, timeout)
+        schedule = _recorded_schedule(columns, plan) if comm.Get_rank() == root else None
+    except CommTimeout:
+        raise
+    except Exception as exc:  # reported to every rank by the agreement below
+        problem = describe(exc)
+    agree(comm, problem, timeout)
+    return (*full, schedule)
+
+
 def distributed_attention_backward(Q, K, V, dOut, comm=None, *, root=0, causal=False, scale=None,
-                                   layout="contiguous", mode="ring", window=None, cu_seqlens=None, timeout=None,
+                                   layout="contiguous", mode="ring", window=None, cu_seqlens=None, timeout="auto",
                                    return_out=False):
     """Root scatters Q, K, V and dOut; the ring runs forward then backward; root gathers the gradients.
 
@@ -106,7 +134,7 @@ def distributed_attention_backward(Q, K, V, dOut, comm=None, *, root=0, causal=F
     times), with the forward pass's under ``"forward"``. With
     ``return_out=True`` root gets ``(out, dQ, dK, dV, schedule)``.
     """
-    comm = MPI.COMM_WORLD if comm is None else comm
+    comm = check_comm(comm)
     rank, size = comm.Get_rank(), comm.Get_size()
 
     def check_root():
@@ -117,14 +145,14 @@ def distributed_attention_backward(Q, K, V, dOut, comm=None, *, root=0, causal=F
     options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens)
     options, meta = agree_root(comm, root, check_root, options, timeout, scale=scale)
     plan = make_plan(meta[4], size, **options)  # same options everywhere: raises everywhere or nowhere
-    q, k, v, dout = (_scatter(x, m, plan, comm, root, timeout) for x, m in zip((Q, K, V, dOut), meta[:4]))
+    wait = resolve_timeout(timeout, plan, int(np.prod(meta[0][0])), meta[0][1], factor=3.5)
+    q, k, v, dout = (_scatter(x, m, plan, comm, root, wait) for x, m in zip((Q, K, V, dOut), meta[:4]))
     forward, backward = Record(rank), Record(rank)
     out, lse = ring_attention(q, k, v, comm, scale=scale, timeout=timeout, record=forward, **options)
     dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, comm, scale=scale, timeout=timeout,
                                          record=backward, **options)
-    full = [_gather(a, plan, comm, root, timeout) for a in ((out,) if return_out else ()) + (dq, dk, dv)]
-    summary = dict(backward.summary(), forward=forward.summary())
-    columns = comm.gather((backward.table(plan.n_steps), summary), root=root)
+    pieces = ([out] if return_out else []) + [dq, dk, dv]
+    *full, schedule = _collect(comm, root, plan, pieces, backward, {"forward": forward.summary()}, wait)
     if rank != root:
         return (None,) * (len(full) + 1)
-    return (*full, _recorded_schedule(columns, plan))
+    return (*full, schedule)

@@ -231,7 +231,8 @@ def _exact_rows(q, kt, vt, scale, lo=None, hi=None):
     The slow path that is right for any finite logits: scores in float64, the
     row max subtracted exactly, as the textbook softmax. ``kt``, ``vt`` are the
     kernel's [k | 1]^T, [v | 1]^T (b, d+1, sk); rows see keys lo <= j < hi.
-    Raises FloatingPointError if the logits themselves overflow float64.
+    Raises FloatingPointError if finite inputs give logits beyond float64;
+    NaN or Inf inputs give NaN or Inf rows, never finite ones.
     """
     b, g, n, d = q.shape
     dv, sk = vt.shape[1] - 1, kt.shape[-1]
@@ -247,9 +248,11 @@ def _exact_rows(q, kt, vt, scale, lo=None, hi=None):
                 cols = np.arange(sk)
                 s = np.where((cols >= lo[r0:r1, None]) & (cols < hi[r0:r1, None]), s, -np.inf)
             m = s.max(axis=-1, keepdims=True)
-            if np.any(m == np.inf) or np.isnan(m).any():
+            if (np.any(m == np.inf) or np.isnan(m).any()) and np.isfinite(q[:, :, r0:r1]).all() \
+                    and np.isfinite(k64).all():  # finite inputs, infinite logits: no float can hold them
                 raise FloatingPointError("attention logits overflow float64: scale * q.k is beyond "
                                          f"{np.finfo(np.float64).max:.3g}; rescale q, k or the softmax scale")
+            # non-finite inputs: NaN and Inf run through as IEEE arithmetic (and torch SDPA) has them
             p = np.exp(s - np.where(np.isfinite(m), m, 0))
             den = p.sum(axis=-1)
             out[:, :, r0:r1] = np.matmul(p, v64) / np.where(den > 0, den, 1)[..., None]

@@ -15,8 +15,8 @@ import numpy as np
 from mpi4py import MPI
 
 from . import block
-from .agree import setup
-from .comm import KVBuffers, RingComm, allgathered, next_buffers, shift, wait_until
+from .agree import check_comm, resolve_timeout, setup
+from .comm import CommTimeout, KVBuffers, RingComm, allgathered, next_buffers, shift, wait_until
 from .record import Record
 
 __all__ = ["ring_attention", "agree_outcome"]
@@ -37,9 +37,9 @@ def _ring_loop(q, k, v, plan, ring, scale, rec, timeout):
         shift(ring, {s: held[s] for s in incoming}, incoming, rec, step, pad=1)  # Isend/Irecv, non-blocking
         for task in plan.tasks(step, rank):  # one block (two when bidirectional)
             block.attend(q, held[task.stream], task, plan.pieces(rank, task.source), scale, acc, rec, ring.progress,
-                   step, padded=True)
+                         step, padded=True)
         start = time.perf_counter()
-        ring.wait(timeout)
+        ring.wait(timeout, _slow_step_note(rec, step, timeout))
         rec.event("wait", start, step=step)
         held.update(incoming)  # the blocks that arrived are the ones to use next step
         rec.step_done(step, plan.n_steps)
@@ -56,18 +56,39 @@ def _allgather_loop(q, k, v, plan, comm, scale, rec, timeout):
     return acc[0].astype(q.dtype, copy=False), acc[1].astype(q.dtype, copy=False)
 
 
-def agree_outcome(ring, timeout):
-    """With a timeout, after the ring: did every rank finish it?
+def _slow_step_note(rec, step, timeout):
+    """If this rank's own compute of ``step`` outlasted the timeout, say so: a neighbour's likely did too."""
+    took = sum(end - start for name, start, end, info in rec.events if name == "compute" and info["step"] == step)
+    if timeout is None or took <= timeout:
+        return None
+    return (f"this rank computed step {step} for {took:.3g} s, longer than the timeout: a neighbour's step "
+            f"likely did too; give a larger timeout, or timeout='auto'")
 
-    A rank that failed re-raises its own error at once and never joins this
-    barrier, so the ranks that finished time out here (CommTimeout) instead of
-    returning as if all went well.
+
+def agree_outcome(comm, timeout, t0):
+    """After a ring, with a timeout: did every rank finish it in time? The same answer on every rank.
+
+    Each rank contributes when it got here (seconds since the common start
+    barrier, ``t0``). Ranks that arrived more than ``timeout`` apart mean one
+    was stalled and the early one gave up on it: then every rank that sees the
+    result raises CommTimeout, the late one included, instead of returning as
+    if all went well. An early rank waits ``timeout`` plus a margin for the
+    result, so it gives up only when the others will decide the same; a rank
+    that failed never joins, and the others time out here.
     """
-    wait_until([ring.comm.Ibarrier()], timeout, ring.rank, "end-of-ring check")
+    arrived = time.perf_counter() - t0
+    times = np.array([arrived, -arrived])
+    spread = np.empty(2)
+    rank = comm.Get_rank()
+    wait_until([comm.Iallreduce(times, spread, op=MPI.MAX)], timeout * 1.5 + 0.5, rank, "end-of-ring check")
+    latest, earliest = spread[0], -spread[1]
+    if latest - earliest > timeout:
+        raise CommTimeout(f"rank {rank}: the ranks finished the ring {latest - earliest:.3g} s apart, more than "
+                          f"the timeout ({timeout:g} s): one was stalled and the others gave up on it")
 
 
 def ring_attention(q, k, v, comm=None, *, causal=False, scale=None, layout="contiguous", mode="ring",
-                   window=None, cu_seqlens=None, timeout=None, record=None, check_finite=False,
+                   window=None, cu_seqlens=None, timeout="auto", record=None, check_finite=False,
                    expected_size=None):
     """Attention of this rank's queries against the whole distributed sequence.
 
@@ -83,11 +104,14 @@ def ring_attention(q, k, v, comm=None, *, causal=False, scale=None, layout="cont
         mode: "ring", "bidirectional" or "allgather" (see ``mpiring.schedule``).
         window: sliding window ``(left, right)`` as in flash-attn; -1 is unbounded.
         cu_seqlens: packed documents ``[0, end_0, end_1, ..., seq_len]`` (global positions).
-        timeout: seconds a rank may wait for the others (validation, each transfer,
-            a final check) before raising ``CommTimeout``. With a timeout, an error
-            or stall on one rank raises on every rank still alive: the failed rank
-            its own error at once, the others CommTimeout within 2 x timeout.
-            Must be the same on every rank and exceed the longest compute step.
+        timeout: seconds a rank may wait for the others (each transfer, a final
+            check) before raising ``CommTimeout``; an error or stall on one rank
+            then raises on every rank still alive: the failed rank its own error
+            at once, the others CommTimeout within 2.5 x timeout. "auto" (the
+            default): 60 s for ranks to arrive, then 60 s plus the busiest rank's
+            FLOPs at 1e8 FLOP/s for every wait (``agree.resolve_timeout``). None
+            waits forever. Must be the same on every rank and exceed the
+            longest compute step.
         record: a ``Record`` to fill with tasks, events and traffic counters.
         check_finite: also reject NaN/Inf in q, k, v (one extra pass over them).
         expected_size: raise unless the communicator has this many ranks.
@@ -95,12 +119,13 @@ def ring_attention(q, k, v, comm=None, *, causal=False, scale=None, layout="cont
     Bad arguments on any rank raise the same ``ValueError`` on every rank,
     before any transfer (see docs/reliability.md).
     """
-    comm = MPI.COMM_WORLD if comm is None else comm
+    comm = check_comm(comm)
     options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens)
-    plan, scale = setup(q, k, v, comm, scale, options, check_finite, expected_size, timeout)
-    q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))
+    plan, scale, (q, k, v) = setup(q, k, v, comm, scale, options, check_finite, expected_size, timeout,
+                                   prepare=lambda: [np.ascontiguousarray(a) for a in (q, k, v)])
+    timeout = resolve_timeout(timeout, plan, q.size // (q.shape[-2] * q.shape[-1]), q.shape[-1])
     rec = Record(comm.Get_rank()) if record is None else record
-    with RingComm(comm) as ring:  # a private duplicate: the caller's messages never mix with the ring's
+    with RingComm(comm, timeout) as ring:  # a private duplicate: the caller's messages never mix with the ring's
         # a common start: event times minus rec.t0 compare across ranks
         wait_until([ring.comm.Ibarrier()], timeout, ring.rank, "start barrier")
         rec.t0 = start = time.perf_counter()
@@ -110,7 +135,7 @@ def ring_attention(q, k, v, comm=None, *, causal=False, scale=None, layout="cont
             out, lse = _ring_loop(q, k, v, plan, ring, scale, rec, timeout)
             rec.bytes_sent, rec.messages, rec.wait_time = ring.bytes_sent, ring.messages, ring.wait_time
         if timeout is not None:
-            agree_outcome(ring, timeout)
+            agree_outcome(ring.comm, timeout, rec.t0)
     rec.wall_time = time.perf_counter() - start
     rec.plan = plan
     return out, lse

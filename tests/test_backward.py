@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 from mpiring import make_plan, predicted_backward_bytes, predicted_bytes_sent
-from mpiring import backward, kernels
-from mpiring.kernels import attention_block, attention_block_backward, reference_attention_backward
+from mpiring import plan as plans
+from mpiring import tiles
+from mpiring.kernels import attention_block, attention_block_backward
+from mpiring.reference import reference_attention_backward
 from mpiring.masks import visible_keys
 
 from conftest import SHAPES, dense_mask, naive_attention, qkv
@@ -100,7 +102,7 @@ def test_key_blocks_add_up_to_the_whole(rng):
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_rows_that_see_nothing_contribute_zero(rng, dtype, monkeypatch):
-    monkeypatch.setattr(kernels, "PROGRESS_INTERVAL", 0.0)  # progress is rate-limited: call it every tile here
+    monkeypatch.setattr(tiles, "PROGRESS_INTERVAL", 0.0)  # progress is rate-limited: call it every tile here
     q, k, v = qkv(rng, (6, 4), dtype=dtype)
     dout = rng.standard_normal((6, 4)).astype(dtype)
     klo = np.array([0, 3, 2, 6, 0, 5])
@@ -136,8 +138,8 @@ def test_backward_message_and_byte_counts(P, layout, mode, window, cu):
     if mode == "allgather":
         assert n == 4 * (P - 1)
     else:  # every K/V hop has its dK/dV hop, and the hop home is cut into key chunks: 2 more messages per chunk
-        chunks = min(backward.HOME_CHUNKS, min(len(s) for s in plan.shards))
-        assert backward.home_chunks(plan) == chunks
+        chunks = min(plans.HOME_CHUNKS, min(len(s) for s in plan.shards))
+        assert plans.home_chunks(plan) == chunks
         homes = sum(rounds > 0 for rounds in plan.rounds.values())
         assert n == 2 * plan.messages_per_rank() + homes * 2 * (chunks - 1)
         kv, grads = predicted_bytes_sent(plan, 10, 4), predicted_backward_bytes(plan, 10, 4, grad_itemsize=0)
@@ -148,7 +150,7 @@ def test_backward_message_and_byte_counts(P, layout, mode, window, cu):
 
 def test_one_home_chunk_is_the_plain_hop_home(monkeypatch):
     """With HOME_CHUNKS = 1 every dK/dV hop is one message per array again: twice the forward count."""
-    monkeypatch.setattr(backward, "HOME_CHUNKS", 1)
+    monkeypatch.setattr(plans, "HOME_CHUNKS", 1)
     for mode in ("ring", "bidirectional"):
         for P in (2, 3, 4, 5):
             plan = make_plan(40, P, mode=mode, causal=True, layout="zigzag")
@@ -157,7 +159,7 @@ def test_one_home_chunk_is_the_plain_hop_home(monkeypatch):
 
 @pytest.mark.parametrize("n,chunks", [(1, 1), (3, 3), (5, 4), (8, 4), (8193, 4), (10, 7)])
 def test_key_chunks_cover_the_block_in_order(n, chunks):
-    cuts = backward.key_chunks(n, chunks)
+    cuts = plans.key_chunks(n, chunks)
     assert len(cuts) == chunks and cuts[0][0] == 0 and cuts[-1][1] == n
     assert all(lo < hi for lo, hi in cuts) and all(a[1] == b[0] for a, b in zip(cuts, cuts[1:]))
     assert max(hi - lo for lo, hi in cuts) - min(hi - lo for lo, hi in cuts) <= 1
@@ -166,7 +168,7 @@ def test_key_chunks_cover_the_block_in_order(n, chunks):
 @pytest.mark.parametrize("S,P,layout,want", [(40, 4, "zigzag", 4), (7, 2, "contiguous", 3), (9, 4, "zigzag", 2),
                                              (5, 5, "striped", 1), (8, 1, "contiguous", 4)])
 def test_home_chunks_follow_the_shortest_shard(S, P, layout, want):
-    assert backward.home_chunks(make_plan(S, P, layout=layout)) == want
+    assert plans.home_chunks(make_plan(S, P, layout=layout)) == want
 
 
 def _pairs(pieces, n_q, n_k):
@@ -192,8 +194,8 @@ def test_key_chunk_cuts_cover_the_pieces_exactly(layout, causal, window, cu):
             pieces = plan.pieces(rank, source)
             n_q, n_k = len(plan.shards[rank]), len(plan.shards[source])
             total = np.zeros((n_q, n_k), int)
-            for lo, hi in backward.key_chunks(n_k, backward.HOME_CHUNKS):
-                cut = backward._cut_to_keys(pieces, lo, hi)
+            for lo, hi in plans.key_chunks(n_k, plans.HOME_CHUNKS):
+                cut = plans.cut_to_keys(pieces, lo, hi)
                 assert all(lo <= c < d <= hi and a < b for a, b, c, d, _, _ in cut)
                 total += _pairs(cut, n_q, n_k)
             np.testing.assert_array_equal(total, _pairs(pieces, n_q, n_k))
@@ -203,12 +205,12 @@ def test_key_chunk_cuts_cover_the_pieces_exactly(layout, causal, window, cu):
 def test_chunks_without_work_go_home_right_after_the_first():
     """Causal zigzag, P = 2: rank 1's queries see only the first half of block 0's keys."""
     plan = make_plan(64, 2, layout="zigzag", causal=True)
-    order = backward._chunks_in_order(plan.pieces(1, 0), 32, 4)
+    order = plans.chunks_in_order(plan.pieces(1, 0), 32, 4)
     assert [chunk for chunk, *_ in order] == [0, 2, 3, 1]
     assert [bool(cut) for *_, cut in order] == [True, False, False, True]
-    order = backward._chunks_in_order(plan.pieces(0, 1), 32, 4)  # rank 0's last run sees all of block 1
+    order = plans.chunks_in_order(plan.pieces(0, 1), 32, 4)  # rank 0's last run sees all of block 1
     assert [chunk for chunk, *_ in order] == [0, 1, 2, 3] and all(cut for *_, cut in order)
-    assert [lo for _, lo, _, _ in backward._chunks_in_order([], 32, 4)] == [0, 8, 16, 24]  # a skipped block
+    assert [lo for _, lo, _, _ in plans.chunks_in_order([], 32, 4)] == [0, 8, 16, 24]  # a skipped block
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")

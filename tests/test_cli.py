@@ -22,8 +22,13 @@ def test_cost_command(capsys):
 
 
 def test_bad_arguments_exit_nonzero(capsys):
-    assert main(["cost", "--seq-len", "1000", "-P", "3", "--hidden", "64", "--heads", "8"]) == 2
-    assert "not divisible" in capsys.readouterr().err
+    assert main(["cost", "--seq-len", "1000", "-P", "3", "--hidden", "64", "--heads", "8", "--dim", "7"]) == 2
+    assert "--hidden 64 must be K/V heads x --dim 7" in capsys.readouterr().err
+
+
+def test_cost_report_floors_uneven_lengths_as_its_contract(capsys):
+    assert main(["cost", "--seq-len", "1000", "-P", "3", "--hidden", "64", "--heads", "8"]) == 0
+    assert "chunk_length: 333" in capsys.readouterr().out
 
 
 def _mpirun(n, *args, timeout=120):

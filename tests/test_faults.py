@@ -63,9 +63,11 @@ def test_raise_at_the_last_block(tmp_path):
     assert rc != 0
     assert out[1] == "RuntimeError: injected fault on rank 1"
     for r in (0, 2):
-        assert out[r] == (f"CommTimeout: rank {r}: end-of-ring check not complete after {T:g} s "
+        # the end-of-ring check waits 1.5 T + 0.5 s: ranks that got there in time give up only
+        # when every rank that sees the result would decide the same (docs/reliability.md)
+        assert out[r] == (f"CommTimeout: rank {r}: end-of-ring check not complete after {1.5 * T + 0.5:g} s "
                           f"(another rank may have failed or stalled)")
-    assert elapsed < T + 10
+    assert elapsed < 2 * T + 10
 
 
 @pytest.mark.parametrize("fault,step,mode", [
@@ -84,8 +86,8 @@ def test_every_live_rank_raises_within_two_timeouts(tmp_path, fault, step, mode)
         if r == 1:
             assert out[r] == "RuntimeError: injected fault on rank 1"
         else:
-            assert out[r].startswith(f"CommTimeout: rank {r}: ") and f"not complete after {T:g} s" in out[r]
-    assert elapsed < 2 * T + 10
+            assert out[r].startswith(f"CommTimeout: rank {r}: ") and "not complete after" in out[r]
+    assert elapsed < 2.5 * T + 10
 
 
 def test_a_rank_that_never_calls_in(tmp_path):
@@ -144,6 +146,6 @@ def test_cli_exit():
 def test_cli_bad_input_same_message_from_every_rank():
     rc, err, elapsed, _ = _job(2, "--cli", "--fault", "none", "--", "--seq-len", "64", "--heads", "1", "--dim", "4",
                                "--cu-seqlens", "0", "10", "60")
-    assert rc != 0
+    assert rc == 2
     msg = "error: cu_seqlens must start at 0 and end at the total length 64; got 0 .. 60"
-    assert f"rank 0: {msg}" in err or f"rank 1: {msg}" in err, err
+    assert err.count(msg) == 1 and "Abort" not in err, err  # once, from rank 0; every rank exits 2

@@ -70,7 +70,7 @@ ONE_RANK_CASES = [
     ("cu-float", lambda q, k, v, kw: (q, k, v, dict(kw, cu_seqlens=np.array([0.0, 2.5]))),
      "rank {b}: cu_seqlens must be a 1-D integer array [0, ..., seq_len], got array([0. , 2.5])"),
     ("timeout", lambda q, k, v, kw: (q, k, v, dict(kw, timeout=-1)),
-     "rank {b}: timeout must be None or a positive number of seconds, got -1"),
+     "rank {b}: timeout must be 'auto', a positive number of seconds, or None (wait forever); got -1"),
 ]
 
 MISMATCH_CASES = [
@@ -93,7 +93,7 @@ MISMATCH_CASES = [
      "rank {b}: window (2, -1) differs from rank 0's (-1, -1)"),
     ("cu_seqlens", lambda q, k, v, kw: (q, k, v, dict(kw, cu_seqlens=[0, 3, kw["cu_seqlens"][-1]])),
      "rank {b}: cu_seqlens [0, 3, {S}] differs from rank 0's [0, 1, {S}]"),
-    ("timeout", lambda q, k, v, kw: (q, k, v, dict(kw, timeout=30)), "rank {b}: timeout 30 differs from rank 0's None"),
+    ("timeout", lambda q, k, v, kw: (q, k, v, dict(kw, timeout=30)), "rank {b}: timeout 30 differs from rank 0's 'auto'"),
 ]
 
 

@@ -99,7 +99,9 @@ def test_a_failure_on_one_rank_raises_on_every_rank_with_a_timeout(comm, rng, mo
     with pytest.raises(CommTimeout if comm.rank != b else RuntimeError) as info:
         ring_attention(*shards, comm, mode=mode, timeout=T)
     if comm.rank != b:
-        assert str(info.value) == (f"rank {comm.rank}: end-of-ring check not complete after 2 s "
+        # the end-of-ring check waits the timeout and a margin (1.5 T + 0.5 s), so ranks that
+        # got there in time give up only when the others would decide the same (docs/reliability.md)
+        assert str(info.value) == (f"rank {comm.rank}: end-of-ring check not complete after 3.5 s "
                                    f"(another rank may have failed or stalled)")
     monkeypatch.undo()
     comm.Barrier()
