@@ -108,7 +108,7 @@ def test_tutorial_runs(workdir, monkeypatch):
 
 def test_tutorial_writes_only_to_scratch():
     """No command or snippet of the tutorial names docs/img/: that is run/figures' job."""
-    for lang, text in blocks(TUTORIAL):
+    for _, text in blocks(TUTORIAL):
         assert "docs/img" not in text, text
         for out in re.findall(r"--plot (\S+)|--trace (\S+)|plot_\w+\(\"([^\"]+)", text):
             assert "".join(out).startswith(SCRATCH), out
@@ -124,7 +124,7 @@ def test_tutorial_pictures_exist():
 def test_other_docs_commands_parse(path):
     from mpiring.__main__ import parse
 
-    for lang, text in blocks(DOCS / path):
+    for _, text in blocks(DOCS / path):
         for line in commands(text):
             words = shlex.split(line.split("#")[0])
             parse(words[words.index("mpiring") + 1:])

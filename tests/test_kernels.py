@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from mpiring.kernels import attention_block, merge, pad_ones
-from mpiring.reference import reference_attention
 from mpiring.masks import visible_keys
+from mpiring.reference import reference_attention
 
 from conftest import SHAPES, dense_mask, naive_attention, qkv, tol
 

@@ -168,7 +168,7 @@ def test_trace_of_a_real_run(tmp_path_factory, layout, mode):
     # causality on the common clock: a block arrives after its sender posted it
     starts = {(e["pid"], e["args"]["step"], e["args"]["dest"]): e["ts"] for e in ev if e["name"].startswith("send")}
     waits = {(e["pid"], e["args"]["step"]): e["ts"] + e["dur"] for e in ev if e["name"] == "wait"}
-    for (src, step, dest), ts in starts.items():
+    for (_, step, dest), ts in starts.items():
         if (dest, step) in waits:
             assert ts <= waits[dest, step] + SKEW * 1e6
 

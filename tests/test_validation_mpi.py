@@ -93,7 +93,8 @@ MISMATCH_CASES = [
      "rank {b}: window (2, -1) differs from rank 0's (-1, -1)"),
     ("cu_seqlens", lambda q, k, v, kw: (q, k, v, dict(kw, cu_seqlens=[0, 3, kw["cu_seqlens"][-1]])),
      "rank {b}: cu_seqlens [0, 3, {S}] differs from rank 0's [0, 1, {S}]"),
-    ("timeout", lambda q, k, v, kw: (q, k, v, dict(kw, timeout=30)), "rank {b}: timeout 30 differs from rank 0's 'auto'"),
+    ("timeout", lambda q, k, v, kw: (q, k, v, dict(kw, timeout=30)),
+     "rank {b}: timeout 30 differs from rank 0's 'auto'"),
 ]
 
 

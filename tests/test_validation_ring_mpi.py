@@ -10,7 +10,7 @@ import mpiring.block
 from mpiring import LAYOUTS, MODES, ring_attention, simulate
 from mpiring.comm import CommTimeout
 
-from conftest import local, dense_mask, naive_attention, qkv
+from conftest import dense_mask, local, naive_attention, qkv
 
 pytestmark = pytest.mark.mpi
 
