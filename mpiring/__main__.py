@@ -5,6 +5,8 @@
     mpiexec -n 4 python -m mpiring run --causal --trace trace.json --plot timeline.png   # see the ring
     python -m mpiring cost --seq-len 1048576 -P 8 --hidden 4096 --heads 32 --causal    # + time model
     mpiexec -n 2 python -m mpiring bench --quick        # the benchmark table (run/bench runs -n 1 and -n 2)
+    mpiexec -n 4 python -m mpiring grade student.py     # grade a student's ring (docs/exercises.md)
+    mpiexec -n 2 python -m mpiring demo deadlock        # a blocking ring deadlocks; the two fixes
 
 Every command lives in ``mpiring.tools``, owns its parser (``<command>_parser()``)
 and prints on rank 0 only. Commands that need no MPI get ``comm=None`` and never
@@ -41,6 +43,8 @@ COMMANDS = {
     "schedule": ("cli_plan", False, "print the ring schedule (no MPI needed)"),
     "cost": ("cli_plan", False, "the analytical cost report, then the time model (no MPI needed)"),
     "bench": ("bench", True, "benchmark table under mpiexec -n 1 / -n 2 (see run/bench)"),
+    "grade": ("cli_teach", True, "grade a student's ring attention (docs/exercises.md)"),
+    "demo": ("cli_teach", True, "demonstrations: 'demo deadlock' shows a blocking ring deadlock and its fixes"),
 }
 
 DESCRIPTION = "Ring attention (context parallelism) on CPUs with MPI and NumPy."

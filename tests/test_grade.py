@@ -14,7 +14,6 @@ so their verdicts are the same on every run, however loaded the machine.
 import os
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -23,10 +22,11 @@ from pathlib import Path
 
 import pytest
 
+from launch import MPIEXEC, clean_env, mpiexec_argv
+
 ROOT = Path(__file__).resolve().parent.parent
 STUDENTS = ROOT / "tests" / "students"
 EXERCISES = ROOT / "examples" / "exercises"
-MPIEXEC = shutil.which("mpiexec")
 LIMIT = 60  # seconds: a launch still running then has hung
 FAST = 20  # seconds: what a launch may take (the grader's own timeouts are 2 s here)
 
@@ -35,9 +35,8 @@ pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
 
 def launch(P, module, *args, limit=LIMIT):
     """Run ``mpiexec -n P python -m module args``; return (exit code, stdout + stderr, seconds)."""
-    cmd = [MPIEXEC, "-n", str(P), sys.executable, "-m", module, *map(str, args)]
-    # a fresh launch: no MPI variables from a parent that may itself run under mpiexec
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "PMIX_", "MPIR_", "OMPI_"))}
+    cmd = mpiexec_argv(P, sys.executable, "-m", module, *args)
+    env = clean_env()  # a fresh launch: no MPI variables from a parent that may itself run under mpiexec
     start = time.perf_counter()
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
                            start_new_session=True)
@@ -182,19 +181,27 @@ def test_the_documented_commands_name_existing_files():
     """Every grade command of docs/exercises.md parses, and its file exists (skeleton and solution)."""
     from mpiring.tools.grade import parser
 
-    commands = [line[2:] for line in (ROOT / "docs" / "exercises.md").read_text().splitlines()
-                if line.startswith("$ mpiexec") and "mpiring.tools.grade" in line]
+    commands = [line for line in (ROOT / "docs" / "exercises.md").read_text().splitlines()
+                if line.startswith("mpiexec") and "python -m mpiring grade" in line]
     assert len(commands) == 8
     seen = set()
     for command in commands:
         words = shlex.split(command)
-        args = parser().parse_args(words[words.index("mpiring.tools.grade") + 1:])
+        args = parser().parse_args(words[words.index("grade") + 1:])
         seen.add(args.exercise)
         if args.student.startswith("examples/"):
             assert (ROOT / args.student).is_file(), command
             solution = Path(args.student).parent / "solutions" / Path(args.student).name
             assert (ROOT / solution).is_file(), command
     assert seen == set(EXERCISE_FILES) | {"forward"}
+
+
+def test_the_commands_of_python_m_mpiring():
+    """``python -m mpiring grade`` and ``python -m mpiring demo deadlock`` are the same tools."""
+    code, output, _ = launch(2, "mpiring", "grade", "--quick", "--timeout", 2, STUDENTS / "correct_sendrecv.py")
+    assert code == 0 and "PASS: all" in output, output
+    code, output, _ = launch(2, "mpiring", "demo", "deadlock", "--timeout", 1)
+    assert code == 0 and re.search(r"Sendrecv: +completed on every rank", output), output
 
 
 def test_the_deadlock_demo():

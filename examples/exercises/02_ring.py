@@ -1,6 +1,6 @@
 """Exercise 2: the ring loop (non-causal).
 
-    mpiexec -n 4 python -m mpiring.tools.grade --exercise ring examples/exercises/02_ring.py
+    mpiexec -n 4 python -m mpiring grade --exercise ring examples/exercises/02_ring.py
 
 Every rank keeps its queries; the K/V blocks travel the ring, one hop per step, while each
 rank computes on the block it holds. Fill in the TODOs (docs/exercises.md).

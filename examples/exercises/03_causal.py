@@ -1,6 +1,6 @@
 """Exercise 3: causal ring attention that skips the blocks a rank cannot see.
 
-    mpiexec -n 4 python -m mpiring.tools.grade --exercise causal examples/exercises/03_causal.py
+    mpiexec -n 4 python -m mpiring grade --exercise causal examples/exercises/03_causal.py
 
 The ring of exercise 2, solved; add the causal mask. Fill in the TODO (docs/exercises.md).
 """

@@ -1,6 +1,6 @@
 """Exercise 4: zigzag shards, so every rank has the same causal work.
 
-    mpiexec -n 4 python -m mpiring.tools.grade --exercise zigzag examples/exercises/04_zigzag.py
+    mpiexec -n 4 python -m mpiring grade --exercise zigzag examples/exercises/04_zigzag.py
 
 The sequence is cut into 2P chunks of c = n/2 tokens; rank r holds chunks r and 2P-1-r.
 Fill in the TODO (docs/exercises.md).

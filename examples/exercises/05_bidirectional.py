@@ -1,6 +1,6 @@
 """Exercise 5: a bidirectional ring, K/V travel both ways.
 
-    mpiexec -n 4 python -m mpiring.tools.grade --exercise bidirectional examples/exercises/05_bidirectional.py
+    mpiexec -n 4 python -m mpiring grade --exercise bidirectional examples/exercises/05_bidirectional.py
 
 Stream A passes blocks to rank + 1, stream B to rank - 1; A brings floor(P/2) blocks, B the
 rest. Fill in the TODO (docs/exercises.md).

@@ -1,6 +1,6 @@
 """Exercise 6: the backward pass of ring attention.
 
-    mpiexec -n 4 python -m mpiring.tools.grade --exercise backward examples/exercises/06_backward.py
+    mpiexec -n 4 python -m mpiring grade --exercise backward examples/exercises/06_backward.py
 
 K/V travel the ring as in the forward pass, each with its partial dK/dV. Fill in the TODOs
 (docs/exercises.md).

@@ -158,7 +158,7 @@ def deadlock_demo(comm, argv):
             print(text, flush=True)
 
     if comm.Get_size() < 2:
-        say("the demo needs a ring of 2 or more ranks: mpiexec -n 2 python -m mpiring.tools.deadlock")
+        say("the demo needs a ring of 2 or more ranks: mpiexec -n 2 python -m mpiring demo deadlock")
         return 2
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         say("this MPI does not provide MPI_THREAD_MULTIPLE: the demo needs it to watch a blocking Send")
@@ -221,7 +221,7 @@ def deadlock_demo(comm, argv):
     say("")
     say("A program that is only correct while MPI buffers its sends is unsafe: the MPI standard allows any")
     say("standard-mode Send to wait for its receive. Post receives before (or together with) blocking sends.")
-    say("python -m mpiring.tools.grade runs every student send in synchronous mode, so an unsafe ring fails at")
+    say("python -m mpiring grade runs every student send in synchronous mode, so an unsafe ring fails at")
     say("every size there, not only above this limit.")
     comm.Free()
     return 0 if ok else 1

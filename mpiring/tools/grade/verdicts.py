@@ -67,7 +67,7 @@ def _hang_verdict(runs, stuck):
         hints = [("unsafe", ("MPI may finish a small send before its receive is posted, by buffering it, but need "
                             "not; the grader runs every send in synchronous mode, so this ring deadlocks at every "
                             "size (on real MPI it deadlocks once messages pass the eager limit: "
-                            "python -m mpiring.tools.deadlock shows it)"))]
+                            "mpiexec -n 2 python -m mpiring demo deadlock shows it)"))]
         return Verdict("FAIL", "deadlock (unsafe)", details, hints)
     details = []
     for r, (call, waiting, seconds) in sorted(stuck.items()):
