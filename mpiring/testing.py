@@ -5,8 +5,9 @@
 
 - ``reference`` / ``reference_backward``: dense float64 attention and its gradients, with the mask
   written directly from the definitions (causal, sliding window, packed documents), grouped-query
-  heads and arbitrary query/key positions (a rank's shard against the whole sequence). Independent
-  of ``mpiring.masks`` and of the tiled kernels, so it can check them.
+  heads and arbitrary query/key positions (a rank's shard against the whole sequence): the
+  package's one plain reference (``mpiring.reference``), independent of ``mpiring.masks``, the
+  plan and the tiled kernels, so it can check them.
 - ``TOLERANCE`` and ``assert_attention_close``: one tolerance table, one assertion with a useful message.
 - ``ring_comm``: a pytest fixture over three communicators (COMM_WORLD, a duplicate, COMM_SELF).
 - ``attention_problems``: hypothesis strategy for problems valid on P ranks (hypothesis imported lazily).
@@ -17,6 +18,8 @@ Only NumPy is imported here; mpi4py, pytest and hypothesis are imported when fir
 from dataclasses import dataclass
 
 import numpy as np
+
+from .reference import definition_mask, dense_attention, dense_attention_backward
 
 # and ``ring_comm``, made on first import (it needs pytest)
 __all__ = ["TOLERANCE", "AttentionProblem", "assert_attention_close", "attention_error", "attention_problems",
@@ -51,68 +54,37 @@ def tolerance(dtype):
 def dense_mask(q_positions, k_positions, *, causal=False, window=None, cu_seqlens=None):
     """Boolean (len(q_positions), len(k_positions)) mask: True where query i may see key j.
 
-    Straight from the definitions, with i, j global token positions:
-    causal: j <= i; window (left, right), -1 unbounded (flash-attn): i - left <= j <= i + right;
-    cu_seqlens [0, e1, ..., S]: i and j lie in the same document [e_d, e_{d+1}).
+    Straight from the definitions (``mpiring.reference.definition_mask``), with i, j global
+    token positions: causal: j <= i; window (left, right), -1 unbounded (flash-attn):
+    i - left <= j <= i + right; cu_seqlens [0, e1, ..., S]: i and j in the same document.
     """
-    i = np.asarray(q_positions, np.int64)[:, None]
-    j = np.asarray(k_positions, np.int64)[None, :]
-    ok = np.ones((i.shape[0], j.shape[1]), bool)
-    if causal:
-        ok &= j <= i
-    if window is not None:
-        left, right = (int(w) for w in window)
-        if left >= 0:
-            ok &= j >= i - left
-        if right >= 0:
-            ok &= j <= i + right
     if cu_seqlens is not None:
         bounds = np.asarray(cu_seqlens, np.int64)
         if bounds.ndim != 1 or len(bounds) < 2 or bounds[0] != 0 or np.any(np.diff(bounds) < 0):
             raise ValueError(f"cu_seqlens must be [0, e1, ..., S], non-decreasing; got {cu_seqlens!r}")
-        # document of a position: the number of boundaries after 0 that are <= it
-        doc_i = np.searchsorted(bounds[1:], i, side="right")
-        doc_j = np.searchsorted(bounds[1:], j, side="right")
-        ok &= doc_i == doc_j
-    return ok
+    return definition_mask(q_positions, k_positions, causal=causal, window=window, cu_seqlens=cu_seqlens)
 
 
-def _prepare(q, k, v, q_positions, k_positions, scale, mask_options):
-    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+def _prepare(q, k, v, q_positions, k_positions, mask_options):
+    """Check shapes and positions; the mask of rows a:b as ``dense_attention`` takes it."""
+    q, k, v = (np.asarray(a) for a in (q, k, v))
     if q.ndim < 2 or k.ndim != q.ndim or v.ndim != q.ndim:
         raise ValueError(f"q, k, v must be (..., seq, dim) with the same number of axes; got "
                          f"{q.shape}, {k.shape}, {v.shape}")
-    if q.ndim >= 3 and k.shape[-3] != q.shape[-3]:
-        hq, hk = q.shape[-3], k.shape[-3]
-        if hk == 0 or hq % hk:
-            raise ValueError(f"q heads ({hq}) must be a multiple of k/v heads ({hk})")
-        # grouped-query: query head h uses K/V head h // g, i.e. each K/V head repeated g times
-        k, v = np.repeat(k, hq // hk, axis=-3), np.repeat(v, hq // hk, axis=-3)
+    if q.ndim >= 3 and k.shape[-3] != q.shape[-3] and (k.shape[-3] == 0 or q.shape[-3] % k.shape[-3]):
+        raise ValueError(f"q heads ({q.shape[-3]}) must be a multiple of k/v heads ({k.shape[-3]})")
     qp = np.arange(q.shape[-2]) if q_positions is None else np.asarray(q_positions)
     kp = np.arange(k.shape[-2]) if k_positions is None else np.asarray(k_positions)
     if len(qp) != q.shape[-2] or len(kp) != k.shape[-2]:
         raise ValueError(f"{len(qp)} query positions for {q.shape[-2]} queries, {len(kp)} key positions "
                          f"for {k.shape[-2]} keys")
     mask = dense_mask(qp, kp, **mask_options)
-    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return q, k, v, mask, scale
-
-
-def _probabilities(q, k, mask, scale):
-    """Softmax probabilities and log-sum-exp; rows that see no key get p = 0 and lse = -inf."""
-    s = np.where(mask, q @ np.swapaxes(k, -1, -2) * scale, -np.inf)
-    m = np.max(s, axis=-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)
-    e = np.exp(s - m)
-    den = e.sum(axis=-1, keepdims=True)
-    p = e / np.where(den > 0, den, 1.0)
-    lse = np.where(den > 0, m + np.log(np.where(den > 0, den, 1.0)), -np.inf)[..., 0]
-    return p, lse
+    return lambda a, b: mask[a:b]
 
 
 def reference(q, k, v, *, causal=False, window=None, cu_seqlens=None, q_positions=None, k_positions=None,
               scale=None):
-    """Dense attention in float64: ``(out, lse)``.
+    """Dense attention in float64: ``(out, lse)`` (``mpiring.reference.dense_attention``).
 
     q (..., Hq, Sq, D), k (..., Hk, Sk, D), v (..., Hk, Sk, Dv), Hq a multiple of Hk (head h uses
     K/V head h // (Hq/Hk)); 2-D (S, D) arrays work too. ``q_positions`` / ``k_positions`` are the
@@ -120,10 +92,8 @@ def reference(q, k, v, *, causal=False, window=None, cu_seqlens=None, q_position
     the whole sequence: ``reference(q_local, K, V, q_positions=shard_indices(S, P, rank), causal=True)``.
     Rows that see no key get out 0 and lse -inf. The default scale is 1/sqrt(D).
     """
-    q, k, v, mask, scale = _prepare(q, k, v, q_positions, k_positions, scale,
-                                    {"causal": causal, "window": window, "cu_seqlens": cu_seqlens})
-    p, lse = _probabilities(q, k, mask, scale)
-    return p @ v, lse
+    mask = _prepare(q, k, v, q_positions, k_positions, {"causal": causal, "window": window, "cu_seqlens": cu_seqlens})
+    return dense_attention(q, k, v, scale, mask)
 
 
 def reference_backward(dout, q, k, v, *, causal=False, window=None, cu_seqlens=None, q_positions=None,
@@ -131,24 +101,11 @@ def reference_backward(dout, q, k, v, *, causal=False, window=None, cu_seqlens=N
     """Dense gradients of ``reference``'s output in float64: ``(dq, dk, dv)`` for the loss sum(dout * out).
 
     dP = dout v^T, dS = P * (dP - rowsum(dout * out)), dq = scale dS k, dk = scale dS^T q, dv = P^T dout;
-    grouped-query K/V gradients are summed over the query heads that share them.
+    grouped-query K/V gradients are summed over the query heads that share them
+    (``mpiring.reference.dense_attention_backward``).
     """
-    hk = np.shape(k)[-3] if np.ndim(k) >= 3 else None
-    q, kr, vr, mask, scale = _prepare(q, k, v, q_positions, k_positions, scale,
-                                      {"causal": causal, "window": window, "cu_seqlens": cu_seqlens})
-    dout = np.asarray(dout, dtype=np.float64)
-    p, _ = _probabilities(q, kr, mask, scale)
-    out = p @ vr
-    dv = np.swapaxes(p, -1, -2) @ dout
-    dp = dout @ np.swapaxes(vr, -1, -2)
-    ds = p * (dp - np.sum(dout * out, axis=-1, keepdims=True))
-    dq = ds @ kr * scale
-    dk = np.swapaxes(ds, -1, -2) @ q * scale
-    if hk is not None and kr.shape[-3] != hk:
-        g = kr.shape[-3] // hk
-        dk = dk.reshape(dk.shape[:-3] + (hk, g) + dk.shape[-2:]).sum(axis=-3)
-        dv = dv.reshape(dv.shape[:-3] + (hk, g) + dv.shape[-2:]).sum(axis=-3)
-    return dq, dk, dv
+    mask = _prepare(q, k, v, q_positions, k_positions, {"causal": causal, "window": window, "cu_seqlens": cu_seqlens})
+    return dense_attention_backward(dout, q, k, v, scale, mask)
 
 
 # ---------------------------------------------------------------- comparing
