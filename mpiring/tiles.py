@@ -151,6 +151,7 @@ class Tiles:
     def __init__(self, lo, hi, sk, tile_k, dtype):
         self.lo, self.hi, self.sk, self.tk, self.dtype = lo, hi, sk, tile_k, dtype
         self._cache = {}
+        self.examined = 0  # key tiles looked at by row_block (masked case): only those some row sees
 
     def row_block(self, a, b):
         """Start work on query rows a:b; returns a list of key tiles (c, d, r0, r1, mask, t).
@@ -161,12 +162,19 @@ class Tiles:
         trimmed to the rows and columns that see something.
         """
         n = b - a
+        if self.lo is None:
+            return [(c, min(c + self.tk, self.sk), 0, n, None, t) for t, c in enumerate(range(0, self.sk, self.tk))]
+        seen = self.hi[a:b] > self.lo[a:b]
+        if not seen.any():
+            return []
+        # only the key tiles that some row sees: a window never visits the (many) tiles outside it
+        first = int(self.lo[a:b][seen].min()) // self.tk
+        last = (int(self.hi[a:b][seen].max()) - 1) // self.tk
         tiles = []
-        for t, c in enumerate(range(0, self.sk, self.tk)):
+        self.examined += last + 1 - first
+        for t in range(first, last + 1):
+            c = t * self.tk
             d = min(c + self.tk, self.sk)
-            if self.lo is None:
-                tiles.append((c, d, 0, n, None, t))
-                continue
             lo, hi = np.maximum(self.lo[a:b], c), np.minimum(self.hi[a:b], d)
             seen = np.flatnonzero(hi > lo)
             if seen.size == 0:

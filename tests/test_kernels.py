@@ -137,3 +137,18 @@ def test_merge_into_needs_a_view(rng):
     lse = np.full((2, 3, 10), -np.inf)
     with pytest.raises(AttributeError):
         attention_block(q, k, v, into=(out, lse))
+
+
+def test_a_window_visits_only_its_key_tiles():
+    """With a sliding window over a long block, row_block looks at the few key tiles the rows see, not all."""
+    from mpiring.tiles import Tiles
+
+    sk, tk, window = 1 << 20, 256, 300
+    rows = np.arange(sk)
+    lo, hi = np.maximum(rows - window, 0), rows + 1
+    tiles = Tiles(lo, hi, sk, tk, np.float32)
+    visited = [tiles.row_block(a, a + 512) for a in range(0, sk, 1 << 16)]
+    assert tiles.examined <= len(visited) * (512 + window) // tk + 2 * len(visited)
+    for a, found in zip(range(0, sk, 1 << 16), visited):
+        keys = set().union(*(range(c, d) for c, d, *_ in found))
+        assert keys == set(range(max(a - window, 0), a + 512))  # exactly the visible keys, nothing else
