@@ -18,7 +18,7 @@ import numpy as np
 from . import block
 from .agree import check_comm, grad_problem, resolve_timeout, setup
 from .block import GRAD_DTYPE, add_grads, count_pairs
-from .comm import Buffers, HomeRing, RingComm, allgathered, flat_blocks, next_buffers, shift, wait_until
+from .comm import Buffers, HomeRing, RingComm, allgathered, exclusive, flat_blocks, next_buffers, shift, wait_until
 from .plan import chunks_in_order, home_chunks, key_chunks
 from .record import Record
 from .ring import agree_outcome
@@ -155,38 +155,39 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm=None, *, causal=False,
     input on any rank raises the same ValueError on every rank.
     """
     comm = check_comm(comm)
-    options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens)
+    with exclusive(comm):  # one call per communicator at a time (threads: one Dup each)
+        options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens)
 
-    def prepare():  # what may fail on one rank alone (MemoryError) is done before the agreement
-        arrays = [np.ascontiguousarray(a) for a in (dout, q, k, v, out, lse)]
-        delta = np.sum(arrays[0].astype(GRAD_DTYPE) * arrays[4], axis=-1).astype(q.dtype)
-        return arrays + [delta]
+        def prepare():  # what may fail on one rank alone (MemoryError) is done before the agreement
+            arrays = [np.ascontiguousarray(a) for a in (dout, q, k, v, out, lse)]
+            delta = np.sum(arrays[0].astype(GRAD_DTYPE) * arrays[4], axis=-1).astype(q.dtype)
+            return arrays + [delta]
 
-    problem = grad_problem(dout, q, k, v, out, lse)
-    plan, scale, (dout, q, k, v, out, lse, delta) = setup(q, k, v, comm, scale, options, timeout=timeout,
-                                                          prepare=prepare, problem=problem)
-    timeout = resolve_timeout(timeout, plan, q.size // (q.shape[-2] * q.shape[-1]), q.shape[-1], factor=2.5)
-    rec = Record(comm.Get_rank()) if record is None else record
-    rings = []
-    try:  # private duplicates: K/V, dK/dV onward, dK/dV home (all-gather needs only the first)
-        rings.append(RingComm(comm, timeout))
-        if plan.mode != "allgather":
-            rings += [RingComm(comm, timeout), HomeRing(comm, plan, timeout)]
-        wait_until([rings[0].comm.Ibarrier()], timeout, rings[0].rank, "start barrier")  # a common start
-        rec.t0 = start = time.perf_counter()
-        if plan.mode == "allgather":
-            dq, dk, dv = _allgather_backward(dout, q, k, v, out, lse, delta, plan, rings[0].comm, scale, rec,
-                                             timeout)
-        else:
-            dq, dk, dv = _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec, timeout)
-            rec.bytes_sent = sum(ring.bytes_sent for ring in rings)
-            rec.messages = sum(ring.messages for ring in rings)
-            rec.wait_time = sum(ring.wait_time for ring in rings)
-        if timeout is not None:  # as in the forward pass: a failed rank skips this, the others time out
-            agree_outcome(rings[0].comm, timeout, rec.t0)
-    finally:
-        for ring in rings:
-            ring.free()
-    rec.wall_time = time.perf_counter() - start
-    rec.plan = plan
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+        problem = grad_problem(dout, q, k, v, out, lse)
+        plan, scale, (dout, q, k, v, out, lse, delta) = setup(q, k, v, comm, scale, options, timeout=timeout,
+                                                              prepare=prepare, problem=problem)
+        timeout = resolve_timeout(timeout, plan, q.size // (q.shape[-2] * q.shape[-1]), q.shape[-1], factor=2.5)
+        rec = Record(comm.Get_rank()) if record is None else record
+        rings = []
+        try:  # private duplicates: K/V, dK/dV onward, dK/dV home (all-gather needs only the first)
+            rings.append(RingComm(comm, timeout))
+            if plan.mode != "allgather":
+                rings += [RingComm(comm, timeout), HomeRing(comm, plan, timeout)]
+            wait_until([rings[0].comm.Ibarrier()], timeout, rings[0].rank, "start barrier")  # a common start
+            rec.t0 = start = time.perf_counter()
+            if plan.mode == "allgather":
+                dq, dk, dv = _allgather_backward(dout, q, k, v, out, lse, delta, plan, rings[0].comm, scale, rec,
+                                                 timeout)
+            else:
+                dq, dk, dv = _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec, timeout)
+                rec.bytes_sent = sum(ring.bytes_sent for ring in rings)
+                rec.messages = sum(ring.messages for ring in rings)
+                rec.wait_time = sum(ring.wait_time for ring in rings)
+            if timeout is not None:  # as in the forward pass: a failed rank skips this, the others time out
+                agree_outcome(rings[0].comm, timeout, rec.t0)
+        finally:
+            for ring in rings:
+                ring.free()
+        rec.wall_time = time.perf_counter() - start
+        rec.plan = plan
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)

@@ -4,18 +4,48 @@ Everything here talks to MPI; what to send when comes from the plan
 (``mpiring.plan``), what to compute from ``mpiring.block``.
 """
 
+import contextlib
 import pickle
+import threading
 import time
 
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["RingComm", "HomeRing", "CommTimeout", "wait_until", "allgather", "gather", "Buffers", "KVBuffers",
-           "next_buffers", "shift", "flat_blocks", "allgathered", "payload_bytes"]
+__all__ = ["RingComm", "HomeRing", "CommTimeout", "exclusive", "wait_until", "allgather", "gather", "Buffers",
+           "KVBuffers", "next_buffers", "shift", "flat_blocks", "allgathered", "payload_bytes"]
 
 
 # rings given up on an error path: (communicator, pending requests, datatypes), kept alive, never freed
 ABANDONED = []
+
+
+_IN_USE = {}  # communicator handle -> the thread running a call on it
+_IN_USE_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def exclusive(comm):
+    """Mark ``comm`` as used by this thread for a call; another thread's call on it raises RuntimeError.
+
+    Two threads running collectives on one communicator at once is erroneous
+    MPI (it gave UnpicklingErrors, absurd MemoryErrors or an abort): each
+    thread needs its own ``comm.Dup()``. Detected on this rank only; the
+    other ranks give up at their timeout.
+    """
+    key, me = MPI._handleof(comm), threading.get_ident()
+    with _IN_USE_LOCK:
+        owner = _IN_USE.get(key)
+        if owner is not None and owner != me:
+            raise RuntimeError("another thread is running mpiring on this communicator: concurrent calls on one "
+                               "communicator are not supported; give each thread its own comm.Dup()")
+        _IN_USE[key] = me
+    try:
+        yield
+    finally:
+        with _IN_USE_LOCK:
+            if owner is None:
+                _IN_USE.pop(key, None)
 
 
 class CommTimeout(RuntimeError):

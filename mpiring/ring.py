@@ -16,7 +16,7 @@ from mpi4py import MPI
 
 from . import block
 from .agree import check_comm, resolve_timeout, setup
-from .comm import CommTimeout, KVBuffers, RingComm, allgathered, next_buffers, shift, wait_until
+from .comm import CommTimeout, KVBuffers, RingComm, allgathered, exclusive, next_buffers, shift, wait_until
 from .record import Record
 
 __all__ = ["ring_attention", "agree_outcome"]
@@ -120,22 +120,23 @@ def ring_attention(q, k, v, comm=None, *, causal=False, scale=None, layout="cont
     before any transfer (see docs/reliability.md).
     """
     comm = check_comm(comm)
-    options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens)
-    plan, scale, (q, k, v) = setup(q, k, v, comm, scale, options, check_finite, expected_size, timeout,
-                                   prepare=lambda: [np.ascontiguousarray(a) for a in (q, k, v)])
-    timeout = resolve_timeout(timeout, plan, q.size // (q.shape[-2] * q.shape[-1]), q.shape[-1])
-    rec = Record(comm.Get_rank()) if record is None else record
-    with RingComm(comm, timeout) as ring:  # a private duplicate: the caller's messages never mix with the ring's
-        # a common start: event times minus rec.t0 compare across ranks
-        wait_until([ring.comm.Ibarrier()], timeout, ring.rank, "start barrier")
-        rec.t0 = start = time.perf_counter()
-        if plan.mode == "allgather":
-            out, lse = _allgather_loop(q, k, v, plan, ring.comm, scale, rec, timeout)
-        else:
-            out, lse = _ring_loop(q, k, v, plan, ring, scale, rec, timeout)
-            rec.bytes_sent, rec.messages, rec.wait_time = ring.bytes_sent, ring.messages, ring.wait_time
-        if timeout is not None:
-            agree_outcome(ring.comm, timeout, rec.t0)
-    rec.wall_time = time.perf_counter() - start
-    rec.plan = plan
-    return out, lse
+    with exclusive(comm):  # one call per communicator at a time (threads: one Dup each)
+        options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens)
+        plan, scale, (q, k, v) = setup(q, k, v, comm, scale, options, check_finite, expected_size, timeout,
+                                       prepare=lambda: [np.ascontiguousarray(a) for a in (q, k, v)])
+        timeout = resolve_timeout(timeout, plan, q.size // (q.shape[-2] * q.shape[-1]), q.shape[-1])
+        rec = Record(comm.Get_rank()) if record is None else record
+        with RingComm(comm, timeout) as ring:  # a private duplicate: the caller's messages never mix with the ring's
+            # a common start: event times minus rec.t0 compare across ranks
+            wait_until([ring.comm.Ibarrier()], timeout, ring.rank, "start barrier")
+            rec.t0 = start = time.perf_counter()
+            if plan.mode == "allgather":
+                out, lse = _allgather_loop(q, k, v, plan, ring.comm, scale, rec, timeout)
+            else:
+                out, lse = _ring_loop(q, k, v, plan, ring, scale, rec, timeout)
+                rec.bytes_sent, rec.messages, rec.wait_time = ring.bytes_sent, ring.messages, ring.wait_time
+            if timeout is not None:
+                agree_outcome(ring.comm, timeout, rec.t0)
+        rec.wall_time = time.perf_counter() - start
+        rec.plan = plan
+        return out, lse
