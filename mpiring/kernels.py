@@ -188,7 +188,8 @@ def attention_block(q, k, v, scale=None, klo=None, khi=None, *, padded=False, in
             tile_lse[...] = np.where(ok, (m + np.log2(rowsum)) * LN2, -np.inf)
             # A row sum is >= 1 in exact arithmetic (the offset is one of the row's scores, or
             # its max). Below 1/2, or not finite, rounding beat the fast path: redo those rows.
-            redo = ~((rowsum >= 0.5) & np.isfinite(acc).all(axis=-1)) if not exact[it] else np.ones(rowsum.shape, bool)
+            # (a NaN or Inf in v's columns needs no redo: it is the IEEE answer, kept as it is)
+            redo = ~(rowsum >= 0.5) if not exact[it] else np.ones(rowsum.shape, bool)
             if sees is not None:
                 redo &= sees[a:e]
             if redo.any():
