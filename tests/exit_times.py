@@ -57,10 +57,10 @@ def _job(case):
                 return real(*args, **kwargs)
 
             block.attend = attend
-        comm = {"comm-self": MPI.COMM_SELF, "comm-dup": world.Dup() if case == "comm-dup" else None,
-                "comm-null": MPI.COMM_NULL, "comm-str": "world"}.get(case, world)
-        if case == "comm-inter":
-            comm = None
+        comm = {"comm-self": MPI.COMM_SELF, "comm-null": MPI.COMM_NULL, "comm-str": "world"}.get(case, world)
+    if case == "comm-dup":  # every rank makes it (Dup is collective); rank 1 passes it
+        dup = world.Dup()
+        comm = dup if rank == 1 else world
     if case == "comm-inter":  # every rank builds it (collective); rank 1 then passes it
         local = world.Split(0 if rank < 2 else 1, rank)
         inter = local.Create_intercomm(0, world, 2 if rank < 2 else 0, tag=7)
