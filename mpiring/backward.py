@@ -143,8 +143,14 @@ def _allgather_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec, 
     return dq, own[0], own[1]
 
 
-def ring_attention_backward(dout, q, k, v, out, lse, comm=None, *, causal=False, scale=None, layout="contiguous",
-                            mode="ring", window=None, cu_seqlens=None, timeout="auto", record=None):
+def ring_attention_backward(
+    dout: np.ndarray,  # (..., Hq, n, Dv): the loss's gradient w.r.t. this rank's out
+    q: np.ndarray, k: np.ndarray, v: np.ndarray,  # as ring_attention: (..., Hq|Hk, n, D), v (..., Hk, n, Dv)
+    out: np.ndarray, lse: np.ndarray,  # what ring_attention returned: (..., Hq, n, Dv), (..., Hq, n)
+    comm=None, *, causal: bool = False, scale: float | None = None, layout: str = "contiguous",
+    mode: str = "ring", window: tuple[int, int] | None = None, cu_seqlens=None,
+    timeout: float | str | None = "auto", record: Record | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # dq, dk, dv: the shapes of q, k, v
     """Gradients ``(dq, dk, dv)`` of this rank's shard, given the upstream gradient ``dout``.
 
     ``out`` and ``lse`` are what ``ring_attention`` returned on this rank, with

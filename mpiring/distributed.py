@@ -65,9 +65,13 @@ def _recorded_schedule(columns, plan):
     return Schedule(table, records=[c[1] for c in columns], plan=plan)
 
 
-def distributed_attention(Q, K, V, comm=None, *, causal=False, root=0, scale=None, layout="contiguous",
-                          mode="ring", window=None, cu_seqlens=None, timeout="auto", return_lse=False,
-                          on_step=None, check_finite=False, expected_size=None):
+def distributed_attention(
+    Q: np.ndarray | None, K: np.ndarray | None, V: np.ndarray | None,  # on root: (..., Hq, S, D), (..., Hk, S, D/Dv)
+    comm=None, *, causal: bool = False, root: int = 0, scale: float | None = None, layout: str = "contiguous",
+    mode: str = "ring", window: tuple[int, int] | None = None, cu_seqlens=None,
+    timeout: float | str | None = "auto", return_lse: bool = False, on_step=None, check_finite: bool = False,
+    expected_size: int | None = None,
+) -> tuple:  # on root (out (..., Hq, S, Dv)[, lse], schedule); Nones elsewhere
     """Root scatters full Q, K, V, the ring runs, root gathers the output and the schedule.
 
     Returns ``(out, schedule)`` on root and ``(None, None)`` elsewhere;
@@ -123,9 +127,13 @@ def _collect(comm, root, plan, pieces, rec, extra, timeout):
     return (*full, schedule)
 
 
-def distributed_attention_backward(Q, K, V, dOut, comm=None, *, root=0, causal=False, scale=None,
-                                   layout="contiguous", mode="ring", window=None, cu_seqlens=None, timeout="auto",
-                                   return_out=False):
+def distributed_attention_backward(
+    Q: np.ndarray | None, K: np.ndarray | None, V: np.ndarray | None,  # on root, as distributed_attention
+    dOut: np.ndarray | None,  # on root: (..., Hq, S, Dv)
+    comm=None, *, root: int = 0, causal: bool = False, scale: float | None = None, layout: str = "contiguous",
+    mode: str = "ring", window: tuple[int, int] | None = None, cu_seqlens=None,
+    timeout: float | str | None = "auto", return_out: bool = False,
+) -> tuple:  # on root ([out,] dQ, dK, dV, schedule); Nones elsewhere
     """Root scatters Q, K, V and dOut; the ring runs forward then backward; root gathers the gradients.
 
     Returns ``(dQ, dK, dV, schedule)`` on root and Nones elsewhere.

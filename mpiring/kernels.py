@@ -71,8 +71,13 @@ _FLOOR_LOG2 = {np.dtype(np.float32): -126.0, np.dtype(np.float64): -1022.0}
 
 # ---------------------------------------------------------------- forward
 
-def attention_block(q, k, v, scale=None, klo=None, khi=None, *, padded=False, into=None,
-                    tile_q=None, tile_k=None, progress=None):
+def attention_block(
+    q: np.ndarray,  # (..., Hq, Sq, D)
+    k: np.ndarray,  # (..., Hk, Sk, D), or (..., Hk, D+1, Sk) when padded
+    v: np.ndarray,  # (..., Hk, Sk, Dv), or (..., Hk, Dv+1, Sk) when padded
+    scale: float | None = None, klo: np.ndarray | None = None, khi: np.ndarray | None = None,  # (Sq,) each
+    *, padded: bool = False, into=None, tile_q: int | None = None, tile_k: int | None = None, progress=None,
+) -> tuple[np.ndarray, np.ndarray]:  # out (..., Hq, Sq, Dv), lse (..., Hq, Sq)
     """Softmax attention of q over one key block: returns (out, lse).
 
     out (..., Hq, Sq, Dv) is the normalized output, lse (..., Hq, Sq) the
@@ -268,7 +273,8 @@ def _unflatten(out, lse, sh):
 
 # ---------------------------------------------------------------- merge
 
-def merge(out, lse, block_out, block_lse, *, inplace=False):
+def merge(out: np.ndarray, lse: np.ndarray, block_out: np.ndarray, block_lse: np.ndarray, *,
+          inplace: bool = False) -> tuple[np.ndarray, np.ndarray]:  # (..., S, Dv), (..., S)
     """Combine two normalized attentions over disjoint key sets (the log-sum-exp rule).
 
     out (..., S, Dv), lse (..., S). NaN-free when either or both lse are -inf.
@@ -291,8 +297,12 @@ def merge(out, lse, block_out, block_lse, *, inplace=False):
 
 # ---------------------------------------------------------------- backward
 
-def attention_block_backward(dout, q, k, v, out, lse, scale=None, klo=None, khi=None, *,
-                             delta=None, tile_q=None, tile_k=None, progress=None):
+def attention_block_backward(
+    dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,  # (..., Hq, Sq, Dv), as attention_block
+    out: np.ndarray, lse: np.ndarray,  # the final (merged) out (..., Hq, Sq, Dv) and lse (..., Hq, Sq)
+    scale: float | None = None, klo: np.ndarray | None = None, khi: np.ndarray | None = None, *,
+    delta: np.ndarray | None = None, tile_q: int | None = None, tile_k: int | None = None, progress=None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # dq, dk, dv: the shapes of q, k, v
     """FlashAttention-2 backward of one key block: returns (dq, dk, dv).
 
     out and lse must be the FINAL (merged over all key blocks) results, so the

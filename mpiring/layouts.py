@@ -29,7 +29,7 @@ def check_layout(layout):
     return layout
 
 
-def shard_indices(seq_len, size, rank, layout="contiguous"):
+def shard_indices(seq_len: int, size: int, rank: int, layout: str = "contiguous") -> np.ndarray:
     """Sorted global token positions that ``rank`` holds."""
     check_layout(layout)
     if layout == "contiguous":
@@ -42,7 +42,7 @@ def shard_indices(seq_len, size, rank, layout="contiguous"):
     return np.arange(rank, seq_len, size)
 
 
-def shard(x, size, rank, layout="contiguous", axis=-2):
+def shard(x: np.ndarray, size: int, rank: int, layout: str = "contiguous", axis: int = -2) -> np.ndarray:
     """The part of a full array ``x`` that ``rank`` holds (sequence on ``axis``)."""
     idx = shard_indices(x.shape[axis], size, rank, layout)
     if layout == "contiguous" and len(idx):
@@ -52,7 +52,7 @@ def shard(x, size, rank, layout="contiguous", axis=-2):
     return np.take(x, idx, axis=axis)
 
 
-def unshard(pieces, layout="contiguous", axis=-2):
+def unshard(pieces: list, layout: str = "contiguous", axis: int = -2) -> np.ndarray:
     """Inverse of ``shard``: put every rank's piece back in sequence order."""
     size = len(pieces)
     seq_len = sum(p.shape[axis] for p in pieces)

@@ -191,7 +191,8 @@ def _last_needed(kinds, size, stream, max_step):
     return last
 
 
-def make_plan(seq_len, size, *, layout="contiguous", mode="ring", causal=False, window=None, cu_seqlens=None):
+def make_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str = "ring", causal: bool = False,
+              window: tuple[int, int] | None = None, cu_seqlens=None) -> Plan:
     """Build the plan for ``size`` ranks over a sequence of ``seq_len`` tokens."""
     check_layout(layout)
     if mode not in MODES:

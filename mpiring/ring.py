@@ -87,9 +87,15 @@ def agree_outcome(comm, timeout, t0):
                           f"the timeout ({timeout:g} s): one was stalled and the others gave up on it")
 
 
-def ring_attention(q, k, v, comm=None, *, causal=False, scale=None, layout="contiguous", mode="ring",
-                   window=None, cu_seqlens=None, timeout="auto", record=None, check_finite=False,
-                   expected_size=None):
+def ring_attention(
+    q: np.ndarray,  # (..., Hq, n, D): this rank's queries (n = its tokens under ``layout``)
+    k: np.ndarray,  # (..., Hk, n, D), Hq a multiple of Hk
+    v: np.ndarray,  # (..., Hk, n, Dv)
+    comm=None, *, causal: bool = False, scale: float | None = None, layout: str = "contiguous",
+    mode: str = "ring", window: tuple[int, int] | None = None, cu_seqlens=None,
+    timeout: float | str | None = "auto", record: Record | None = None, check_finite: bool = False,
+    expected_size: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:  # out (..., Hq, n, Dv), lse (..., Hq, n)
     """Attention of this rank's queries against the whole distributed sequence.
 
     Every rank passes its local shard ``(..., seq_local, dim)`` of q, k, v (the
