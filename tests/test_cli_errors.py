@@ -18,7 +18,7 @@ import pytest
 
 from mpiring.__main__ import main
 
-from launch import MPIEXEC, clean_env, mpiexec_argv
+from launch import MPIEXEC, clean_env, mpiexec_argv, open_mpi
 
 HERE = os.path.dirname(__file__)
 needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
@@ -31,24 +31,32 @@ except ImportError:
 NOISE = ("Abort", "BAD TERMINATION", "Traceback")
 
 
-def _launch(n, *args, limit=120, interrupt_after=None):
+def _launch(n, *args, limit=120, interrupt_on=None):
     """Run ``mpiexec -n n python *args`` in its own process group: (exit code, stdout, stderr, seconds).
 
-    ``interrupt_after``: send SIGINT to the whole group (mpiexec and the ranks, as a terminal's Ctrl-C does)
-    after that many seconds. The group is killed at the end whatever happened.
+    ``interrupt_on``: send SIGINT to the whole group (mpiexec and the ranks, as a terminal's Ctrl-C does)
+    once stdout shows that text: by then every rank is inside the run with its handler installed (a
+    fixed delay raced with slow start-ups under load). The group is killed at the end whatever happened.
     """
     cmd = mpiexec_argv(n, sys.executable, *args)
     start = time.perf_counter()
-    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=clean_env(),
                            start_new_session=True)
+    chunks = []
     try:
-        if interrupt_after is not None:
-            try:
-                job.wait(interrupt_after)
-            except subprocess.TimeoutExpired:
-                os.killpg(job.pid, signal.SIGINT)
+        if interrupt_on is not None:
+            seen = b""
+            while interrupt_on.encode() not in seen and time.perf_counter() - start < limit:
+                chunk = os.read(job.stdout.fileno(), 4096)
+                if not chunk:
+                    break
+                seen += chunk
+            chunks.append(seen)
+            time.sleep(0.5)  # a little way into the ring
+            os.killpg(job.pid, signal.SIGINT)
         out, err = job.communicate(timeout=limit)
-        return job.returncode, out, err, time.perf_counter() - start
+        out = (b"".join(chunks) + out).decode(errors="replace")
+        return job.returncode, out, err.decode(errors="replace"), time.perf_counter() - start
     except subprocess.TimeoutExpired:
         raise AssertionError(f"job hung: {' '.join(cmd)}") from None
     finally:
@@ -148,10 +156,13 @@ def test_a_ring_of_one_or_two_ranks_verifies(n):
 
 
 @needs_mpiexec
-@pytest.mark.parametrize("attempt", range(6))
+@pytest.mark.parametrize("attempt", range(2))
 def test_ctrl_c_ends_every_rank_with_130(attempt):
-    """SIGINT to mpiexec's process group in the middle of a long ring: one line, exit 130, no traceback."""
-    rc, out, err, seconds = _run(4, "--seq-len", "65536", interrupt_after=4 + attempt % 3, limit=60)
-    assert rc == 130, out + err
+    """SIGINT to mpiexec's process group in the middle of a long ring: one line, exit 130, no traceback.
+
+    Open MPI's mpirun reports its own exit code (1) when the ranks end on SIGINT, whatever theirs are.
+    """
+    rc, out, err, seconds = _run(4, "--seq-len", "32768", "--progress", "on", interrupt_on="ring step")
+    assert rc == (1 if open_mpi() else 130), out + err
     assert err.count("interrupted") == 1 and not any(n in out + err for n in NOISE), out + err
-    assert seconds < 30
+    assert seconds < 60

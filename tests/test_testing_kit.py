@@ -9,7 +9,6 @@ their tests run, serially and under ``mpiexec -n 2`` (a subprocess with a clean 
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +19,8 @@ import pytest
 from hypothesis import given, settings
 
 from mpiring import testing
+
+from launch import MPIEXEC, clean_env, mpiexec_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "testing.md"
@@ -163,7 +164,7 @@ def _doc_files(tmp_path):
 
 
 def _run(cmd, cwd):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "PMIX_", "MPIR_", "OMPI_"))}
+    env = clean_env()  # no variables of a parent launch; Open MPI's root permission kept (tests/launch.py)
     env["PYTHONPATH"] = os.pathsep.join([str(cwd), str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd,
                            start_new_session=True)
@@ -183,11 +184,11 @@ def test_testing_md_runs_serially(tmp_path):
     assert "13 passed" in output, output
 
 
-@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec on PATH")
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
 def test_testing_md_runs_on_two_ranks(tmp_path):
     _doc_files(tmp_path)
-    code, output = _run([shutil.which("mpiexec"), "-n", "2", sys.executable, "-m", "pytest", "--with-mpi", "-q",
-                         "-p", "no:cacheprovider", "."], tmp_path)
+    code, output = _run(mpiexec_argv(2, sys.executable, "-m", "pytest", "--with-mpi", "-q", "-p", "no:cacheprovider",
+                                     "."), tmp_path)
     assert code == 0, output
     assert output.count("13 passed") == 2, output
 

@@ -107,7 +107,7 @@ def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", fake_import)
-    with pytest.raises(ImportError, match=r"pip install 'mpiring\[plot\]'"):
+    with pytest.raises(ImportError, match=r'pip install -e "\.\[plot\]" in the mpiring checkout'):
         plot_timeline(_fake_records(), str(tmp_path / "t.png"))
 
 

@@ -2,7 +2,7 @@
 
     mpiexec -n 4 python -m mpiring run --causal --plot timeline.png
 
-Needs matplotlib: ``pip install 'mpiring[plot]'`` (or ``pip install matplotlib``).
+Needs matplotlib: ``pip install -e ".[plot]"`` in the checkout (or ``pip install matplotlib``).
 """
 
 import numpy as np
@@ -18,7 +18,7 @@ def _need_matplotlib():
     try:
         import matplotlib
     except ImportError:
-        raise ImportError("plotting needs matplotlib: pip install 'mpiring[plot]' "
+        raise ImportError("plotting needs matplotlib: pip install -e \".[plot]\" in the mpiring checkout "
                           "(or pip install matplotlib)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
