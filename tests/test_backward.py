@@ -16,10 +16,8 @@ from mpiring.kernels import attention_block, attention_block_backward
 from mpiring.masks import visible_keys
 from mpiring.reference import reference_attention_backward
 
-from conftest import SHAPES, dense_mask, naive_attention, qkv
+from conftest import GRAD_TOL, SHAPES, dense_mask, naive_attention, qkv
 from launch import MPIEXEC, clean_env, mpiexec_argv
-
-GRAD_TOL = {np.float64: 1e-10, np.float32: 1e-4}
 
 
 def _masks(seq_len, causal=False, window=None, cu=None):

@@ -19,11 +19,11 @@ import pytest
 
 from mpiring import LAYOUTS, MODES, kernels, reference_attention, ring_attention, ring_attention_backward, tiles
 
-from conftest import dense_mask, local, naive_attention, naive_attention_backward
+from conftest import GRAD_TOL, dense_mask, local, naive_attention, naive_attention_backward
 
 pytestmark = pytest.mark.mpi
 
-TOL = 1e-10  # float64, absolute, on values of order 1
+TOL = GRAD_TOL[np.float64]  # float64, absolute, on values of order 1 (outputs and gradients alike)
 
 
 def _masks(S):
