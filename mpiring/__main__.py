@@ -136,11 +136,15 @@ def _on_interrupt(rank):
         if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
             threading.Thread(target=_exit_after, args=(FINALIZE_WAIT,), daemon=True).start()
             mpi.Finalize()
+            # the launcher kills every rank still running once one leaves with a non-zero code: give a
+            # rank that is still finishing a tile (its handler runs after it) time to get here too
+            time.sleep(EXIT_GRACE)
         os._exit(INTERRUPTED)
     return handler
 
 
 FINALIZE_WAIT = 10.0  # seconds an interrupted rank waits for the others in MPI_Finalize
+EXIT_GRACE = 2.0  # seconds an interrupted rank waits after finalizing, so the ranks leave together
 
 
 def _exit_after(seconds):
