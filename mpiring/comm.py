@@ -5,6 +5,8 @@ Everything here talks to MPI; what to send when comes from the plan
 """
 
 import contextlib
+import functools
+import os
 import pickle
 import threading
 import time
@@ -17,6 +19,21 @@ __all__ = ["RingComm", "HomeRing", "CommTimeout", "exclusive", "wait_until", "al
 
 
 SPIN_SECONDS = 2.0  # a wait polls MPI without pause this long, then every millisecond
+
+
+@functools.cache
+def shares_cores():
+    """Whether this node runs more ranks than this process may use cores (oversubscribed).
+
+    From the launcher's environment (MPICH's Hydra: MPI_LOCALNRANKS; Open MPI:
+    OMPI_COMM_WORLD_LOCAL_SIZE); unknown counts as not shared.
+    """
+    local = os.environ.get("MPI_LOCALNRANKS") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE") or "1"
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return int(local) > cores
 
 # rings given up on an error path: (communicator, pending requests, datatypes), kept alive, never freed
 ABANDONED = []
@@ -69,7 +86,9 @@ def wait_until(requests, timeout, rank, what, start=None, note=None):
         if now - start > timeout:
             raise CommTimeout(f"rank {rank}: {what} not complete after {timeout:g} s "
                               f"({note or 'another rank may have failed or stalled'})")
-        if now - polled > SPIN_SECONDS:  # a long wait: poll every millisecond, leave the core to others
+        if shares_cores():  # more ranks than cores here: a spinning rank would slow the one computing
+            time.sleep(1e-4)
+        elif now - polled > SPIN_SECONDS:  # a long wait: poll every millisecond, leave the core to others
             time.sleep(1e-3)
         # else spin, as MPI_Waitall does: large transfers move only while someone polls (sleeping 0.1 ms
         # between polls left 1.5 s of the backward's 8 s blocked on the hop home, against 0.03 s)
