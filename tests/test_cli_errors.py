@@ -160,9 +160,13 @@ def test_a_ring_of_one_or_two_ranks_verifies(n):
 def test_ctrl_c_ends_every_rank_with_130(attempt):
     """SIGINT to mpiexec's process group in the middle of a long ring: one line, exit 130, no traceback.
 
-    Open MPI's mpirun reports its own exit code (1) when the ranks end on SIGINT, whatever theirs are.
+    Open MPI's mpirun reports its own exit code (1) when the ranks end on SIGINT, whatever theirs are,
+    and stops forwarding their output, so rank 0's one line may not reach the terminal there.
     """
     rc, out, err, seconds = _run(4, "--seq-len", "32768", "--progress", "on", interrupt_on="ring step")
-    assert rc == (1 if open_mpi() else 130), out + err
-    assert err.count("interrupted") == 1 and not any(n in out + err for n in NOISE), out + err
+    assert not any(n in out + err for n in NOISE), out + err
     assert seconds < 60
+    if open_mpi():  # mpirun stops forwarding the ranks' output once interrupted, and exits 1 itself
+        assert rc == 1 and err.count("interrupted") <= 1, out + err
+    else:
+        assert rc == 130 and err.count("interrupted") == 1, out + err
