@@ -18,6 +18,8 @@ __all__ = ["RingComm", "HomeRing", "CommTimeout", "exclusive", "wait_until", "al
            "KVBuffers", "next_buffers", "shift", "flat_blocks", "allgathered", "payload_bytes"]
 
 
+# what a timed-out wait says when it knows no better
+CAUSES = "another rank may have failed or stalled, or its compute step outlasted the timeout"
 SPIN_SECONDS = 2.0  # a wait polls MPI without pause this long, then every millisecond
 
 
@@ -84,8 +86,7 @@ def wait_until(requests, timeout, rank, what, start=None, note=None):
     while not MPI.Request.Testall(requests):
         now = time.perf_counter()
         if now - start > timeout:
-            raise CommTimeout(f"rank {rank}: {what} not complete after {timeout:g} s "
-                              f"({note or 'another rank may have failed or stalled'})")
+            raise CommTimeout(f"rank {rank}: {what} not complete after {timeout:g} s ({note or CAUSES})")
         if shares_cores():  # more ranks than cores here: a spinning rank would slow the one computing
             time.sleep(1e-4)
         elif now - polled > SPIN_SECONDS:  # a long wait: poll every millisecond, leave the core to others
