@@ -104,7 +104,12 @@ AUTO_RATE = 1e8  # ... the whole call's FLOPs at this rate (FLOP/s): 100x below 
 
 
 def agreement_timeout(timeout):
-    """The timeout of the agreement itself, before the plan is known."""
+    """The timeout of the agreement itself, before the plan is known.
+
+    A bad timeout waits forever here: the agreement is what reports it, to every rank.
+    """
+    if timeout_problem(timeout):
+        return None
     return AUTO_AGREE if isinstance(timeout, str) else timeout
 
 
@@ -209,8 +214,6 @@ def agree(comm, problem, timeout=None):
         raise ValueError(message)
 
 
-
-
 def compared(options, timeout):
     """The values every rank must pass identically, by argument name."""
     values = dict(options, timeout=timeout)
@@ -285,10 +288,8 @@ def logit_problem(scale, dim, q_peak, k_peak, dtype):
     return None
 
 
-
-
 def grad_problem(dout, q, k, v, out, lse):
-    """What is wrong with this rank's dout, out or lse, or None (q, k, v are checked by ``_setup``)."""
+    """What is wrong with this rank's dout, out or lse, or None (q, k, v are checked by ``setup``)."""
     try:
         if local_problem(q, k, v, None):
             return None
@@ -316,7 +317,6 @@ def root_problem(Q, K, V):
         if not isinstance(a, np.ndarray):
             return f"{name} must be a NumPy array on the root rank, got {type(a).__name__}"
     return None
-
 
 
 def root_grad_problem(Q, K, V, dOut, scale, size):

@@ -37,9 +37,9 @@ def shares_cores():
         cores = os.cpu_count() or 1
     return int(local) > cores
 
+
 # rings given up on an error path: (communicator, pending requests, datatypes), kept alive, never freed
 ABANDONED = []
-
 
 _IN_USE = {}  # communicator handle -> the thread running a call on it
 _IN_USE_LOCK = threading.Lock()
@@ -101,31 +101,34 @@ def allgather(comm, obj, timeout=None):
     Always non-blocking collectives (they never match blocking ones), so ranks
     with and without a timeout still pair up.
     """
-    valid = isinstance(timeout, (int, float, np.integer, np.floating)) and not isinstance(timeout, (bool, np.bool_))
-    if not (valid and np.isfinite(timeout) and timeout > 0):
-        timeout = None  # a bad timeout is reported by the agreement itself, after this exchange
     start, rank = time.perf_counter(), comm.Get_rank()
-    data = np.frombuffer(pickle.dumps(obj), np.uint8)
+    data = _pickled(obj)
     sizes = np.empty(comm.Get_size(), np.int64)
-    mine = np.array([data.size], np.int64)
-    wait_until([comm.Iallgather(mine, sizes)], timeout, rank, "agreement", start)
+    wait_until([comm.Iallgather(np.array([data.size], np.int64), sizes)], timeout, rank, "agreement", start)
     flat = np.empty(int(sizes.sum()), np.uint8)
     wait_until([comm.Iallgatherv(data, [flat, sizes])], timeout, rank, "agreement", start)
-    offsets = np.cumsum(np.concatenate([[0], sizes]))
-    return [pickle.loads(flat[offsets[r]:offsets[r + 1]].tobytes()) for r in range(len(sizes))]
+    return _unpickled(flat, sizes)
 
 
 def gather(comm, obj, root, timeout=None):
     """``comm.gather(obj, root)`` (a list on root, None elsewhere) that raises CommTimeout past ``timeout``."""
     start, rank = time.perf_counter(), comm.Get_rank()
-    data = np.frombuffer(pickle.dumps(obj), np.uint8)
+    data = _pickled(obj)
     sizes = np.empty(comm.Get_size(), np.int64) if rank == root else None
     wait_until([comm.Igather(np.array([data.size], np.int64), sizes, root=root)], timeout, rank, "gather", start)
     flat = np.empty(int(sizes.sum()), np.uint8) if rank == root else None
     wait_until([comm.Igatherv(data, [flat, sizes] if rank == root else None, root=root)], timeout, rank, "gather",
                start)
-    if rank != root:
-        return None
+    return _unpickled(flat, sizes) if rank == root else None
+
+
+def _pickled(obj):
+    """``obj`` as a byte array for the v-collectives."""
+    return np.frombuffer(pickle.dumps(obj), np.uint8)
+
+
+def _unpickled(flat, sizes):
+    """The objects of every rank from the concatenated bytes ``flat`` (``sizes[r]`` bytes of rank r)."""
     offsets = np.cumsum(np.concatenate([[0], sizes]))
     return [pickle.loads(flat[offsets[r]:offsets[r + 1]].tobytes()) for r in range(len(sizes))]
 
