@@ -18,13 +18,13 @@ from .simulate import ring_attention_simulate, simulate
 
 # MPI-backed names: module that defines each, imported on first use (PEP 562)
 _LAZY = {
-    "ring_attention": "ring", "ring_attention_backward": "backward",
+    "ring_attention": "handle", "ring_attention_backward": "handle", "Ring": "handle", "Lse": "handle",
     "distributed_attention": "distributed", "distributed_attention_backward": "distributed",
     "CommTimeout": "comm",
 }
 
 __all__ = [
-    "ring_attention", "distributed_attention", "Record", "CommTimeout",
+    "ring_attention", "distributed_attention", "Record", "CommTimeout", "Ring", "Lse",
     "ring_attention_backward", "distributed_attention_backward", "predicted_backward_bytes",
     "attention_block_backward", "reference_attention_backward",
     "ring_attention_simulate", "simulate",

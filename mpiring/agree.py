@@ -12,7 +12,7 @@ import hashlib
 import numpy as np
 from mpi4py import MPI
 
-from .comm import allgather
+from .comm import allgather, wait_until
 from .kernels import LSE_LIMIT, default_scale
 from .layouts import check_layout
 from .masks import check_window
@@ -20,7 +20,7 @@ from .plan import MODES, make_plan
 
 __all__ = ["agree", "setup", "agree_root", "check_comm", "comm_problem", "resolve_timeout", "agreement_timeout",
            "local_problem", "grad_problem", "root_problem", "root_grad_problem", "timeout_problem", "scale_problem",
-           "logit_problem", "describe"]
+           "logit_problem", "describe", "setup_ring", "call_values", "check_call", "peaks"]
 
 
 def local_problem(q, k, v, scale, check_finite=False):
@@ -221,7 +221,7 @@ def compared(options, timeout):
 
 
 def setup(q, k, v, comm, scale, options, check_finite=False, expected_size=None, timeout=None, prepare=None,
-          problem=None):
+          problem=None, hosts=None):
     """Validate on every rank, agree collectively (one all-gather), and build the shared plan.
 
     Every rank ends with the same verdict: either ``(plan, scale, prepared)``
@@ -232,6 +232,7 @@ def setup(q, k, v, comm, scale, options, check_finite=False, expected_size=None,
     temporaries: a MemoryError) before the agreement, so such a failure is
     reported by every rank too; its result is returned as ``prepared``.
     ``problem``: one more of this rank's problems, found by the caller (or None).
+    ``hosts``: a list to fill with every rank's processor name (who shares a node).
     """
     values = n_local = peaks = prepared = None
     try:
@@ -249,10 +250,12 @@ def setup(q, k, v, comm, scale, options, check_finite=False, expected_size=None,
             peaks = (_peak(q), _peak(k))
     except Exception as exc:  # whatever goes wrong here is reported collectively, never raised alone
         problem, values = describe(exc), None
-    metas = allgather(comm, (problem, values, n_local, peaks), agreement_timeout(timeout))
+    metas = allgather(comm, (problem, values, n_local, peaks, MPI.Get_processor_name()), agreement_timeout(timeout))
     message = verdict([m[0] for m in metas]) or verdict(differences([m[1] for m in metas], 0))
     if message:
         raise ValueError(message)
+    if hosts is not None:
+        hosts[:] = [m[4] for m in metas]
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
     message = logit_problem(scale, q.shape[-1], max(m[3][0] for m in metas), max(m[3][1] for m in metas), q.dtype)
     if message:
@@ -369,3 +372,70 @@ def agree_root(comm, root, check_root, options, timeout=None, expected_size=None
     if message:
         raise ValueError(message)
     return options, gathered[root][3]
+
+
+def setup_ring(comm, seq_len, options, scale, timeout, expected_size=None, problem=None, values=None):
+    """The agreement of a ``Ring`` handle: options, sequence length, scale and timeout, once for all its calls.
+
+    As ``setup``, without arrays: every rank checks what it passed, one
+    all-gather compares it with rank 0's (``values``: more named values that
+    must match), and every rank builds the same plan or raises the same
+    ValueError. Returns ``(plan, hosts)``, hosts being every rank's processor name.
+    """
+    shown = None
+    try:
+        problem = (comm_problem(comm) or timeout_problem(timeout) or scale_problem(scale)
+                   or size_problem(comm.Get_size(), expected_size) or problem)
+        if problem is None and not (isinstance(seq_len, (int, np.integer)) and not isinstance(seq_len, bool)):
+            problem = f"seq_len must be the number of tokens of the whole sequence (an int), got {seq_len!r}"
+        if problem is None:
+            options = canonical(options)
+            shown = dict(compared(options, timeout), seq_len=_Shown(int(seq_len)), scale=_Shown(scale),
+                         **{name: _Shown(value) for name, value in (values or {}).items()})
+    except Exception as exc:  # reported collectively, never raised alone
+        problem, shown = describe(exc), None
+    gathered = allgather(comm, (problem, shown, MPI.Get_processor_name()), agreement_timeout(timeout))
+    message = verdict([g[0] for g in gathered]) or verdict(differences([g[1] for g in gathered], 0))
+    if message:
+        raise ValueError(message)
+    plan = make_plan(int(seq_len), comm.Get_size(), **options)  # same options everywhere: raises everywhere
+    return plan, [g[2] for g in gathered]
+
+
+def call_values(arrays):
+    """What every rank's call must share, by name: the arrays' shapes (but the sequence axis) and dtype."""
+    values = {f"{name} shape": _Shown(*[_shape_text(a)] * 2) for name, a in arrays.items()}
+    values["dtype"] = _Shown(str(next(iter(arrays.values())).dtype))
+    return values
+
+
+def _digest(values):
+    """``values`` as a number an all-reduce can compare: 48 bits of a hash, exact in a float64."""
+    text = repr(sorted((name, repr(v.key)) for name, v in values.items())) if values else ""
+    return float(int.from_bytes(hashlib.blake2b(text.encode(), digest_size=6).digest(), "big"))
+
+
+def check_call(comm, problem, values, peaks, timeout):
+    """The per-call agreement of a ``Ring`` handle: one small all-reduce, the same verdict on every rank.
+
+    Every rank contributes whether it found a ``problem``, a digest of
+    ``values`` (``call_values``: every rank's must match) and ``peaks`` (its
+    largest |q| and |k|). Only when something is wrong does a second round, an
+    all-gather, collect the messages, so the ValueError names each rank as
+    ``setup``'s does. Returns the largest peaks over all ranks. Every rank has
+    arrived when it returns, as after a barrier.
+    """
+    digest = _digest(values)
+    mine = np.array([1.0 if problem else 0.0, digest, -digest, *peaks])
+    every = np.empty_like(mine)
+    wait_until([comm.Iallreduce(mine, every, op=MPI.MAX)], agreement_timeout(timeout), comm.Get_rank(), "agreement")
+    if every[0] or every[1] != -every[2]:
+        gathered = allgather(comm, (problem, values), agreement_timeout(timeout))
+        raise ValueError(verdict([g[0] for g in gathered]) or verdict(differences([g[1] for g in gathered], 0))
+                         or "the ranks passed arrays of different shapes or dtypes")
+    return every[3:]
+
+
+def peaks(*arrays):
+    """Largest |entry| of each array (the logit bound of ``logit_problem``)."""
+    return [_peak(a) for a in arrays]

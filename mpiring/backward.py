@@ -16,14 +16,12 @@ import time
 import numpy as np
 
 from . import block
-from .agree import check_comm, grad_problem, resolve_timeout, setup
 from .block import GRAD_DTYPE, add_grads, count_pairs
-from .comm import Buffers, HomeRing, RingComm, allgathered, exclusive, flat_blocks, next_buffers, shift, wait_until
+from .comm import Buffers, allgathered, flat_blocks, next_buffers, shift, wait_until
 from .plan import chunks_in_order, home_chunks, key_chunks
-from .record import Record
 from .ring import agree_outcome
 
-__all__ = ["ring_attention_backward"]
+__all__ = ["run_backward"]
 
 
 def _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec, timeout):
@@ -143,57 +141,23 @@ def _allgather_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec, 
     return dq, own[0], own[1]
 
 
-def ring_attention_backward(
-    dout: np.ndarray,  # (..., Hq, n, Dv): the loss's gradient w.r.t. this rank's out
-    q: np.ndarray, k: np.ndarray, v: np.ndarray,  # as ring_attention: (..., Hq|Hk, n, D), v (..., Hk, n, Dv)
-    out: np.ndarray, lse: np.ndarray,  # what ring_attention returned: (..., Hq, n, Dv), (..., Hq, n)
-    comm=None, *, causal: bool = False, scale: float | None = None, layout: str = "contiguous",
-    mode: str = "ring", window: tuple[int, int] | None = None, cu_seqlens=None,
-    timeout: float | str | None = "auto", record: Record | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # dq, dk, dv: the shapes of q, k, v
-    """Gradients ``(dq, dk, dv)`` of this rank's shard, given the upstream gradient ``dout``.
+def run_backward(arrays, plan, rings, scale, rec, timeout):
+    """The backward pass of contiguous, agreed ``arrays`` (dout, q, k, v, out, lse, delta), all ranks having met.
 
-    ``out`` and ``lse`` are what ``ring_attention`` returned on this rank, with
-    the same options; all arrays are this rank's shard in the same layout.
-    dk and dv have the shape of k and v (grouped-query: summed over each
-    group's query heads). Results have the input dtype; gradients are
-    accumulated in float64. Options are those of ``ring_attention``; bad
-    input on any rank raises the same ValueError on every rank.
+    ``rings``: the K/V RingComm, then (but for all-gather) the dK/dV onward
+    RingComm and the HomeRing. Fills ``rec`` and returns float64 ``(dq, dk, dv)``.
     """
-    comm = check_comm(comm)
-    with exclusive(comm):  # one call per communicator at a time (threads: one Dup each)
-        options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens)
-
-        def prepare():  # what may fail on one rank alone (MemoryError) is done before the agreement
-            arrays = [np.ascontiguousarray(a) for a in (dout, q, k, v, out, lse)]
-            delta = np.sum(arrays[0].astype(GRAD_DTYPE) * arrays[4], axis=-1).astype(q.dtype)
-            return arrays + [delta]
-
-        problem = grad_problem(dout, q, k, v, out, lse)
-        plan, scale, (dout, q, k, v, out, lse, delta) = setup(q, k, v, comm, scale, options, timeout=timeout,
-                                                              prepare=prepare, problem=problem)
-        timeout = resolve_timeout(timeout, plan, q.size // (q.shape[-2] * q.shape[-1]), q.shape[-1], factor=2.5)
-        rec = Record(comm.Get_rank()) if record is None else record
-        rings = []
-        try:  # private duplicates: K/V, dK/dV onward, dK/dV home (all-gather needs only the first)
-            rings.append(RingComm(comm, timeout))
-            if plan.mode != "allgather":
-                rings += [RingComm(comm, timeout), HomeRing(comm, plan, timeout)]
-            wait_until([rings[0].comm.Ibarrier()], timeout, rings[0].rank, "start barrier")  # a common start
-            rec.t0 = start = time.perf_counter()
-            if plan.mode == "allgather":
-                dq, dk, dv = _allgather_backward(dout, q, k, v, out, lse, delta, plan, rings[0].comm, scale, rec,
-                                                 timeout)
-            else:
-                dq, dk, dv = _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec, timeout)
-                rec.bytes_sent = sum(ring.bytes_sent for ring in rings)
-                rec.messages = sum(ring.messages for ring in rings)
-                rec.wait_time = sum(ring.wait_time for ring in rings)
-            if timeout is not None:  # as in the forward pass: a failed rank skips this, the others time out
-                agree_outcome(rings[0].comm, timeout, rec.t0)
-        finally:
-            for ring in rings:
-                ring.free()
-        rec.wall_time = time.perf_counter() - start
-        rec.plan = plan
-        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    rec.t0 = start = time.perf_counter()
+    counters = [(ring.bytes_sent, ring.messages, ring.wait_time) for ring in rings]
+    if plan.mode == "allgather":
+        dq, dk, dv = _allgather_backward(*arrays, plan, rings[0].comm, scale, rec, timeout)
+    else:
+        dq, dk, dv = _backward_ring_loop(*arrays, plan, rings, scale, rec, timeout)
+        rec.bytes_sent = sum(ring.bytes_sent - c[0] for ring, c in zip(rings, counters))
+        rec.messages = sum(ring.messages - c[1] for ring, c in zip(rings, counters))
+        rec.wait_time = sum(ring.wait_time - c[2] for ring, c in zip(rings, counters))
+    if timeout is not None:  # as in the forward pass: a failed rank skips this, the others time out
+        agree_outcome(rings[0].comm, timeout, rec.t0)
+    rec.wall_time = time.perf_counter() - start
+    rec.plan = plan
+    return dq, dk, dv

@@ -18,12 +18,11 @@ from .agree import (
     root_grad_problem,
     root_problem,
 )
-from .backward import ring_attention_backward
 from .comm import CommTimeout, gather, wait_until
+from .handle import ring_attention, ring_attention_backward
 from .layouts import shard, unshard
 from .plan import Schedule, make_plan
 from .record import Record
-from .ring import ring_attention
 
 __all__ = ["distributed_attention", "distributed_attention_backward"]
 

@@ -42,25 +42,49 @@ def shard_indices(seq_len: int, size: int, rank: int, layout: str = "contiguous"
     return np.arange(rank, seq_len, size)
 
 
-def shard(x: np.ndarray, size: int, rank: int, layout: str = "contiguous", axis: int = -2) -> np.ndarray:
-    """The part of a full array ``x`` that ``rank`` holds (sequence on ``axis``)."""
-    idx = shard_indices(x.shape[axis], size, rank, layout)
-    if layout == "contiguous" and len(idx):
-        sl = [slice(None)] * x.ndim
-        sl[axis] = slice(idx[0], idx[-1] + 1)
-        return x[tuple(sl)]
-    return np.take(x, idx, axis=axis)
+def _seq_axis(x, axis):
+    """The sequence axis: ``axis``, or by default -2 ((..., seq, dim) arrays) and 0 for 1-D arrays."""
+    if axis is None:
+        return 0 if x.ndim == 1 else -2
+    return axis
 
 
-def unshard(pieces: list, layout: str = "contiguous", axis: int = -2) -> np.ndarray:
-    """Inverse of ``shard``: put every rank's piece back in sequence order."""
+def shard(x: np.ndarray, size: int, rank: int, layout: str = "contiguous", axis: int | None = None) -> np.ndarray:
+    """The part of a full array ``x`` that ``rank`` holds, the sequence on ``axis``.
+
+    ``axis`` defaults to -2 ((..., seq, dim) arrays such as q, k, v) and to 0
+    for 1-D arrays; (B, S) token ids take ``axis=-1``, (B, S, H, D) ``axis=1``.
+    contiguous and striped return a view of ``x`` (no copy; writes reach x);
+    zigzag, whose two chunks are apart, returns a copy.
+    """
+    x = np.asarray(x)
+    axis = _seq_axis(x, axis)
+    seq_len = x.shape[axis]
+    if layout == "zigzag":
+        return np.take(x, shard_indices(seq_len, size, rank, layout), axis=axis)
+    check_layout(layout)
+    where = [slice(None)] * x.ndim
+    if layout == "contiguous":
+        n, start = block_range(seq_len, size, rank)
+        where[axis] = slice(start, start + n)
+    else:  # striped: every size-th token from rank
+        where[axis] = slice(rank, None, size)
+    return x[tuple(where)]
+
+
+def unshard(pieces: list, layout: str = "contiguous", axis: int | None = None) -> np.ndarray:
+    """Inverse of ``shard``: every rank's piece put back in sequence order, in a new array.
+
+    ``axis`` as for ``shard`` (default -2, or 0 for 1-D pieces).
+    """
     size = len(pieces)
-    seq_len = sum(p.shape[axis] for p in pieces)
-    first = pieces[0]
+    first = np.asarray(pieces[0])
+    axis = _seq_axis(first, axis)
+    seq_len = sum(np.shape(p)[axis] for p in pieces)
     shape = list(first.shape)
     shape[axis] = seq_len
     full = np.empty(shape, dtype=np.result_type(*pieces))
     moved = np.moveaxis(full, axis, 0)
     for rank, piece in enumerate(pieces):
-        moved[shard_indices(seq_len, size, rank, layout)] = np.moveaxis(piece, axis, 0)
+        moved[shard_indices(seq_len, size, rank, layout)] = np.moveaxis(np.asarray(piece), axis, 0)
     return full

@@ -2,7 +2,8 @@
 
     mpiexec -n 4 python -m mpiring run --seq-len 4096 --dim 64 --heads 8 --causal
 
-The loop below is the whole algorithm: start passing the held blocks on,
+``mpiring.Ring`` (and ``ring_attention``, in ``mpiring.handle``) checks the
+arguments and calls ``run_forward``. The loop below is the whole algorithm: start passing the held blocks on,
 compute on them (``block.attend``: the kernel and the log-sum-exp merge; tests
 wrap it to inject faults), wait for the next ones, swap. Which block is where
 at each step is the plan's (``mpiring.plan``); how it moves is ``mpiring.comm``'s.
@@ -14,11 +15,9 @@ import numpy as np
 from mpi4py import MPI
 
 from . import block
-from .agree import check_comm, resolve_timeout, setup
-from .comm import CommTimeout, KVBuffers, RingComm, allgathered, exclusive, next_buffers, shift, wait_until
-from .record import Record
+from .comm import CommTimeout, KVBuffers, allgathered, next_buffers, shift, wait_until
 
-__all__ = ["ring_attention", "agree_outcome"]
+__all__ = ["run_forward", "agree_outcome"]
 
 
 def _ring_loop(q, k, v, plan, ring, scale, rec, timeout):
@@ -86,62 +85,21 @@ def agree_outcome(comm, timeout, t0):
                           f"the timeout ({timeout:g} s): one was stalled and the others gave up on it")
 
 
-def ring_attention(
-    q: np.ndarray,  # (..., Hq, n, D): this rank's queries (n = its tokens under ``layout``)
-    k: np.ndarray,  # (..., Hk, n, D), Hq a multiple of Hk
-    v: np.ndarray,  # (..., Hk, n, Dv)
-    comm=None, *, causal: bool = False, scale: float | None = None, layout: str = "contiguous",
-    mode: str = "ring", window: tuple[int, int] | None = None, cu_seqlens=None,
-    timeout: float | str | None = "auto", record: Record | None = None, check_finite: bool = False,
-    expected_size: int | None = None,
-) -> tuple[np.ndarray, np.ndarray]:  # out (..., Hq, n, Dv), lse (..., Hq, n)
-    """Attention of this rank's queries against the whole distributed sequence.
+def run_forward(q, k, v, plan, ring, scale, rec, timeout):
+    """The forward pass of contiguous, agreed arrays over ``ring`` (a RingComm), all ranks having just met.
 
-    Every rank passes its local shard ``(..., seq_local, dim)`` of q, k, v (the
-    ``layout`` says which tokens it holds) and gets its ``(out, lse)`` back:
-    out ``(..., Hq, seq_local, dim_v)`` and the log-sum-exp ``(..., Hq, seq_local)``.
-
-    Args:
-        comm: an mpi4py communicator (default COMM_WORLD); one rank = one device.
-        causal: token t attends only to tokens <= t.
-        scale: softmax scale, default 1/sqrt(dim).
-        layout: "contiguous", "zigzag" or "striped" (see ``mpiring.layouts``).
-        mode: "ring", "bidirectional" or "allgather" (see ``mpiring.schedule``).
-        window: sliding window ``(left, right)`` as in flash-attn; -1 is unbounded.
-        cu_seqlens: packed documents ``[0, end_0, end_1, ..., seq_len]`` (global positions).
-        timeout: seconds a rank may wait for the others (each transfer, a final
-            check) before raising ``CommTimeout``; an error or stall on one rank
-            then raises on every rank still alive: the failed rank its own error
-            at once, the others CommTimeout within 2.5 x timeout. "auto" (the
-            default): 60 s for ranks to arrive, then 60 s plus the busiest rank's
-            FLOPs at 1e8 FLOP/s for every wait (``agree.resolve_timeout``). None
-            waits forever. Must be the same on every rank and exceed the
-            longest compute step.
-        record: a ``Record`` to fill with tasks, events and traffic counters.
-        check_finite: also reject NaN/Inf in q, k, v (one extra pass over them).
-        expected_size: raise unless the communicator has this many ranks.
-
-    Bad arguments on any rank raise the same ``ValueError`` on every rank,
-    before any transfer (see docs/reliability.md).
+    Fills ``rec`` (this call's events, bytes and times) and returns ``(out, lse)``.
     """
-    comm = check_comm(comm)
-    with exclusive(comm):  # one call per communicator at a time (threads: one Dup each)
-        options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens)
-        plan, scale, (q, k, v) = setup(q, k, v, comm, scale, options, check_finite, expected_size, timeout,
-                                       prepare=lambda: [np.ascontiguousarray(a) for a in (q, k, v)])
-        timeout = resolve_timeout(timeout, plan, q.size // (q.shape[-2] * q.shape[-1]), q.shape[-1])
-        rec = Record(comm.Get_rank()) if record is None else record
-        with RingComm(comm, timeout) as ring:  # a private duplicate: the caller's messages never mix with the ring's
-            # a common start: event times minus rec.t0 compare across ranks
-            wait_until([ring.comm.Ibarrier()], timeout, ring.rank, "start barrier")
-            rec.t0 = start = time.perf_counter()
-            if plan.mode == "allgather":
-                out, lse = _allgather_loop(q, k, v, plan, ring.comm, scale, rec, timeout)
-            else:
-                out, lse = _ring_loop(q, k, v, plan, ring, scale, rec, timeout)
-                rec.bytes_sent, rec.messages, rec.wait_time = ring.bytes_sent, ring.messages, ring.wait_time
-            if timeout is not None:
-                agree_outcome(ring.comm, timeout, rec.t0)
-        rec.wall_time = time.perf_counter() - start
-        rec.plan = plan
-        return out, lse
+    rec.t0 = start = time.perf_counter()  # event times minus rec.t0 compare across ranks
+    if plan.mode == "allgather":
+        out, lse = _allgather_loop(q, k, v, plan, ring.comm, scale, rec, timeout)
+    else:
+        sent, messages, waited = ring.bytes_sent, ring.messages, ring.wait_time
+        out, lse = _ring_loop(q, k, v, plan, ring, scale, rec, timeout)
+        rec.bytes_sent, rec.messages = ring.bytes_sent - sent, ring.messages - messages
+        rec.wait_time = ring.wait_time - waited
+    if timeout is not None:
+        agree_outcome(ring.comm, timeout, rec.t0)
+    rec.wall_time = time.perf_counter() - start
+    rec.plan = plan
+    return out, lse

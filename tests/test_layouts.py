@@ -36,3 +36,18 @@ def test_unshard_inverts_shard(layout, seq_len, size):
 def test_bad_layout():
     with pytest.raises(ValueError, match="layout must be one of"):
         shard_indices(8, 2, 0, "spiral")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("shape, axis", [((11,), None), ((2, 11), -1), ((2, 11, 3, 4), 1), ((3, 11, 5), None),
+                                          ((11, 2), 0)])
+def test_shard_any_axis_and_1d(layout, shape, axis):
+    """shard/unshard on any axis (1-D arrays by default on their only axis); views exactly where documented."""
+    x = np.arange(np.prod(shape)).reshape(shape)
+    seq_axis = (0 if len(shape) == 1 else -2) if axis is None else axis
+    S = shape[seq_axis]
+    pieces = [shard(x, 3, r, layout, axis) for r in range(3)]
+    for r, p in enumerate(pieces):
+        np.testing.assert_array_equal(p, np.take(x, shard_indices(S, 3, r, layout), axis=seq_axis))
+        assert np.shares_memory(p, x) == (layout != "zigzag")
+    np.testing.assert_array_equal(unshard(pieces, layout, axis), x)

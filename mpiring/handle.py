@@ -1,0 +1,428 @@
+"""A reusable ring for training loops: options agreed, plan built, communicators duplicated once.
+
+    with mpiring.Ring(comm, seq_len, causal=True, layout="zigzag") as ring:
+        for batch in batches:
+            out, lse = ring.forward(q, k, v)
+            dq, dk, dv = ring.backward(dout, q, k, v, out, lse)
+
+A call on the handle checks its arrays on every rank and agrees with one
+small all-reduce (which is also the common start); the options cannot be
+retyped, so a backward cannot differ from its forward. ``ring_attention`` and
+``ring_attention_backward`` are thin wrappers: each call agrees on everything
+with one all-gather, makes a one-call handle (a communicator duplicate) and
+frees it. The lse a forward returns remembers the options that made it
+(``Lse.made_by``): a backward given other options raises instead of returning
+wrong gradients.
+"""
+
+import contextlib
+import hashlib
+
+import numpy as np
+
+from .agree import (
+    agreement_timeout,
+    call_values,
+    canonical,
+    check_call,
+    check_comm,
+    grad_problem,
+    local_problem,
+    logit_problem,
+    peaks,
+    resolve_timeout,
+    scale_problem,
+    setup,
+    setup_ring,
+)
+from .backward import run_backward
+from .block import GRAD_DTYPE
+from .comm import HomeRing, RingComm, exclusive, wait_until
+from .kernels import default_scale
+from .layouts import shard
+from .record import Record
+from .ring import run_forward
+from .threads import limited, threads_for, threads_problem
+
+__all__ = ["Ring", "Lse", "ring_attention", "ring_attention_backward"]
+
+
+class Lse(np.ndarray):
+    """The log-sum-exp a forward returned: a NumPy array that remembers the options that made it.
+
+    ``made_by`` (a dict: layout, mode, causal, window, cu_seqlens, seq_len,
+    ranks, scale) travels with views, slices, copies and pickles; arithmetic
+    on it gives plain arrays. A backward compares it with its own options.
+    """
+
+    made_by = None
+
+    def __array_finalize__(self, obj):
+        self.made_by = getattr(obj, "made_by", None)
+
+    def __array_wrap__(self, array, context=None, return_scalar=False):
+        array = array.view(np.ndarray)  # computed values are no longer the forward's lse
+        return array[()] if return_scalar else array
+
+    def __reduce__(self):
+        rebuild, args, state = super().__reduce__()
+        return rebuild, args, (state, self.made_by)
+
+    def __setstate__(self, state):
+        super().__setstate__(state[0])
+        self.made_by = state[1]
+
+
+def made_by(options, size, scale, seq_len=None):
+    """What a forward's lse depends on besides q, k, v (canonical ``options``): compared by the backward."""
+    cu = options["cu_seqlens"]
+    if cu is not None:
+        cu = cu.tolist() if len(cu) <= 8 else f"{len(cu)} entries, sha1 {hashlib.sha1(cu.tobytes()).hexdigest()[:12]}"
+    tag = {"layout": options["layout"], "mode": options["mode"], "causal": bool(options["causal"]),
+           "window": tuple(options["window"]), "cu_seqlens": cu, "ranks": size, "scale": float(scale)}
+    if seq_len is not None:
+        tag["seq_len"] = seq_len
+    return tag
+
+
+def plan_options(plan):
+    return dict(layout=plan.layout, mode=plan.mode, causal=plan.causal, window=plan.window, cu_seqlens=plan.cu_seqlens)
+
+
+def mismatch(lse, mine):
+    """Why ``lse`` cannot come from a forward made as ``mine`` (``made_by``) says, or None (also if untagged)."""
+    tag = getattr(lse, "made_by", None)
+    if tag is None:
+        return None
+    diffs = [f"{name}={tag.get(name)!r} there, {value!r} here" for name, value in mine.items()
+             if tag.get(name) != value]
+    if not diffs:
+        return None
+    return (f"lse was made by a forward with other options ({'; '.join(diffs)}): the gradients would be wrong; "
+            f"pass the forward's options to the backward, or use one mpiring.Ring for both")
+
+
+def _lse_problem(lse, options, size, scale, q):
+    """The function path's check of a tagged lse, on this rank alone, before the agreement."""
+    if getattr(lse, "made_by", None) is None or scale_problem(scale):
+        return None
+    try:
+        options = canonical(options)
+    except ValueError:
+        return None  # the agreement reports bad options
+    return mismatch(lse, made_by(options, size, default_scale(q.shape[-1]) if scale is None else scale))
+
+
+def _axis_problem(arrays, seq_axis):
+    """Why ``seq_axis`` is not a sequence axis of every array (not the last, the feature axis), or None."""
+    if isinstance(seq_axis, bool) or not isinstance(seq_axis, (int, np.integer)):
+        return f"seq_axis must be an int, got {seq_axis!r}"
+    for name, a in arrays.items():
+        if not isinstance(a, np.ndarray):
+            return f"{name} must be a NumPy array, got {type(a).__name__}"
+        if not -a.ndim <= seq_axis < a.ndim - 1 or seq_axis == -1:
+            return f"seq_axis={seq_axis} is not an axis of {name} {a.shape} other than its last (the head dim)"
+    return None
+
+
+class Ring:
+    """Context-parallel attention over ``comm``, agreed once and called many times.
+
+    Args:
+        comm: an mpi4py communicator (default COMM_WORLD); one rank = one device.
+        seq_len: tokens of the whole sequence (every rank holds its shard of it).
+        causal, scale, layout, mode, window, cu_seqlens, timeout, check_finite,
+            expected_size: as ``ring_attention``; the same on every rank.
+        seq_axis: the sequence axis of q, k, v, out and dout (-2: ``(..., S, D)``;
+            -3: flash-attn's ``(B, S, H, D)``). lse is always ``(..., H, S)``.
+        threads: BLAS threads per rank inside every call: "auto" (the node's
+            cores shared among its ranks; ``mpiring.threads``), an int, or None
+            (leave BLAS alone).
+
+    Construction is collective (one all-gather, and communicator duplicates
+    freed by ``close()`` or on leaving a ``with`` block); so is every call.
+    Bad arguments raise the same ValueError on every rank and leave the handle
+    usable; a call that fails in the ring (CommTimeout, an interrupt) leaves it
+    closed.
+    """
+
+    def __init__(self, comm=None, seq_len=None, *, causal: bool = False, scale: float | None = None,
+                 layout: str = "contiguous", mode: str = "ring", window=None, cu_seqlens=None,
+                 timeout: float | str | None = "auto", seq_axis: int = -2, threads="auto",
+                 check_finite: bool = False, expected_size: int | None = None):
+        comm = check_comm(comm)
+        options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens)
+        problem = _axis_problem({}, seq_axis) or threads_problem(threads)
+        plan, hosts = setup_ring(comm, seq_len, options, scale, timeout, expected_size, problem,
+                                 values=dict(seq_axis=seq_axis, threads=threads, check_finite=check_finite))
+        self._start(comm, plan, scale, timeout, hosts, seq_axis, threads, check_finite, backward=True)
+
+    @classmethod
+    def _agreed(cls, comm, plan, scale, timeout, hosts, seq_axis, threads, backward):
+        """A handle for one call whose arguments were agreed already (``agree.setup``)."""
+        ring = cls.__new__(cls)
+        ring._start(comm, plan, scale, timeout, hosts, seq_axis, threads, False, backward)
+        return ring
+
+    def _start(self, comm, plan, scale, timeout, hosts, seq_axis, threads, check_finite, backward):
+        self.plan, self.seq_axis, self.check_finite = plan, int(seq_axis), check_finite
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.threads = threads_for(threads, hosts, self.rank)
+        self._scale, self._timeout, self._failed, self._rings = scale, timeout, None, []
+        try:  # private duplicates: K/V; for a backward also dK/dV onward and dK/dV home
+            self._rings.append(RingComm(comm, agreement_timeout(timeout)))
+            if backward and plan.mode != "allgather":
+                self._rings += [RingComm(comm, agreement_timeout(timeout)), HomeRing(comm, plan,
+                                                                                     agreement_timeout(timeout))]
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ the handle's life
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        """Free the private communicators (collective only in that every rank should close its handle)."""
+        for ring in self._rings:
+            ring.free()  # pending transfers, after a failure, are abandoned, never cancelled
+        self._rings = []
+        self._failed = self._failed or "it was closed"
+
+    @property
+    def positions(self):
+        """The global positions of this rank's tokens (for RoPE or position embeddings), in row order."""
+        return self.plan.shards[self.rank]
+
+    def shard(self, x, axis=None):
+        """This rank's part of a full array ``x``, the sequence on ``axis`` (default: this handle's seq_axis)."""
+        return shard(x, self.size, self.rank, self.plan.layout, self.seq_axis if axis is None else axis)
+
+    @contextlib.contextmanager
+    def _call(self):
+        if self._failed:
+            raise RuntimeError(f"this Ring cannot be used any more: {self._failed}")
+        with exclusive(self._rings[0].comm), limited(self.threads):
+            yield
+
+    @contextlib.contextmanager
+    def _running(self):
+        """Inside the ring: a failure here leaves transfers behind, so the handle closes."""
+        try:
+            yield
+        except BaseException as exc:
+            self._failed = f"a call failed in the ring ({type(exc).__name__}: {exc})"
+            for ring in self._rings:
+                ring.free()
+            self._rings = []
+            raise
+
+    # ------------------------------------------------------------------ calls
+
+    def forward(self, q, k, v, *, record: Record | None = None):
+        """This rank's ``(out, lse)``: out shaped as q with v's head dim, lse ``(..., Hq, n)`` (an ``Lse``)."""
+        with self._call():
+            (q, k, v), _, scale = self._agree_call({"q": q, "k": k, "v": v}, None, None)
+            return self._forward(q, k, v, scale, record, checked=False)
+
+    def backward(self, dout, q, k, v, out, lse, *, dlse=None, record: Record | None = None):
+        """This rank's ``(dq, dk, dv)`` (shapes and dtypes of q, k, v) from the forward's out and lse.
+
+        ``dlse``: the loss's gradient with respect to lse, when lse is used
+        too (as by a PyTorch graph); it enters as ``delta - dlse``.
+        """
+        with self._call():
+            arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out}
+            moved, lses, scale = self._agree_call(arrays, lse, dlse)
+            return self._backward(moved, lses, scale, record, checked=False)
+
+    def _agree_call(self, tensors, lse, dlse):
+        """Move the sequence to axis -2, check on this rank, agree on every rank; contiguous arrays and the scale."""
+        problem, moved, lses, values, peak = None, [], [], None, [0.0, 0.0]
+        try:
+            problem = _axis_problem(tensors, self.seq_axis)
+            if problem is None:
+                moved = [np.moveaxis(a, self.seq_axis, -2) for a in tensors.values()]
+                names = dict(zip(tensors, moved))
+                q, k, v = names["q"], names["k"], names["v"]
+                problem = local_problem(q, k, v, None, self.check_finite) or self._length_problem(q)
+                if problem is None and lse is not None:
+                    problem = (grad_problem(names["dout"], q, k, v, names["out"], lse)
+                               or self._dlse_problem(dlse, lse)
+                               or mismatch(lse, made_by(plan_options(self.plan), self.size, self._resolved_scale(q),
+                                                        self.plan.seq_len)))
+            if problem is None:
+                moved = [np.ascontiguousarray(a) for a in moved]  # may fail alone (MemoryError): agreed below
+                lses = [np.ascontiguousarray(a) for a in (lse, dlse) if a is not None]
+                values = call_values(names)
+                peak = peaks(names["q"], names["k"])
+        except Exception as exc:  # reported collectively, never raised alone
+            problem = f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc)
+        highest = check_call(self._rings[0].comm, problem, values, peak, self._timeout)
+        q = moved[list(tensors).index("q")]
+        scale = self._resolved_scale(q)
+        message = logit_problem(scale, q.shape[-1], highest[0], highest[1], q.dtype)
+        if message:
+            raise ValueError(message)
+        return moved, lses, scale
+
+    def _resolved_scale(self, q):
+        return default_scale(q.shape[-1]) if self._scale is None else float(self._scale)
+
+    def _length_problem(self, q):
+        want = len(self.plan.shards[self.rank])
+        if q.shape[-2] != want:
+            return (f"q holds {q.shape[-2]} tokens, but the {self.plan.layout} layout of {self.plan.seq_len} "
+                    f"tokens over {self.size} ranks gives this rank {want}")
+        return None
+
+    @staticmethod
+    def _dlse_problem(dlse, lse):
+        if dlse is not None and not (isinstance(dlse, np.ndarray) and dlse.shape == lse.shape):
+            return f"dlse must be an array shaped as lse {lse.shape}, got {getattr(dlse, 'shape', type(dlse))}"
+        return None
+
+    def _timeout_for(self, q, factor=1.0):
+        return resolve_timeout(self._timeout, self.plan, q.size // (q.shape[-2] * q.shape[-1]), q.shape[-1], factor)
+
+    def _start_barrier(self, timeout):
+        """The common start of a call whose arguments were agreed by ``setup`` (a handle's all-reduce is one)."""
+        wait_until([self._rings[0].comm.Ibarrier()], timeout, self.rank, "start barrier")
+
+    def _forward(self, q, k, v, scale, record, checked):
+        timeout = self._timeout_for(q)
+        rec = Record(self.rank) if record is None else record
+        if checked:
+            self._start_barrier(timeout)
+        with self._running():
+            out, lse = run_forward(q, k, v, self.plan, self._rings[0], scale, rec, timeout)
+        lse = lse.view(Lse)
+        lse.made_by = made_by(plan_options(self.plan), self.size, scale, self.plan.seq_len)
+        return np.moveaxis(out, -2, self.seq_axis), lse
+
+    def _backward(self, moved, lses, scale, record, checked):
+        dout, q, k, v, out = moved
+        delta = np.sum(dout.astype(GRAD_DTYPE) * out, axis=-1)
+        if len(lses) > 1:  # d lse / d score = p: the dlse term joins delta (ds = p * (dp - delta + dlse))
+            delta -= lses[1]
+        timeout = self._timeout_for(q, factor=2.5)
+        rec = Record(self.rank) if record is None else record
+        if checked:
+            self._start_barrier(timeout)
+        if len(self._rings) < 3 and self.plan.mode != "allgather":
+            raise RuntimeError("this Ring was made for forward calls only")
+        with self._running():
+            grads = run_backward((dout, q, k, v, out, lses[0], delta.astype(q.dtype)), self.plan, self._rings,
+                                 scale, rec, timeout)
+        return tuple(np.moveaxis(g.astype(a.dtype, copy=False), -2, self.seq_axis) for g, a in zip(grads, (q, k, v)))
+
+
+# ---------------------------------------------------------------------- the plain functions
+
+
+def ring_attention(
+    q: np.ndarray,  # (..., Hq, n, D): this rank's queries (n = its tokens under ``layout``)
+    k: np.ndarray,  # (..., Hk, n, D), Hq a multiple of Hk
+    v: np.ndarray,  # (..., Hk, n, Dv)
+    comm=None, *, causal: bool = False, scale: float | None = None, layout: str = "contiguous",
+    mode: str = "ring", window: tuple[int, int] | None = None, cu_seqlens=None,
+    timeout: float | str | None = "auto", record: Record | None = None, check_finite: bool = False,
+    expected_size: int | None = None, seq_axis: int = -2, threads="auto",
+) -> tuple[np.ndarray, np.ndarray]:  # out (..., Hq, n, Dv), lse (..., Hq, n)
+    """Attention of this rank's queries against the whole distributed sequence.
+
+    Every rank passes its local shard ``(..., seq_local, dim)`` of q, k, v (the
+    ``layout`` says which tokens it holds) and gets its ``(out, lse)`` back:
+    out ``(..., Hq, seq_local, dim_v)`` and the log-sum-exp ``(..., Hq, seq_local)``.
+
+    Args:
+        comm: an mpi4py communicator (default COMM_WORLD); one rank = one device.
+        causal: token t attends only to tokens <= t.
+        scale: softmax scale, default 1/sqrt(dim).
+        layout: "contiguous", "zigzag" or "striped" (see ``mpiring.layouts``).
+        mode: "ring", "bidirectional" or "allgather" (see ``mpiring.plan``).
+        window: sliding window ``(left, right)`` as in flash-attn; -1 is unbounded.
+        cu_seqlens: packed documents ``[0, end_0, end_1, ..., seq_len]`` (global positions).
+        timeout: seconds a rank may wait for the others (each transfer, a final
+            check) before raising ``CommTimeout``; an error or stall on one rank
+            then raises on every rank still alive: the failed rank its own error
+            at once, the others CommTimeout within 2.5 x timeout. "auto" (the
+            default): 60 s for ranks to arrive, then 60 s plus the busiest rank's
+            FLOPs at 1e8 FLOP/s for every wait (``agree.resolve_timeout``). None
+            waits forever. Must be the same on every rank and exceed the
+            longest compute step.
+        record: a ``Record`` to fill with tasks, events and traffic counters.
+        check_finite: also reject NaN/Inf in q, k, v (one extra pass over them).
+        expected_size: raise unless the communicator has this many ranks.
+        seq_axis: the sequence axis of q, k, v and out (-3 for ``(B, S, H, D)``).
+        threads: BLAS threads per rank during the call ("auto": the node's
+            cores shared among its ranks; ``mpiring.threads``), or None.
+
+    Bad arguments on any rank raise the same ``ValueError`` on every rank,
+    before any transfer (see docs/reliability.md). Each call agrees and
+    duplicates the communicator anew; ``mpiring.Ring`` does that once.
+    """
+    comm = check_comm(comm)
+    with exclusive(comm):  # one call per communicator at a time (threads: one Dup each)
+        options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens)
+        moved, problem = _moved({"q": q, "k": k, "v": v}, seq_axis, threads)
+        hosts = []
+        plan, scale, (q, k, v) = setup(*moved, comm, scale, options, check_finite, expected_size, timeout,
+                                       prepare=lambda: [np.ascontiguousarray(a) for a in moved], problem=problem,
+                                       hosts=hosts)
+        with Ring._agreed(comm, plan, scale, timeout, hosts, seq_axis, threads, backward=False) as ring:
+            with limited(ring.threads):
+                return ring._forward(q, k, v, scale, record, checked=True)
+
+
+def _moved(tensors, seq_axis, threads):
+    """The arrays with the sequence on axis -2 (unchanged if ``seq_axis`` is bad), and this rank's problem."""
+    problem = _axis_problem(tensors, seq_axis) or threads_problem(threads)
+    if problem:
+        return list(tensors.values()), problem
+    return [np.moveaxis(a, seq_axis, -2) for a in tensors.values()], None
+
+
+def ring_attention_backward(
+    dout: np.ndarray,  # (..., Hq, n, Dv): the loss's gradient w.r.t. this rank's out
+    q: np.ndarray, k: np.ndarray, v: np.ndarray,  # as ring_attention: (..., Hq|Hk, n, D), v (..., Hk, n, Dv)
+    out: np.ndarray, lse: np.ndarray,  # what ring_attention returned: (..., Hq, n, Dv), (..., Hq, n)
+    comm=None, *, causal: bool = False, scale: float | None = None, layout: str = "contiguous",
+    mode: str = "ring", window: tuple[int, int] | None = None, cu_seqlens=None,
+    timeout: float | str | None = "auto", record: Record | None = None, seq_axis: int = -2, threads="auto",
+    dlse: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # dq, dk, dv: the shapes of q, k, v
+    """Gradients ``(dq, dk, dv)`` of this rank's shard, given the upstream gradient ``dout``.
+
+    ``out`` and ``lse`` are what ``ring_attention`` returned on this rank, with
+    the same options: an lse from a forward with other options (layout, mode,
+    causal, window, cu_seqlens, length, ranks or scale) raises ValueError on
+    every rank. All arrays are this rank's shard in the same layout. dk and dv
+    have the shape of k and v (grouped-query: summed over each group's query
+    heads). Results have the input dtype; gradients are accumulated in float64.
+    ``dlse``: the gradient with respect to lse, if the loss uses it too.
+    Options are those of ``ring_attention``; bad input on any rank raises the
+    same ValueError on every rank.
+    """
+    comm = check_comm(comm)
+    with exclusive(comm):  # one call per communicator at a time (threads: one Dup each)
+        options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens)
+        moved, problem = _moved({"dout": dout, "q": q, "k": k, "v": v, "out": out}, seq_axis, threads)
+        if problem is None:
+            problem = (grad_problem(*moved, lse) or Ring._dlse_problem(dlse, lse)
+                       or _lse_problem(lse, options, comm.Get_size(), scale, moved[1]))
+
+        def prepare():  # what may fail on one rank alone (MemoryError) is done before the agreement
+            return [np.ascontiguousarray(a) for a in moved] + [np.ascontiguousarray(a) for a in (lse, dlse)
+                                                                if a is not None]
+
+        hosts = []
+        plan, scale, arrays = setup(*moved[1:4], comm, scale, options, timeout=timeout, prepare=prepare,
+                                    problem=problem, hosts=hosts)
+        with Ring._agreed(comm, plan, scale, timeout, hosts, seq_axis, threads, backward=True) as ring:
+            with limited(ring.threads):
+                return ring._backward(arrays[:5], arrays[5:], scale, record, checked=True)

@@ -1,0 +1,238 @@
+"""The reusable ``Ring`` handle: agreed once, called many times, a backward that cannot differ from its forward.
+
+    mpiexec -n 3 python -m pytest --with-mpi -m mpi -q tests/test_handle_mpi.py
+"""
+
+import itertools
+import pickle
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpiring
+from mpiring import LAYOUTS, MODES, Lse, Ring, ring_attention, ring_attention_backward
+
+from conftest import GRAD_TOL, dense_mask, local, naive_attention, naive_attention_backward
+
+pytestmark = pytest.mark.mpi
+
+TOL = GRAD_TOL[np.float64]
+
+
+def _problem(S, heads=4, kv_heads=2, dim=8, seed=0, dtype=np.float64):
+    rng = np.random.default_rng(seed)
+    Q = rng.standard_normal((2, heads, S, dim)).astype(dtype)
+    K, V = (rng.standard_normal((2, kv_heads, S, dim)).astype(dtype) for _ in range(2))
+    return Q, K, V, rng.standard_normal(Q.shape).astype(dtype)
+
+
+MASKS = [dict(causal=False), dict(causal=True), dict(causal=True, window=(3, 0)),
+         dict(causal=False, window=(2, 5), cu_seqlens=[0, 4, 9, 23])]
+
+
+@pytest.mark.parametrize("layout, mode", list(itertools.product(LAYOUTS, MODES)))
+def test_handle_matches_reference_over_many_calls(comm, layout, mode):
+    """One handle, every mask's problem twice: forward and backward equal the dense reference every call."""
+    S = 23
+    for i, mask_options in enumerate(MASKS):
+        mask = dense_mask(S, **mask_options)
+        with Ring(comm, S, layout=layout, mode=mode, **mask_options) as ring:
+            for call in range(2):
+                Q, K, V, dOut = _problem(S, seed=10 * i + call)
+                q, k, v, dout = (local(x, comm, layout) for x in (Q, K, V, dOut))
+                out, lse = ring.forward(q, k, v)
+                dq, dk, dv = ring.backward(dout, q, k, v, out, lse)
+                want = [naive_attention(Q, K, V, mask)] + list(naive_attention_backward(dOut, Q, K, V, mask))
+                for name, got, ref in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), want):
+                    err = np.max(np.abs(got - local(ref, comm, layout)))
+                    assert err < TOL, f"{name} {layout} {mode} {mask_options} call {call}: {err:.2e}"
+
+
+def test_handle_equals_functions_and_counts_per_call(comm):
+    """Bit for bit the functions' results; each call's Record holds that call's bytes, not a running total."""
+    S, options = 40, dict(causal=True, layout="zigzag")
+    Q, K, V, dOut = _problem(S, dtype=np.float32)
+    q, k, v, dout = (local(x, comm, "zigzag") for x in (Q, K, V, dOut))
+    once, once_back = mpiring.Record(), mpiring.Record()
+    out_f, lse_f = ring_attention(q, k, v, comm, record=once, **options)
+    grads_f = ring_attention_backward(dout, q, k, v, out_f, lse_f, comm, record=once_back, **options)
+    assert comm.size == 1 or once.bytes_sent > 0
+    with Ring(comm, S, **options) as ring:
+        for _ in range(3):
+            forward, backward = mpiring.Record(), mpiring.Record()
+            out, lse = ring.forward(q, k, v, record=forward)
+            grads = ring.backward(dout, q, k, v, out, lse, record=backward)
+            np.testing.assert_array_equal(out, out_f)
+            np.testing.assert_array_equal(lse, lse_f)
+            for g, gf in zip(grads, grads_f):
+                assert g.dtype == np.float32
+                np.testing.assert_array_equal(g, gf)
+            assert (forward.bytes_sent, forward.messages) == (once.bytes_sent, once.messages)
+            assert (backward.bytes_sent, backward.messages) == (once_back.bytes_sent, once_back.messages)
+            assert forward.tasks == once.tasks
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_seq_axis_bshd(comm, layout):
+    """(B, S, H, D) tensors with seq_axis=-3: the same numbers as (B, H, S, D), results in (B, S, H, D)."""
+    S = 21
+    Q, K, V, dOut = _problem(S)
+    q, k, v, dout = (local(x, comm, layout) for x in (Q, K, V, dOut))
+    out, lse = ring_attention(q, k, v, comm, causal=True, layout=layout)
+    grads = ring_attention_backward(dout, q, k, v, out, lse, comm, causal=True, layout=layout)
+    bshd = [np.swapaxes(x, 1, 2) for x in (q, k, v, dout)]  # non-contiguous views, as a transpose gives
+    with Ring(comm, S, causal=True, layout=layout, seq_axis=-3) as ring:
+        out2, lse2 = ring.forward(*bshd[:3])
+        grads2 = ring.backward(bshd[3], *bshd[:3], out2, lse2)
+    out3, lse3 = ring_attention(*bshd[:3], comm, causal=True, layout=layout, seq_axis=1)
+    grads3 = ring_attention_backward(bshd[3], *bshd[:3], out3, lse3, comm, causal=True, layout=layout, seq_axis=1)
+    for o, l_ in ((out2, lse2), (out3, lse3)):
+        assert o.shape == bshd[0].shape and l_.shape == lse.shape
+        np.testing.assert_allclose(np.swapaxes(o, 1, 2), out, atol=1e-14)
+        np.testing.assert_allclose(l_, lse, atol=1e-14)
+    for gs in (grads2, grads3):
+        for g, ref in zip(gs, grads):
+            np.testing.assert_allclose(np.swapaxes(g, 1, 2), ref, atol=1e-13)
+
+
+def test_backward_with_other_options_raises_everywhere(comm):
+    """The issue's silent error: a backward without the forward's window now raises on every rank."""
+    S = 24
+    Q, K, V, dOut = _problem(S)
+    q, k, v, dout = (local(x, comm) for x in (Q, K, V, dOut))
+    out, lse = ring_attention(q, k, v, comm, causal=True, window=(3, 0))
+    with pytest.raises(ValueError, match=r"lse was made by a forward with other options \(window=\(3, 0\) there"):
+        ring_attention_backward(dout, q, k, v, out, lse, comm, causal=True)
+    with pytest.raises(ValueError, match="scale=.* there"):
+        ring_attention_backward(dout, q, k, v, out, lse, comm, causal=True, window=(3, 0), scale=0.5)
+    # a copy keeps the tag; the matching call works
+    ring_attention_backward(dout, q, k, v, out, lse.copy(), comm, causal=True, window=(3, 0))
+    with Ring(comm, S, causal=True) as ring:  # a handle with other options refuses it too
+        with pytest.raises(ValueError, match="lse was made by a forward with other options"):
+            ring.backward(dout, q, k, v, out, lse)
+        # an untagged lse (np.asarray drops the tag) is taken on trust, as before
+        ring.backward(dout, q, k, v, out, np.asarray(lse))
+        out2, lse2 = ring.forward(q, k, v)  # the handle still works after the refused call
+        ring.backward(dout, q, k, v, out2, lse2)
+
+
+def test_lse_tag_travels():
+    a = np.arange(6.0).reshape(2, 3).view(Lse)
+    a.made_by = {"window": (3, 0)}
+    assert a[0].made_by == a.copy().made_by == pickle.loads(pickle.dumps(a)).made_by == {"window": (3, 0)}
+    assert type(a + 1) is np.ndarray and type(np.exp(a)) is np.ndarray
+    assert type(a.max()) is np.float64
+
+
+def test_bad_call_raises_everywhere_and_handle_stays_usable(comm):
+    S = 20
+    Q, K, V, dOut = _problem(S)
+    q, k, v, dout = (local(x, comm) for x in (Q, K, V, dOut))
+    with Ring(comm, S, causal=True) as ring:
+        bad_q = q[..., :4] if comm.rank == comm.size - 1 else q  # one rank's head dim differs
+        with pytest.raises(ValueError, match=f"rank {comm.size - 1}: q and k must have the same head dim"):
+            ring.forward(bad_q, k, v)
+        short = [a[..., 1:, :] if comm.rank == 0 else a for a in (q, k, v)]
+        with pytest.raises(ValueError, match="rank 0: q holds"):
+            ring.forward(*short)
+        if comm.size > 1:
+            other = q.astype(np.float32) if comm.rank == 1 else q
+            k2, v2 = (a.astype(np.float32) if comm.rank == 1 else a for a in (k, v))
+            with pytest.raises(ValueError, match="rank 1: dtype 'float32' differs from rank 0's 'float64'"):
+                ring.forward(other, k2, v2)
+        with pytest.raises(ValueError, match="the logits may overflow"):
+            ring.forward(q * (1e160 if comm.rank == 0 else 1), k * 1e160, v)
+        out, lse = ring.forward(q, k, v)
+        mask = dense_mask(S, causal=True)
+        assert np.max(np.abs(out - local(naive_attention(Q, K, V, mask), comm))) < TOL
+        with pytest.raises(ValueError, match="dout must have shape"):
+            ring.backward(dout[..., :3], q, k, v, out, lse)
+    with pytest.raises(RuntimeError, match="cannot be used any more: it was closed"):
+        ring.forward(q, k, v)
+
+
+def test_bad_construction_raises_everywhere(comm):
+    with pytest.raises(ValueError, match="seq_len must be the number of tokens"):
+        Ring(comm, None)
+    with pytest.raises(ValueError, match="need at least one token per rank"):
+        Ring(comm, comm.size - 1)
+    with pytest.raises(ValueError, match="threads must be"):
+        Ring(comm, 8, threads=0)
+    with pytest.raises(ValueError, match="seq_axis must be an int"):
+        Ring(comm, 8, seq_axis="bshd")
+    if comm.size > 1:
+        with pytest.raises(ValueError, match="rank 1: causal True differs from rank 0's False"):
+            Ring(comm, 8, causal=comm.rank == 1)
+
+
+def test_dlse_gradient(comm):
+    """A loss that uses lse too: its gradient enters as delta - dlse; checked against dense formulas."""
+    S, scale = 22, 0.4
+    Q, K, V, dOut = _problem(S, kv_heads=4)
+    G = np.random.default_rng(5).standard_normal(Q.shape[:-1])  # d loss / d lse
+    mask = dense_mask(S, causal=True)
+    dq_ref, dk_ref, dv_ref = naive_attention_backward(dOut, Q, K, V, mask, scale)
+    s = np.where(mask, scale * Q @ np.swapaxes(K, -1, -2), -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    dq_ref = dq_ref + scale * G[..., None] * (p @ K)  # d lse_i / d q_i = scale * sum_j p_ij k_j
+    dk_ref = dk_ref + scale * np.swapaxes(p * G[..., None], -1, -2) @ Q
+    q, k, v, dout, g = (local(x, comm) for x in (Q, K, V, dOut, G[..., None]))
+    with Ring(comm, S, causal=True, scale=scale, mode="bidirectional") as ring:
+        out, lse = ring.forward(q, k, v)
+        grads = ring.backward(dout, q, k, v, out, lse, dlse=g[..., 0])
+    for got, ref in zip(grads, (dq_ref, dk_ref, dv_ref)):
+        assert np.max(np.abs(got - local(ref, comm))) < TOL
+
+
+def test_blas_threads_limited_inside_calls_and_restored(comm, monkeypatch):
+    """threads=2 inside every call (seen from the kernel), BLAS as it was afterwards."""
+    from threadpoolctl import threadpool_info
+
+    from mpiring import block
+
+    def blas_threads():
+        return [p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"]
+
+    before = blas_threads()
+    seen = []
+    attend = block.attend
+
+    def spy(*args, **kwargs):
+        seen.append(blas_threads())
+        return attend(*args, **kwargs)
+
+    monkeypatch.setattr(block, "attend", spy)
+    Q, K, V, _ = _problem(8 * comm.size)
+    q, k, v = (local(x, comm) for x in (Q, K, V))
+    ring_attention(q, k, v, comm, threads=2)
+    with Ring(comm, 8 * comm.size, threads=1) as ring:
+        ring.forward(q, k, v)
+    assert seen and all(s == [2] * len(before) for s in seen[:comm.size])
+    assert all(s == [1] * len(before) for s in seen[comm.size:])
+    assert blas_threads() == before
+
+
+def test_forward_only_handle_refuses_backward_after_failure(comm):
+    """A call that fails inside the ring closes the handle: later calls say why instead of hanging."""
+    S = 4 * comm.size
+    Q, K, V, dOut = _problem(S)
+    q, k, v = (local(x, comm) for x in (Q, K, V))
+    ring = Ring(comm, S)
+    from mpiring import block
+
+    original = block.attend
+
+    def boom(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    block.attend = boom
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ring.forward(q, k, v)
+    finally:
+        block.attend = original
+    with pytest.raises(RuntimeError, match="a call failed in the ring"):
+        ring.forward(q, k, v)
+    ring.close()
+    MPI.COMM_WORLD.Barrier()
