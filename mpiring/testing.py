@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .reference import definition_mask, dense_attention, dense_attention_backward
+from .threads import limited, node_threads
 
 # and ``ring_comm``, made on first import (it needs pytest)
 __all__ = ["TOLERANCE", "AttentionProblem", "assert_attention_close", "attention_error", "attention_problems",
@@ -90,10 +91,12 @@ def reference(q, k, v, *, causal=False, window=None, cu_seqlens=None, q_position
     K/V head h // (Hq/Hk)); 2-D (S, D) arrays work too. ``q_positions`` / ``k_positions`` are the
     global token positions of the rows (default arange), so a rank's queries can be checked against
     the whole sequence: ``reference(q_local, K, V, q_positions=shard_indices(S, P, rank), causal=True)``.
-    Rows that see no key get out 0 and lse -inf. The default scale is 1/sqrt(D).
+    Rows that see no key get out 0 and lse -inf. The default scale is 1/sqrt(D). BLAS threads
+    are shared out among the ranks on this node during the call, as in ``ring_attention``.
     """
     mask = _prepare(q, k, v, q_positions, k_positions, {"causal": causal, "window": window, "cu_seqlens": cu_seqlens})
-    return dense_attention(q, k, v, scale, mask)
+    with limited(node_threads()):
+        return dense_attention(q, k, v, scale, mask)
 
 
 def reference_backward(dout, q, k, v, *, causal=False, window=None, cu_seqlens=None, q_positions=None,
@@ -105,7 +108,8 @@ def reference_backward(dout, q, k, v, *, causal=False, window=None, cu_seqlens=N
     (``mpiring.reference.dense_attention_backward``).
     """
     mask = _prepare(q, k, v, q_positions, k_positions, {"causal": causal, "window": window, "cu_seqlens": cu_seqlens})
-    return dense_attention_backward(dout, q, k, v, scale, mask)
+    with limited(node_threads()):
+        return dense_attention_backward(dout, q, k, v, scale, mask)
 
 
 # ---------------------------------------------------------------- comparing

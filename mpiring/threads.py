@@ -15,7 +15,7 @@ import functools
 import os
 from collections import Counter
 
-__all__ = ["threads_problem", "threads_for", "limited", "cores"]
+__all__ = ["threads_problem", "threads_for", "node_threads", "limited", "cores"]
 
 
 def cores():
@@ -58,6 +58,11 @@ def threads_for(threads, hosts, rank):
         return threads
     local = max(Counter(hosts)[hosts[rank]], _launcher_local_ranks())
     return None if local <= 1 else max(1, cores() // local)
+
+
+def node_threads():
+    """``threads_for("auto", ...)`` for a call without a communicator: the launcher's count of ranks here."""
+    return threads_for("auto", ["this node"], 0)
 
 
 @functools.cache

@@ -33,6 +33,12 @@ try:
     HAVE_MPL = True
 except ImportError:
     HAVE_MPL = False
+try:
+    import torch  # noqa: F401
+
+    HAVE_TORCH = True
+except ImportError:
+    HAVE_TORCH = False
 
 
 def blocks(path):
@@ -127,4 +133,26 @@ def test_other_docs_commands_parse(path):
     for _, text in blocks(DOCS / path):
         for line in commands(text):
             words = shlex.split(line.split("#")[0])
-            parse(words[words.index("mpiring") + 1:])
+            if "mpiring" in words:  # not example scripts (tests/test_examples.py runs those)
+                parse(words[words.index("mpiring") + 1:])
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
+@pytest.mark.parametrize("P", [2, 3])
+def test_training_guide_runs(tmp_path, P):
+    """docs/training.md: its python blocks run in order as one script under mpiexec -n P (the PyTorch block
+    only where torch is installed), and the text block it shows is what the script prints."""
+    guide = DOCS / "training.md"
+    code, shown = [], []
+    for lang, text in blocks(guide):
+        if lang == "python" and ("import torch" not in text or HAVE_TORCH):
+            code.append(text)
+        elif lang == "text":
+            shown += [ln.rstrip() for ln in text.splitlines() if ln.strip()]
+    script = tmp_path / "training.py"
+    script.write_text("\n".join(code))
+    result = subprocess.run(mpiexec_argv(P, sys.executable, str(script)), capture_output=True, text=True,
+                            timeout=300, cwd=tmp_path, env=clean_env())
+    assert result.returncode == 0, result.stdout + result.stderr
+    printed = {ln.rstrip() for ln in result.stdout.splitlines()}
+    assert shown and not [ln for ln in shown if ln not in printed], result.stdout
