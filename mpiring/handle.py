@@ -26,6 +26,7 @@ from .agree import (
     canonical,
     check_call,
     check_comm,
+    describe,
     grad_problem,
     local_problem,
     logit_problem,
@@ -261,7 +262,7 @@ class Ring:
                 values = call_values(names)
                 peak = peaks(names["q"], names["k"])
         except Exception as exc:  # reported collectively, never raised alone
-            problem = f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc)
+            problem = describe(exc)
         highest = check_call(self._rings[0].comm, problem, values, peak, self._timeout)
         q = moved[list(tensors).index("q")]
         scale = self._resolved_scale(q)
@@ -313,8 +314,6 @@ class Ring:
         rec = Record(self.rank) if record is None else record
         if checked:
             self._start_barrier(timeout)
-        if len(self._rings) < 3 and self.plan.mode != "allgather":
-            raise RuntimeError("this Ring was made for forward calls only")
         with self._running():
             grads = run_backward((dout, q, k, v, out, lses[0], delta.astype(q.dtype)), self.plan, self._rings,
                                  scale, rec, timeout)
