@@ -8,7 +8,8 @@ joins it at its first visitor after the owner, is accumulated by every rank
 it visits, and its last hop takes it home, in key chunks sent while the rest
 of the block still computes (docs/backward.md). The softmax is
 recomputed from the saved lse, one block tile at a time, so memory per rank
-stays O(S/P). Partial gradients travel in float64 whatever the input dtype.
+stays O(S/P). Partial gradients travel in float32 (float64 for float64
+inputs; ``grad_wire_dtype``), and every rank sums its own in float64.
 """
 
 import time
@@ -20,13 +21,14 @@ from .agree import check_comm, grad_problem, resolve_timeout, setup
 from .block import GRAD_DTYPE, add_grads, count_pairs
 from .comm import Buffers, HomeRing, RingComm, allgathered, exclusive, flat_blocks, next_buffers, shift, wait_until
 from .plan import chunks_in_order, home_chunks, key_chunks
+from .precision import Precision, compute_dtype
 from .record import Record
 from .ring import agree_outcome
 
 __all__ = ["ring_attention_backward"]
 
 
-def _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec, timeout):
+def _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec, timeout, pr):
     """Start passing K/V on, compute, wait, swap; a block's dK/dV follows it one step behind, then goes home.
 
     At a stream's last round the block is computed in key chunks, and each
@@ -34,23 +36,25 @@ def _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec,
     chunk computes: only the last chunk's transfer is left to wait for.
     """
     kv_ring, grad_ring, home_ring = rings
-    rank = kv_ring.rank
+    rank, wire = kv_ring.rank, pr.wire
     queries = (dout, q, out, lse, delta)
     chunks = home_chunks(plan)
     dq = np.zeros(q.shape, GRAD_DTYPE)
     own = [np.zeros(k.shape, GRAD_DTYPE), np.zeros(v.shape, GRAD_DTYPE)]  # step 0: this rank's own block
-    held = {stream: (k, v) for stream in plan.rounds or [+1]}  # the K/V block each stream holds now
+    mine = (pr.widen(k), pr.widen(v))  # the own block, computed on exactly
+    coded = (wire.encode(k), wire.encode(v))  # as the wire carries it: coded once, here
+    held = {stream: coded for stream in plan.rounds or [+1]}  # the K/V block each stream holds now
     arriving = {}  # stream -> the dK/dV partial of the held block, sent by its previous visitor
     longest = max(len(s) for s in plan.shards)
-    empty = tuple(np.empty(a.shape[:-2] + (0, a.shape[-1]), GRAD_DTYPE) for a in (k, v))
-    kv_buffers = {stream: Buffers((k, v), longest) for stream in plan.rounds}
+    empty = tuple(np.empty(a.shape[:-2] + (0, a.shape[-1]), pr.grad) for a in (k, v))
+    kv_buffers = {stream: Buffers(coded, longest) for stream in plan.rounds}
     grad_buffers = {stream: Buffers(empty, longest) for stream in plan.rounds}
     homecoming = {}  # stream -> this rank's block's partial, from its last visitor on that stream
     for stream, rounds in plan.rounds.items():
         if rounds > 0:  # its receives, one per key chunk (dK and dV), are posted now
             # written now (np.full, not np.empty or calloc'd np.zeros), so the pages are mapped before
             # the last chunk lands: a first touch costs ~2 ms per MiB on the development VM
-            homecoming[stream] = (np.full(k.shape, 0, GRAD_DTYPE), np.full(v.shape, 0, GRAD_DTYPE))
+            homecoming[stream] = (np.full(k.shape, 0, pr.grad), np.full(v.shape, 0, pr.grad))
             home_ring.expect(stream, homecoming[stream], key_chunks(k.shape[-2], chunks))
 
     def progress():
@@ -78,16 +82,17 @@ def _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec,
             stream, n = task.stream, len(plan.shards[task.source])
             pieces = plan.pieces(rank, task.source)
             count_pairs(rec, pieces)
+            kv = mine if task.source == rank else tuple(wire.decode(a) for a in held[stream])
             if step == 0:
                 total = own  # the own block's share stays here
             elif step == 1:  # the first visitor starts the partial
-                total = tuple(np.zeros(a.shape[:-2] + (n, a.shape[-1]), GRAD_DTYPE) for a in (k, v))
+                total = tuple(np.zeros(a.shape[:-2] + (n, a.shape[-1]), pr.grad) for a in (k, v))
             else:
                 total = arriving[stream]  # added to only after the wait below
             going_home = step > 0 and step == plan.rounds[stream]
             work = chunks_in_order(pieces, n, chunks) if going_home else [(None, 0, n, pieces)]
             for chunk, lo, hi, cut in work:
-                grads = block.grads_of(queries, held[stream], task, cut, scale, dq, rec, progress, step,
+                grads = block.grads_of(queries, kv, task, cut, scale, dq, rec, progress, step,
                                  **({"keys": f"{lo}:{hi}"} if going_home else {}))
                 if partials_due and (grads or going_home):  # once, when first needed: after a compute
                     wait_for([grad_ring], step, "dK/dV")
@@ -117,28 +122,30 @@ def _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec,
     return dq, own[0], own[1]
 
 
-def _allgather_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec, timeout):
+def _allgather_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec, timeout, pr):
     """All-gather K/V once, compute every block's dK/dV contribution here, reduce-scatter them to their owners."""
-    rank, size = comm.Get_rank(), comm.Get_size()
+    rank, size, wire = comm.Get_rank(), comm.Get_size(), pr.wire
     lengths = [len(s) for s in plan.shards]
-    sums = [flat_blocks(a, lengths, GRAD_DTYPE) for a in (k, v)]  # this rank's share of every block's dK, dV
+    sums = [flat_blocks(a, lengths, pr.grad) for a in (k, v)]  # this rank's share of every block's dK, dV
     queries = (dout, q, out, lse, delta)
     dq = np.zeros(q.shape, GRAD_DTYPE)
-    for step, task, kv, progress in allgathered(k, v, plan, comm, rec, timeout):  # as the forward pass
+    mine = (pr.widen(k), pr.widen(v))
+    for step, task, kv, progress in allgathered(wire.encode(k), wire.encode(v), plan, comm, rec, timeout):
+        kv = mine if task.source == rank else tuple(wire.decode(a) for a in kv)  # as the forward pass
         pieces = plan.pieces(rank, task.source)
         count_pairs(rec, pieces)
         grads = block.grads_of(queries, kv, task, pieces, scale, dq, rec, progress, step)
         add_grads((sums[0][2][task.source], sums[1][2][task.source]), grads)
         rec.tasks.append((step, task))
         rec.step_done(step, plan.n_steps)
-    own = [np.empty(a.shape, GRAD_DTYPE) for a in (k, v)]
+    own = [np.empty(a.shape, pr.grad) for a in (k, v)]
     start = time.perf_counter()
     requests = [comm.Ireduce_scatter(flat, mine, counts) for (flat, counts, _), mine in zip(sums, own)]
     wait_until(requests, timeout, rank, "reduce-scatter")
     rec.wait_time += time.perf_counter() - start
     rec.events.append(("wait", start, time.perf_counter(), {"step": plan.n_steps - 1}))  # the reduce-scatter
     for _, counts, _ in sums:  # as a ring reduce-scatter moves it: every block but one's own, once
-        rec.bytes_sent += (sum(counts) - counts[rank]) * GRAD_DTYPE.itemsize
+        rec.bytes_sent += (sum(counts) - counts[rank]) * pr.grad.itemsize
         rec.messages += size - 1
     return dq, own[0], own[1]
 
@@ -149,24 +156,32 @@ def ring_attention_backward(
     out: np.ndarray, lse: np.ndarray,  # what ring_attention returned: (..., Hq, n, Dv), (..., Hq, n)
     comm=None, *, causal: bool = False, scale: float | None = None, layout: str = "contiguous",
     mode: str = "ring", window: tuple[int, int] | None = None, cu_seqlens=None,
-    timeout: float | str | None = "auto", record: Record | None = None,
+    timeout: float | str | None = "auto", record: Record | None = None, wire_dtype: str | None = None,
+    grad_wire_dtype: str | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # dq, dk, dv: the shapes of q, k, v
     """Gradients ``(dq, dk, dv)`` of this rank's shard, given the upstream gradient ``dout``.
 
     ``out`` and ``lse`` are what ``ring_attention`` returned on this rank, with
     the same options; all arrays are this rank's shard in the same layout.
     dk and dv have the shape of k and v (grouped-query: summed over each
-    group's query heads). Results have the input dtype; gradients are
-    accumulated in float64. Options are those of ``ring_attention``; bad
-    input on any rank raises the same ValueError on every rank.
+    group's query heads). Results have the input dtype (half inputs: lse is
+    float32, as ring_attention returned it); every rank sums its own gradients
+    in float64, and the dK/dV partials travel in ``grad_wire_dtype`` ("float32",
+    the default, or "float64", the default for float64 inputs). K/V travel as
+    ``wire_dtype`` says (as in ``ring_attention``: pass the forward's). Other
+    options are those of ``ring_attention``; bad input on any rank raises the
+    same ValueError on every rank.
     """
     comm = check_comm(comm)
     with exclusive(comm):  # one call per communicator at a time (threads: one Dup each)
-        options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens)
+        options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens,
+                       wire_dtype=wire_dtype, grad_wire_dtype=grad_wire_dtype)
 
         def prepare():  # what may fail on one rank alone (MemoryError) is done before the agreement
-            arrays = [np.ascontiguousarray(a) for a in (dout, q, k, v, out, lse)]
-            delta = np.sum(arrays[0].astype(GRAD_DTYPE) * arrays[4], axis=-1).astype(q.dtype)
+            work = compute_dtype(q.dtype)  # what never moves, in the dtype tiles compute in (float32 for half)
+            arrays = [np.ascontiguousarray(a, work if i not in (2, 3) else None)
+                      for i, a in enumerate((dout, q, k, v, out, lse))]
+            delta = np.sum(arrays[0].astype(GRAD_DTYPE) * arrays[4], axis=-1).astype(work)
             return arrays + [delta]
 
         problem = grad_problem(dout, q, k, v, out, lse)
@@ -174,6 +189,8 @@ def ring_attention_backward(
                                                               prepare=prepare, problem=problem)
         timeout = resolve_timeout(timeout, plan, q.size // (q.shape[-2] * q.shape[-1]), q.shape[-1], factor=2.5)
         rec = Record(comm.Get_rank()) if record is None else record
+        pr = Precision.of(k.dtype, options)
+        rec.wire_dtype = pr.wire.name
         rings = []
         try:  # private duplicates: K/V, dK/dV onward, dK/dV home (all-gather needs only the first)
             rings.append(RingComm(comm, timeout))
@@ -183,9 +200,9 @@ def ring_attention_backward(
             rec.t0 = start = time.perf_counter()
             if plan.mode == "allgather":
                 dq, dk, dv = _allgather_backward(dout, q, k, v, out, lse, delta, plan, rings[0].comm, scale, rec,
-                                                 timeout)
+                                                 timeout, pr)
             else:
-                dq, dk, dv = _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec, timeout)
+                dq, dk, dv = _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec, timeout, pr)
                 rec.bytes_sent = sum(ring.bytes_sent for ring in rings)
                 rec.messages = sum(ring.messages for ring in rings)
                 rec.wait_time = sum(ring.wait_time for ring in rings)
@@ -196,4 +213,4 @@ def ring_attention_backward(
                 ring.free()
         rec.wall_time = time.perf_counter() - start
         rec.plan = plan
-        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+        return dq.astype(pr.input), dk.astype(pr.input), dv.astype(pr.input)

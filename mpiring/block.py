@@ -16,10 +16,11 @@ __all__ = ["GRAD_DTYPE", "accumulators", "count_pairs", "attend", "block_grads",
 GRAD_DTYPE = np.dtype(np.float64)  # travelling and accumulated gradients: no precision lost as P grows
 
 
-def accumulators(q, v):
-    """Running (out, lse) in float64 whatever the input dtype, as flash-attn keeps fp32 for fp16:
-    with fp32 ones the merge's rounding made the error grow with P (docs/reliability.md)."""
-    return [np.zeros(q.shape[:-1] + v.shape[-1:], np.float64), np.full(q.shape[:-1], -np.inf, np.float64)]
+def accumulators(q, v, out_dtype=np.float64, lse_dtype=None):
+    """Running (out, lse), in float64 by default whatever the input dtype, as flash-attn keeps fp32 for fp16:
+    with fp32 ones the merge's rounding made the error grow with P (docs/reliability.md). ``lse_dtype``:
+    that of out unless given (``precision.Precision`` keeps lse in float32 when out is in a half dtype)."""
+    return [np.zeros(q.shape[:-1] + v.shape[-1:], out_dtype), np.full(q.shape[:-1], -np.inf, lse_dtype or out_dtype)]
 
 
 def count_pairs(rec, pieces):

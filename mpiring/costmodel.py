@@ -88,14 +88,18 @@ def predicted_bytes_sent(plan, kv_width, itemsize):
 
 # ---------------------------------------------------------------- time model: alpha-beta links, FLOP rate
 
-def predicted_backward_bytes(plan, kv_width, itemsize, grad_itemsize=8):
+def predicted_backward_bytes(plan, kv_width, itemsize, grad_itemsize=None, grad_width=None):
     """Bytes each rank sends in the backward pass; ``kv_width`` = elements of K plus V per token.
 
     Ring modes: at steps 0 .. R-1 of a stream the rank sends the K/V block it
     holds, at steps 1 .. R the dK/dV partial of the block it holds (in
-    ``grad_itemsize`` bytes per element: float64 today). All-gather: K/V as the forward pass
-    counts them, then every block but the rank's own once as dK/dV.
+    ``grad_itemsize`` bytes per element: by default float32's 4, float64's 8
+    when ``itemsize`` is 8, as ``grad_wire_dtype`` defaults). All-gather: K/V as the forward pass
+    counts them, then every block but the rank's own once as dK/dV. ``grad_width``:
+    elements of dK plus dV per token when K/V travel wider rows (an int8 wire's scales); default kv_width.
     """
+    grad_itemsize = (8 if itemsize == 8 else 4) if grad_itemsize is None else grad_itemsize
+    grad_width = kv_width if grad_width is None else grad_width
     n = [len(s) for s in plan.shards]
     sent = []
     for rank, kv_bytes in enumerate(predicted_bytes_sent(plan, kv_width, itemsize)):  # K/V: as forward
@@ -104,7 +108,7 @@ def predicted_backward_bytes(plan, kv_width, itemsize, grad_itemsize=8):
         else:
             grads = sum(n[plan.held_source(rank, d, s)] for d, rounds in plan.rounds.items()
                         for s in range(1, rounds + 1))
-        sent.append(kv_bytes + kv_width * grads * grad_itemsize)
+        sent.append(kv_bytes + grad_width * grads * grad_itemsize)
     return sent
 
 

@@ -7,7 +7,7 @@ __all__ = ["Record"]
 
 # the counters a rank sends to root (``distributed_*``): everything but the tasks, plan and callback
 SUMMARY = ("rank", "bytes_sent", "messages", "wait_time", "compute_time", "wall_time", "events", "t0",
-           "computed_pairs", "visible_pairs")
+           "computed_pairs", "visible_pairs", "wire_dtype", "error")
 
 
 @dataclass(eq=False)
@@ -33,6 +33,8 @@ class Record:
     computed_pairs: int = 0  # score entries given to the kernel
     visible_pairs: int = 0  # of those, the ones the mask lets through
     wall_time: float = 0.0
+    wire_dtype: str = ""  # how K/V travelled: the input dtype's name, or a ``wire_dtype`` ("int8", ...)
+    error: dict = field(default_factory=dict)  # max |result - float64 reference| by name, if a checker filled it in
     plan: object = None  # the Plan the ring followed, set when the call returns
 
     def event(self, name, start, **info):

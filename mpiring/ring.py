@@ -15,45 +15,53 @@ from mpi4py import MPI
 
 from . import block
 from .agree import check_comm, resolve_timeout, setup
-from .comm import CommTimeout, KVBuffers, RingComm, allgathered, exclusive, next_buffers, shift, wait_until
+from .comm import CommTimeout, RingComm, allgathered, exclusive, kv_slots, next_buffers, shift, wait_until
+from .kernels import pad_ones
+from .precision import Precision
 from .record import Record
 
 __all__ = ["ring_attention", "agree_outcome"]
 
 
-def _ring_loop(q, k, v, plan, ring, scale, rec, timeout):
+def _ring_loop(q, k, v, plan, ring, scale, rec, timeout, pr):
     """The ring: start passing the held blocks on, compute on them, wait, swap."""
-    rank = ring.rank
-    acc = block.accumulators(q, v)
+    rank, wire = ring.rank, pr.wire
+    acc = block.accumulators(q, v, pr.out, pr.lse)
+    q = pr.widen(q)  # half inputs: tiles compute in float32
     longest = max(len(s) for s in plan.shards)
-    # K/V blocks are kept as the kernel takes them, [k | 1]^T and [v | 1]^T, in two slots per stream;
-    # the first slot of the first stream starts with this rank's own block.
-    buffers = {stream: KVBuffers((k, v), longest) for stream in plan.rounds or [+1]}  # +1: plan.NEXT
+    # K/V blocks are kept as the kernel takes them, [k | 1]^T and [v | 1]^T (or as the wire codes them,
+    # ``precision.Wire``), in two slots per stream; the first slot of the first stream starts with this
+    # rank's own block.
+    buffers = {stream: kv_slots(wire, (k, v), longest) for stream in plan.rounds or [+1]}  # +1: plan.NEXT
     own = next(iter(buffers.values())).hold((k, v))
+    mine = own if not wire.coded else tuple(pad_ones(pr.widen(a)) for a in (k, v))  # computed on exactly
     held = {stream: own for stream in buffers}  # the block each stream holds now
     for step in range(plan.n_steps):
         incoming = next_buffers(plan, rank, step, buffers)
-        shift(ring, {s: held[s] for s in incoming}, incoming, rec, step, pad=1)  # Isend/Irecv, non-blocking
+        shift(ring, {s: held[s] for s in incoming}, incoming, rec, step, pad=wire.pad)  # Isend/Irecv, non-blocking
         start = time.perf_counter()
         for task in plan.tasks(step, rank):  # one block (two when bidirectional)
-            block.attend(q, held[task.stream], task, plan.pieces(rank, task.source), scale, acc, rec, ring.progress,
-                         step, padded=True)
+            kv = mine if task.source == rank else wire.opened(held[task.stream])
+            block.attend(q, kv, task, plan.pieces(rank, task.source), scale, acc, rec, ring.progress, step, padded=True)
         computed, start = time.perf_counter() - start, time.perf_counter()
         ring.wait(timeout, _slow_step_note(step, computed, timeout))
         rec.event("wait", start, step=step)
         held.update(incoming)  # the blocks that arrived are the ones to use next step
         rec.step_done(step, plan.n_steps)
-    return acc[0].astype(q.dtype, copy=False), acc[1].astype(q.dtype, copy=False)
+    return acc[0].astype(pr.input, copy=False), acc[1].astype(pr.compute, copy=False)
 
 
-def _allgather_loop(q, k, v, plan, comm, scale, rec, timeout):
+def _allgather_loop(q, k, v, plan, comm, scale, rec, timeout, pr):
     """All-gather K/V once (overlapped with the local block), then compute locally."""
-    rank = comm.Get_rank()
-    acc = block.accumulators(q, v)
-    for step, task, kv, progress in allgathered(k, v, plan, comm, rec, timeout):
+    rank, wire = comm.Get_rank(), pr.wire
+    acc = block.accumulators(q, v, pr.out, pr.lse)
+    q = pr.widen(q)
+    mine = (pr.widen(k), pr.widen(v))
+    for step, task, kv, progress in allgathered(wire.encode(k), wire.encode(v), plan, comm, rec, timeout):
+        kv = mine if task.source == rank else tuple(wire.decode(a) for a in kv)
         block.attend(q, kv, task, plan.pieces(rank, task.source), scale, acc, rec, progress, step)
         rec.step_done(step, plan.n_steps)
-    return acc[0].astype(q.dtype, copy=False), acc[1].astype(q.dtype, copy=False)
+    return acc[0].astype(pr.input, copy=False), acc[1].astype(pr.compute, copy=False)
 
 
 def _slow_step_note(step, took, timeout):
@@ -93,7 +101,7 @@ def ring_attention(
     comm=None, *, causal: bool = False, scale: float | None = None, layout: str = "contiguous",
     mode: str = "ring", window: tuple[int, int] | None = None, cu_seqlens=None,
     timeout: float | str | None = "auto", record: Record | None = None, check_finite: bool = False,
-    expected_size: int | None = None,
+    expected_size: int | None = None, wire_dtype: str | None = None, accumulate: str = "float64",
 ) -> tuple[np.ndarray, np.ndarray]:  # out (..., Hq, n, Dv), lse (..., Hq, n)
     """Attention of this rank's queries against the whole distributed sequence.
 
@@ -118,27 +126,34 @@ def ring_attention(
             waits forever. Must be the same on every rank and exceed the
             longest compute step.
         record: a ``Record`` to fill with tasks, events and traffic counters.
+        wire_dtype: "float16", "bfloat16" or "int8": K/V travel coded so (int8: with a
+            float32 scale per token and head), default the input dtype (``mpiring.precision``).
+        accumulate: "float64" (default), "float32" or "input": the running (out, lse)'s dtype.
         check_finite: also reject NaN/Inf in q, k, v (one extra pass over them).
         expected_size: raise unless the communicator has this many ranks.
 
-    Bad arguments on any rank raise the same ``ValueError`` on every rank,
-    before any transfer (see docs/reliability.md).
+    float16 and bfloat16 inputs compute in float32: out comes back in the input
+    dtype, lse in float32. Bad arguments on any rank raise the same ``ValueError``
+    on every rank, before any transfer (see docs/reliability.md).
     """
     comm = check_comm(comm)
     with exclusive(comm):  # one call per communicator at a time (threads: one Dup each)
-        options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens)
+        options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens,
+                       wire_dtype=wire_dtype, accumulate=accumulate)
         plan, scale, (q, k, v) = setup(q, k, v, comm, scale, options, check_finite, expected_size, timeout,
                                        prepare=lambda: [np.ascontiguousarray(a) for a in (q, k, v)])
         timeout = resolve_timeout(timeout, plan, q.size // (q.shape[-2] * q.shape[-1]), q.shape[-1])
         rec = Record(comm.Get_rank()) if record is None else record
+        pr = Precision.of(q.dtype, options)
+        rec.wire_dtype = pr.wire.name
         with RingComm(comm, timeout) as ring:  # a private duplicate: the caller's messages never mix with the ring's
             # a common start: event times minus rec.t0 compare across ranks
             wait_until([ring.comm.Ibarrier()], timeout, ring.rank, "start barrier")
             rec.t0 = start = time.perf_counter()
             if plan.mode == "allgather":
-                out, lse = _allgather_loop(q, k, v, plan, ring.comm, scale, rec, timeout)
+                out, lse = _allgather_loop(q, k, v, plan, ring.comm, scale, rec, timeout, pr)
             else:
-                out, lse = _ring_loop(q, k, v, plan, ring, scale, rec, timeout)
+                out, lse = _ring_loop(q, k, v, plan, ring, scale, rec, timeout, pr)
                 rec.bytes_sent, rec.messages, rec.wait_time = ring.bytes_sent, ring.messages, ring.wait_time
             if timeout is not None:
                 agree_outcome(ring.comm, timeout, rec.t0)

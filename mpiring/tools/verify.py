@@ -27,8 +27,9 @@ import numpy as np
 
 from mpiring.layouts import shard_indices
 from mpiring.reference import definition_mask
+from mpiring.testing import tolerance
 
-__all__ = ["BLOCK", "SAMPLE", "DKV_MAX_SEQ", "TOLERANCE", "Inputs", "sample_rows", "check_partition",
+__all__ = ["BLOCK", "SAMPLE", "DKV_MAX_SEQ", "TOLERANCE", "run_tolerance", "Inputs", "sample_rows", "check_partition",
            "forward_reference", "dq_reference", "dkv_reference", "check_rank"]
 
 BLOCK = 1024  # tokens per seeded block
@@ -38,6 +39,12 @@ DKV_MAX_SEQ = 16384  # dK and dV are checked up to this sequence length
 ROW_CHUNK = 256  # query rows per matrix product in the forward pass (bounds its memory)
 # accepted error: absolute for out and lse (unit-normal inputs), relative to max(1, max |reference|) for gradients
 TOLERANCE = {np.dtype(np.float64): 1e-10, np.dtype(np.float32): 1e-4}
+
+
+def run_tolerance(dtype, wire=None):
+    """The error ``run`` accepts for inputs of ``dtype`` with K/V on the ``wire``: TOLERANCE above, half
+    inputs and coded wires by the library's one table (``mpiring.testing.TOLERANCE``)."""
+    return max(TOLERANCE.get(np.dtype(dtype), 0.0), tolerance(dtype, wire))
 
 
 class Inputs:
