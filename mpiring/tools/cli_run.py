@@ -316,7 +316,8 @@ def _print_checks(checks, dtype, wire=None):
         rel = err / max(1.0, largest) if n in ("dQ", "dK", "dV") else err
         passed = passed and rel <= tol
         extra = f" relative, max |reference| {largest:.3g}" if n in ("dQ", "dK", "dV") else " absolute"
-        print(f"  {n:>3} {rel:.3e}{extra}")
+        mean = sum(c["mean"][n] for c in checks) / len(checks)  # the ranks' mean errors, averaged
+        print(f"  {n:>3} {rel:.3e}{extra}; mean {mean:.3e} absolute")
     if "dQ" in names and "dK" not in names:
         print(f"  dK, dV not checked: seq_len > {verify.DKV_MAX_SEQ} (they need every row's exact lse, "
               f"a pass as costly as the forward ring)")

@@ -195,11 +195,13 @@ def dkv_reference(inputs, keys, seq_len, scale, mask, lse, delta):
     return dk, dv
 
 
-def _error(got, want):
-    """Largest |got - want| (0 where both are the same infinity, as lse of a row that sees nothing)."""
+def _error(got, want, reduce=np.max):
+    """Largest (or with ``reduce=np.mean``, mean) |got - want|; 0 where both are the same infinity (lse of a row
+    that sees nothing)."""
     got = np.asarray(got, np.float64)
     same = (got == want) | (np.isnan(got) & np.isnan(want))
-    return float(np.max(np.where(same, 0.0, np.abs(got - want)), initial=0.0))
+    err = np.where(same, 0.0, np.abs(got - want))
+    return float(reduce(err)) if err.size else 0.0
 
 
 def check_rank(inputs, seq_len, size, rank, layout, mask, got, share=None):
@@ -218,10 +220,11 @@ def check_rank(inputs, seq_len, size, rank, layout, mask, got, share=None):
     with_dkv = backward and seq_len <= DKV_MAX_SEQ
     rows = np.arange(n) if with_dkv else sample_rows(n, seed, rank, "rows")
     out, lse = forward_reference(inputs, positions[rows], seq_len, scale, mask)
-    result = {"rows": len(rows), "of": n, "keys": 0, "error": {}, "largest": {}}
+    result = {"rows": len(rows), "of": n, "keys": 0, "error": {}, "mean": {}, "largest": {}}
 
     def compare(name, mine, ref):
         result["error"][name] = _error(mine, ref)
+        result["mean"][name] = _error(mine, ref, np.mean)
         result["largest"][name] = float(np.max(np.abs(ref), initial=0.0, where=np.isfinite(ref)))
 
     compare("out", got["out"][..., rows, :], out)
