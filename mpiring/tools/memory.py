@@ -22,7 +22,9 @@ def memory_model(cfg, P, kv_heads=None):
     float64, and when P > 1 two receive buffers of a travelling dK/dV partial
     and one for the partial coming home (float32; float64 for float64 inputs).
     K/V receive buffers hold the wire's form (bf16 inputs: 2 bytes; an int8
-    wire: 1 byte and a 4-byte scale per row).
+    wire: 1 byte and a 4-byte scale per row); blocks that travel coded are also
+    held decoded in the compute dtype (the own block exactly, the block in use),
+    and half inputs' q widened to float32.
     Kernel scratch is not in the model: it is what the 0.5x allowance and the
     "scratch" column show.
     """
@@ -38,6 +40,11 @@ def memory_model(cfg, P, kv_heads=None):
     wire_block = cfg.B * hk * n * pr.wire.row(cfg.D) * pr.wire.dtype.itemsize  # one of K or V as it travels
     parts = {"local_qkv": qkv, "out": cfg.B * cfg.H * n * cfg.D * e, "lse": cfg.B * cfg.H * n * pr.lse.itemsize,
              "kv_buffers": 4 * wire_block if P > 1 else 0}
+    c = pr.compute.itemsize
+    if pr.wire.coded:  # the own block exactly and the block in use, decoded: [x | 1]^T of K and V each
+        parts["decoded_kv"] = 4 * cfg.B * hk * n * (cfg.D + 1) * c
+    if pr.input != pr.compute:  # half inputs: q widened to float32 for the tiles
+        parts["widened_q"] = cfg.B * cfg.H * n * cfg.D * c
     if cfg.backward:
         g = GRAD_DTYPE.itemsize / e  # a gradient element over an input element
         parts["dout_grads"] = 2 * cfg.B * cfg.H * n * cfg.D * e + 2 * block  # dout, dq; dk, dv
