@@ -13,7 +13,7 @@ from .kernels import attention_block, attention_block_backward
 
 __all__ = ["GRAD_DTYPE", "accumulators", "count_pairs", "attend", "block_grads", "add_grads", "grads_of"]
 
-GRAD_DTYPE = np.dtype(np.float64)  # travelling and accumulated gradients: no precision lost as P grows
+GRAD_DTYPE = np.dtype(np.float64)  # each rank's own gradients (dq, its block's dk, dv) are summed in this
 
 
 def accumulators(q, v, out_dtype=np.float64, lse_dtype=None):
@@ -55,7 +55,7 @@ def block_grads(queries, kv, pieces, scale, dq, progress):
 
     ``queries = (dout, q, out, lse, delta)`` are this rank's arrays that never move.
     Returns ``[(c, d, dk, dv), ...]``, the kernel's dK and dV of keys c:d (in
-    the input dtype); ``add_grads`` adds them into the block's float64 partial.
+    the compute dtype); ``add_grads`` adds them into the block's partial.
     """
     dout, q, out, lse, delta = queries
     k, v = kv
@@ -71,7 +71,8 @@ def block_grads(queries, kv, pieces, scale, dq, progress):
 
 
 def add_grads(total, grads):
-    """Add ``block_grads``' shares into ``total = (dk, dv)``, the block's float64 partial, in place."""
+    """Add ``block_grads``' shares into ``total = (dk, dv)``, the block's partial (float64 at home, else the
+    ``grad_wire_dtype``), in place."""
     for c, d, bk, bv in grads:
         total[0][..., c:d, :] += bk
         total[1][..., c:d, :] += bv
