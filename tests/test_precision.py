@@ -1,11 +1,16 @@
 """Half inputs, coded wires and the accumulation knob, in one process: the codec, the simulator, the checks."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 import mpiring
 from mpiring.precision import Precision, Wire, canonical_precision, named_dtype
 from mpiring.testing import assert_attention_close, reference, tolerance
+
+from launch import MPIEXEC, clean_env, mpiexec_argv
 
 try:
     import ml_dtypes
@@ -115,3 +120,17 @@ def test_gradient_partials_travel_in_float32_by_default():
     assert Precision(np.float32).grad == np.float32 and Precision(np.float16).grad == np.float32
     assert Precision(np.float64).grad == np.float64
     assert Precision(np.float64, grad_wire_dtype="float32").grad == np.float32
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
+def test_run_command_with_half_inputs_and_int8_wire():
+    """`run --dtype bfloat16 --wire-dtype int8 --backward` verifies out, lse and the gradients, bytes as predicted."""
+    dtype = "bfloat16" if ml_dtypes is not None else "float16"
+    cmd = mpiexec_argv(2, sys.executable, "-m", "mpiring", "run", "--seq-len", "96", "--heads", "2", "--dim", "32",
+                       "--causal", "--layout", "zigzag", "--dtype", dtype, "--wire-dtype", "int8", "--backward")
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=clean_env())
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert out.count("VERIFIED") == 1 and "K/V on the wire: int8 (+ a float32 scale per token and head), " \
+        "0.281x the bytes of float32" in out and "dK/dV partials on the wire: float32" in out
+    assert f"tolerance {tolerance(dtype, 'int8'):g}" in out and "; mean " in out
