@@ -17,7 +17,7 @@ from .kernels import LSE_LIMIT, default_scale
 from .layouts import check_layout
 from .masks import check_window
 from .plan import MODES, make_plan
-from .precision import canonical_precision, compute_dtype, dtype_problem, plan_options
+from .precision import canonical_precision, compute_dtype, dtype_problem, without_precision
 
 __all__ = ["agree", "setup", "agree_root", "check_comm", "comm_problem", "resolve_timeout", "agreement_timeout",
            "local_problem", "grad_problem", "root_problem", "root_grad_problem", "timeout_problem", "scale_problem",
@@ -151,7 +151,7 @@ def canonical(options):
         cu = cu.astype(np.int64)
     if not isinstance(options["causal"], (bool, np.bool_)):
         raise ValueError(f"causal must be True or False, got {options['causal']!r}")
-    precision = canonical_precision(options) if set(options) - set(plan_options(options)) else {}
+    precision = canonical_precision(options) if len(without_precision(options)) < len(options) else {}
     return dict(layout=options["layout"], mode=options["mode"], causal=bool(options["causal"]),
                 window=check_window(options["window"]), cu_seqlens=cu, **precision)
 
@@ -262,7 +262,7 @@ def setup(q, k, v, comm, scale, options, check_finite=False, expected_size=None,
         raise ValueError(message)
     lengths = [m[2] for m in metas]
     # deterministic, the same options: the same plan everywhere, or the same error everywhere
-    plan = make_plan(sum(lengths), comm.Get_size(), **plan_options(options))
+    plan = make_plan(sum(lengths), comm.Get_size(), **without_precision(options))
     expected = [len(s) for s in plan.shards]
     if lengths != expected:
         raise ValueError(f"local sequence lengths {lengths} do not match the {plan.layout} layout of "

@@ -28,7 +28,7 @@ from .ring import agree_outcome
 __all__ = ["ring_attention_backward"]
 
 
-def _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec, timeout, pr):
+def _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec, timeout, pr=None):
     """Start passing K/V on, compute, wait, swap; a block's dK/dV follows it one step behind, then goes home.
 
     At a stream's last round the block is computed in key chunks, and each
@@ -36,6 +36,7 @@ def _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec,
     chunk computes: only the last chunk's transfer is left to wait for.
     """
     kv_ring, grad_ring, home_ring = rings
+    pr = pr or Precision(k.dtype)  # the call's dtypes: defaults for k's dtype unless given
     rank, wire = kv_ring.rank, pr.wire
     queries = (dout, q, out, lse, delta)
     chunks = home_chunks(plan)
@@ -122,8 +123,9 @@ def _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec,
     return dq, own[0], own[1]
 
 
-def _allgather_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec, timeout, pr):
+def _allgather_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec, timeout, pr=None):
     """All-gather K/V once, compute every block's dK/dV contribution here, reduce-scatter them to their owners."""
+    pr = pr or Precision(k.dtype)
     rank, size, wire = comm.Get_rank(), comm.Get_size(), pr.wire
     lengths = [len(s) for s in plan.shards]
     sums = [flat_blocks(a, lengths, pr.grad) for a in (k, v)]  # this rank's share of every block's dK, dV

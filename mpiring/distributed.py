@@ -22,7 +22,7 @@ from .backward import ring_attention_backward
 from .comm import CommTimeout, gather, mpi_view, wait_until
 from .layouts import shard, unshard
 from .plan import Schedule, make_plan
-from .precision import plan_options
+from .precision import without_precision
 from .record import Record
 from .ring import ring_attention
 
@@ -99,7 +99,7 @@ def distributed_attention(
                    wire_dtype=wire_dtype, accumulate=accumulate)
     options, meta = agree_root(comm, root, check_root, options, timeout, expected_size, scale)
     options.pop("grad_wire_dtype")  # a backward option
-    plan = make_plan(meta[3], size, **plan_options(options))  # the same everywhere, or raises everywhere
+    plan = make_plan(meta[3], size, **without_precision(options))  # the same everywhere, or raises everywhere
     wait = resolve_timeout(timeout, plan, int(np.prod(meta[0][0])), meta[0][1])  # for scatter and gather
     q, k, v = (_scatter(x, m, plan, comm, root, wait) for x, m in zip((Q, K, V), meta[:3]))
     rec = Record(rank, on_step=on_step)
@@ -162,7 +162,7 @@ def distributed_attention_backward(
                    wire_dtype=wire_dtype, grad_wire_dtype=grad_wire_dtype, accumulate=accumulate)
     options, meta = agree_root(comm, root, check_root, options, timeout, scale=scale)
     grad_wire, accumulate = options.pop("grad_wire_dtype"), options.pop("accumulate")
-    plan = make_plan(meta[4], size, **plan_options(options))  # same options everywhere: raises everywhere or nowhere
+    plan = make_plan(meta[4], size, **without_precision(options))  # the same everywhere, or raises everywhere
     wait = resolve_timeout(timeout, plan, int(np.prod(meta[0][0])), meta[0][1], factor=3.5)
     q, k, v, dout = (_scatter(x, m, plan, comm, root, wait) for x, m in zip((Q, K, V, dOut), meta[:4]))
     forward, backward = Record(rank), Record(rank)

@@ -20,7 +20,7 @@
 import numpy as np
 
 __all__ = ["INPUT_DTYPES", "WIRE_DTYPES", "GRAD_WIRE_DTYPES", "ACCUMULATE", "KEYS", "named_dtype", "dtype_problem",
-           "compute_dtype", "canonical_precision", "plan_options", "Wire", "Precision"]
+           "compute_dtype", "canonical_precision", "without_precision", "Wire", "Precision"]
 
 INPUT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 WIRE_DTYPES = ("float16", "bfloat16", "int8")
@@ -71,7 +71,7 @@ def canonical_precision(options):
     return {"wire_dtype": wire, "grad_wire_dtype": grad, "accumulate": accumulate}
 
 
-def plan_options(options):
+def without_precision(options):
     """``options`` without this module's keys: what ``make_plan`` takes."""
     return {key: value for key, value in options.items() if key not in KEYS}
 

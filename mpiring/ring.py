@@ -23,8 +23,9 @@ from .record import Record
 __all__ = ["ring_attention", "agree_outcome"]
 
 
-def _ring_loop(q, k, v, plan, ring, scale, rec, timeout, pr):
-    """The ring: start passing the held blocks on, compute on them, wait, swap."""
+def _ring_loop(q, k, v, plan, ring, scale, rec, timeout, pr=None):
+    """The ring: start passing the held blocks on, compute on them, wait, swap. ``pr``: the call's ``Precision``."""
+    pr = pr or Precision(k.dtype)
     rank, wire = ring.rank, pr.wire
     acc = block.accumulators(q, v, pr.out, pr.lse)
     q = pr.widen(q)  # half inputs: tiles compute in float32
@@ -51,8 +52,9 @@ def _ring_loop(q, k, v, plan, ring, scale, rec, timeout, pr):
     return acc[0].astype(pr.input, copy=False), acc[1].astype(pr.compute, copy=False)
 
 
-def _allgather_loop(q, k, v, plan, comm, scale, rec, timeout, pr):
+def _allgather_loop(q, k, v, plan, comm, scale, rec, timeout, pr=None):
     """All-gather K/V once (overlapped with the local block), then compute locally."""
+    pr = pr or Precision(k.dtype)
     rank, wire = comm.Get_rank(), pr.wire
     acc = block.accumulators(q, v, pr.out, pr.lse)
     q = pr.widen(q)
