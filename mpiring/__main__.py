@@ -43,6 +43,7 @@ COMMANDS = {
     "schedule": ("cli_plan", False, "print the ring schedule (no MPI needed)"),
     "cost": ("cli_plan", False, "the analytical cost report, then the time model (no MPI needed)"),
     "bench": ("bench", True, "benchmark table under mpiexec -n 1 / -n 2 (see run/bench)"),
+    "accuracy": ("cli_accuracy", False, "error against float64 as P grows, per dtype and accumulation (no MPI)"),
     "grade": ("cli_teach", True, "grade a student's ring attention (docs/exercises.md)"),
     "demo": ("cli_teach", True, "demonstrations: 'demo deadlock' shows a blocking ring deadlock and its fixes"),
 }

@@ -17,6 +17,7 @@ from .kernels import LSE_LIMIT, default_scale
 from .layouts import check_layout
 from .masks import check_window
 from .plan import MODES, make_plan
+from .precision import canonical_precision, compute_dtype, dtype_problem, without_precision
 
 __all__ = ["agree", "setup", "agree_root", "check_comm", "comm_problem", "resolve_timeout", "agreement_timeout",
            "local_problem", "grad_problem", "root_problem", "root_grad_problem", "timeout_problem", "scale_problem",
@@ -28,8 +29,8 @@ def local_problem(q, k, v, scale, check_finite=False):
     for name, a in (("q", q), ("k", k), ("v", v)):
         if not isinstance(a, np.ndarray):
             return f"{name} must be a NumPy array, got {type(a).__name__}"
-        if a.dtype not in (np.float32, np.float64):
-            return f"{name} must be float32 or float64, got {a.dtype}"
+        if dtype_problem(name, a):
+            return dtype_problem(name, a)
         if a.ndim < 2:
             return f"{name} must have shape (..., seq, dim), got {a.shape}"
     if not (q.dtype == k.dtype == v.dtype):
@@ -137,6 +138,7 @@ def canonical(options):
 
     Only checks that need no other rank are made here; make_plan checks the rest
     (cu_seqlens against the total length) once every rank holds the same options.
+    The precision options (``wire_dtype``, ...) are checked and kept when given.
     """
     check_layout(options["layout"])
     if options["mode"] not in MODES:
@@ -149,8 +151,9 @@ def canonical(options):
         cu = cu.astype(np.int64)
     if not isinstance(options["causal"], (bool, np.bool_)):
         raise ValueError(f"causal must be True or False, got {options['causal']!r}")
+    precision = canonical_precision(options) if len(without_precision(options)) < len(options) else {}
     return dict(layout=options["layout"], mode=options["mode"], causal=bool(options["causal"]),
-                window=check_window(options["window"]), cu_seqlens=cu)
+                window=check_window(options["window"]), cu_seqlens=cu, **precision)
 
 
 class _Shown:
@@ -261,7 +264,8 @@ def setup(q, k, v, comm, scale, options, check_finite=False, expected_size=None,
     if message:
         raise ValueError(message)
     lengths = [m[2] for m in metas]
-    plan = make_plan(sum(lengths), comm.Get_size(), **options)  # deterministic, same options: raises everywhere
+    # deterministic, the same options: the same plan everywhere, or the same error everywhere
+    plan = make_plan(sum(lengths), comm.Get_size(), **without_precision(options))
     expected = [len(s) for s in plan.shards]
     if lengths != expected:
         raise ValueError(f"local sequence lengths {lengths} do not match the {plan.layout} layout of "
@@ -277,8 +281,10 @@ def _peak(a):
 def logit_problem(scale, dim, q_peak, k_peak, dtype):
     """Why scale * q.k may overflow ``dtype`` (|q.k| <= dim * max|q| * max|k|), or None.
 
-    Any logits below that bound give a finite lse; beyond it no float arithmetic can.
+    Any logits below that bound give a finite lse; beyond it no float arithmetic can
+    (half inputs: logits are computed in float32).
     """
+    dtype = compute_dtype(dtype)
     limit = float(np.finfo(dtype).max) / 16
     if not (np.isfinite(q_peak) and np.isfinite(k_peak)):
         return None  # NaN or Inf inputs are not a scale problem: they propagate as in IEEE arithmetic
@@ -303,12 +309,15 @@ def grad_problem(dout, q, k, v, out, lse):
                 return f"{name} must be a NumPy array, got {type(a).__name__}"
             if a.shape != shape:
                 return f"{name} must have shape {shape} (from q and v), got {a.shape}"
-            if a.dtype != q.dtype:
-                return f"{name} must have the dtype of q ({q.dtype}), got {a.dtype}"
+            want = compute_dtype(q.dtype) if name == "lse" else q.dtype  # half inputs: lse in float32
+            if a.dtype != want:
+                of = f"of q ({q.dtype})" if want == q.dtype else f"{want} (that of q, {q.dtype}, computes in)"
+                return f"{name} must have the dtype {of}, got {a.dtype}"
         peak = float(np.max(np.abs(lse), initial=0, where=np.isfinite(lse)))
-        if peak > LSE_LIMIT[q.dtype]:
+        work = compute_dtype(q.dtype)
+        if peak > LSE_LIMIT[work]:
             return (f"lse reaches {peak:.3g}: the probabilities exp(scale q.k - lse) are recomputed from lse, "
-                    f"and in {q.dtype} beyond |lse| = {LSE_LIMIT[q.dtype]:g} they lose more than 0.1 % "
+                    f"and in {work} beyond |lse| = {LSE_LIMIT[work]:g} they lose more than 0.1 % "
                     f"(the gradient would be wrong); rescale q, k or the softmax scale")
     except Exception as exc:  # reported collectively, never raised alone
         return describe(exc)
@@ -380,7 +389,8 @@ def setup_ring(comm, seq_len, options, scale, timeout, expected_size=None, probl
     As ``setup``, without arrays: every rank checks what it passed, one
     all-gather compares it with rank 0's (``values``: more named values that
     must match), and every rank builds the same plan or raises the same
-    ValueError. Returns ``(plan, hosts)``, hosts being every rank's processor name.
+    ValueError. Returns ``(plan, hosts, options)``: hosts are every rank's processor
+    name, options the canonical ones.
     """
     shown = None
     try:
@@ -398,8 +408,8 @@ def setup_ring(comm, seq_len, options, scale, timeout, expected_size=None, probl
     message = verdict([g[0] for g in gathered]) or verdict(differences([g[1] for g in gathered], 0))
     if message:
         raise ValueError(message)
-    plan = make_plan(int(seq_len), comm.Get_size(), **options)  # same options everywhere: raises everywhere
-    return plan, [g[2] for g in gathered]
+    plan = make_plan(int(seq_len), comm.Get_size(), **without_precision(options))  # raises everywhere or nowhere
+    return plan, [g[2] for g in gathered], options
 
 
 def call_values(arrays):

@@ -8,7 +8,8 @@ joins it at its first visitor after the owner, is accumulated by every rank
 it visits, and its last hop takes it home, in key chunks sent while the rest
 of the block still computes (docs/backward.md). The softmax is
 recomputed from the saved lse, one block tile at a time, so memory per rank
-stays O(S/P). Partial gradients travel in float64 whatever the input dtype.
+stays O(S/P). Partial gradients travel in float32 (float64 for float64
+inputs; ``grad_wire_dtype``), and every rank sums its own in float64.
 """
 
 import time
@@ -19,12 +20,13 @@ from . import block
 from .block import GRAD_DTYPE, add_grads, count_pairs
 from .comm import Buffers, allgathered, flat_blocks, next_buffers, shift, wait_until
 from .plan import chunks_in_order, home_chunks, key_chunks
+from .precision import Precision
 from .ring import agree_outcome
 
 __all__ = ["run_backward"]
 
 
-def _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec, timeout):
+def _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec, timeout, pr=None):
     """Start passing K/V on, compute, wait, swap; a block's dK/dV follows it one step behind, then goes home.
 
     At a stream's last round the block is computed in key chunks, and each
@@ -32,23 +34,26 @@ def _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec,
     chunk computes: only the last chunk's transfer is left to wait for.
     """
     kv_ring, grad_ring, home_ring = rings
-    rank = kv_ring.rank
+    pr = pr or Precision(k.dtype)  # the call's dtypes: defaults for k's dtype unless given
+    rank, wire = kv_ring.rank, pr.wire
     queries = (dout, q, out, lse, delta)
     chunks = home_chunks(plan)
     dq = np.zeros(q.shape, GRAD_DTYPE)
     own = [np.zeros(k.shape, GRAD_DTYPE), np.zeros(v.shape, GRAD_DTYPE)]  # step 0: this rank's own block
-    held = {stream: (k, v) for stream in plan.rounds or [+1]}  # the K/V block each stream holds now
+    mine = (pr.widen(k), pr.widen(v))  # the own block, computed on exactly
+    coded = (wire.encode(k), wire.encode(v))  # as the wire carries it: coded once, here
+    held = {stream: coded for stream in plan.rounds or [+1]}  # the K/V block each stream holds now
     arriving = {}  # stream -> the dK/dV partial of the held block, sent by its previous visitor
     longest = max(len(s) for s in plan.shards)
-    empty = tuple(np.empty(a.shape[:-2] + (0, a.shape[-1]), GRAD_DTYPE) for a in (k, v))
-    kv_buffers = {stream: Buffers((k, v), longest) for stream in plan.rounds}
+    empty = tuple(np.empty(a.shape[:-2] + (0, a.shape[-1]), pr.grad) for a in (k, v))
+    kv_buffers = {stream: Buffers(coded, longest) for stream in plan.rounds}
     grad_buffers = {stream: Buffers(empty, longest) for stream in plan.rounds}
     homecoming = {}  # stream -> this rank's block's partial, from its last visitor on that stream
     for stream, rounds in plan.rounds.items():
         if rounds > 0:  # its receives, one per key chunk (dK and dV), are posted now
             # written now (np.full, not np.empty or calloc'd np.zeros), so the pages are mapped before
             # the last chunk lands: a first touch costs ~2 ms per MiB on the development VM
-            homecoming[stream] = (np.full(k.shape, 0, GRAD_DTYPE), np.full(v.shape, 0, GRAD_DTYPE))
+            homecoming[stream] = (np.full(k.shape, 0, pr.grad), np.full(v.shape, 0, pr.grad))
             home_ring.expect(stream, homecoming[stream], key_chunks(k.shape[-2], chunks))
 
     def progress():
@@ -76,16 +81,17 @@ def _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec,
             stream, n = task.stream, len(plan.shards[task.source])
             pieces = plan.pieces(rank, task.source)
             count_pairs(rec, pieces)
+            kv = mine if task.source == rank else tuple(wire.decode(a) for a in held[stream])
             if step == 0:
                 total = own  # the own block's share stays here
             elif step == 1:  # the first visitor starts the partial
-                total = tuple(np.zeros(a.shape[:-2] + (n, a.shape[-1]), GRAD_DTYPE) for a in (k, v))
+                total = tuple(np.zeros(a.shape[:-2] + (n, a.shape[-1]), pr.grad) for a in (k, v))
             else:
                 total = arriving[stream]  # added to only after the wait below
             going_home = step > 0 and step == plan.rounds[stream]
             work = chunks_in_order(pieces, n, chunks) if going_home else [(None, 0, n, pieces)]
             for chunk, lo, hi, cut in work:
-                grads = block.grads_of(queries, held[stream], task, cut, scale, dq, rec, progress, step,
+                grads = block.grads_of(queries, kv, task, cut, scale, dq, rec, progress, step,
                                  **({"keys": f"{lo}:{hi}"} if going_home else {}))
                 if partials_due and (grads or going_home):  # once, when first needed: after a compute
                     wait_for([grad_ring], step, "dK/dV")
@@ -115,44 +121,49 @@ def _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec,
     return dq, own[0], own[1]
 
 
-def _allgather_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec, timeout):
+def _allgather_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec, timeout, pr=None):
     """All-gather K/V once, compute every block's dK/dV contribution here, reduce-scatter them to their owners."""
-    rank, size = comm.Get_rank(), comm.Get_size()
+    pr = pr or Precision(k.dtype)
+    rank, size, wire = comm.Get_rank(), comm.Get_size(), pr.wire
     lengths = [len(s) for s in plan.shards]
-    sums = [flat_blocks(a, lengths, GRAD_DTYPE) for a in (k, v)]  # this rank's share of every block's dK, dV
+    sums = [flat_blocks(a, lengths, pr.grad) for a in (k, v)]  # this rank's share of every block's dK, dV
     queries = (dout, q, out, lse, delta)
     dq = np.zeros(q.shape, GRAD_DTYPE)
-    for step, task, kv, progress in allgathered(k, v, plan, comm, rec, timeout):  # as the forward pass
+    mine = (pr.widen(k), pr.widen(v))
+    for step, task, kv, progress in allgathered(wire.encode(k), wire.encode(v), plan, comm, rec, timeout):
+        kv = mine if task.source == rank else tuple(wire.decode(a) for a in kv)  # as the forward pass
         pieces = plan.pieces(rank, task.source)
         count_pairs(rec, pieces)
         grads = block.grads_of(queries, kv, task, pieces, scale, dq, rec, progress, step)
         add_grads((sums[0][2][task.source], sums[1][2][task.source]), grads)
         rec.tasks.append((step, task))
         rec.step_done(step, plan.n_steps)
-    own = [np.empty(a.shape, GRAD_DTYPE) for a in (k, v)]
+    own = [np.empty(a.shape, pr.grad) for a in (k, v)]
     start = time.perf_counter()
     requests = [comm.Ireduce_scatter(flat, mine, counts) for (flat, counts, _), mine in zip(sums, own)]
     wait_until(requests, timeout, rank, "reduce-scatter")
     rec.wait_time += time.perf_counter() - start
     rec.events.append(("wait", start, time.perf_counter(), {"step": plan.n_steps - 1}))  # the reduce-scatter
     for _, counts, _ in sums:  # as a ring reduce-scatter moves it: every block but one's own, once
-        rec.bytes_sent += (sum(counts) - counts[rank]) * GRAD_DTYPE.itemsize
+        rec.bytes_sent += (sum(counts) - counts[rank]) * pr.grad.itemsize
         rec.messages += size - 1
     return dq, own[0], own[1]
 
 
-def run_backward(arrays, plan, rings, scale, rec, timeout):
+def run_backward(arrays, plan, rings, scale, rec, timeout, pr):
     """The backward pass of contiguous, agreed ``arrays`` (dout, q, k, v, out, lse, delta), all ranks having met.
 
     ``rings``: the K/V RingComm, then (but for all-gather) the dK/dV onward
-    RingComm and the HomeRing. Fills ``rec`` and returns float64 ``(dq, dk, dv)``.
+    RingComm and the HomeRing; ``pr``: the call's ``Precision``. Fills ``rec``
+    and returns float64 ``(dq, dk, dv)``.
     """
     rec.t0 = start = time.perf_counter()
+    rec.wire_dtype = pr.wire.name
     counters = [(ring.bytes_sent, ring.messages, ring.wait_time) for ring in rings]
     if plan.mode == "allgather":
-        dq, dk, dv = _allgather_backward(*arrays, plan, rings[0].comm, scale, rec, timeout)
+        dq, dk, dv = _allgather_backward(*arrays, plan, rings[0].comm, scale, rec, timeout, pr)
     else:
-        dq, dk, dv = _backward_ring_loop(*arrays, plan, rings, scale, rec, timeout)
+        dq, dk, dv = _backward_ring_loop(*arrays, plan, rings, scale, rec, timeout, pr)
         rec.bytes_sent = sum(ring.bytes_sent - c[0] for ring, c in zip(rings, counters))
         rec.messages = sum(ring.messages - c[1] for ring, c in zip(rings, counters))
         rec.wait_time = sum(ring.wait_time - c[2] for ring, c in zip(rings, counters))

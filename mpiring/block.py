@@ -13,13 +13,14 @@ from .kernels import attention_block, attention_block_backward
 
 __all__ = ["GRAD_DTYPE", "accumulators", "count_pairs", "attend", "block_grads", "add_grads", "grads_of"]
 
-GRAD_DTYPE = np.dtype(np.float64)  # travelling and accumulated gradients: no precision lost as P grows
+GRAD_DTYPE = np.dtype(np.float64)  # each rank's own gradients (dq, its block's dk, dv) are summed in this
 
 
-def accumulators(q, v):
-    """Running (out, lse) in float64 whatever the input dtype, as flash-attn keeps fp32 for fp16:
-    with fp32 ones the merge's rounding made the error grow with P (docs/reliability.md)."""
-    return [np.zeros(q.shape[:-1] + v.shape[-1:], np.float64), np.full(q.shape[:-1], -np.inf, np.float64)]
+def accumulators(q, v, out_dtype=np.float64, lse_dtype=None):
+    """Running (out, lse), in float64 by default whatever the input dtype, as flash-attn keeps fp32 for fp16:
+    with fp32 ones the merge's rounding made the error grow with P (docs/reliability.md). ``lse_dtype``:
+    that of out unless given (``precision.Precision`` keeps lse in float32 when out is in a half dtype)."""
+    return [np.zeros(q.shape[:-1] + v.shape[-1:], out_dtype), np.full(q.shape[:-1], -np.inf, lse_dtype or out_dtype)]
 
 
 def count_pairs(rec, pieces):
@@ -54,7 +55,7 @@ def block_grads(queries, kv, pieces, scale, dq, progress):
 
     ``queries = (dout, q, out, lse, delta)`` are this rank's arrays that never move.
     Returns ``[(c, d, dk, dv), ...]``, the kernel's dK and dV of keys c:d (in
-    the input dtype); ``add_grads`` adds them into the block's float64 partial.
+    the compute dtype); ``add_grads`` adds them into the block's partial.
     """
     dout, q, out, lse, delta = queries
     k, v = kv
@@ -70,7 +71,8 @@ def block_grads(queries, kv, pieces, scale, dq, progress):
 
 
 def add_grads(total, grads):
-    """Add ``block_grads``' shares into ``total = (dk, dv)``, the block's float64 partial, in place."""
+    """Add ``block_grads``' shares into ``total = (dk, dv)``, the block's partial (float64 at home, else the
+    ``grad_wire_dtype``), in place."""
     for c, d, bk, bv in grads:
         total[0][..., c:d, :] += bk
         total[1][..., c:d, :] += bv

@@ -15,7 +15,8 @@ import numpy as np
 from mpi4py import MPI
 
 __all__ = ["RingComm", "HomeRing", "CommTimeout", "exclusive", "wait_until", "allgather", "gather", "Buffers",
-           "KVBuffers", "next_buffers", "shift", "flat_blocks", "allgathered", "payload_bytes"]
+           "KVBuffers", "CodedBuffers", "kv_slots", "mpi_view", "next_buffers", "shift", "flat_blocks", "allgathered",
+           "payload_bytes"]
 
 
 # what a timed-out wait says when it knows no better
@@ -226,6 +227,11 @@ class RingComm:
 _vector_types = {}
 
 
+def mpi_view(a):
+    """``a`` as MPI can take it: bfloat16 (no buffer format) viewed as the same bytes of uint16."""
+    return a.view(np.uint16) if a.dtype.kind == "V" and a.dtype.itemsize == 2 else a
+
+
 def _message(a, pad):
     """MPI buffer of ``a`` (..., rows, n) without its last ``pad`` rows per leading index.
 
@@ -233,7 +239,7 @@ def _message(a, pad):
     contiguous, so the message is one MPI vector of big contiguous pieces.
     """
     if not pad:
-        return a
+        return mpi_view(a)
     count, width, n = a.size // (a.shape[-2] * a.shape[-1]), a.shape[-2], a.shape[-1]
     key = (a.dtype.char, count, (width - pad) * n, width * n)
     if key not in _vector_types:
@@ -296,6 +302,26 @@ class KVBuffers(Buffers):
         for view, a in zip(views, arrays):
             view[..., :-1, :] = np.swapaxes(a, -1, -2)
         return views
+
+
+class CodedBuffers(Buffers):
+    """The forward ring's K/V slots when blocks travel coded (``precision.Wire``): two slots of the wire form."""
+
+    def __init__(self, wire, arrays, max_len):
+        super().__init__(tuple(wire.template(a) for a in arrays), max_len)
+        self._wire = wire
+
+    def hold(self, arrays):
+        """Code this rank's own (k, v) into the next slot and return it."""
+        views = self.take(arrays[0].shape[-2])
+        for view, a in zip(views, arrays):
+            self._wire.encode(a, view)
+        return views
+
+
+def kv_slots(wire, arrays, max_len):
+    """The forward ring's receive slots for ``wire``: the kernel's own form (``KVBuffers``) unless it codes blocks."""
+    return CodedBuffers(wire, arrays, max_len) if wire.coded else KVBuffers(arrays, max_len)
 
 
 class HomeRing(RingComm):
@@ -398,7 +424,7 @@ def start_allgather(k, v, plan, comm, rec):
     gathered, requests = [], []
     for a in (k, v):
         flat, counts, views = flat_blocks(a, lengths, a.dtype, empty=True)
-        requests.append(comm.Iallgatherv(a, [flat, counts]))
+        requests.append(comm.Iallgatherv(mpi_view(a), [mpi_view(flat), counts]))
         gathered.append(views)
         rec.bytes_sent += a.nbytes * (size - 1)
         rec.messages += size - 1

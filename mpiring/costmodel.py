@@ -12,12 +12,17 @@ import numpy as np
 
 __all__ = ["ring_attention_context_parallel", "predicted_bytes_sent", "predicted_backward_bytes", "Machine", "PRESETS",
            "TIME_VARIANTS",
-           "block_flops", "time_model", "predict_plan", "format_time_model"]
+           "block_flops", "time_model", "predict_plan", "format_time_model", "WIRE_BYTES", "format_wire_model"]
 
 
 def _positive_int(name, value):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _positive(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not value > 0:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
 
 
 def _number(name, value):
@@ -88,14 +93,18 @@ def predicted_bytes_sent(plan, kv_width, itemsize):
 
 # ---------------------------------------------------------------- time model: alpha-beta links, FLOP rate
 
-def predicted_backward_bytes(plan, kv_width, itemsize, grad_itemsize=8):
+def predicted_backward_bytes(plan, kv_width, itemsize, grad_itemsize=None, grad_width=None):
     """Bytes each rank sends in the backward pass; ``kv_width`` = elements of K plus V per token.
 
     Ring modes: at steps 0 .. R-1 of a stream the rank sends the K/V block it
     holds, at steps 1 .. R the dK/dV partial of the block it holds (in
-    ``grad_itemsize`` bytes per element: float64 today). All-gather: K/V as the forward pass
-    counts them, then every block but the rank's own once as dK/dV.
+    ``grad_itemsize`` bytes per element: by default float32's 4, float64's 8
+    when ``itemsize`` is 8, as ``grad_wire_dtype`` defaults). All-gather: K/V as the forward pass
+    counts them, then every block but the rank's own once as dK/dV. ``grad_width``:
+    elements of dK plus dV per token when K/V travel wider rows (an int8 wire's scales); default kv_width.
     """
+    grad_itemsize = (8 if itemsize == 8 else 4) if grad_itemsize is None else grad_itemsize
+    grad_width = kv_width if grad_width is None else grad_width
     n = [len(s) for s in plan.shards]
     sent = []
     for rank, kv_bytes in enumerate(predicted_bytes_sent(plan, kv_width, itemsize)):  # K/V: as forward
@@ -104,7 +113,7 @@ def predicted_backward_bytes(plan, kv_width, itemsize, grad_itemsize=8):
         else:
             grads = sum(n[plan.held_source(rank, d, s)] for d, rounds in plan.rounds.items()
                         for s in range(1, rounds + 1))
-        sent.append(kv_bytes + kv_width * grads * grad_itemsize)
+        sent.append(kv_bytes + grad_width * grads * grad_itemsize)
     return sent
 
 
@@ -145,6 +154,9 @@ PRESETS = {
     # (25 GB/s with 200 Gb/s HDR; ~90% of line rate is reached); ~10 us including the software stack.
     "infiniband": Machine("infiniband", 400e12, 10e-6, 50e9,
                           "H100-class GPU, 400 TFLOP/s effective bf16; NDR InfiniBand, 50 GB/s per direction, 10 us"),
+    # Same GPU, ring over commodity Ethernet: 10 Gb/s = 1.25 GB/s per direction; ~30 us through TCP.
+    "10gbe": Machine("10gbe", 400e12, 30e-6, 1.25e9,
+                     "H100-class GPU, 400 TFLOP/s effective bf16; 10 Gigabit Ethernet, 1.25 GB/s per direction, 30 us"),
 }
 
 
@@ -159,13 +171,16 @@ def _check_variant(variant):
 
 
 def time_model(total_seq_len, num_devices, *, heads, head_dim, kv_heads=None, batch=1, bytes_per_element=2,
-               machine="nvlink", variant="contiguous", causal=False, backward=False):
+               machine="nvlink", variant="contiguous", causal=False, backward=False, grad_bytes_per_element=None):
     """Predicted time of one attention pass (forward or backward) over ``num_devices``.
 
     Every device holds ``n = total_seq_len / num_devices`` tokens. A full block
     costs ``C = 4 B H n^2 d / flops`` (backward: 2.5 C, five matmuls instead of
-    two); one K/V block is ``2 B Hk n d e`` bytes (backward: twice, K/V and the
-    dK/dV accumulators travel together) and moves in ``T = alpha + bytes / beta``.
+    two); one K/V block is ``2 B Hk n d e`` bytes (backward: K/V and their dK/dV
+    partials travel together, the partials in ``grad_bytes_per_element``: 4, or
+    8 when ``e`` is 8, as ``ring_attention_backward`` sends them) and moves in
+    ``T = alpha + bytes / beta``. ``e`` may be fractional: an int8 wire with a
+    float32 scale per token and head is ``1 + 4 / d`` bytes per element.
     Each ring step overlaps its compute with the next transfer, so it takes
     ``max(compute, transfer)``. Causal with zigzag or striped: half a block per
     step on every device; contiguous: the last device computes a full block at
@@ -187,17 +202,21 @@ def time_model(total_seq_len, num_devices, *, heads, head_dim, kv_heads=None, ba
     m = PRESETS[machine] if isinstance(machine, str) else machine
     _check_variant(variant)
     for name, value in (("total_seq_len", total_seq_len), ("num_devices", num_devices), ("heads", heads),
-                        ("head_dim", head_dim), ("batch", batch), ("bytes_per_element", bytes_per_element)):
+                        ("head_dim", head_dim), ("batch", batch)):
         _positive_int(name, value)
+    _positive("bytes_per_element", bytes_per_element)
+    grad_e = (8 if bytes_per_element == 8 else 4) if grad_bytes_per_element is None else grad_bytes_per_element
+    _positive("grad_bytes_per_element", grad_e)
     kv_heads = heads if kv_heads is None else kv_heads
     _positive_int("kv_heads", kv_heads)
     if heads % kv_heads:
         raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
     P, n = num_devices, total_seq_len / num_devices
-    work, traffic = (2.5, 2.0) if backward else (1.0, 1.0)
+    work, traffic = (2.5, bytes_per_element + grad_e) if backward else (1.0, bytes_per_element)
     a = work * 4 * batch * heads * head_dim / m.flops  # seconds per (query, key) pair
-    b = traffic * 2 * batch * kv_heads * head_dim * bytes_per_element  # bytes per token of what travels
-    kv_bytes = 2 * batch * kv_heads * head_dim * bytes_per_element * n  # one K/V (or one dK/dV) block
+    b = 2 * batch * kv_heads * head_dim * traffic  # bytes per token of what travels
+    kv_bytes = 2 * batch * kv_heads * head_dim * bytes_per_element * n  # one K/V block
+    grad_bytes = 2 * batch * kv_heads * head_dim * grad_e * n  # one dK/dV block
     full = a * n * n  # one full block
     blk_bytes = b * n
     balanced = causal and variant != "contiguous"
@@ -220,7 +239,7 @@ def time_model(total_seq_len, num_devices, *, heads, head_dim, kv_heads=None, ba
     steps = [max(c, t) for c, t in zip(compute, transfer)]
     total = sum(steps)
     if backward and P > 1:  # dK/dV go home
-        total += (P - 1 if variant == "allgather" else 1) * m.transfer_time(kv_bytes)
+        total += (P - 1 if variant == "allgather" else 1) * m.transfer_time(grad_bytes)
     useful = a * n * n * (P / 2 if causal else P)  # the device's share of the visible pairs
     # steady state: k blocks of compute against c blocks sent; solve k*f*a*n^2 = c*alpha + c*b*n/beta
     if variant == "allgather":  # the local block against the whole all-gather
@@ -321,4 +340,45 @@ def format_time_model(total_seq_len, num_devices, *, heads, head_dim, kv_heads=N
     lines.append("")
     lines.append("allgather: transfer/step is the whole all-gather, hidden only behind the local block; "
                  "it keeps all P K/V blocks in memory.")
+    return "\n".join(lines)
+
+
+# bytes per element of K/V on the wire (``wire_dtype``); int8's float32 scale per token and head adds 4 / head_dim
+WIRE_BYTES = {"float32": lambda d: 4, "bfloat16": lambda d: 2, "float16": lambda d: 2, "int8": lambda d: 1 + 4 / d}
+
+
+def format_wire_model(total_seq_len, num_devices, *, heads, head_dim, kv_heads=None, batch=1, causal=False,
+                      machines=("nvlink", "infiniband", "10gbe"), variant=None):
+    """Where each wire format wins: the forward time model per K/V wire dtype, on each machine.
+
+    A ring step takes max(compute, transfer): a smaller wire shortens only a step
+    whose transfer is exposed (fewer tokens per device than 'hides above').
+    Decoding on arrival is not in the model (on a GPU it is a pass over the block).
+    """
+    variant = variant or ("zigzag" if causal else "contiguous")
+    kv_heads = heads if kv_heads is None else kv_heads
+    lines = [f"wire formats, forward, {variant}: {total_seq_len} tokens over P={num_devices}, "
+             f"{total_seq_len / num_devices:g} per device; {heads} heads ({kv_heads} K/V), head dim {head_dim}, "
+             f"batch {batch}{', causal' if causal else ''}",
+             f"{'machine':<11}{'K/V wire':<10}{'bytes/el':>8}  {'transfer/step':>13}  {'compute/step':>12}  "
+             f"{'total':>9}  {'vs bf16':>7}  {'bound by':<8}  hides above"]
+    for machine in machines:
+        m = PRESETS[machine] if isinstance(machine, str) else machine
+        rows = {wire: time_model(total_seq_len, num_devices, heads=heads, head_dim=head_dim, kv_heads=kv_heads,
+                                 batch=batch, bytes_per_element=size(head_dim), machine=m, variant=variant,
+                                 causal=causal) for wire, size in WIRE_BYTES.items()}
+        for wire, r in rows.items():
+            steady = 1 if r["steps"] > 1 and variant != "allgather" else 0
+            lines.append(f"{m.name:<11}{wire:<10}{WIRE_BYTES[wire](head_dim):>8.3g}  "
+                         f"{_fmt_time(r['transfer_s'][0 if variant == 'allgather' else steady]):>13}  "
+                         f"{_fmt_time(r['compute_s'][steady]):>12}  {_fmt_time(r['total_s']):>9}  "
+                         f"{rows['bfloat16']['total_s'] / r['total_s']:>6.2f}x  "
+                         f"{'transfer' if r['comm_bound'] else 'compute':<8}  {r['hide_above_tokens']:,.0f} tokens")
+        fastest = min(r["total_s"] for r in rows.values())
+        winners = [w for w, r in rows.items() if r["total_s"] <= fastest * 1.0001]
+        if "bfloat16" in winners:
+            note = f"{', '.join(winners)} hide behind compute: a smaller wire gains nothing here"
+        else:
+            note = f"{winners[-1]} wins, {rows['bfloat16']['total_s'] / fastest:.2f}x faster than bf16"
+        lines.append(f"{'':<11}-> {note}")
     return "\n".join(lines)

@@ -18,10 +18,11 @@ from .agree import (
     root_grad_problem,
     root_problem,
 )
-from .comm import CommTimeout, gather, wait_until
+from .comm import CommTimeout, gather, mpi_view, wait_until
 from .handle import ring_attention, ring_attention_backward
 from .layouts import shard, unshard
 from .plan import Schedule, make_plan
+from .precision import without_precision
 from .record import Record
 
 __all__ = ["distributed_attention", "distributed_attention_backward"]
@@ -37,8 +38,8 @@ def _scatter(x, meta, plan, comm, root, timeout=None):
     if rank == root:
         flat = np.concatenate([np.ascontiguousarray(shard(x, plan.size, r, plan.layout)).ravel()
                                for r in range(plan.size)])
-        send = [flat, counts]
-    wait_until([comm.Iscatterv(send, piece, root=root)], timeout, rank, "scatter")
+        send = [mpi_view(flat), counts]
+    wait_until([comm.Iscatterv(send, mpi_view(piece), root=root)], timeout, rank, "scatter")
     return piece
 
 
@@ -48,7 +49,8 @@ def _gather(piece, plan, comm, root, timeout=None):
     counts = [len(s) * per_token for s in plan.shards]
     flat = np.empty(sum(counts), piece.dtype) if comm.Get_rank() == root else None
     piece = np.ascontiguousarray(piece)
-    wait_until([comm.Igatherv(piece, [flat, counts] if flat is not None else None, root=root)], timeout,
+    wait_until([comm.Igatherv(mpi_view(piece), [mpi_view(flat), counts] if flat is not None else None, root=root)],
+               timeout,
                 comm.Get_rank(), "gather")
     if flat is None:
         return None
@@ -69,7 +71,7 @@ def distributed_attention(
     comm=None, *, causal: bool = False, root: int = 0, scale: float | None = None, layout: str = "contiguous",
     mode: str = "ring", window: tuple[int, int] | None = None, cu_seqlens=None,
     timeout: float | str | None = "auto", return_lse: bool = False, on_step=None, check_finite: bool = False,
-    expected_size: int | None = None,
+    expected_size: int | None = None, wire_dtype: str | None = None, accumulate: str = "float64",
 ) -> tuple:  # on root (out (..., Hq, S, Dv)[, lse], schedule); Nones elsewhere
     """Root scatters full Q, K, V, the ring runs, root gathers the output and the schedule.
 
@@ -78,8 +80,9 @@ def distributed_attention(
     ``schedule.records[rank]`` its traffic and timing counters. With
     ``return_lse=True`` root gets ``(out, lse, schedule)``. ``on_step(done, n_steps)``
     is called on this rank after each of its ring steps (e.g. for a progress line).
-    ``timeout``, ``check_finite`` (on root's full arrays) and ``expected_size``
-    are as in ``ring_attention``; options must be the same on every rank.
+    ``timeout``, ``check_finite`` (on root's full arrays), ``expected_size``,
+    ``wire_dtype`` and ``accumulate`` are as in ``ring_attention``; options
+    must be the same on every rank.
     """
     comm = check_comm(comm)
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -91,9 +94,11 @@ def distributed_attention(
         meta = None if problem else [(a.shape[:-2], a.shape[-1], a.dtype) for a in (Q, K, V)] + [Q.shape[-2]]
         return problem, meta
 
-    options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens)
+    options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens,
+                   wire_dtype=wire_dtype, accumulate=accumulate)
     options, meta = agree_root(comm, root, check_root, options, timeout, expected_size, scale)
-    plan = make_plan(meta[3], size, **options)  # deterministic, same options everywhere: raises everywhere
+    options.pop("grad_wire_dtype")  # a backward option
+    plan = make_plan(meta[3], size, **without_precision(options))  # the same everywhere, or raises everywhere
     wait = resolve_timeout(timeout, plan, int(np.prod(meta[0][0])), meta[0][1])  # for scatter and gather
     q, k, v = (_scatter(x, m, plan, comm, root, wait) for x, m in zip((Q, K, V), meta[:3]))
     rec = Record(rank, on_step=on_step)
@@ -131,7 +136,8 @@ def distributed_attention_backward(
     dOut: np.ndarray | None,  # on root: (..., Hq, S, Dv)
     comm=None, *, root: int = 0, causal: bool = False, scale: float | None = None, layout: str = "contiguous",
     mode: str = "ring", window: tuple[int, int] | None = None, cu_seqlens=None,
-    timeout: float | str | None = "auto", return_out: bool = False,
+    timeout: float | str | None = "auto", return_out: bool = False, wire_dtype: str | None = None,
+    grad_wire_dtype: str | None = None, accumulate: str = "float64",
 ) -> tuple:  # on root ([out,] dQ, dK, dV, schedule); Nones elsewhere
     """Root scatters Q, K, V and dOut; the ring runs forward then backward; root gathers the gradients.
 
@@ -139,7 +145,9 @@ def distributed_attention_backward(
     ``schedule.table[step][rank]`` holds the Tasks each rank recorded in the
     backward pass, ``schedule.records[rank]`` its counters (bytes, messages,
     times), with the forward pass's under ``"forward"``. With
-    ``return_out=True`` root gets ``(out, dQ, dK, dV, schedule)``.
+    ``return_out=True`` root gets ``(out, dQ, dK, dV, schedule)``. ``wire_dtype``
+    and ``accumulate`` are as in ``ring_attention``, ``grad_wire_dtype`` as in
+    ``ring_attention_backward``.
     """
     comm = check_comm(comm)
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -149,15 +157,18 @@ def distributed_attention_backward(
         meta = None if problem else [(a.shape[:-2], a.shape[-1], a.dtype) for a in (Q, K, V, dOut)] + [Q.shape[-2]]
         return problem, meta
 
-    options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens)
+    options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens,
+                   wire_dtype=wire_dtype, grad_wire_dtype=grad_wire_dtype, accumulate=accumulate)
     options, meta = agree_root(comm, root, check_root, options, timeout, scale=scale)
-    plan = make_plan(meta[4], size, **options)  # same options everywhere: raises everywhere or nowhere
+    grad_wire, accumulate = options.pop("grad_wire_dtype"), options.pop("accumulate")
+    plan = make_plan(meta[4], size, **without_precision(options))  # the same everywhere, or raises everywhere
     wait = resolve_timeout(timeout, plan, int(np.prod(meta[0][0])), meta[0][1], factor=3.5)
     q, k, v, dout = (_scatter(x, m, plan, comm, root, wait) for x, m in zip((Q, K, V, dOut), meta[:4]))
     forward, backward = Record(rank), Record(rank)
-    out, lse = ring_attention(q, k, v, comm, scale=scale, timeout=timeout, record=forward, **options)
+    out, lse = ring_attention(q, k, v, comm, scale=scale, timeout=timeout, record=forward, accumulate=accumulate,
+                              **options)
     dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, comm, scale=scale, timeout=timeout,
-                                         record=backward, **options)
+                                         record=backward, grad_wire_dtype=grad_wire, **options)
     pieces = ([out] if return_out else []) + [dq, dk, dv]
     *full, schedule = _collect(comm, root, plan, pieces, backward, {"forward": forward.summary()}, wait)
     if rank != root:

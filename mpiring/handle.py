@@ -41,6 +41,7 @@ from .block import GRAD_DTYPE
 from .comm import HomeRing, RingComm, exclusive, wait_until
 from .kernels import default_scale
 from .layouts import shard
+from .precision import Precision, compute_dtype, without_precision
 from .record import Record
 from .ring import run_forward
 from .threads import limited, threads_for, threads_problem
@@ -80,14 +81,17 @@ def made_by(options, size, scale, seq_len=None):
     if cu is not None:
         cu = cu.tolist() if len(cu) <= 8 else f"{len(cu)} entries, sha1 {hashlib.sha1(cu.tobytes()).hexdigest()[:12]}"
     tag = {"layout": options["layout"], "mode": options["mode"], "causal": bool(options["causal"]),
-           "window": tuple(options["window"]), "cu_seqlens": cu, "ranks": size, "scale": float(scale)}
+           "window": tuple(options["window"]), "cu_seqlens": cu, "ranks": size, "scale": float(scale),
+           "wire_dtype": options.get("wire_dtype")}
     if seq_len is not None:
         tag["seq_len"] = seq_len
     return tag
 
 
-def plan_options(plan):
-    return dict(layout=plan.layout, mode=plan.mode, causal=plan.causal, window=plan.window, cu_seqlens=plan.cu_seqlens)
+def plan_options(plan, precision):
+    """The canonical options of a call under ``plan`` with the ``precision`` options."""
+    return dict(layout=plan.layout, mode=plan.mode, causal=plan.causal, window=plan.window, cu_seqlens=plan.cu_seqlens,
+                **precision)
 
 
 def mismatch(lse, mine):
@@ -126,6 +130,14 @@ def _axis_problem(arrays, seq_axis):
     return None
 
 
+def contiguous(tensors, lses):
+    """The call's arrays made contiguous: the backward's dout, q, out and lse in the dtype tiles compute in
+    (float32 for half inputs; k and v travel in theirs), the forward's q, k, v as they are."""
+    work = compute_dtype(tensors["q"].dtype) if "dout" in tensors else None
+    arrays = [np.ascontiguousarray(a, None if name in ("k", "v") else work) for name, a in tensors.items()]
+    return arrays, [np.ascontiguousarray(a, work) for a in lses]
+
+
 class Ring:
     """Context-parallel attention over ``comm``, agreed once and called many times.
 
@@ -150,23 +162,26 @@ class Ring:
     def __init__(self, comm=None, seq_len=None, *, causal: bool = False, scale: float | None = None,
                  layout: str = "contiguous", mode: str = "ring", window=None, cu_seqlens=None,
                  timeout: float | str | None = "auto", seq_axis: int = -2, threads="auto",
+                 wire_dtype: str | None = None, grad_wire_dtype: str | None = None, accumulate: str = "float64",
                  check_finite: bool = False, expected_size: int | None = None):
         comm = check_comm(comm)
-        options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens)
+        options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens,
+                       wire_dtype=wire_dtype, grad_wire_dtype=grad_wire_dtype, accumulate=accumulate)
         problem = _axis_problem({}, seq_axis) or threads_problem(threads)
-        plan, hosts = setup_ring(comm, seq_len, options, scale, timeout, expected_size, problem,
-                                 values=dict(seq_axis=seq_axis, threads=threads, check_finite=check_finite))
-        self._start(comm, plan, scale, timeout, hosts, seq_axis, threads, check_finite, backward=True)
+        plan, hosts, options = setup_ring(comm, seq_len, options, scale, timeout, expected_size, problem,
+                                          values=dict(seq_axis=seq_axis, threads=threads, check_finite=check_finite))
+        self._start(comm, plan, scale, timeout, hosts, seq_axis, threads, options, check_finite, backward=True)
 
     @classmethod
-    def _agreed(cls, comm, plan, scale, timeout, hosts, seq_axis, threads, backward):
+    def _agreed(cls, comm, plan, scale, timeout, hosts, seq_axis, threads, options, backward):
         """A handle for one call whose arguments were agreed already (``agree.setup``)."""
         ring = cls.__new__(cls)
-        ring._start(comm, plan, scale, timeout, hosts, seq_axis, threads, False, backward)
+        ring._start(comm, plan, scale, timeout, hosts, seq_axis, threads, options, False, backward)
         return ring
 
-    def _start(self, comm, plan, scale, timeout, hosts, seq_axis, threads, check_finite, backward):
+    def _start(self, comm, plan, scale, timeout, hosts, seq_axis, threads, options, check_finite, backward):
         self.plan, self.seq_axis, self.check_finite = plan, int(seq_axis), check_finite
+        self._precision = {key: value for key, value in options.items() if key not in without_precision(options)}
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.threads = threads_for(threads, hosts, self.rank)
         self._scale, self._timeout, self._failed, self._rings = scale, timeout, None, []
@@ -254,11 +269,10 @@ class Ring:
                 if problem is None and lse is not None:
                     problem = (grad_problem(names["dout"], q, k, v, names["out"], lse)
                                or self._dlse_problem(dlse, lse)
-                               or mismatch(lse, made_by(plan_options(self.plan), self.size, self._resolved_scale(q),
-                                                        self.plan.seq_len)))
-            if problem is None:
-                moved = [np.ascontiguousarray(a) for a in moved]  # may fail alone (MemoryError): agreed below
-                lses = [np.ascontiguousarray(a) for a in (lse, dlse) if a is not None]
+                               or mismatch(lse, made_by(plan_options(self.plan, self._precision), self.size,
+                                                        self._resolved_scale(q), self.plan.seq_len)))
+            if problem is None:  # may fail alone (MemoryError): agreed below
+                moved, lses = contiguous(dict(zip(tensors, moved)), [a for a in (lse, dlse) if a is not None])
                 values = call_values(names)
                 peak = peaks(names["q"], names["k"])
         except Exception as exc:  # reported collectively, never raised alone
@@ -300,13 +314,15 @@ class Ring:
         if checked:
             self._start_barrier(timeout)
         with self._running():
-            out, lse = run_forward(q, k, v, self.plan, self._rings[0], scale, rec, timeout)
+            out, lse = run_forward(q, k, v, self.plan, self._rings[0], scale, rec, timeout,
+                                   Precision.of(q.dtype, self._precision))
         lse = lse.view(Lse)
-        lse.made_by = made_by(plan_options(self.plan), self.size, scale, self.plan.seq_len)
+        lse.made_by = made_by(plan_options(self.plan, self._precision), self.size, scale, self.plan.seq_len)
         return np.moveaxis(out, -2, self.seq_axis), lse
 
     def _backward(self, moved, lses, scale, record, checked):
         dout, q, k, v, out = moved
+        pr = Precision.of(k.dtype, self._precision)
         delta = np.sum(dout.astype(GRAD_DTYPE) * out, axis=-1)
         if len(lses) > 1:  # d lse / d score = p: the dlse term joins delta (ds = p * (dp - delta + dlse))
             delta -= lses[1]
@@ -316,8 +332,8 @@ class Ring:
             self._start_barrier(timeout)
         with self._running():
             grads = run_backward((dout, q, k, v, out, lses[0], delta.astype(q.dtype)), self.plan, self._rings,
-                                 scale, rec, timeout)
-        return tuple(np.moveaxis(g.astype(a.dtype, copy=False), -2, self.seq_axis) for g, a in zip(grads, (q, k, v)))
+                                 scale, rec, timeout, pr)
+        return tuple(np.moveaxis(g.astype(pr.input, copy=False), -2, self.seq_axis) for g in grads)
 
 
 # ---------------------------------------------------------------------- the plain functions
@@ -330,7 +346,8 @@ def ring_attention(
     comm=None, *, causal: bool = False, scale: float | None = None, layout: str = "contiguous",
     mode: str = "ring", window: tuple[int, int] | None = None, cu_seqlens=None,
     timeout: float | str | None = "auto", record: Record | None = None, check_finite: bool = False,
-    expected_size: int | None = None, seq_axis: int = -2, threads="auto",
+    expected_size: int | None = None, seq_axis: int = -2, threads="auto", wire_dtype: str | None = None,
+    accumulate: str = "float64",
 ) -> tuple[np.ndarray, np.ndarray]:  # out (..., Hq, n, Dv), lse (..., Hq, n)
     """Attention of this rank's queries against the whole distributed sequence.
 
@@ -360,20 +377,25 @@ def ring_attention(
         seq_axis: the sequence axis of q, k, v and out (-3 for ``(B, S, H, D)``).
         threads: BLAS threads per rank during the call ("auto": the node's
             cores shared among its ranks; ``mpiring.threads``), or None.
+        wire_dtype: "float16", "bfloat16" or "int8": K/V travel coded so (int8: with a
+            float32 scale per token and head), default the input dtype (``mpiring.precision``).
+        accumulate: "float64" (default), "float32" or "input": the running (out, lse)'s dtype.
 
-    Bad arguments on any rank raise the same ``ValueError`` on every rank,
+    float16 and bfloat16 inputs compute in float32: out comes back in the input
+    dtype, lse in float32. Bad arguments on any rank raise the same ``ValueError`` on every rank,
     before any transfer (see docs/reliability.md). Each call agrees and
     duplicates the communicator anew; ``mpiring.Ring`` does that once.
     """
     comm = check_comm(comm)
     with exclusive(comm):  # one call per communicator at a time (threads: one Dup each)
-        options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens)
+        options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens,
+                       wire_dtype=wire_dtype, accumulate=accumulate)
         moved, problem = _moved({"q": q, "k": k, "v": v}, seq_axis, threads)
         hosts = []
         plan, scale, (q, k, v) = setup(*moved, comm, scale, options, check_finite, expected_size, timeout,
                                        prepare=lambda: [np.ascontiguousarray(a) for a in moved], problem=problem,
                                        hosts=hosts)
-        with Ring._agreed(comm, plan, scale, timeout, hosts, seq_axis, threads, backward=False) as ring:
+        with Ring._agreed(comm, plan, scale, timeout, hosts, seq_axis, threads, options, backward=False) as ring:
             with limited(ring.threads):
                 return ring._forward(q, k, v, scale, record, checked=True)
 
@@ -393,7 +415,7 @@ def ring_attention_backward(
     comm=None, *, causal: bool = False, scale: float | None = None, layout: str = "contiguous",
     mode: str = "ring", window: tuple[int, int] | None = None, cu_seqlens=None,
     timeout: float | str | None = "auto", record: Record | None = None, seq_axis: int = -2, threads="auto",
-    dlse: np.ndarray | None = None,
+    dlse: np.ndarray | None = None, wire_dtype: str | None = None, grad_wire_dtype: str | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # dq, dk, dv: the shapes of q, k, v
     """Gradients ``(dq, dk, dv)`` of this rank's shard, given the upstream gradient ``dout``.
 
@@ -402,26 +424,32 @@ def ring_attention_backward(
     causal, window, cu_seqlens, length, ranks or scale) raises ValueError on
     every rank. All arrays are this rank's shard in the same layout. dk and dv
     have the shape of k and v (grouped-query: summed over each group's query
-    heads). Results have the input dtype; gradients are accumulated in float64.
+    heads). Results have the input dtype (half inputs: lse is float32, as
+    ring_attention returned it); every rank sums its own gradients in float64,
+    and the dK/dV partials travel in ``grad_wire_dtype`` ("float32", the
+    default, or "float64", the default for float64 inputs). K/V travel as
+    ``wire_dtype`` says (as in ``ring_attention``: pass the forward's).
     ``dlse``: the gradient with respect to lse, if the loss uses it too.
     Options are those of ``ring_attention``; bad input on any rank raises the
     same ValueError on every rank.
     """
     comm = check_comm(comm)
     with exclusive(comm):  # one call per communicator at a time (threads: one Dup each)
-        options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens)
-        moved, problem = _moved({"dout": dout, "q": q, "k": k, "v": v, "out": out}, seq_axis, threads)
+        options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens,
+                       wire_dtype=wire_dtype, grad_wire_dtype=grad_wire_dtype)
+        tensors = {"dout": dout, "q": q, "k": k, "v": v, "out": out}
+        moved, problem = _moved(tensors, seq_axis, threads)
         if problem is None:
             problem = (grad_problem(*moved, lse) or Ring._dlse_problem(dlse, lse)
                        or _lse_problem(lse, options, comm.Get_size(), scale, moved[1]))
 
         def prepare():  # what may fail on one rank alone (MemoryError) is done before the agreement
-            return [np.ascontiguousarray(a) for a in moved] + [np.ascontiguousarray(a) for a in (lse, dlse)
-                                                                if a is not None]
+            arrays, lses = contiguous(dict(zip(tensors, moved)), [a for a in (lse, dlse) if a is not None])
+            return arrays + lses
 
         hosts = []
         plan, scale, arrays = setup(*moved[1:4], comm, scale, options, timeout=timeout, prepare=prepare,
                                     problem=problem, hosts=hosts)
-        with Ring._agreed(comm, plan, scale, timeout, hosts, seq_axis, threads, backward=True) as ring:
+        with Ring._agreed(comm, plan, scale, timeout, hosts, seq_axis, threads, options, backward=True) as ring:
             with limited(ring.threads):
                 return ring._backward(arrays[:5], arrays[5:], scale, record, checked=True)

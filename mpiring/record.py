@@ -7,7 +7,7 @@ __all__ = ["Record"]
 
 # the counters a rank sends to root (``distributed_*``): everything but the tasks, plan and callback
 SUMMARY = ("rank", "bytes_sent", "messages", "wait_time", "compute_time", "wall_time", "events", "t0",
-           "computed_pairs", "visible_pairs")
+           "computed_pairs", "visible_pairs", "wire_dtype", "error")
 
 
 @dataclass(eq=False)
@@ -18,7 +18,9 @@ class Record:
     stamps; name is "compute" (info: step, source, kind, stream), "send"
     (posted: step, stream, bytes, dest) or "wait" (step). Subtract ``t0``, this
     rank's clock right after a start barrier, to put every rank on one time
-    base (good to the barrier's exit skew, microseconds).
+    base (good to the barrier's exit skew, microseconds). ``wire_dtype`` is how
+    K/V travelled; ``error`` is filled in by whoever checks the results against
+    float64 (``python -m mpiring run``: the largest error of out, lse, dQ, ...).
     """
 
     rank: int = 0
@@ -33,6 +35,8 @@ class Record:
     computed_pairs: int = 0  # score entries given to the kernel
     visible_pairs: int = 0  # of those, the ones the mask lets through
     wall_time: float = 0.0
+    wire_dtype: str = ""  # how K/V travelled: the input dtype's name, or a ``wire_dtype`` ("int8", ...)
+    error: dict = field(default_factory=dict)  # max |result - float64 reference| by name, if a checker filled it in
     plan: object = None  # the Plan the ring followed, set when the call returns
 
     def event(self, name, start, **info):

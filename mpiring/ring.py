@@ -3,8 +3,8 @@
     mpiexec -n 4 python -m mpiring run --seq-len 4096 --dim 64 --heads 8 --causal
 
 ``mpiring.Ring`` (and ``ring_attention``, in ``mpiring.handle``) checks the
-arguments and calls ``run_forward``. The loop below is the whole algorithm: start passing the held blocks on,
-compute on them (``block.attend``: the kernel and the log-sum-exp merge; tests
+arguments and calls ``run_forward``. The loop below is the whole algorithm:
+start passing the held blocks on, compute on them (``block.attend``: the kernel and the log-sum-exp merge; tests
 wrap it to inject faults), wait for the next ones, swap. Which block is where
 at each step is the plan's (``mpiring.plan``); how it moves is ``mpiring.comm``'s.
 """
@@ -15,44 +15,54 @@ import numpy as np
 from mpi4py import MPI
 
 from . import block
-from .comm import CommTimeout, KVBuffers, allgathered, next_buffers, shift, wait_until
+from .comm import CommTimeout, allgathered, kv_slots, next_buffers, shift, wait_until
+from .kernels import pad_ones
+from .precision import Precision
 
 __all__ = ["run_forward", "agree_outcome"]
 
 
-def _ring_loop(q, k, v, plan, ring, scale, rec, timeout):
-    """The ring: start passing the held blocks on, compute on them, wait, swap."""
-    rank = ring.rank
-    acc = block.accumulators(q, v)
+def _ring_loop(q, k, v, plan, ring, scale, rec, timeout, pr=None):
+    """The ring: start passing the held blocks on, compute on them, wait, swap. ``pr``: the call's ``Precision``."""
+    pr = pr or Precision(k.dtype)
+    rank, wire = ring.rank, pr.wire
+    acc = block.accumulators(q, v, pr.out, pr.lse)
+    q = pr.widen(q)  # half inputs: tiles compute in float32
     longest = max(len(s) for s in plan.shards)
-    # K/V blocks are kept as the kernel takes them, [k | 1]^T and [v | 1]^T, in two slots per stream;
-    # the first slot of the first stream starts with this rank's own block.
-    buffers = {stream: KVBuffers((k, v), longest) for stream in plan.rounds or [+1]}  # +1: plan.NEXT
+    # K/V blocks are kept as the kernel takes them, [k | 1]^T and [v | 1]^T (or as the wire codes them,
+    # ``precision.Wire``), in two slots per stream; the first slot of the first stream starts with this
+    # rank's own block.
+    buffers = {stream: kv_slots(wire, (k, v), longest) for stream in plan.rounds or [+1]}  # +1: plan.NEXT
     own = next(iter(buffers.values())).hold((k, v))
+    mine = own if not wire.coded else tuple(pad_ones(pr.widen(a)) for a in (k, v))  # computed on exactly
     held = {stream: own for stream in buffers}  # the block each stream holds now
     for step in range(plan.n_steps):
         incoming = next_buffers(plan, rank, step, buffers)
-        shift(ring, {s: held[s] for s in incoming}, incoming, rec, step, pad=1)  # Isend/Irecv, non-blocking
+        shift(ring, {s: held[s] for s in incoming}, incoming, rec, step, pad=wire.pad)  # Isend/Irecv, non-blocking
         start = time.perf_counter()
         for task in plan.tasks(step, rank):  # one block (two when bidirectional)
-            block.attend(q, held[task.stream], task, plan.pieces(rank, task.source), scale, acc, rec, ring.progress,
-                         step, padded=True)
+            kv = mine if task.source == rank else wire.opened(held[task.stream])
+            block.attend(q, kv, task, plan.pieces(rank, task.source), scale, acc, rec, ring.progress, step, padded=True)
         computed, start = time.perf_counter() - start, time.perf_counter()
         ring.wait(timeout, _slow_step_note(step, computed, timeout))
         rec.event("wait", start, step=step)
         held.update(incoming)  # the blocks that arrived are the ones to use next step
         rec.step_done(step, plan.n_steps)
-    return acc[0].astype(q.dtype, copy=False), acc[1].astype(q.dtype, copy=False)
+    return acc[0].astype(pr.input, copy=False), acc[1].astype(pr.compute, copy=False)
 
 
-def _allgather_loop(q, k, v, plan, comm, scale, rec, timeout):
+def _allgather_loop(q, k, v, plan, comm, scale, rec, timeout, pr=None):
     """All-gather K/V once (overlapped with the local block), then compute locally."""
-    rank = comm.Get_rank()
-    acc = block.accumulators(q, v)
-    for step, task, kv, progress in allgathered(k, v, plan, comm, rec, timeout):
+    pr = pr or Precision(k.dtype)
+    rank, wire = comm.Get_rank(), pr.wire
+    acc = block.accumulators(q, v, pr.out, pr.lse)
+    q = pr.widen(q)
+    mine = (pr.widen(k), pr.widen(v))
+    for step, task, kv, progress in allgathered(wire.encode(k), wire.encode(v), plan, comm, rec, timeout):
+        kv = mine if task.source == rank else tuple(wire.decode(a) for a in kv)
         block.attend(q, kv, task, plan.pieces(rank, task.source), scale, acc, rec, progress, step)
         rec.step_done(step, plan.n_steps)
-    return acc[0].astype(q.dtype, copy=False), acc[1].astype(q.dtype, copy=False)
+    return acc[0].astype(pr.input, copy=False), acc[1].astype(pr.compute, copy=False)
 
 
 def _slow_step_note(step, took, timeout):
@@ -85,17 +95,19 @@ def agree_outcome(comm, timeout, t0):
                           f"the timeout ({timeout:g} s): one was stalled and the others gave up on it")
 
 
-def run_forward(q, k, v, plan, ring, scale, rec, timeout):
+def run_forward(q, k, v, plan, ring, scale, rec, timeout, pr):
     """The forward pass of contiguous, agreed arrays over ``ring`` (a RingComm), all ranks having just met.
 
-    Fills ``rec`` (this call's events, bytes and times) and returns ``(out, lse)``.
+    ``pr``: the call's ``Precision``. Fills ``rec`` (this call's events, bytes
+    and times) and returns ``(out, lse)``.
     """
     rec.t0 = start = time.perf_counter()  # event times minus rec.t0 compare across ranks
+    rec.wire_dtype = pr.wire.name
     if plan.mode == "allgather":
-        out, lse = _allgather_loop(q, k, v, plan, ring.comm, scale, rec, timeout)
+        out, lse = _allgather_loop(q, k, v, plan, ring.comm, scale, rec, timeout, pr)
     else:
         sent, messages, waited = ring.bytes_sent, ring.messages, ring.wait_time
-        out, lse = _ring_loop(q, k, v, plan, ring, scale, rec, timeout)
+        out, lse = _ring_loop(q, k, v, plan, ring, scale, rec, timeout, pr)
         rec.bytes_sent, rec.messages = ring.bytes_sent - sent, ring.messages - messages
         rec.wait_time = ring.wait_time - waited
     if timeout is not None:

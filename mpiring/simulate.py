@@ -6,6 +6,7 @@ from .block import accumulators, attend
 from .kernels import default_scale
 from .layouts import shard, unshard
 from .plan import make_plan
+from .precision import INPUT_DTYPES, Precision, canonical_precision
 from .record import Record
 
 __all__ = ["ring_attention_simulate", "simulate"]
@@ -13,7 +14,7 @@ __all__ = ["ring_attention_simulate", "simulate"]
 
 def _as_float(name, a):
     a = np.asarray(a)
-    if a.dtype not in (np.float32, np.float64):
+    if a.dtype.name not in INPUT_DTYPES:
         if not (np.issubdtype(a.dtype, np.number) and not np.issubdtype(a.dtype, np.complexfloating)):
             raise ValueError(f"{name} must hold real numbers, got dtype {a.dtype}")
         a = a.astype(np.float64)
@@ -21,11 +22,13 @@ def _as_float(name, a):
 
 
 def simulate(Q, K, V, num_devices, *, causal=False, scale=None, layout="contiguous", mode="ring",
-             window=None, cu_seqlens=None):
+             window=None, cu_seqlens=None, wire_dtype=None, accumulate="float64"):
     """Run every device's part of the ring in turn; return ``(out, lse, schedule)``.
 
     ``schedule`` is the plan's Schedule: ``schedule.table[step][device]``
     holds the Tasks (source block, full/masked/skip) of that step.
+    ``wire_dtype`` and ``accumulate`` are as in ``ring_attention``: every block
+    a device gets from another is coded and decoded as the wire would.
     """
     Q, K, V = (_as_float(n, a) for n, a in (("Q", Q), ("K", K), ("V", V)))
     if isinstance(num_devices, bool) or not isinstance(num_devices, (int, np.integer)) or num_devices < 1:
@@ -39,25 +42,27 @@ def simulate(Q, K, V, num_devices, *, causal=False, scale=None, layout="contiguo
         raise ValueError(f"Q heads must be a multiple of K/V heads: Q {Q.shape}, K {K.shape}")
     if Q.shape[-1] < 1 or Q.shape[-2] < 1:
         raise ValueError(f"sequence length and head dim must be positive, got {Q.shape}")
-    dtype = np.result_type(Q, K, V)
+    dtype = Q.dtype if Q.dtype == K.dtype == V.dtype else np.result_type(Q, K, V)
     Q, K, V = (a.astype(dtype, copy=False) for a in (Q, K, V))
+    pr = Precision(dtype, **canonical_precision({"wire_dtype": wire_dtype, "accumulate": accumulate}))
     plan = make_plan(Q.shape[-2], int(num_devices), layout=layout, mode=mode, causal=causal,
                      window=window, cu_seqlens=cu_seqlens)
     scale = default_scale(Q.shape[-1]) if scale is None else float(scale)
     P = plan.size
-    ks = [shard(K, P, j, layout) for j in range(P)]
-    vs = [shard(V, P, j, layout) for j in range(P)]
+    kv = [tuple(pr.widen(shard(X, P, j, layout)) for X in (K, V)) for j in range(P)]  # as its owner has it
+    wire = pr.wire  # as the others get it: coded by the owner, decoded on arrival
+    sent = [tuple(wire.decode(wire.encode(shard(X, P, j, layout))) for X in (K, V)) for j in range(P)]
     outs, lses = [], []
     for device in range(P):
-        q = np.ascontiguousarray(shard(Q, P, device, layout))
-        acc = accumulators(q, V)  # float64, as in the MPI ring
+        q = pr.widen(np.ascontiguousarray(shard(Q, P, device, layout)))
+        acc = accumulators(q, V, pr.out, pr.lse)  # float64 by default, as in the MPI ring
         rec = Record(device)
         for step in range(plan.n_steps):
             for task in plan.tasks(step, device):
-                attend(q, (ks[task.source], vs[task.source]), task, plan.pieces(device, task.source), scale, acc,
-                       rec, None, step)
-        outs.append(acc[0].astype(dtype, copy=False))
-        lses.append(acc[1].astype(dtype, copy=False)[..., None])
+                block = kv[device] if task.source == device else sent[task.source]
+                attend(q, block, task, plan.pieces(device, task.source), scale, acc, rec, None, step)
+        outs.append(acc[0].astype(pr.input, copy=False))
+        lses.append(acc[1].astype(pr.compute, copy=False)[..., None])
     return unshard(outs, layout), unshard(lses, layout)[..., 0], plan.schedule
 
 

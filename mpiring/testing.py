@@ -26,27 +26,41 @@ from .threads import limited, node_threads
 __all__ = ["TOLERANCE", "AttentionProblem", "assert_attention_close", "attention_error", "attention_problems",
            "dense_mask", "local_shards", "reference", "reference_backward", "ring_comm_fixture", "tolerance"]
 
-# Largest error allowed against the float64 reference, per input dtype: absolute for outputs,
-# relative to max(1, max|ref|) for gradients (what="dq", "dk", "dv", "grad..."). float16 and
-# bfloat16 rows are for implementations that compute in those types (NumPy has no bfloat16:
-# its row is looked up by the name "bfloat16", e.g. ml_dtypes' dtype).
+# Largest error allowed against the float64 reference (computed from the inputs as rounded to
+# their dtype), per input dtype: absolute for outputs, relative to max(1, max|ref|) for gradients
+# (what="dq", "dk", "dv", "grad..."). Half inputs (tiles in float32, results rounded to the half
+# dtype once: about 2^-11 and 2^-8 of |out|); NumPy has no bfloat16: its row is looked up by the
+# name "bfloat16" (ml_dtypes' dtype). K/V coded on the wire (``wire_dtype``, unit-normal inputs,
+# head dims >= 8; int8: per-token, per-head absmax scales): the error the coding adds.
 TOLERANCE = {
     np.dtype(np.float64): 1e-12,
     np.dtype(np.float32): 1e-5,
     np.dtype(np.float16): 1e-2,
     "bfloat16": 3e-2,
+    "float16 wire": 3e-3,
+    "bfloat16 wire": 2e-2,
+    "int8 wire": 4e-2,
 }
 
 
-def tolerance(dtype):
-    """The TOLERANCE entry of a dtype (a NumPy dtype, a type like np.float32, or a name)."""
+def tolerance(dtype, wire=None):
+    """The TOLERANCE entry of a dtype (a NumPy dtype, a type like np.float32, or a name).
+
+    With ``wire`` ("float16", "bfloat16", "int8"): the larger of the dtype's and the wire's,
+    unless the wire is the dtype itself (half inputs travel as they are).
+    """
     name = getattr(dtype, "name", None) or getattr(dtype, "__name__", None) or str(dtype)
-    if name == "bfloat16":
-        return TOLERANCE["bfloat16"]
-    try:
-        return TOLERANCE[np.dtype(dtype)]
-    except (KeyError, TypeError):
-        raise KeyError(f"no tolerance for dtype {dtype!r}; TOLERANCE has {list(map(str, TOLERANCE))}") from None
+    own = TOLERANCE["bfloat16"] if name == "bfloat16" else None
+    if own is None:
+        try:
+            own = TOLERANCE[np.dtype(dtype)]
+        except (KeyError, TypeError):
+            raise KeyError(f"no tolerance for dtype {dtype!r}; TOLERANCE has {list(map(str, TOLERANCE))}") from None
+    if wire is None or wire == name:
+        return own
+    if f"{wire} wire" not in TOLERANCE:
+        raise KeyError(f"no tolerance for wire {wire!r}; TOLERANCE has {list(map(str, TOLERANCE))}")
+    return max(own, TOLERANCE[f"{wire} wire"])
 
 
 # ---------------------------------------------------------------- the dense reference
@@ -142,21 +156,23 @@ def _is_gradient(what):
     return what.lower().startswith(("dq", "dk", "dv", "grad", "d_"))
 
 
-def assert_attention_close(out, ref, dtype, what="out"):
-    """Raise AssertionError unless ``out`` is within ``tolerance(dtype)`` of the float64 ``ref``.
+def assert_attention_close(out, ref, dtype, what="out", wire=None):
+    """Raise AssertionError unless ``out`` is within ``tolerance(dtype, wire)`` of the float64 ``ref``.
 
     ``dtype`` is the dtype the computation ran in (float32 work is judged by the float32 row even
     if it returns float64). Gradients (``what`` starting with dq, dk, dv, grad) are judged relative
-    to max(1, max|ref|). The message names the largest error, its index and the tolerance.
+    to max(1, max|ref|). The message names the largest error, its index and the tolerance;
+    returns the error. ``wire``: the ``wire_dtype`` K/V travelled in (its bound applies too).
     """
-    tol = tolerance(dtype)
+    tol = tolerance(dtype, wire)
     error, index = attention_error(out, ref, what)
     if not error <= tol:
         got = float(np.asarray(out, dtype=np.float64)[index])
         want = float(np.asarray(ref, dtype=np.float64)[index])
         kind = "relative error (to max(1, max|ref|))" if _is_gradient(what) else "error"
         raise AssertionError(f"{what}: max {kind} {error:.3g} at index {index} (got {got:.17g}, reference "
-                             f"{want:.17g}) exceeds the {np.dtype(dtype).name if dtype != 'bfloat16' else dtype} "
+                             f"{want:.17g}) exceeds the {np.dtype(dtype).name if dtype != 'bfloat16' else dtype}"
+                             f"{f' ({wire} wire)' if wire else ''} "
                              f"tolerance {tol:g}")
     return error
 

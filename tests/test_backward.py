@@ -141,8 +141,10 @@ def test_backward_message_and_byte_counts(P, layout, mode, window, cu):
         assert n == 2 * plan.messages_per_rank() + homes * 2 * (chunks - 1)
         kv, grads = predicted_bytes_sent(plan, 10, 4), predicted_backward_bytes(plan, 10, 4, grad_itemsize=0)
         assert grads == kv  # with free gradients, the backward pass moves exactly the forward K/V bytes
-        if 40 % P == 0:  # even split: every dK/dV partial is one block, in float64
-            assert predicted_backward_bytes(plan, 10, 4) == [3 * b for b in kv]
+        if 40 % P == 0:  # even split: every dK/dV partial is one block, in float32 by default, or float64
+            assert predicted_backward_bytes(plan, 10, 4) == [2 * b for b in kv]
+            assert predicted_backward_bytes(plan, 10, 4, grad_itemsize=8) == [3 * b for b in kv]
+            assert predicted_backward_bytes(plan, 10, 8) == [2 * b for b in predicted_bytes_sent(plan, 10, 8)]
 
 
 def test_one_home_chunk_is_the_plain_hop_home(monkeypatch):

@@ -3,6 +3,7 @@
 No timing assertions: speed targets live in the benchmark's output (docs/performance.md).
 """
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -49,7 +50,9 @@ def test_quick_bench_in_process(tmp_path, capsys):
     rows = read_csv(path)
     with open(path) as f:
         assert f.readline().strip().split(",") == COLUMNS
-    assert len(rows) == 4  # full and causal, forward and forward+backward
+    bf16 = importlib.util.find_spec("ml_dtypes") is not None
+    assert len(rows) == 5 + bf16  # full and causal, forward and forward+backward; causal forward bf16, int8 wire
+    assert [r["precision"] for r in rows if r["precision"] != "fp32"] == ["bf16"] * bf16 + ["int8w"]
     _check_rows(rows, 1, fresh=False)
 
 
@@ -66,7 +69,11 @@ def test_quick_bench_two_ranks_against_baseline(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     rows = read_csv(both)
     _check_rows([r for r in rows if r["P"] == 2], 2)
-    assert len([r for r in rows if r["P"] == 1]) == 4  # the baseline rows are kept
+    assert len([r for r in rows if r["P"] == 1]) == len([r for r in rows if r["P"] == 2])  # the baseline rows stay
+    sent = {r["precision"]: r["bytes_sent"] for r in rows if r["P"] == 2 and r["pass"] == "fwd" and r["causal"]}
+    assert sent["int8w"] * 4 * 16 == sent["fp32"] * (16 + 4)  # 1 byte per element and a 4-byte scale per row
+    if "bf16" in sent:
+        assert 2 * sent["bf16"] == sent["fp32"]
     for row in rows:
         if row["P"] == 2 and row["status"] == "ok":
             assert row["efficiency"] > 0
@@ -89,6 +96,11 @@ def test_memory_model_parts():
     back = memory_model(Config(4096, 64, backward=True), 2)
     assert back["total"] > two["total"]
     assert memory_model(Config(8192, 64), 2)["total"] == 2 * two["total"]  # O(S/P)
+    int8 = memory_model(Config(4096, 64, wire="int8"), 2)  # K/V slots as they travel: 1 byte + a 4-byte scale a row
+    assert int8["kv_buffers"] == 4 * 2048 * 8 * (64 + 4) and int8["local_qkv"] == two["local_qkv"]
+    if importlib.util.find_spec("ml_dtypes"):
+        bf16 = memory_model(Config(4096, 64, dtype="bfloat16"), 2)
+        assert bf16["kv_buffers"] == two["kv_buffers"] // 2 and bf16["lse"] == two["lse"]  # lse stays float32
 
 
 def test_guard_skips_what_does_not_fit():

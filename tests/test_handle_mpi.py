@@ -236,3 +236,26 @@ def test_forward_only_handle_refuses_backward_after_failure(comm):
         ring.forward(q, k, v)
     ring.close()
     MPI.COMM_WORLD.Barrier()
+
+
+@pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])
+def test_handle_half_inputs_and_wires_equal_functions(comm, dtype):
+    """Half inputs and coded wires through the handle: bit for bit the functions'; the wire is part of the lse's
+    options, so a backward with another wire raises."""
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes", reason="bfloat16 needs ml_dtypes").bfloat16
+    S, options = 30, dict(causal=True, layout="striped", wire_dtype="int8")
+    Q, K, V, dOut = (x.astype(dtype) for x in _problem(S))
+    q, k, v, dout = (local(x, comm, "striped") for x in (Q, K, V, dOut))
+    out_f, lse_f = ring_attention(q, k, v, comm, **options)
+    grads_f = ring_attention_backward(dout, q, k, v, out_f, lse_f, comm, **options)
+    with Ring(comm, S, **options) as ring:
+        out, lse = ring.forward(q, k, v)
+        grads = ring.backward(dout, q, k, v, out, lse)
+    assert out.dtype == dtype and lse.dtype == np.float32
+    np.testing.assert_array_equal(out.astype(np.float32), out_f.astype(np.float32))
+    for g, gf in zip(grads, grads_f):
+        assert g.dtype == dtype
+        np.testing.assert_array_equal(g.astype(np.float32), gf.astype(np.float32))
+    with pytest.raises(ValueError, match="wire_dtype='int8' there, None here"):
+        ring_attention_backward(dout, q, k, v, out, lse, comm, causal=True, layout="striped")

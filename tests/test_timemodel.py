@@ -8,7 +8,15 @@ import pytest
 
 from mpiring import make_plan
 from mpiring.__main__ import main
-from mpiring.costmodel import PRESETS, Machine, block_flops, format_time_model, predict_plan, time_model
+from mpiring.costmodel import (
+    PRESETS,
+    Machine,
+    block_flops,
+    format_time_model,
+    format_wire_model,
+    predict_plan,
+    time_model,
+)
 from mpiring.tools.calibrate import calibrate
 
 # a round machine: 1 TFLOP/s, 10 GB/s, 10 us
@@ -71,8 +79,11 @@ def test_gqa_and_backward():
     assert gqa["block_bytes"] == 2 * KV  # only the 2 K/V heads travel
     bwd = model(backward=True)
     assert bwd["compute_s"] == pytest.approx([2.5 * C] * 4)
-    assert bwd["transfer_s"][0] == pytest.approx(1e-5 + 2 * KV / 1e10)  # K, V and dK, dV
-    assert bwd["total_s"] == pytest.approx(4 * 2.5 * C + T)  # plus dK/dV going home
+    assert bwd["transfer_s"][0] == pytest.approx(1e-5 + 3 * KV / 1e10)  # K, V (2 bytes) and dK, dV (float32)
+    assert bwd["total_s"] == pytest.approx(4 * 2.5 * C + 1e-5 + 2 * KV / 1e10)  # plus dK/dV going home
+    same = model(backward=True, grad_bytes_per_element=2)  # partials as small as K/V: twice the forward's bytes
+    assert same["transfer_s"][0] == pytest.approx(1e-5 + 2 * KV / 1e10)
+    assert same["total_s"] == pytest.approx(4 * 2.5 * C + T)
 
 
 @pytest.mark.parametrize("variant,causal", [("contiguous", False), ("zigzag", True), ("bidirectional", False),
@@ -158,3 +169,21 @@ def test_masked_blocks_at_their_own_rate():
     plan = make_plan(4096, 4, causal=True)  # the diagonal block (step 0) is masked, the others full
     steps = predict_plan(plan, slow_mask, batch=1, heads=1, kv_heads=1, head_dim=64, itemsize=2)
     assert [c for c, _, _ in steps] == pytest.approx([2 * C, C, C, C])
+
+
+def test_wire_formats_win_only_where_the_transfer_is_exposed():
+    """10 GbE at P = 8: the ring is transfer-bound, so int8 (1 + 4/64 bytes) beats bf16 by ~2/1.0625;
+    NVLink with long shards hides every wire behind compute."""
+    slow = time_model(8192, 8, heads=8, head_dim=64, machine="10gbe", causal=True, variant="zigzag",
+                      bytes_per_element=1 + 4 / 64)
+    bf16 = time_model(8192, 8, heads=8, head_dim=64, machine="10gbe", causal=True, variant="zigzag")
+    assert slow["comm_bound"] and bf16["comm_bound"]
+    assert slow["transfer_s"][0] == pytest.approx(30e-6 + 2 * 8 * 64 * 1024 * (1 + 4 / 64) / 1.25e9)
+    text = format_wire_model(8192, 8, heads=8, head_dim=64, causal=True)
+    assert "10gbe" in text and text.count("-> int8 wins") == 3  # short shards: int8 wins on every link
+    text = format_wire_model(1 << 17, 8, heads=8, head_dim=64, causal=True)
+    lines = [ln for ln in text.splitlines() if "->" in ln]
+    assert "hide behind compute" in lines[0] and "hide behind compute" in lines[1]
+    assert "int8 wins, 1.87x faster than bf16" in lines[2]
+    with pytest.raises(ValueError, match="bytes_per_element must be a positive number"):
+        time_model(8192, 8, heads=8, head_dim=64, bytes_per_element=0)

@@ -35,7 +35,7 @@ def _nan_q(q):
 ONE_RANK_CASES = [
     ("q-not-array", lambda q, k, v, kw: (q.tolist(), k, v, kw), "rank {b}: q must be a NumPy array, got list"),
     ("int-dtype", lambda q, k, v, kw: (q, k.astype(np.int64), v, kw),
-     "rank {b}: k must be float32 or float64, got int64"),
+     "rank {b}: k must be float16, bfloat16, float32 or float64, got int64"),
     ("mixed-dtype", lambda q, k, v, kw: (q, k, v.astype(np.float32), kw),
      "rank {b}: q, k, v must share one dtype, got float64, float64, float32"),
     ("1-d", lambda q, k, v, kw: (q[0, 0], k, v, kw), "rank {b}: q must have shape (..., seq, dim), got (8,)"),

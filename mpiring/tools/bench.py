@@ -21,6 +21,10 @@ the kernel's scratch. Columns (see docs/performance.md):
 - eff: parallel efficiency T(P=1) / (P * T(P)) against a baseline CSV of P=1.
 - comm%: the largest fraction of wall any rank spent blocked in Wait.
 - bytes: bytes each rank sent, checked against ``predicted_bytes_sent``.
+- prec: the precision of the row: fp32 inputs (``fp32``), bfloat16 inputs
+  (``bf16``: tiles in float32, K/V travel as bf16), fp32 inputs with K/V sent
+  as int8 (``int8w``: one float32 scale per token and head). ``--precisions``;
+  the bf16 and int8 rows are the forward causal rows.
 - RSS: peak resident memory per rank (VmHWM, reset before each row) against
   ``memory_model`` plus the interpreter baseline measured at start.
 - torch: ``torch.nn.functional.scaled_dot_product_attention`` on the whole
@@ -28,6 +32,7 @@ the kernel's scratch. Columns (see docs/performance.md):
 - bg: cores kept busy by other processes while the row ran (0 on an idle machine).
 """
 
+import importlib.util
 import statistics
 import time
 from dataclasses import dataclass
@@ -44,6 +49,8 @@ from mpiring import (
     ring_attention,
     ring_attention_backward,
 )
+from mpiring.costmodel import format_wire_model
+from mpiring.precision import Precision, named_dtype
 
 from .benchtable import add_efficiency, format_header, format_long, format_table, format_targets, read_csv, write_csv
 from .cli import command_parser
@@ -66,6 +73,7 @@ class Config:
     causal: bool = False
     backward: bool = False
     dtype: str = "float32"
+    wire: str | None = None  # K/V on the wire (``wire_dtype``): None, the input dtype
 
     @property
     def layout(self):
@@ -75,8 +83,14 @@ class Config:
     def name(self):
         return "fwd+bwd" if self.backward else "fwd"
 
+    @property
+    def precision(self):
+        """The row's short name for its dtypes: fp32, bf16, int8w (fp32 inputs, int8 wire), ..."""
+        short = {"float32": "fp32", "float64": "fp64", "float16": "fp16", "bfloat16": "bf16"}[self.dtype]
+        return short if self.wire is None else f"{short}/{self.wire}w" if self.dtype != "float32" else f"{self.wire}w"
+
     def key(self):
-        return (self.S, self.D, self.H, self.B, self.causal, self.name)
+        return (self.S, self.D, self.H, self.B, self.causal, self.name, self.precision)
 
 
 # ---------------------------------------------------------------- running one configuration
@@ -93,7 +107,7 @@ def _local_inputs(cfg, plan, rank, seed):
     """Random q, k, v (and dout) for this rank's shard only: (B, H, n_local, D)."""
     rng = np.random.default_rng([seed, rank])
     shape = (cfg.B, cfg.H, len(plan.shards[rank]), cfg.D)
-    dtype = np.dtype(cfg.dtype)
+    dtype = named_dtype(cfg.dtype)
     arrays = [rng.standard_normal(shape, dtype=np.float32).astype(dtype, copy=False) for _ in range(3)]
     if cfg.backward:
         arrays.append(rng.standard_normal(shape, dtype=np.float32).astype(dtype, copy=False))
@@ -105,11 +119,12 @@ def _one_run(q, k, v, dout, comm, cfg):
     comm.Barrier()
     rec = Record(comm.Get_rank())
     start = time.perf_counter()
-    out, lse = ring_attention(q, k, v, comm, causal=cfg.causal, layout=cfg.layout, record=rec)
+    out, lse = ring_attention(q, k, v, comm, causal=cfg.causal, layout=cfg.layout, record=rec, wire_dtype=cfg.wire)
     wait, compute, sent = rec.wait_time, rec.compute_time, rec.bytes_sent
     if cfg.backward:
         brec = Record(comm.Get_rank())
-        ring_attention_backward(dout, q, k, v, out, lse, comm, causal=cfg.causal, layout=cfg.layout, record=brec)
+        ring_attention_backward(dout, q, k, v, out, lse, comm, causal=cfg.causal, layout=cfg.layout, record=brec,
+                                wire_dtype=cfg.wire)
         wait, compute, sent = wait + brec.wait_time, compute + brec.compute_time, sent + brec.bytes_sent
     wall = time.perf_counter() - start
     return wall, wait, compute, sent
@@ -117,11 +132,13 @@ def _one_run(q, k, v, dout, comm, cfg):
 
 def _predicted_bytes(cfg, plan):
     """Bytes per rank predicted by the cost model for this pass."""
-    e = np.dtype(cfg.dtype).itemsize
-    forward = predicted_bytes_sent(plan, cfg.B * cfg.H * 2 * cfg.D, e)
+    pr = Precision(named_dtype(cfg.dtype), cfg.wire)
+    width, e = cfg.B * cfg.H * 2 * pr.wire.row(cfg.D), pr.wire.dtype.itemsize
+    forward = predicted_bytes_sent(plan, width, e)
     if not cfg.backward:
         return forward
-    return [f + b for f, b in zip(forward, predicted_backward_bytes(plan, cfg.B * cfg.H * 2 * cfg.D, e), strict=True)]
+    grads = predicted_backward_bytes(plan, width, e, pr.grad.itemsize, cfg.B * cfg.H * 2 * cfg.D)
+    return [f + b for f, b in zip(forward, grads, strict=True)]
 
 
 def run_config(comm, cfg, *, repeats=3, budget=30.0, seed=0, limits=None, baseline_mb=0.0,
@@ -132,7 +149,8 @@ def run_config(comm, cfg, *, repeats=3, budget=30.0, seed=0, limits=None, baseli
     model = memory_model(cfg, size)
     flops = 4 * cfg.B * cfg.H * cfg.D * sum(plan.visible_pairs()) * (3.5 if cfg.backward else 1)
     row = {"P": size, "S": cfg.S, "D": cfg.D, "H": cfg.H, "B": cfg.B, "causal": int(cfg.causal),
-           "layout": cfg.layout, "pass": cfg.name, "model_mb": model["total"] / MB, "baseline_mb": baseline_mb}
+           "layout": cfg.layout, "pass": cfg.name, "dtype": cfg.dtype, "wire": cfg.wire or "",
+           "precision": cfg.precision, "model_mb": model["total"] / MB, "baseline_mb": baseline_mb}
     need = (model["total"] + kernel_scratch(cfg, plan)) / MB
     if guard_mb is not None and need * local_ranks > 0.8 * guard_mb:
         row["status"] = (f"skipped: needs ~{need:.0f} MiB per rank x {local_ranks} ranks, "
@@ -214,7 +232,13 @@ def bench_parser():
     p.add_argument("--csv", metavar="PATH", help="write the rows as CSV")
     p.add_argument("--baseline", metavar="CSV", help="P=1 rows of an earlier run, for parallel efficiency")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--precisions", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS),
+                   help="fp32: float32 inputs; bf16: bfloat16 inputs; int8w: float32 inputs, K/V sent as int8 "
+                        "(the last two: forward causal rows only)")
     return p
+
+
+PRECISIONS = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int8w": ("float32", "int8")}
 
 
 def _configs(args):
@@ -230,8 +254,12 @@ def _configs(args):
     # every forward row before any fwd+bwd row: a process keeps some memory of a larger row
     # (MPI's buffers, heap fragments) that the RSS reset cannot return, and a forward row
     # measured after a fwd+bwd row would count it (about 50 MiB at S=16384).
-    return [Config(S, D, H=args.heads, B=args.batch, causal=c, backward=b)
-            for b in passes for S in sizes for D in dims for c in masks]
+    extra = [PRECISIONS[p] for p in args.precisions if p != "fp32"  # bf16 inputs, int8 wire: forward causal rows
+             and (p != "bf16" or importlib.util.find_spec("ml_dtypes"))]  # no bf16 rows without ml_dtypes
+    plain = "fp32" in args.precisions
+    return [Config(S, D, H=args.heads, B=args.batch, causal=c, backward=b, dtype=dtype, wire=wire)
+            for b in passes for S in sizes for D in dims for c in masks
+            for dtype, wire in ([("float32", None)] if plain else []) + ([] if b or not c else extra)]
 
 
 def bench(comm, args=None):
@@ -271,7 +299,8 @@ def bench(comm, args=None):
             print(format_table([row]).splitlines()[1], flush=True)
     if use_torch:  # rank 0 runs torch with P threads while the other ranks sleep
         if rank == 0:
-            todo = [(i, c) for i, c in enumerate(configs) if rows[i].get("status") == "ok"]
+            todo = [(i, c) for i, c in enumerate(configs)  # torch at fp32: the bf16 and int8 rows compare to fp32
+                    if rows[i].get("status") == "ok" and c.precision == "fp32"]
             times = torch_times([c for _, c in todo], threads=size * args.threads, repeats=args.repeats,
                                 budget=args.budget)
             for (i, _), t in zip(todo, times, strict=True):
@@ -290,6 +319,12 @@ def bench(comm, args=None):
     summary = format_long(rows) if args.long else format_targets(everything, report, limits)
     if summary:
         print("\n" + summary)
+    if not args.long and len({c.precision for c in configs}) > 1:  # where the bf16 and int8 wires pay
+        big = max(configs, key=lambda c: (c.S, c.D))
+        print("\nthis machine computes too slowly for the wire to matter; on accelerators (time model, P=8, the "
+              "largest row's shape and 64k tokens):")
+        for S in (big.S, 65536):
+            print(format_wire_model(S, 8, heads=big.H, head_dim=big.D, batch=big.B, causal=True))
     if others is not None:
         print(f"\nbackground load: other processes kept {others:.2f} cores busy on average during this run"
               + (" -- timings are unreliable, rerun on an idle machine" if others > 0.1 else ""))

@@ -11,7 +11,7 @@ __all__ = ["COLUMNS", "write_csv", "read_csv", "add_efficiency", "format_table",
 
 # CSV columns, in order
 COLUMNS = [
-    "P", "S", "D", "H", "B", "causal", "layout", "pass", "status", "repeats",
+    "P", "S", "D", "H", "B", "causal", "layout", "pass", "dtype", "wire", "precision", "status", "repeats",
     "wall_s", "gflops", "limit_s", "of_limit", "compute_s", "kernel_of_limit",
     "torch_s", "torch_gflops", "vs_torch", "efficiency", "exposed_comm",
     "bytes_sent", "bytes_predicted", "bytes_match",
@@ -62,7 +62,8 @@ def read_csv(path):
 
 
 def _row_key(row):
-    return (int(row["S"]), int(row["D"]), int(row["H"]), int(row["B"]), int(row["causal"]), row["pass"])
+    return (int(row["S"]), int(row["D"]), int(row["H"]), int(row["B"]), int(row["causal"]), row["pass"],
+            row.get("precision") or "fp32")  # CSVs from before the precision column: fp32 rows
 
 
 def add_efficiency(rows, baseline_rows):
@@ -84,6 +85,7 @@ def _fmt(v, spec, width):
 
 TABLE = [  # header, key, format, width
     ("P", "P", "d", 2), ("S", "S", "d", 6), ("D", "D", "d", 4), ("mask", None, "", 7), ("pass", "pass", "", 7),
+    ("prec", "precision", "", 5),
     ("wall s", "wall_s", ".3f", 8), ("GFLOP/s", "gflops", ".1f", 8), ("%lim", "of_limit", ".0%", 5),
     ("kern%", "kernel_of_limit", ".0%", 6), ("torch", "torch_gflops", ".1f", 6), ("x torch", "vs_torch", ".2f", 7),
     ("eff", "efficiency", ".0%", 5), ("comm%", "exposed_comm", ".1%", 6), ("bytes/rank", "bytes_sent", "d", 11),
@@ -106,13 +108,13 @@ def format_table(rows):
             elif header == "=model":
                 match = row.get("bytes_match")
                 cells.append(("yes" if match == 1 else "NO" if match == 0 else "-").rjust(width))
-            elif header == "pass":
-                cells.append(str(row.get("pass", "")).rjust(width))
+            elif header in ("pass", "prec"):
+                cells.append(str(row.get(key) or ("fp32" if header == "prec" else "")).rjust(width))
             else:
                 cells.append(_fmt(row.get(key), spec, width))
         line = "  ".join(cells)
         if str(row.get("status", "ok")) != "ok":
-            line = "  ".join(cells[:5]) + "  " + str(row["status"])
+            line = "  ".join(cells[:6]) + "  " + str(row["status"])
         lines.append(line)
     return "\n".join(lines)
 
@@ -122,7 +124,7 @@ def format_table(rows):
 
 def format_header(*, size, threads, long, rows, report, limits, baseline_mb, use_torch):
     """What the run measured before the first row: BLAS, one core's limits, the interpreter's RSS."""
-    lines = [f"mpiring bench: P={size} ranks, {threads} BLAS thread(s) per rank, fp32, "
+    lines = [f"mpiring bench: P={size} ranks, {threads} BLAS thread(s) per rank, fp32 (and bf16/int8-wire rows), "
              f"{rows} rows{' (long context)' if long else ''}",
              f"BLAS: {report['blas']}, kernels {report['blas_arch']}, threads per rank {threads}"
              + (f", OPENBLAS_CORETYPE={report['coretype_env']}" if report["coretype_env"] else "")]
@@ -168,7 +170,8 @@ def format_targets(rows, report, limits=None):
     speed over torch's, the most any kernel could reach on this machine.
     """
     pick = {(r["pass"], r["causal"]): r for r in rows
-            if r.get("P") == 2 and r.get("S") == 16384 and r.get("D") == 64 and r.get("status") == "ok"}
+            if r.get("P") == 2 and r.get("S") == 16384 and r.get("D") == 64 and r.get("status") == "ok"
+            and (r.get("precision") or "fp32") == "fp32"}
     if not pick:
         return ""
     forced = bool(report and report.get("coretype_env"))

@@ -7,7 +7,7 @@ Each is ``(comm, args=None) -> exit code``; they ignore ``comm`` (pass None).
 """
 
 from mpiring import make_plan
-from mpiring.costmodel import PRESETS, Machine, format_time_model, ring_attention_context_parallel
+from mpiring.costmodel import PRESETS, Machine, format_time_model, format_wire_model, ring_attention_context_parallel
 
 from .calibrate import calibrate
 from .cli import add_variant_args, at_least, command_parser, variant
@@ -63,7 +63,9 @@ def cost_parser():
     p.add_argument("--batch", type=int, default=1, help="batch size")
     p.add_argument("--causal", action="store_true", help="causal mask (zigzag/striped halve the work per step)")
     p.add_argument("--preset", nargs="+", default=["nvlink", "infiniband"],
-                   choices=["nvlink", "infiniband", "this-machine"], help="machines for the time model")
+                   choices=["nvlink", "infiniband", "10gbe", "this-machine"], help="machines for the time model")
+    p.add_argument("--wires", action="store_true", help="also the time model of each K/V wire format (float32, "
+                   "bf16, fp16, int8) on every machine: where a smaller wire wins")
     p.add_argument("--flops", type=float, help="a custom machine: FLOP/s (with --bandwidth, --latency)")
     p.add_argument("--bandwidth", type=float, help="custom machine: bytes/s per direction")
     p.add_argument("--latency", type=float, default=10e-6, help="custom machine: seconds per transfer")
@@ -80,7 +82,12 @@ def cost(comm=None, args=None):
     for key, value in report.items():
         print(f"{key:>24}: {value}")
     print()
-    print(_time_model_text(args))
+    text, dim, machines = _time_model_text(args)
+    print(text)
+    if args.wires:
+        print()
+        print(format_wire_model(args.seq_len, args.ranks, heads=args.heads, head_dim=dim, kv_heads=args.hidden // dim,
+                                batch=args.batch, causal=args.causal, machines=machines))
     return 0
 
 
@@ -99,4 +106,4 @@ def _time_model_text(args):
                                 f"{args.latency * 1e6:g} us"))
     return format_time_model(args.seq_len, args.ranks, heads=args.heads, head_dim=dim, kv_heads=args.hidden // dim,
                              batch=args.batch, bytes_per_element=args.bytes_per_element, machines=machines,
-                             causal=args.causal)
+                             causal=args.causal), dim, machines

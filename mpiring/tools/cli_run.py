@@ -29,6 +29,7 @@ from mpiring import (
     shard_indices,
 )
 from mpiring.plan import Schedule
+from mpiring.precision import ACCUMULATE, GRAD_WIRE_DTYPES, INPUT_DTYPES, WIRE_DTYPES, Precision, named_dtype
 from mpiring.record import Record
 
 from . import verify
@@ -66,7 +67,14 @@ def run_parser():
     p.add_argument("--heads", type=int, default=8, help="query heads")
     p.add_argument("--kv-heads", type=int, help="K/V heads (grouped-query attention); default = heads")
     p.add_argument("--batch", type=int, default=1, help="batch size")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="dtype of Q, K, V")
+    p.add_argument("--dtype", default="float32", choices=INPUT_DTYPES,
+                   help="dtype of Q, K, V (half ones compute in float32; bfloat16 needs ml_dtypes)")
+    p.add_argument("--wire-dtype", choices=WIRE_DTYPES, help="K/V travel coded so (int8: with a float32 scale per "
+                   "token and head); default: the input dtype")
+    p.add_argument("--grad-wire-dtype", choices=GRAD_WIRE_DTYPES, help="dtype of the travelling dK/dV partials "
+                   "(--backward); default float32, float64 for float64 inputs")
+    p.add_argument("--accumulate", choices=ACCUMULATE, default="float64",
+                   help="dtype of the running (out, lse) every block merges into ('input': out in the input dtype)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (each rank makes its own shard)")
     p.add_argument("--threads", type=int, default=1, help="BLAS threads per rank")
     p.add_argument("--timeout", type=_timeout, default="auto", metavar="auto|SECONDS",
@@ -106,6 +114,11 @@ def _writable(option, path):
 
 def job_problem(args, size):
     """What is wrong with the options for a job of ``size`` ranks, or None (rank 0 decides, before the run)."""
+    for name in {args.dtype, args.wire_dtype} & {"bfloat16"}:
+        try:
+            named_dtype(name)
+        except ValueError as exc:
+            return f"--dtype/--wire-dtype {name}: {exc}"
     if args.seq_len < size:
         return (f"--seq-len {args.seq_len} is shorter than the number of ranks {size}: "
                 f"every rank needs at least one token")
@@ -162,7 +175,7 @@ def run(comm, args=None):
     problem = _share_text(comm, job_problem(args, size) if rank == 0 else None)
     if problem:
         raise Agreed(problem)
-    dtype = np.dtype(args.dtype)
+    dtype = named_dtype(args.dtype)
     hk = args.kv_heads or args.heads
     options = variant(args)
     inputs = verify.Inputs(args.seed, args.batch, args.heads, hk, args.dim, dtype)
@@ -173,12 +186,14 @@ def run(comm, args=None):
     forward = Record(rank, on_step=progress if rank == 0 and not args.backward else None)
     got = {}
     try:  # bad arguments: the library raises the same ValueError on every rank, before any transfer
-        got["out"], got["lse"] = ring_attention(q, k, v, comm, timeout=timeout, record=forward, **options)
+        got["out"], got["lse"] = ring_attention(q, k, v, comm, timeout=timeout, record=forward,
+                                                wire_dtype=args.wire_dtype, accumulate=args.accumulate, **options)
         if args.backward:
             backward = Record(rank)
             dout = inputs.tokens("dout", positions)
-            got["dq"], got["dk"], got["dv"] = ring_attention_backward(dout, q, k, v, got["out"], got["lse"], comm,
-                                                                      timeout=timeout, record=backward, **options)
+            got["dq"], got["dk"], got["dv"] = ring_attention_backward(
+                dout, q, k, v, got["out"], got["lse"], comm, timeout=timeout, record=backward,
+                wire_dtype=args.wire_dtype, grad_wire_dtype=args.grad_wire_dtype, **options)
     except ValueError as exc:
         raise Agreed(str(exc)) from exc
     progress.close()
@@ -186,8 +201,8 @@ def run(comm, args=None):
     machine = None
     if not args.backward:
         n_local = args.seq_len // size
-        machine = calibrate(comm, head_dim=args.dim, dtype=args.dtype, tokens=max(16, min(n_local, 1024)),
-                            seconds=0.2, threads=args.threads,
+        machine = calibrate(comm, head_dim=args.dim, dtype=Precision(dtype).compute.name,
+                            tokens=max(16, min(n_local, 1024)), seconds=0.2, threads=args.threads,
                             nbytes=min(max(2 * args.batch * hk * n_local * args.dim * dtype.itemsize, 1 << 16),
                                        1 << 26))
     checked = None
@@ -196,6 +211,8 @@ def run(comm, args=None):
         checked = verify.check_rank(inputs, args.seq_len, size, rank, args.layout, mask, got,
                                     share=lambda piece: allgather_arrays(comm, piece))
     rec = backward if args.backward else forward
+    if checked is not None:
+        rec.error = forward.error = dict(checked["error"])  # what every rank's results were off by
     summary = dict(rec.summary(), **({"forward": forward.summary()} if args.backward else {}))
     columns = gather_objects(comm, (rec.table(plan.n_steps), summary, checked))
     if rank != 0:
@@ -211,14 +228,16 @@ def run(comm, args=None):
 def _report_forward(args, sched, checks, machine):
     """Rank 0's report of a forward run; its exit code."""
     plan, records = sched.plan, sched.records
-    size, dtype = plan.size, np.dtype(args.dtype)
+    size, dtype = plan.size, named_dtype(args.dtype)
     hk = args.kv_heads or args.heads
     wall = max(r["wall_time"] for r in records)
     flops = 4 * args.batch * args.heads * args.dim * sum(plan.visible_pairs())
     itemsize = dtype.itemsize
-    predicted = predicted_bytes_sent(plan, args.batch * hk * 2 * args.dim, itemsize)
+    pr, kv_width, wire_size = _wire(args)
+    predicted = predicted_bytes_sent(plan, kv_width, wire_size)
     print(f"mpiring run: P={size} seq_len={args.seq_len} batch={args.batch} heads={args.heads} kv_heads={hk} "
           f"dim={args.dim} {dtype} causal={plan.causal} layout={plan.layout} mode={plan.mode} window={plan.window}")
+    print(_wire_line(args, pr))
     print("\nschedule as recorded by the ranks:")
     print(sched.format())
     for r, rec in enumerate(records):
@@ -237,10 +256,11 @@ def _report_forward(args, sched, checks, machine):
     print(f"\nwall time {wall:.4f} s   attention {flops / wall / 1e9:.2f} GFLOP/s "
           f"(4*B*H*D*visible pairs = {flops / 1e9:.3f} GFLOP)")
     ok = agrees and all(r["bytes_sent"] == p for r, p in zip(records, predicted, strict=True))
-    passed = _print_checks(checks, dtype)
+    passed = _print_checks(checks, dtype, pr.wire.name)
     print()
+    per_element = kv_width * wire_size / (args.batch * hk * 2 * args.dim)  # an int8 wire's scales included
     print(timing_report(records, plan, machine, batch=args.batch, heads=args.heads, kv_heads=hk, head_dim=args.dim,
-                        itemsize=itemsize, ranks_per_core=size * args.threads / (os.cpu_count() or 1)))
+                        itemsize=per_element, ranks_per_core=size * args.threads / (os.cpu_count() or 1)))
     print("\ntimeline (text; --plot FILE draws it, --trace FILE for Perfetto):")
     print(format_timeline(records))
     _write_trace_and_plot(args, records, f"P={size} {plan.layout} {plan.mode}{' causal' if plan.causal else ''}, "
@@ -251,14 +271,31 @@ def _report_forward(args, sched, checks, machine):
 NAMES = ("out", "lse", "dQ", "dK", "dV")
 
 
-def _print_checks(checks, dtype):
+def _wire(args):
+    """The run's ``Precision``, and what a token of K plus V is on the wire: (elements, bytes per element)."""
+    pr = Precision(named_dtype(args.dtype), args.wire_dtype, args.grad_wire_dtype, args.accumulate)
+    return pr, args.batch * (args.kv_heads or args.heads) * 2 * pr.wire.row(args.dim), pr.wire.dtype.itemsize
+
+
+def _wire_line(args, pr):
+    """What travels and what accumulates, in one line; with the wire's size against float32 K/V."""
+    row = pr.wire.row(args.dim) * pr.wire.dtype.itemsize
+    scales = " (+ a float32 scale per token and head)" if pr.wire.name == "int8" else ""
+    line = (f"K/V on the wire: {pr.wire.name}{scales}, {row / (4 * args.dim):.3g}x the bytes of float32; "
+            f"running (out, lse): {pr.out}, {pr.lse}")
+    if args.backward:
+        line += f"; dK/dV partials on the wire: {pr.grad}"
+    return line
+
+
+def _print_checks(checks, dtype, wire=None):
     """The table of what every rank checked, and the largest errors; whether they are within the tolerance.
 
     None when nothing was compared (--no-verify).
     """
     if checks is None:
         return None
-    tol = verify.TOLERANCE[dtype]
+    tol = verify.run_tolerance(dtype, wire)
     names = [n for n in NAMES if n in checks[0]["error"]]
     print("\nverification: every rank recomputed rows of its own shard exactly (float64, from the seeded "
           "inputs; mask from its definition)")
@@ -279,7 +316,8 @@ def _print_checks(checks, dtype):
         rel = err / max(1.0, largest) if n in ("dQ", "dK", "dV") else err
         passed = passed and rel <= tol
         extra = f" relative, max |reference| {largest:.3g}" if n in ("dQ", "dK", "dV") else " absolute"
-        print(f"  {n:>3} {rel:.3e}{extra}")
+        mean = sum(c["mean"][n] for c in checks) / len(checks)  # the ranks' mean errors, averaged
+        print(f"  {n:>3} {rel:.3e}{extra}; mean {mean:.3e} absolute")
     if "dQ" in names and "dK" not in names:
         print(f"  dK, dV not checked: seq_len > {verify.DKV_MAX_SEQ} (they need every row's exact lse, "
               f"a pass as costly as the forward ring)")
@@ -321,15 +359,16 @@ def _write_trace_and_plot(args, records, title):
 def _report_backward(args, sched, checks):
     """Rank 0's report of ``run --backward``; its exit code."""
     plan, records = sched.plan, sched.records
-    size, dtype = plan.size, np.dtype(args.dtype)
+    size, dtype = plan.size, named_dtype(args.dtype)
     hk = args.kv_heads or args.heads
-    kv_width = args.batch * hk * 2 * args.dim
-    fwd_bytes = predicted_bytes_sent(plan, kv_width, dtype.itemsize)
-    bwd_bytes = predicted_backward_bytes(plan, kv_width, dtype.itemsize)
+    pr, kv_width, wire_size = _wire(args)
+    fwd_bytes = predicted_bytes_sent(plan, kv_width, wire_size)
+    bwd_bytes = predicted_backward_bytes(plan, kv_width, wire_size, pr.grad.itemsize, args.batch * hk * 2 * args.dim)
     bwd_messages = plan.backward_messages_per_rank()
     print(f"mpiring run --backward: P={size} seq_len={args.seq_len} batch={args.batch} heads={args.heads} "
           f"kv_heads={hk} dim={args.dim} {dtype} causal={plan.causal} layout={plan.layout} mode={plan.mode} "
           f"window={plan.window}")
+    print(_wire_line(args, pr))
     print("\nbackward schedule as recorded by the ranks (K/V and their dK/dV partials follow the forward plan):")
     print(sched.format())
     agrees = sched == plan.schedule
@@ -340,7 +379,8 @@ def _report_backward(args, sched, checks):
         print(f"{r:>4}  {rec['forward']['bytes_sent']:>10}  {fwd_bytes[r]:>9}  {rec['bytes_sent']:>10}  "
               f"{bwd_bytes[r]:>10}  {rec['messages']:>8}  {bwd_messages:>9}  {rec['compute_time']:>9.4f}  "
               f"{rec['wait_time']:>17.4f}")
-    print("(backward bytes: K/V in the input dtype, their travelling dK/dV partials in float64)")
+    print(f"(backward bytes: K/V as on the forward's wire, {pr.wire.name}; their travelling dK/dV partials "
+          f"in {pr.grad})")
     flops = 4 * args.batch * args.heads * args.dim * sum(plan.visible_pairs())
     for name, wall, factor in (("forward ", max(r["forward"]["wall_time"] for r in records), 1.0),
                                ("backward", max(r["wall_time"] for r in records), 2.5)):
@@ -350,7 +390,7 @@ def _report_backward(args, sched, checks):
     ok = agrees and all(r["bytes_sent"] == p and r["messages"] == bwd_messages
                         for r, p in zip(records, bwd_bytes, strict=True))
     ok = ok and all(r["forward"]["bytes_sent"] == p for r, p in zip(records, fwd_bytes, strict=True))
-    passed = _print_checks(checks, dtype)
+    passed = _print_checks(checks, dtype, pr.wire.name)
     _write_trace_and_plot(args, records, f"backward pass: P={size} {plan.layout} {plan.mode}"
                           f"{' causal' if plan.causal else ''}, seq_len={args.seq_len}, H={args.heads} d={args.dim}")
     return _verdict(ok, passed, checks)

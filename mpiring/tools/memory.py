@@ -2,10 +2,9 @@
 
 import math
 
-import numpy as np
-
 from mpiring.block import GRAD_DTYPE
 from mpiring.costmodel import ring_attention_context_parallel
+from mpiring.precision import Precision, named_dtype
 from mpiring.tiles import default_tiles
 
 __all__ = ["MB", "memory_model", "kernel_scratch", "running_mb"]
@@ -20,26 +19,37 @@ def memory_model(cfg, P, kv_heads=None):
     its log-sum-exp, plus the two receive buffers of a K/V block that let one
     block arrive while another is in use (only when P > 1). Forward+backward
     adds dout and the dq, dk, dv results (input dtype), their accumulators in
-    the backward pass's gradient dtype (float64), and when P > 1 two receive
-    buffers of a travelling dK/dV partial and one for the partial coming home.
+    float64, and when P > 1 two receive buffers of a travelling dK/dV partial
+    and one for the partial coming home (float32; float64 for float64 inputs).
+    K/V receive buffers hold the wire's form (bf16 inputs: 2 bytes; an int8
+    wire: 1 byte and a 4-byte scale per row); blocks that travel coded are also
+    held decoded in the compute dtype (the own block exactly, the block in use),
+    and half inputs' q widened to float32.
     Kernel scratch is not in the model: it is what the 0.5x allowance and the
     "scratch" column show.
     """
     hk = kv_heads or cfg.H
-    e = np.dtype(cfg.dtype).itemsize
+    pr = Precision(named_dtype(cfg.dtype), getattr(cfg, "wire", None))
+    e = pr.input.itemsize
     n = math.ceil(cfg.S / P)  # the longest shard
     if cfg.S % P == 0 and hk == cfg.H:
         qkv = ring_attention_context_parallel(cfg.S, P, cfg.H * cfg.D, cfg.H, e)["memory_per_gpu_bytes"] * cfg.B
     else:
         qkv = cfg.B * n * (cfg.H + 2 * hk) * cfg.D * e
     block = cfg.B * hk * n * cfg.D * e  # one of K or V
-    parts = {"local_qkv": qkv, "out": cfg.B * cfg.H * n * cfg.D * e, "lse": cfg.B * cfg.H * n * e,
-             "kv_buffers": 4 * block if P > 1 else 0}
+    wire_block = cfg.B * hk * n * pr.wire.row(cfg.D) * pr.wire.dtype.itemsize  # one of K or V as it travels
+    parts = {"local_qkv": qkv, "out": cfg.B * cfg.H * n * cfg.D * e, "lse": cfg.B * cfg.H * n * pr.lse.itemsize,
+             "kv_buffers": 4 * wire_block if P > 1 else 0}
+    c = pr.compute.itemsize
+    if pr.wire.coded:  # the own block exactly and the block in use, decoded: [x | 1]^T of K and V each
+        parts["decoded_kv"] = 4 * cfg.B * hk * n * (cfg.D + 1) * c
+    if pr.input != pr.compute:  # half inputs: q widened to float32 for the tiles
+        parts["widened_q"] = cfg.B * cfg.H * n * cfg.D * c
     if cfg.backward:
         g = GRAD_DTYPE.itemsize / e  # a gradient element over an input element
         parts["dout_grads"] = 2 * cfg.B * cfg.H * n * cfg.D * e + 2 * block  # dout, dq; dk, dv
         parts["grad_accumulators"] = int(g * (cfg.B * cfg.H * n * cfg.D * e + 2 * block))
-        parts["dkv_buffers"] = int(g * 6 * block) if P > 1 else 0
+        parts["dkv_buffers"] = int(pr.grad.itemsize / e * 6 * block) if P > 1 else 0
     parts["total"] = sum(parts.values())
     return parts
 
@@ -49,8 +59,9 @@ def kernel_scratch(cfg, plan):
 
     O(tile^2) scores per head plus padded copies of K/V, on the longest shard.
     """
-    e = np.dtype(cfg.dtype).itemsize
-    tq, tk = default_tiles(cfg.D, np.dtype(cfg.dtype))
+    work = Precision(named_dtype(cfg.dtype)).compute  # tiles compute in float32 for half inputs
+    e = work.itemsize
+    tq, tk = default_tiles(cfg.D, work)
     n = max(len(s) for s in plan.shards)
     tiles = cfg.B * cfg.H * min(tq, n) * min(tk, n) * e * (4 if cfg.backward else 2)
     return tiles + 2 * cfg.B * cfg.H * n * (cfg.D + 1) * e + 3 * cfg.B * cfg.H * n * cfg.D * e

@@ -27,8 +27,9 @@ import numpy as np
 
 from mpiring.layouts import shard_indices
 from mpiring.reference import definition_mask
+from mpiring.testing import tolerance
 
-__all__ = ["BLOCK", "SAMPLE", "DKV_MAX_SEQ", "TOLERANCE", "Inputs", "sample_rows", "check_partition",
+__all__ = ["BLOCK", "SAMPLE", "DKV_MAX_SEQ", "TOLERANCE", "run_tolerance", "Inputs", "sample_rows", "check_partition",
            "forward_reference", "dq_reference", "dkv_reference", "check_rank"]
 
 BLOCK = 1024  # tokens per seeded block
@@ -38,6 +39,12 @@ DKV_MAX_SEQ = 16384  # dK and dV are checked up to this sequence length
 ROW_CHUNK = 256  # query rows per matrix product in the forward pass (bounds its memory)
 # accepted error: absolute for out and lse (unit-normal inputs), relative to max(1, max |reference|) for gradients
 TOLERANCE = {np.dtype(np.float64): 1e-10, np.dtype(np.float32): 1e-4}
+
+
+def run_tolerance(dtype, wire=None):
+    """The error ``run`` accepts for inputs of ``dtype`` with K/V on the ``wire``: TOLERANCE above, half
+    inputs and coded wires by the library's one table (``mpiring.testing.TOLERANCE``)."""
+    return max(TOLERANCE.get(np.dtype(dtype), 0.0), tolerance(dtype, wire))
 
 
 class Inputs:
@@ -188,11 +195,13 @@ def dkv_reference(inputs, keys, seq_len, scale, mask, lse, delta):
     return dk, dv
 
 
-def _error(got, want):
-    """Largest |got - want| (0 where both are the same infinity, as lse of a row that sees nothing)."""
+def _error(got, want, reduce=np.max):
+    """Largest (or with ``reduce=np.mean``, mean) |got - want|; 0 where both are the same infinity (lse of a row
+    that sees nothing)."""
     got = np.asarray(got, np.float64)
     same = (got == want) | (np.isnan(got) & np.isnan(want))
-    return float(np.max(np.where(same, 0.0, np.abs(got - want)), initial=0.0))
+    err = np.where(same, 0.0, np.abs(got - want))
+    return float(reduce(err)) if err.size else 0.0
 
 
 def check_rank(inputs, seq_len, size, rank, layout, mask, got, share=None):
@@ -211,10 +220,11 @@ def check_rank(inputs, seq_len, size, rank, layout, mask, got, share=None):
     with_dkv = backward and seq_len <= DKV_MAX_SEQ
     rows = np.arange(n) if with_dkv else sample_rows(n, seed, rank, "rows")
     out, lse = forward_reference(inputs, positions[rows], seq_len, scale, mask)
-    result = {"rows": len(rows), "of": n, "keys": 0, "error": {}, "largest": {}}
+    result = {"rows": len(rows), "of": n, "keys": 0, "error": {}, "mean": {}, "largest": {}}
 
     def compare(name, mine, ref):
         result["error"][name] = _error(mine, ref)
+        result["mean"][name] = _error(mine, ref, np.mean)
         result["largest"][name] = float(np.max(np.abs(ref), initial=0.0, where=np.isfinite(ref)))
 
     compare("out", got["out"][..., rows, :], out)

@@ -1,0 +1,176 @@
+"""Precision: half inputs, what travels on the wire (half or int8 K/V, float32 gradients), what accumulates. No MPI.
+
+- Inputs may be float16 or bfloat16 (``ml_dtypes.bfloat16``: NumPy has none;
+  the ``half`` extra installs it, imported only when a bfloat16 is met). Their
+  tiles compute in float32; outputs and gradients come back in the input dtype,
+  lse in float32.
+- ``wire_dtype`` ("float16", "bfloat16", "int8"; default: the input dtype): K
+  and V are coded once by their owner, before they first travel, and decoded
+  by every rank a block reaches. int8 keeps a float32 absmax scale per token and
+  head, in 4 more bytes at the end of each row, so a coded K (or V) is still one
+  array, one message. The owner computes on its own block exactly.
+- ``grad_wire_dtype`` ("float32", "float64"; default float32, float64 for
+  float64 inputs): the dK/dV partials that travel; every rank's own gradients
+  are still summed in float64.
+- ``accumulate`` ("float64", "float32", "input"; default float64): the dtype of
+  the running ``(out, lse)`` that every block is merged into ("input": out in
+  the input dtype, lse in float32, as GPU libraries that keep per-step outputs).
+"""
+
+import numpy as np
+
+__all__ = ["INPUT_DTYPES", "WIRE_DTYPES", "GRAD_WIRE_DTYPES", "ACCUMULATE", "KEYS", "named_dtype", "dtype_problem",
+           "compute_dtype", "canonical_precision", "without_precision", "Wire", "Precision"]
+
+INPUT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+WIRE_DTYPES = ("float16", "bfloat16", "int8")
+GRAD_WIRE_DTYPES = ("float32", "float64")
+ACCUMULATE = ("float64", "float32", "input")
+KEYS = ("wire_dtype", "grad_wire_dtype", "accumulate")  # the options of this module, beside the plan's
+SCALE_BYTES = 4  # an int8 row's float32 scale
+
+
+def named_dtype(name):
+    """The NumPy dtype called ``name``; "bfloat16" is ml_dtypes' (raises ValueError if it is not installed)."""
+    if name == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise ValueError('bfloat16 needs the ml_dtypes package: pip install -e ".[half]"') from None
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def dtype_problem(name, a):
+    """Why the array ``a`` (argument ``name``) has no dtype mpiring computes with, or None."""
+    if a.dtype.name not in INPUT_DTYPES or a.dtype.kind not in "fV":
+        return f"{name} must be float16, bfloat16, float32 or float64, got {a.dtype}"
+    return None
+
+
+def compute_dtype(dtype):
+    """The dtype tiles compute in: float64 for float64 inputs, float32 for float32 and half ones."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+def _choice(name, value, allowed):
+    if value is not None and (not isinstance(value, str) or value not in allowed):
+        raise ValueError(f"{name} must be None or one of {', '.join(repr(a) for a in allowed)}; got {value!r}")
+    return value
+
+
+def canonical_precision(options):
+    """The precision options of ``options`` (missing: defaults), checked; raises ValueError on a bad one."""
+    wire = _choice("wire_dtype", options.get("wire_dtype"), WIRE_DTYPES)
+    if wire == "bfloat16":
+        named_dtype(wire)
+    grad = _choice("grad_wire_dtype", options.get("grad_wire_dtype"), GRAD_WIRE_DTYPES)
+    accumulate = options.get("accumulate", "float64")
+    if not isinstance(accumulate, str) or accumulate not in ACCUMULATE:
+        raise ValueError(f"accumulate must be one of {', '.join(repr(a) for a in ACCUMULATE)}; got {accumulate!r}")
+    return {"wire_dtype": wire, "grad_wire_dtype": grad, "accumulate": accumulate}
+
+
+def without_precision(options):
+    """``options`` without this module's keys: what ``make_plan`` takes."""
+    return {key: value for key, value in options.items() if key not in KEYS}
+
+
+class Wire:
+    """How a K or V block travels: as it is, or coded (half, int8 with per-row scales) and decoded on arrival.
+
+    ``coded`` is False only when the wire dtype is the input dtype and tiles
+    compute in it (float32, float64): then blocks travel in the kernel's own
+    form with no copy (``comm.KVBuffers``). Otherwise ``encode`` makes the
+    wire form of an array (..., n, d): the wire dtype, (..., n, d + 4) int8
+    with the row's float32 scale in its last 4 bytes; ``decode`` gives it back
+    in the compute dtype.
+    """
+
+    def __init__(self, name, input_dtype):
+        self.input = np.dtype(input_dtype)
+        self.compute = compute_dtype(self.input)
+        self.name = self.input.name if name is None else name
+        self.dtype = np.dtype(np.int8) if self.name == "int8" else named_dtype(self.name)
+        self.coded = not (self.dtype == self.input == self.compute)
+        self.pad = 0 if self.coded else 1  # the forward ring's row of ones stays home (``RingComm.shift``)
+
+    def row(self, dim):
+        """Wire elements of one token's row of ``dim`` values: ``dim``, plus the scale's 4 bytes for int8."""
+        return dim + SCALE_BYTES if self.name == "int8" else dim
+
+    def encode(self, a, out=None):
+        """The wire form of ``a`` (..., n, d) (into ``out`` if given): a itself when not coded."""
+        if not self.coded:
+            return a
+        if out is None:
+            out = np.empty(a.shape[:-1] + (self.row(a.shape[-1]),), self.dtype)
+        if self.name != "int8":
+            out[...] = a
+            return out
+        x = np.asarray(a, np.float32)
+        peak = np.max(np.abs(x), axis=-1, keepdims=True)
+        scale = np.where(peak > 0, peak / 127, 1).astype(np.float32)  # a row of zeros: any scale, all codes 0
+        d = a.shape[-1]
+        np.rint(x / scale, out=out[..., :d], casting="unsafe")
+        out[..., d:] = scale.view(np.int8)
+        return out
+
+    def decode(self, w, out=None):
+        """A wire array back in the compute dtype (..., n, d): ``w`` itself when not coded."""
+        if not self.coded:
+            return w
+        if self.name != "int8":
+            if out is None:
+                return np.asarray(w, self.compute)
+            out[...] = w
+            return out
+        d = w.shape[-1] - SCALE_BYTES
+        scale = np.ascontiguousarray(w[..., d:]).view(np.float32)
+        if out is None:
+            out = np.empty(w.shape[:-1] + (d,), self.compute)
+        np.multiply(w[..., :d], scale, out=out, casting="unsafe")
+        return out
+
+    def decode_padded(self, w):
+        """A wire array as the forward kernel takes a block, [x | 1]^T (..., d + 1, n), in the compute dtype."""
+        d = w.shape[-1] - (SCALE_BYTES if self.name == "int8" else 0)
+        out = np.empty(w.shape[:-2] + (d + 1, w.shape[-2]), self.compute)
+        self.decode(w, np.swapaxes(out[..., :d, :], -1, -2))
+        out[..., d, :] = 1
+        return out
+
+    def opened(self, block):
+        """A travelling (K, V) block as the forward kernel takes it (``decode_padded``; as it is when not coded)."""
+        return tuple(self.decode_padded(w) for w in block) if self.coded else block
+
+    def template(self, a):
+        """An empty array shaped like the wire form of ``a``: what receive buffers are made from."""
+        return np.empty(a.shape[:-1] + (self.row(a.shape[-1]),), self.dtype) if self.coded else a
+
+
+class Precision:
+    """The dtypes of one call: input, compute, wire, travelling gradients, running (out, lse)."""
+
+    def __init__(self, input_dtype, wire_dtype=None, grad_wire_dtype=None, accumulate="float64"):
+        self.input = np.dtype(input_dtype)
+        self.compute = compute_dtype(self.input)
+        self.wire = Wire(wire_dtype, self.input)
+        self.grad = np.dtype(grad_wire_dtype or ("float64" if self.input == np.float64 else "float32"))
+        self.out = self.input if accumulate == "input" else np.dtype(accumulate)
+        self.lse = np.result_type(self.out, self.compute) if accumulate == "input" else self.out
+        self.accumulate = accumulate
+
+    @classmethod
+    def of(cls, dtype, options):
+        """From a call's (already checked) options dict."""
+        return cls(dtype, **{key: options[key] for key in KEYS if key in options})
+
+    def widen(self, a):
+        """``a`` in the compute dtype (no copy when it is already)."""
+        return np.asarray(a, self.compute)
+
+    def describe(self):
+        """A short text of what differs from the defaults, e.g. for a report line."""
+        return (f"wire {self.wire.name}, gradients on the wire {self.grad.name}, "
+                f"accumulate {self.accumulate}")

@@ -1,0 +1,70 @@
+"""The ``accuracy`` command: how the error against float64 grows with P, per input dtype and accumulation dtype.
+
+    python -m mpiring accuracy --seq-len 2048 --heads 4 --dim 64 --causal
+    python -m mpiring accuracy --dtype float32 --wire-dtype int8 --ranks 1 2 4 8
+
+No MPI: the one-process simulator (``mpiring.simulate``) runs every rank's part
+of the ring with the same kernels, merges, wire coding and accumulators as
+``ring_attention``, on unit-normal inputs rounded to each dtype; the reference
+is float64 attention of those rounded inputs (``mpiring.testing.reference``).
+"""
+
+import numpy as np
+
+from mpiring.precision import ACCUMULATE, INPUT_DTYPES, WIRE_DTYPES, named_dtype
+from mpiring.simulate import simulate
+from mpiring.testing import reference
+
+from .cli import at_least, command_parser
+
+__all__ = ["accuracy", "accuracy_parser", "error_growth"]
+
+
+def accuracy_parser():
+    p = command_parser("accuracy", accuracy)
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens of the whole sequence")
+    p.add_argument("--heads", type=int, default=4, help="heads (K/V heads too)")
+    p.add_argument("--dim", type=int, default=64, help="head dim")
+    p.add_argument("--causal", action="store_true", help="causal mask (zigzag layout)")
+    p.add_argument("--ranks", type=int, nargs="+", default=list(range(1, 9)), metavar="P", help="ring sizes")
+    p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=INPUT_DTYPES,
+                   help="input dtypes")
+    p.add_argument("--accumulate", nargs="+", default=list(ACCUMULATE), choices=ACCUMULATE,
+                   help="dtypes of the running (out, lse)")
+    p.add_argument("--wire-dtype", choices=WIRE_DTYPES, help="K/V coded on the wire (default: the input dtype)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the inputs")
+    p.checks.append(at_least(1, **{"--seq-len": "seq_len", "--heads": "heads", "--dim": "dim"}))
+    p.checks.append(lambda a: next((f"--ranks {P}: must be 1 .. --seq-len" for P in a.ranks
+                                    if not 1 <= P <= a.seq_len), None))
+    return p
+
+
+def error_growth(seq_len, heads, dim, ranks, dtype, accumulate, causal=False, wire_dtype=None, seed=0):
+    """``{P: (max error, mean error)}`` of out against float64, for one input dtype and accumulation dtype."""
+    rng = np.random.default_rng(seed)
+    Q, K, V = (rng.standard_normal((heads, seq_len, dim)).astype(named_dtype(dtype)) for _ in range(3))
+    ref, _ = reference(*(a.astype(np.float64) for a in (Q, K, V)), causal=causal)
+    layout = "zigzag" if causal else "contiguous"
+    result = {}
+    for P in ranks:
+        out, _, _ = simulate(Q, K, V, P, causal=causal, layout=layout, wire_dtype=wire_dtype, accumulate=accumulate)
+        err = np.abs(out.astype(np.float64) - ref)
+        result[P] = (float(err.max()), float(err.mean()))
+    return result
+
+
+def accuracy(comm=None, args=None):
+    """Print how the error of out against float64 grows with P, for each input dtype and accumulation dtype."""
+    args = accuracy_parser().parse_args(args)
+    for name in args.dtype:
+        named_dtype(name)  # bfloat16 without ml_dtypes: a clear error before any work
+    print(f"max and mean |out - float64 reference| over {args.heads} heads x {args.seq_len} tokens x dim "
+          f"{args.dim}{', causal zigzag' if args.causal else ''}; K/V on the wire: "
+          f"{args.wire_dtype or 'the input dtype'}; simulated ring, P ranks")
+    print(f"{'input':<9}{'accumulate':<11}" + "".join(f"{'P=' + str(P):>19}" for P in args.ranks))
+    for dtype in args.dtype:
+        for acc in args.accumulate:
+            growth = error_growth(args.seq_len, args.heads, args.dim, args.ranks, dtype, acc, args.causal,
+                                  args.wire_dtype, args.seed)
+            print(f"{dtype:<9}{acc:<11}" + "".join(f"{m:>10.2e}/{a:.2e}" for m, a in growth.values()))
+    return 0

@@ -1,0 +1,136 @@
+"""Half inputs, coded wires and the accumulation knob, in one process: the codec, the simulator, the checks."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import mpiring
+from mpiring.precision import Precision, Wire, canonical_precision, named_dtype
+from mpiring.testing import assert_attention_close, reference, tolerance
+
+from launch import MPIEXEC, clean_env, mpiexec_argv
+
+try:
+    import ml_dtypes
+except ImportError:  # the bfloat16 cases skip, with the reason, where the `half` extra is not installed
+    ml_dtypes = None
+
+BF16 = pytest.param("bfloat16", marks=pytest.mark.skipif(ml_dtypes is None, reason='bfloat16 needs ml_dtypes: '
+                                                          'pip install -e ".[half]"'))
+HALF = ["float16", BF16]
+WIRES = ["float16", BF16, "int8"]
+
+
+def _inputs(rng, dtype, shape=(2, 37, 16)):
+    """Unit-normal q, k, v rounded to ``dtype``, and the same values in float64 (what the reference sees)."""
+    arrays = [rng.standard_normal(shape).astype(named_dtype(dtype)) for _ in range(3)]
+    return arrays, [a.astype(np.float64) for a in arrays]
+
+
+@pytest.mark.parametrize("wire", WIRES)
+def test_wire_codes_each_row_within_its_step(rng, wire):
+    x = rng.standard_normal((3, 2, 50, 64)).astype(np.float32)
+    x[0, 0, 3] = 0  # a row of zeros stays zeros
+    w = Wire(wire, np.float32)
+    coded = w.encode(x)
+    assert coded.dtype == w.dtype and coded.shape == x.shape[:-1] + (64 + 4 * (wire == "int8"),)
+    back = w.decode(coded)
+    assert back.dtype == np.float32 and back.shape == x.shape
+    assert np.all(back[0, 0, 3] == 0)
+    err = np.abs(back - x)
+    if wire == "int8":  # absmax / 127 per token and head, rounded to nearest: at most half a step
+        step = np.abs(x).max(axis=-1, keepdims=True) / 127
+        assert np.all(err <= step * 0.5 * (1 + 1e-6)) and np.abs(coded[..., :64]).max() == 127
+    else:  # one rounding to the wire's mantissa
+        eps = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}[wire]
+        assert np.all(err <= np.abs(x) * eps)
+    padded = w.decode_padded(coded)  # as the forward kernel takes a block: [x | 1]^T
+    np.testing.assert_array_equal(padded[..., :64, :], np.swapaxes(back, -1, -2))
+    assert np.all(padded[..., 64, :] == 1)
+
+
+def test_uncoded_wire_is_the_array_itself():
+    x = np.ones((2, 3), np.float32)
+    w = Wire(None, np.float32)
+    assert not w.coded and w.encode(x) is x and w.decode(x) is x and w.pad == 1
+    assert Wire(None, np.float16).coded  # half inputs are widened on arrival
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("P", [1, 2, 3, 4])
+def test_simulator_takes_half_inputs(rng, dtype, P):
+    """Tiles in float32; out in the input dtype, lse in float32; within the dtype's tolerance of float64."""
+    (Q, K, V), exact = _inputs(rng, dtype)
+    out, lse, _ = mpiring.simulate(Q, K, V, P, causal=True, layout="zigzag")
+    assert out.dtype == named_dtype(dtype) and lse.dtype == np.float32
+    ref, ref_lse = reference(*exact, causal=True)
+    assert_attention_close(out, ref, named_dtype(dtype))
+    assert_attention_close(lse, ref_lse, np.float32)  # lse stays in float32: its error is float32's
+
+
+@pytest.mark.parametrize("wire", WIRES)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_simulator_wire_error_within_its_bound(rng, wire, dtype):
+    (Q, K, V), exact = _inputs(rng, dtype, (2, 64, 32))
+    ref, _ = reference(*exact, causal=True)
+    out, _, _ = mpiring.simulate(Q, K, V, 4, causal=True, layout="zigzag", wire_dtype=wire)
+    error = assert_attention_close(out, ref, np.dtype(dtype), wire=wire)
+    assert error > 10 * tolerance(dtype)  # the coding did happen: far above the dtype's own error
+    one, _, _ = mpiring.simulate(Q, K, V, 1, causal=True, wire_dtype=wire)
+    assert_attention_close(one, ref, np.dtype(dtype))  # nothing travels at P = 1: exact
+
+
+def test_accumulate_sets_the_running_dtype_and_input_grows_the_error(rng):
+    """bfloat16 out kept in bfloat16 between blocks (accumulate='input') rounds at every merge."""
+    if ml_dtypes is None:
+        pytest.skip('bfloat16 needs ml_dtypes: pip install -e ".[half]"')
+    (Q, K, V), exact = _inputs(rng, "bfloat16", (4, 480, 32))
+    ref, _ = reference(*exact, causal=True)
+    mean = {}
+    for accumulate in ("float64", "float32", "input"):
+        out, lse, _ = mpiring.simulate(Q, K, V, 8, causal=True, layout="zigzag", accumulate=accumulate)
+        assert out.dtype == Q.dtype and lse.dtype == np.float32
+        assert_attention_close(out, ref, Q.dtype)
+        mean[accumulate] = float(np.mean(np.abs(out.astype(np.float64) - ref)))
+    assert mean["float32"] == pytest.approx(mean["float64"], rel=0.05)
+    assert mean["input"] > 1.3 * mean["float64"]
+    assert Precision(np.float32, accumulate="float32").out == np.float32
+    assert Precision(Q.dtype, accumulate="input").out == Q.dtype
+    assert Precision(Q.dtype, accumulate="input").lse == np.float32
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"wire_dtype": "int4"}, "wire_dtype must be None or one of 'float16', 'bfloat16', 'int8'; got 'int4'"),
+    ({"wire_dtype": np.float16}, "wire_dtype must be None or one of"),
+    ({"grad_wire_dtype": "float16"}, "grad_wire_dtype must be None or one of 'float32', 'float64'; got 'float16'"),
+    ({"accumulate": None}, "accumulate must be one of 'float64', 'float32', 'input'; got None"),
+    ({"accumulate": "bf16"}, "accumulate must be one of 'float64', 'float32', 'input'; got 'bf16'"),
+])
+def test_bad_precision_options(options, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        canonical_precision(options)
+    with pytest.raises(ValueError, match="must"):
+        mpiring.simulate(*np.ones((3, 4, 2)), 2, **{k: v for k, v in options.items() if k != "grad_wire_dtype"}
+                         or {"accumulate": "x"})
+
+
+def test_gradient_partials_travel_in_float32_by_default():
+    assert Precision(np.float32).grad == np.float32 and Precision(np.float16).grad == np.float32
+    assert Precision(np.float64).grad == np.float64
+    assert Precision(np.float64, grad_wire_dtype="float32").grad == np.float32
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
+def test_run_command_with_half_inputs_and_int8_wire():
+    """`run --dtype bfloat16 --wire-dtype int8 --backward` verifies out, lse and the gradients, bytes as predicted."""
+    dtype = "bfloat16" if ml_dtypes is not None else "float16"
+    cmd = mpiexec_argv(2, sys.executable, "-m", "mpiring", "run", "--seq-len", "96", "--heads", "2", "--dim", "32",
+                       "--causal", "--layout", "zigzag", "--dtype", dtype, "--wire-dtype", "int8", "--backward")
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=clean_env())
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert out.count("VERIFIED") == 1 and "K/V on the wire: int8 (+ a float32 scale per token and head), " \
+        "0.281x the bytes of float32" in out and "dK/dV partials on the wire: float32" in out
+    assert f"tolerance {tolerance(dtype, 'int8'):g}" in out and "; mean " in out
