@@ -15,7 +15,7 @@ from mpi4py import MPI
 from .comm import allgather
 from .kernels import LSE_LIMIT, default_scale
 from .layouts import check_layout
-from .masks import check_window
+from .masks import check_causal_block, check_window
 from .plan import MODES, make_plan
 
 __all__ = ["agree", "setup", "agree_root", "check_comm", "comm_problem", "resolve_timeout", "agreement_timeout",
@@ -23,8 +23,8 @@ __all__ = ["agree", "setup", "agree_root", "check_comm", "comm_problem", "resolv
            "logit_problem", "describe"]
 
 
-def local_problem(q, k, v, scale, check_finite=False):
-    """What is wrong with this rank's own arguments, or None."""
+def local_problem(q, k, v, scale, check_finite=False, same_rows=True):
+    """What is wrong with this rank's own arguments, or None (``same_rows``: k holds q's tokens)."""
     for name, a in (("q", q), ("k", k), ("v", v)):
         if not isinstance(a, np.ndarray):
             return f"{name} must be a NumPy array, got {type(a).__name__}"
@@ -40,14 +40,14 @@ def local_problem(q, k, v, scale, check_finite=False):
         return f"k and v must agree on all but the last axis, got {k.shape} and {v.shape}"
     if q.shape[-1] != k.shape[-1]:
         return f"q and k must have the same head dim, got {q.shape[-1]} and {k.shape[-1]}"
-    if q.shape[-2] != k.shape[-2]:
+    if same_rows and q.shape[-2] != k.shape[-2]:
         return f"q and k must hold the same local tokens, got {q.shape[-2]} and {k.shape[-2]}"
     if q.ndim >= 3:
         if q.shape[:-3] != k.shape[:-3]:
             return f"q and k must have the same batch axes, got {q.shape} and {k.shape}"
         if k.shape[-3] == 0 or q.shape[-3] % k.shape[-3]:
             return f"q heads ({q.shape[-3]}) must be a multiple of k/v heads ({k.shape[-3]})"
-    if min(q.shape[-1], v.shape[-1]) < 1 or q.shape[-2] < 1:
+    if min(q.shape[-1], v.shape[-1]) < 1 or q.shape[-2] < 1 or k.shape[-2] < 1:
         return f"every rank needs at least one token and a positive head dim, got q {q.shape}, v {v.shape}"
     if 0 in q.shape[:-2] or 0 in k.shape[:-2]:
         return f"batch and head axes must not be empty, got q {q.shape}, k {k.shape}"
@@ -149,8 +149,35 @@ def canonical(options):
         cu = cu.astype(np.int64)
     if not isinstance(options["causal"], (bool, np.bool_)):
         raise ValueError(f"causal must be True or False, got {options['causal']!r}")
+    rows = {name: _positions(name, options.get(name)) for name in ROW_OPTIONS}
+    if rows["kv_positions"] is not None and rows["positions"] is None:
+        raise ValueError("kv_positions needs positions: the query rows' own positions")
     return dict(layout=options["layout"], mode=options["mode"], causal=bool(options["causal"]),
-                window=check_window(options["window"]), cu_seqlens=cu)
+                window=check_window(options["window"]), cu_seqlens=cu,
+                causal_block=check_causal_block(options.get("causal_block"), options["causal"]), **rows)
+
+
+ROW_OPTIONS = ("positions", "kv_positions")  # this rank's own: gathered from every rank, not compared
+
+
+def _positions(name, positions):
+    """This rank's positions as int64 (or None); ValueError unless a 1-D integer array."""
+    if positions is None:
+        return None
+    p = np.asarray(positions)
+    if p.ndim != 1 or not np.issubdtype(p.dtype, np.integer):
+        raise ValueError(f"{name} must be a 1-D integer array of global positions, got {p.dtype} of shape {p.shape}")
+    return p.astype(np.int64)
+
+
+def rows_problem(q, k, options):
+    """Why this rank's positions do not fit its q and k rows, or None."""
+    for name, a in (("positions", q), ("kv_positions", k)):
+        p = options[name]
+        if p is not None and len(p) != a.shape[-2]:
+            what = "q" if name == "positions" else "k and v"
+            return f"{name} has {len(p)} entries for the {a.shape[-2]} rows of {what}"
+    return None
 
 
 class _Shown:
@@ -217,11 +244,12 @@ def agree(comm, problem, timeout=None):
 def compared(options, timeout):
     """The values every rank must pass identically, by argument name."""
     values = dict(options, timeout=timeout)
-    return {name: _Shown(val) for name, val in values.items()}
+    return {name: _Shown(val is not None, "given" if val is not None else "None") if name in ROW_OPTIONS
+            else _Shown(val) for name, val in values.items()}
 
 
 def setup(q, k, v, comm, scale, options, check_finite=False, expected_size=None, timeout=None, prepare=None,
-          problem=None):
+          problem=None, rows=None):
     """Validate on every rank, agree collectively (one all-gather), and build the shared plan.
 
     Every rank ends with the same verdict: either ``(plan, scale, prepared)``
@@ -232,16 +260,26 @@ def setup(q, k, v, comm, scale, options, check_finite=False, expected_size=None,
     temporaries: a MemoryError) before the agreement, so such a failure is
     reported by every rank too; its result is returned as ``prepared``.
     ``problem``: one more of this rank's problems, found by the caller (or None).
+    ``rows``: one letter per prepared array, "q" (query rows), "k" (key/value
+    rows) or "l" (query rows on the last axis: lse); they come back sorted by
+    position, the order the ring works in (``Plan.in_caller_order`` undoes it).
+
+    Positions given per rank (``positions``, ``kv_positions``) are all-gathered
+    with the rest, so every rank checks that they partition the sequence.
     """
-    values = n_local = peaks = prepared = None
+    values = n_local = peaks = prepared = held = None
     try:
         size = comm.Get_size()
-        problem = (comm_problem(comm) or timeout_problem(timeout) or local_problem(q, k, v, scale, check_finite)
+        problem = (comm_problem(comm) or timeout_problem(timeout)
+                   or local_problem(q, k, v, scale, check_finite, options.get("kv_positions") is None)
                    or problem or size_problem(size, expected_size))
         if problem is None and prepare is not None:
             prepared = prepare()
         if problem is None:
             options = canonical(options)
+            problem = rows_problem(q, k, options)
+        if problem is None:
+            held = [options[name] for name in ROW_OPTIONS]
             values = {f"{n} shape": _Shown(*[_shape_text(a)] * 2) for n, a in (("q", q), ("k", k), ("v", v))}
             values.update({"dtype": _Shown(str(q.dtype)),
                            "scale": _Shown(scale), **compared(options, timeout)})
@@ -249,7 +287,7 @@ def setup(q, k, v, comm, scale, options, check_finite=False, expected_size=None,
             peaks = (_peak(q), _peak(k))
     except Exception as exc:  # whatever goes wrong here is reported collectively, never raised alone
         problem, values = describe(exc), None
-    metas = allgather(comm, (problem, values, n_local, peaks), agreement_timeout(timeout))
+    metas = allgather(comm, (problem, values, n_local, peaks, held), agreement_timeout(timeout))
     message = verdict([m[0] for m in metas]) or verdict(differences([m[1] for m in metas], 0))
     if message:
         raise ValueError(message)
@@ -258,11 +296,20 @@ def setup(q, k, v, comm, scale, options, check_finite=False, expected_size=None,
     if message:
         raise ValueError(message)
     lengths = [m[2] for m in metas]
-    plan = make_plan(sum(lengths), comm.Get_size(), **options)  # deterministic, same options: raises everywhere
+    seq_len = sum(lengths)
+    for i, name in enumerate(ROW_OPTIONS):
+        if options[name] is not None:  # every rank's, the same on every rank
+            options[name] = [m[4][i] for m in metas]
+            seq_len = sum(len(p) for p in options[name])
+    plan = make_plan(seq_len, comm.Get_size(), **options)  # deterministic, same options: raises everywhere
     expected = [len(s) for s in plan.shards]
     if lengths != expected:
         raise ValueError(f"local sequence lengths {lengths} do not match the {plan.layout} layout of "
                          f"{plan.seq_len} tokens over {plan.size} ranks, which needs {expected}")
+    if rows is not None:
+        rank = comm.Get_rank()
+        prepared = [plan.in_position_order(rank, a, kind == "k", -1 if kind == "l" else -2)
+                    for a, kind in zip(prepared, rows)]
     return plan, scale, prepared
 
 
@@ -291,7 +338,7 @@ def logit_problem(scale, dim, q_peak, k_peak, dtype):
 def grad_problem(dout, q, k, v, out, lse):
     """What is wrong with this rank's dout, out or lse, or None (q, k, v are checked by ``setup``)."""
     try:
-        if local_problem(q, k, v, None):
+        if local_problem(q, k, v, None, same_rows=False):
             return None
         rows = q.shape[:-1]
         for name, a, shape in (("dout", dout, rows + v.shape[-1:]), ("out", out, rows + v.shape[-1:]),

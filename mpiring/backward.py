@@ -41,7 +41,7 @@ def _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec,
     own = [np.zeros(k.shape, GRAD_DTYPE), np.zeros(v.shape, GRAD_DTYPE)]  # step 0: this rank's own block
     held = {stream: (k, v) for stream in plan.rounds or [+1]}  # the K/V block each stream holds now
     arriving = {}  # stream -> the dK/dV partial of the held block, sent by its previous visitor
-    longest = max(len(s) for s in plan.shards)
+    longest = max(len(s) for s in plan.kv_shards)
     empty = tuple(np.empty(a.shape[:-2] + (0, a.shape[-1]), GRAD_DTYPE) for a in (k, v))
     kv_buffers = {stream: Buffers((k, v), longest) for stream in plan.rounds}
     grad_buffers = {stream: Buffers(empty, longest) for stream in plan.rounds}
@@ -75,7 +75,7 @@ def _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec,
         partials_due = step >= 2  # partials the previous visitors sent (the first visitor, step 1, starts them)
         onward = {}
         for task in plan.tasks(step, rank):
-            stream, n = task.stream, len(plan.shards[task.source])
+            stream, n = task.stream, len(plan.kv_shards[task.source])
             pieces = plan.pieces(rank, task.source)
             count_pairs(rec, pieces)
             if step == 0:
@@ -106,7 +106,7 @@ def _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec,
         arriving = {}  # pass each partial on with its block
         for stream in onward:
             source = plan.held_source(rank, stream, step + 1)
-            arriving[stream] = grad_buffers[stream].take(len(plan.shards[source]))
+            arriving[stream] = grad_buffers[stream].take(len(plan.kv_shards[source]))
         shift(grad_ring, onward, arriving, rec, step, "dK/dV")
         rec.step_done(step, plan.n_steps)
     if homecoming:  # only the last chunks can still be on their way
@@ -120,7 +120,7 @@ def _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec,
 def _allgather_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec, timeout):
     """All-gather K/V once, compute every block's dK/dV contribution here, reduce-scatter them to their owners."""
     rank, size = comm.Get_rank(), comm.Get_size()
-    lengths = [len(s) for s in plan.shards]
+    lengths = [len(s) for s in plan.kv_shards]
     sums = [flat_blocks(a, lengths, GRAD_DTYPE) for a in (k, v)]  # this rank's share of every block's dK, dV
     queries = (dout, q, out, lse, delta)
     dq = np.zeros(q.shape, GRAD_DTYPE)
@@ -150,6 +150,7 @@ def ring_attention_backward(
     comm=None, *, causal: bool = False, scale: float | None = None, layout: str = "contiguous",
     mode: str = "ring", window: tuple[int, int] | None = None, cu_seqlens=None,
     timeout: float | str | None = "auto", record: Record | None = None,
+    positions=None, kv_positions=None, causal_block: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # dq, dk, dv: the shapes of q, k, v
     """Gradients ``(dq, dk, dv)`` of this rank's shard, given the upstream gradient ``dout``.
 
@@ -162,7 +163,8 @@ def ring_attention_backward(
     """
     comm = check_comm(comm)
     with exclusive(comm):  # one call per communicator at a time (threads: one Dup each)
-        options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens)
+        options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens,
+                       positions=positions, kv_positions=kv_positions, causal_block=causal_block)
 
         def prepare():  # what may fail on one rank alone (MemoryError) is done before the agreement
             arrays = [np.ascontiguousarray(a) for a in (dout, q, k, v, out, lse)]
@@ -171,7 +173,7 @@ def ring_attention_backward(
 
         problem = grad_problem(dout, q, k, v, out, lse)
         plan, scale, (dout, q, k, v, out, lse, delta) = setup(q, k, v, comm, scale, options, timeout=timeout,
-                                                              prepare=prepare, problem=problem)
+                                                              prepare=prepare, problem=problem, rows="qqkkqll")
         timeout = resolve_timeout(timeout, plan, q.size // (q.shape[-2] * q.shape[-1]), q.shape[-1], factor=2.5)
         rec = Record(comm.Get_rank()) if record is None else record
         rings = []
@@ -196,4 +198,6 @@ def ring_attention_backward(
                 ring.free()
         rec.wall_time = time.perf_counter() - start
         rec.plan = plan
-        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+        rank = comm.Get_rank()
+        return (plan.in_caller_order(rank, dq.astype(q.dtype)), plan.in_caller_order(rank, dk.astype(k.dtype), kv=True),
+                plan.in_caller_order(rank, dv.astype(v.dtype), kv=True))

@@ -82,7 +82,7 @@ def predicted_bytes_sent(plan, kv_width, itemsize):
         else:
             blocks = [plan.held_source(rank, stream, step) for stream, rounds in plan.rounds.items()
                       for step in range(rounds)]
-        sent.append(sum(len(plan.shards[b]) for b in blocks) * kv_width * itemsize)
+        sent.append(sum(len(plan.kv_shards[b]) for b in blocks) * kv_width * itemsize)
     return sent
 
 
@@ -96,7 +96,7 @@ def predicted_backward_bytes(plan, kv_width, itemsize, grad_itemsize=8):
     ``grad_itemsize`` bytes per element: float64 today). All-gather: K/V as the forward pass
     counts them, then every block but the rank's own once as dK/dV.
     """
-    n = [len(s) for s in plan.shards]
+    n = [len(s) for s in plan.kv_shards]
     sent = []
     for rank, kv_bytes in enumerate(predicted_bytes_sent(plan, kv_width, itemsize)):  # K/V: as forward
         if plan.mode == "allgather":
@@ -258,7 +258,7 @@ def predict_plan(plan, machine, *, batch, heads, kv_heads, head_dim, itemsize, b
     work, traffic = (2.5, 2.0) if backward else (1.0, 1.0)
     flop_per_pair = work * 4 * batch * heads * head_dim
     per_token = traffic * 2 * batch * kv_heads * head_dim * itemsize
-    lengths = [len(s) for s in plan.shards]
+    lengths = [len(s) for s in plan.kv_shards]
     cache = {}
 
     def seconds(r, j):

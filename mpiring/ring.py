@@ -25,7 +25,7 @@ def _ring_loop(q, k, v, plan, ring, scale, rec, timeout):
     """The ring: start passing the held blocks on, compute on them, wait, swap."""
     rank = ring.rank
     acc = block.accumulators(q, v)
-    longest = max(len(s) for s in plan.shards)
+    longest = max(len(s) for s in plan.kv_shards)
     # K/V blocks are kept as the kernel takes them, [k | 1]^T and [v | 1]^T, in two slots per stream;
     # the first slot of the first stream starts with this rank's own block.
     buffers = {stream: KVBuffers((k, v), longest) for stream in plan.rounds or [+1]}  # +1: plan.NEXT
@@ -93,7 +93,7 @@ def ring_attention(
     comm=None, *, causal: bool = False, scale: float | None = None, layout: str = "contiguous",
     mode: str = "ring", window: tuple[int, int] | None = None, cu_seqlens=None,
     timeout: float | str | None = "auto", record: Record | None = None, check_finite: bool = False,
-    expected_size: int | None = None,
+    expected_size: int | None = None, positions=None, kv_positions=None, causal_block: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:  # out (..., Hq, n, Dv), lse (..., Hq, n)
     """Attention of this rank's queries against the whole distributed sequence.
 
@@ -109,6 +109,14 @@ def ring_attention(
         mode: "ring", "bidirectional" or "allgather" (see ``mpiring.schedule``).
         window: sliding window ``(left, right)`` as in flash-attn; -1 is unbounded.
         cu_seqlens: packed documents ``[0, end_0, end_1, ..., seq_len]`` (global positions).
+        positions: global positions of this rank's q (and k, v) rows, any
+            order and any number (at least one); the ranks' together hold every
+            position of the sequence once. Replaces ``layout`` (see ``mpiring.balance``).
+        kv_positions: positions of this rank's k, v rows when they are not q's
+            (queries against a longer K/V: every rank's together hold every key
+            position once; q positions are then distinct positions among them).
+        causal_block: with ``causal``, key j is visible to query i iff
+            j // causal_block <= i // causal_block (frame-causal video masks).
         timeout: seconds a rank may wait for the others (each transfer, a final
             check) before raising ``CommTimeout``; an error or stall on one rank
             then raises on every rank still alive: the failed rank its own error
@@ -126,9 +134,10 @@ def ring_attention(
     """
     comm = check_comm(comm)
     with exclusive(comm):  # one call per communicator at a time (threads: one Dup each)
-        options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens)
+        options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens,
+                       positions=positions, kv_positions=kv_positions, causal_block=causal_block)
         plan, scale, (q, k, v) = setup(q, k, v, comm, scale, options, check_finite, expected_size, timeout,
-                                       prepare=lambda: [np.ascontiguousarray(a) for a in (q, k, v)])
+                                       prepare=lambda: [np.ascontiguousarray(a) for a in (q, k, v)], rows="qkk")
         timeout = resolve_timeout(timeout, plan, q.size // (q.shape[-2] * q.shape[-1]), q.shape[-1])
         rec = Record(comm.Get_rank()) if record is None else record
         with RingComm(comm, timeout) as ring:  # a private duplicate: the caller's messages never mix with the ring's
@@ -144,4 +153,5 @@ def ring_attention(
                 agree_outcome(ring.comm, timeout, rec.t0)
         rec.wall_time = time.perf_counter() - start
         rec.plan = plan
-        return out, lse
+        rank = comm.Get_rank()
+        return plan.in_caller_order(rank, out), plan.in_caller_order(rank, lse, axis=-1)

@@ -66,6 +66,7 @@ class Config:
     causal: bool = False
     backward: bool = False
     dtype: str = "float32"
+    positions: bool = False  # each rank passes its shard of the layout as explicit positions=, not layout=
 
     @property
     def layout(self):
@@ -100,16 +101,17 @@ def _local_inputs(cfg, plan, rank, seed):
     return arrays
 
 
-def _one_run(q, k, v, dout, comm, cfg):
+def _one_run(q, k, v, dout, comm, cfg, plan):
     """One timed pass; returns (wall, wait, compute, bytes) of this rank."""
     comm.Barrier()
     rec = Record(comm.Get_rank())
+    held = {"positions": plan.shards[comm.Get_rank()]} if cfg.positions else {"layout": cfg.layout}
     start = time.perf_counter()
-    out, lse = ring_attention(q, k, v, comm, causal=cfg.causal, layout=cfg.layout, record=rec)
+    out, lse = ring_attention(q, k, v, comm, causal=cfg.causal, record=rec, **held)
     wait, compute, sent = rec.wait_time, rec.compute_time, rec.bytes_sent
     if cfg.backward:
         brec = Record(comm.Get_rank())
-        ring_attention_backward(dout, q, k, v, out, lse, comm, causal=cfg.causal, layout=cfg.layout, record=brec)
+        ring_attention_backward(dout, q, k, v, out, lse, comm, causal=cfg.causal, record=brec, **held)
         wait, compute, sent = wait + brec.wait_time, compute + brec.compute_time, sent + brec.bytes_sent
     wall = time.perf_counter() - start
     return wall, wait, compute, sent
@@ -132,7 +134,8 @@ def run_config(comm, cfg, *, repeats=3, budget=30.0, seed=0, limits=None, baseli
     model = memory_model(cfg, size)
     flops = 4 * cfg.B * cfg.H * cfg.D * sum(plan.visible_pairs()) * (3.5 if cfg.backward else 1)
     row = {"P": size, "S": cfg.S, "D": cfg.D, "H": cfg.H, "B": cfg.B, "causal": int(cfg.causal),
-           "layout": cfg.layout, "pass": cfg.name, "model_mb": model["total"] / MB, "baseline_mb": baseline_mb}
+           "layout": cfg.layout + (" (positions)" if cfg.positions else ""), "pass": cfg.name,
+           "model_mb": model["total"] / MB, "baseline_mb": baseline_mb}
     need = (model["total"] + kernel_scratch(cfg, plan)) / MB
     if guard_mb is not None and need * local_ranks > 0.8 * guard_mb:
         row["status"] = (f"skipped: needs ~{need:.0f} MiB per rank x {local_ranks} ranks, "
@@ -143,13 +146,13 @@ def run_config(comm, cfg, *, repeats=3, budget=30.0, seed=0, limits=None, baseli
     q, k, v, *rest = _local_inputs(cfg, plan, rank, seed)
     dout = rest[0] if rest else None
     samples, elapsed = [], 0.0
-    first = _one_run(q, k, v, dout, comm, cfg)
+    first = _one_run(q, k, v, dout, comm, cfg, plan)
     slowest = comm.allreduce(first[0], op=MPI.MAX)
     if slowest * (repeats + 1) > budget:  # too slow to afford a warm-up: the first run counts
         samples.append(first)
         elapsed = slowest
     while len(samples) < repeats and (not samples or elapsed + slowest <= budget):
-        samples.append(_one_run(q, k, v, dout, comm, cfg))
+        samples.append(_one_run(q, k, v, dout, comm, cfg, plan))
         slowest = comm.allreduce(samples[-1][0], op=MPI.MAX)
         elapsed += slowest
     peak = peak_rss_mb()
@@ -214,13 +217,15 @@ def bench_parser():
     p.add_argument("--csv", metavar="PATH", help="write the rows as CSV")
     p.add_argument("--baseline", metavar="CSV", help="P=1 rows of an earlier run, for parallel efficiency")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--positions", action="store_true", help="pass each rank's shard of the layout as explicit "
+                   "positions= instead of layout= (the same tokens: times should not change)")
     return p
 
 
 def _configs(args):
     if args.long:
         sizes = args.sizes or LONG_SIZES
-        return [Config(S, 64, H=1, B=1, causal=True) for S in sizes]
+        return [Config(S, 64, H=1, B=1, causal=True, positions=args.positions) for S in sizes]
     sizes = args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES)
     dims = args.dims or (QUICK_DIMS if args.quick else FULL_DIMS)
     masks = {"both": (False, True), "causal": (True,), "full": (False,)}[args.mask]
@@ -230,7 +235,7 @@ def _configs(args):
     # every forward row before any fwd+bwd row: a process keeps some memory of a larger row
     # (MPI's buffers, heap fragments) that the RSS reset cannot return, and a forward row
     # measured after a fwd+bwd row would count it (about 50 MiB at S=16384).
-    return [Config(S, D, H=args.heads, B=args.batch, causal=c, backward=b)
+    return [Config(S, D, H=args.heads, B=args.batch, causal=c, backward=b, positions=args.positions)
             for b in passes for S in sizes for D in dims for c in masks]
 
 
