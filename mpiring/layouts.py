@@ -108,7 +108,9 @@ def positions_problem(parts, seq_len, name="positions", partition=True):
 
 
 def sort_order(positions):
-    """The permutation that sorts ``positions``, or None when they already are (nothing to move)."""
+    """The permutation that sorts ``positions``, or None when they already are or are None (nothing to move)."""
+    if positions is None:
+        return None
     positions = np.asarray(positions)
     if positions.size < 2 or np.all(positions[1:] > positions[:-1]):
         return None
