@@ -20,7 +20,7 @@ from .plan import MODES, make_plan
 
 __all__ = ["agree", "setup", "agree_root", "check_comm", "comm_problem", "resolve_timeout", "agreement_timeout",
            "local_problem", "grad_problem", "root_problem", "root_grad_problem", "timeout_problem", "scale_problem",
-           "logit_problem", "describe"]
+           "logit_problem", "describe", "rows_problem", "with_every_rank_positions", "ROW_OPTIONS"]
 
 
 def local_problem(q, k, v, scale, check_finite=False, same_rows=True):
@@ -176,6 +176,20 @@ def _row_order(options, kind):
     return sort_order(options[name])
 
 
+def with_every_rank_positions(options, held):
+    """Put every rank's positions (``held[rank]``, as the agreement gathered them) into ``options``.
+
+    Returns the keys' sequence length the positions imply (the total of the
+    k/v positions), or None when no positions were given (the layout's).
+    """
+    seq_len = None
+    for i, name in enumerate(ROW_OPTIONS):
+        if options[name] is not None:  # given on every rank: the agreement compared that
+            options[name] = [h[i] for h in held]
+            seq_len = sum(len(p) for p in options[name])
+    return seq_len
+
+
 def rows_problem(q, k, options):
     """Why this rank's positions do not fit its q and k rows, or None."""
     for name, a in (("positions", q), ("kv_positions", k)):
@@ -306,11 +320,7 @@ def setup(q, k, v, comm, scale, options, check_finite=False, expected_size=None,
     if message:
         raise ValueError(message)
     lengths = [m[2] for m in metas]
-    seq_len = sum(lengths)
-    for i, name in enumerate(ROW_OPTIONS):
-        if options[name] is not None:  # every rank's, the same on every rank
-            options[name] = [m[4][i] for m in metas]
-            seq_len = sum(len(p) for p in options[name])
+    seq_len = with_every_rank_positions(options, [m[4] for m in metas]) or sum(lengths)
     plan = make_plan(seq_len, comm.Get_size(), **options)  # deterministic, same options: raises everywhere
     expected = [len(s) for s in plan.shards]
     if lengths != expected:
