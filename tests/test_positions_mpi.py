@@ -130,7 +130,7 @@ def test_queries_against_a_longer_kv(comm, mode, options):
 
 
 BAD = [
-    ("a position held twice", lambda r, P, n: np.arange(n) * P + r if r else np.zeros(n, int), {}, "held twice"),
+    ("a position held twice", lambda r, P, n: np.arange(n) * P + r if r else np.zeros(n, int), {}, "more than once"),
     ("out of range", lambda r, P, n: np.arange(n) * P + r + (r == P - 1) * 10 ** 6, {}, "outside 0 .."),
     ("wrong length", lambda r, P, n: np.arange(n + (r == 0)) * P + r, {}, "entries for the"),
     ("not integers", lambda r, P, n: (np.arange(n) * P + r).astype(float), {}, "1-D integer array"),
