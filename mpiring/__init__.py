@@ -7,6 +7,7 @@ name (``ring_attention``, ``distributed_attention``, ...) is first used.
 
 import importlib
 
+from .balancers import balance
 from .costmodel import predicted_backward_bytes, predicted_bytes_sent, ring_attention_context_parallel
 from .kernels import attention_block, attention_block_backward, merge
 from .layouts import LAYOUTS, shard, shard_indices, unshard
@@ -31,7 +32,7 @@ __all__ = [
     "ring_attention_context_parallel", "predicted_bytes_sent",
     "attention_block", "merge", "reference_attention", "visible_keys",
     "LAYOUTS", "shard", "shard_indices", "unshard",
-    "MODES", "Schedule", "Task", "make_plan",
+    "MODES", "Schedule", "Task", "make_plan", "balance",
 ]
 __version__ = "0.1.0"
 

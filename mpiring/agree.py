@@ -14,18 +14,19 @@ from mpi4py import MPI
 
 from .comm import allgather, wait_until
 from .kernels import LSE_LIMIT, default_scale
-from .layouts import check_layout
-from .masks import check_window
+from .layouts import check_layout, sort_order, take_rows
+from .masks import check_causal_block, check_window
 from .plan import MODES, make_plan
 from .precision import canonical_precision, compute_dtype, dtype_problem, without_precision
 
 __all__ = ["agree", "setup", "agree_root", "check_comm", "comm_problem", "resolve_timeout", "agreement_timeout",
            "local_problem", "grad_problem", "root_problem", "root_grad_problem", "timeout_problem", "scale_problem",
-           "logit_problem", "describe", "setup_ring", "call_values", "check_call", "peaks"]
+           "logit_problem", "describe", "setup_ring", "call_values", "check_call", "peaks", "rows_problem",
+           "with_every_rank_positions", "ROW_OPTIONS"]
 
 
-def local_problem(q, k, v, scale, check_finite=False):
-    """What is wrong with this rank's own arguments, or None."""
+def local_problem(q, k, v, scale, check_finite=False, same_rows=True):
+    """What is wrong with this rank's own arguments, or None (``same_rows``: k holds q's tokens)."""
     for name, a in (("q", q), ("k", k), ("v", v)):
         if not isinstance(a, np.ndarray):
             return f"{name} must be a NumPy array, got {type(a).__name__}"
@@ -41,14 +42,14 @@ def local_problem(q, k, v, scale, check_finite=False):
         return f"k and v must agree on all but the last axis, got {k.shape} and {v.shape}"
     if q.shape[-1] != k.shape[-1]:
         return f"q and k must have the same head dim, got {q.shape[-1]} and {k.shape[-1]}"
-    if q.shape[-2] != k.shape[-2]:
+    if same_rows and q.shape[-2] != k.shape[-2]:
         return f"q and k must hold the same local tokens, got {q.shape[-2]} and {k.shape[-2]}"
     if q.ndim >= 3:
         if q.shape[:-3] != k.shape[:-3]:
             return f"q and k must have the same batch axes, got {q.shape} and {k.shape}"
         if k.shape[-3] == 0 or q.shape[-3] % k.shape[-3]:
             return f"q heads ({q.shape[-3]}) must be a multiple of k/v heads ({k.shape[-3]})"
-    if min(q.shape[-1], v.shape[-1]) < 1 or q.shape[-2] < 1:
+    if min(q.shape[-1], v.shape[-1]) < 1 or q.shape[-2] < 1 or k.shape[-2] < 1:
         return f"every rank needs at least one token and a positive head dim, got q {q.shape}, v {v.shape}"
     if 0 in q.shape[:-2] or 0 in k.shape[:-2]:
         return f"batch and head axes must not be empty, got q {q.shape}, k {k.shape}"
@@ -151,9 +152,56 @@ def canonical(options):
         cu = cu.astype(np.int64)
     if not isinstance(options["causal"], (bool, np.bool_)):
         raise ValueError(f"causal must be True or False, got {options['causal']!r}")
+    rows = {name: _positions(name, options.get(name)) for name in ROW_OPTIONS}
+    if rows["kv_positions"] is not None and rows["positions"] is None:
+        raise ValueError("kv_positions needs positions: the query rows' own positions")
     precision = canonical_precision(options) if len(without_precision(options)) < len(options) else {}
     return dict(layout=options["layout"], mode=options["mode"], causal=bool(options["causal"]),
-                window=check_window(options["window"]), cu_seqlens=cu, **precision)
+                window=check_window(options["window"]), cu_seqlens=cu,
+                causal_block=check_causal_block(options.get("causal_block"), options["causal"]), **rows, **precision)
+
+
+ROW_OPTIONS = ("positions", "kv_positions")  # this rank's own: gathered from every rank, not compared
+
+
+def _positions(name, positions):
+    """This rank's positions as int64 (or None); ValueError unless a 1-D integer array."""
+    if positions is None:
+        return None
+    p = np.asarray(positions)
+    if p.ndim != 1 or not np.issubdtype(p.dtype, np.integer):
+        raise ValueError(f"{name} must be a 1-D integer array of global positions, got {p.dtype} of shape {p.shape}")
+    return p.astype(np.int64)
+
+
+def _row_order(options, kind):
+    """The sort of this rank's rows of one kind ("q", "l": queries; "k": keys) by position (None: sorted)."""
+    name = "kv_positions" if kind == "k" and options["kv_positions"] is not None else "positions"
+    return sort_order(options[name])
+
+
+def with_every_rank_positions(options, held):
+    """Put every rank's positions (``held[rank]``, as the agreement gathered them) into ``options``.
+
+    Returns the keys' sequence length the positions imply (the total of the
+    k/v positions), or None when no positions were given (the layout's).
+    """
+    seq_len = None
+    for i, name in enumerate(ROW_OPTIONS):
+        if options[name] is not None:  # given on every rank: the agreement compared that
+            options[name] = [h[i] for h in held]
+            seq_len = sum(len(p) for p in options[name])
+    return seq_len
+
+
+def rows_problem(q, k, options):
+    """Why this rank's positions do not fit its q and k rows, or None."""
+    for name, a in (("positions", q), ("kv_positions", k)):
+        p = options[name]
+        if p is not None and len(p) != a.shape[-2]:
+            what = "q" if name == "positions" else "k and v"
+            return f"{name} has {len(p)} entries for the {a.shape[-2]} rows of {what}"
+    return None
 
 
 class _Shown:
@@ -220,11 +268,12 @@ def agree(comm, problem, timeout=None):
 def compared(options, timeout):
     """The values every rank must pass identically, by argument name."""
     values = dict(options, timeout=timeout)
-    return {name: _Shown(val) for name, val in values.items()}
+    return {name: _Shown(val is not None, "given" if val is not None else "None") if name in ROW_OPTIONS
+            else _Shown(val) for name, val in values.items()}
 
 
 def setup(q, k, v, comm, scale, options, check_finite=False, expected_size=None, timeout=None, prepare=None,
-          problem=None, hosts=None):
+          problem=None, rows=None, hosts=None):
     """Validate on every rank, agree collectively (one all-gather), and build the shared plan.
 
     Every rank ends with the same verdict: either ``(plan, scale, prepared)``
@@ -236,16 +285,30 @@ def setup(q, k, v, comm, scale, options, check_finite=False, expected_size=None,
     reported by every rank too; its result is returned as ``prepared``.
     ``problem``: one more of this rank's problems, found by the caller (or None).
     ``hosts``: a list to fill with every rank's processor name (who shares a node).
+    ``rows``: one letter per prepared array, "q" (query rows), "k" (key/value
+    rows) or "l" (query rows on the last axis: lse); they come back sorted by
+    position, the order the ring works in (``Plan.in_caller_order`` undoes it;
+    the plan's ``orders`` are these sorts, found from the same positions).
+
+    Positions given per rank (``positions``, ``kv_positions``) are all-gathered
+    with the rest, so every rank checks that they partition the sequence.
     """
-    values = n_local = peaks = prepared = None
+    values = n_local = peaks = prepared = held = None
     try:
         size = comm.Get_size()
-        problem = (comm_problem(comm) or timeout_problem(timeout) or local_problem(q, k, v, scale, check_finite)
+        problem = (comm_problem(comm) or timeout_problem(timeout)
+                   or local_problem(q, k, v, scale, check_finite, options.get("kv_positions") is None)
                    or problem or size_problem(size, expected_size))
-        if problem is None and prepare is not None:
-            prepared = prepare()
         if problem is None:
             options = canonical(options)
+            problem = rows_problem(q, k, options)
+        if problem is None and prepare is not None:
+            prepared = prepare()
+            if rows is not None:  # copies too: made here, where a MemoryError is reported by every rank
+                prepared = [take_rows(a, _row_order(options, kind), -1 if kind == "l" else -2)
+                            for a, kind in zip(prepared, rows)]
+        if problem is None:
+            held = [options[name] for name in ROW_OPTIONS]
             values = {f"{n} shape": _Shown(*[_shape_text(a)] * 2) for n, a in (("q", q), ("k", k), ("v", v))}
             values.update({"dtype": _Shown(str(q.dtype)),
                            "scale": _Shown(scale), **compared(options, timeout)})
@@ -253,19 +316,21 @@ def setup(q, k, v, comm, scale, options, check_finite=False, expected_size=None,
             peaks = (_peak(q), _peak(k))
     except Exception as exc:  # whatever goes wrong here is reported collectively, never raised alone
         problem, values = describe(exc), None
-    metas = allgather(comm, (problem, values, n_local, peaks, MPI.Get_processor_name()), agreement_timeout(timeout))
+    metas = allgather(comm, (problem, values, n_local, peaks, held, MPI.Get_processor_name()),
+                      agreement_timeout(timeout))
     message = verdict([m[0] for m in metas]) or verdict(differences([m[1] for m in metas], 0))
     if message:
         raise ValueError(message)
     if hosts is not None:
-        hosts[:] = [m[4] for m in metas]
+        hosts[:] = [m[5] for m in metas]
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
     message = logit_problem(scale, q.shape[-1], max(m[3][0] for m in metas), max(m[3][1] for m in metas), q.dtype)
     if message:
         raise ValueError(message)
     lengths = [m[2] for m in metas]
+    seq_len = with_every_rank_positions(options, [m[4] for m in metas]) or sum(lengths)
     # deterministic, the same options: the same plan everywhere, or the same error everywhere
-    plan = make_plan(sum(lengths), comm.Get_size(), **without_precision(options))
+    plan = make_plan(seq_len, comm.Get_size(), **without_precision(options))
     expected = [len(s) for s in plan.shards]
     if lengths != expected:
         raise ValueError(f"local sequence lengths {lengths} do not match the {plan.layout} layout of "
@@ -300,7 +365,7 @@ def logit_problem(scale, dim, q_peak, k_peak, dtype):
 def grad_problem(dout, q, k, v, out, lse):
     """What is wrong with this rank's dout, out or lse, or None (q, k, v are checked by ``setup``)."""
     try:
-        if local_problem(q, k, v, None):
+        if local_problem(q, k, v, None, same_rows=False):
             return None
         rows = q.shape[:-1]
         for name, a, shape in (("dout", dout, rows + v.shape[-1:]), ("out", out, rows + v.shape[-1:]),
@@ -388,27 +453,34 @@ def setup_ring(comm, seq_len, options, scale, timeout, expected_size=None, probl
 
     As ``setup``, without arrays: every rank checks what it passed, one
     all-gather compares it with rank 0's (``values``: more named values that
-    must match), and every rank builds the same plan or raises the same
-    ValueError. Returns ``(plan, hosts, options)``: hosts are every rank's processor
-    name, options the canonical ones.
+    must match) and gathers every rank's positions, if given, and every rank
+    builds the same plan or raises the same ValueError. ``seq_len`` may be
+    None when positions imply it. Returns ``(plan, hosts, options)``: hosts
+    are every rank's processor name, options the canonical ones.
     """
-    shown = None
+    shown = held = None
     try:
         problem = (comm_problem(comm) or timeout_problem(timeout) or scale_problem(scale)
                    or size_problem(comm.Get_size(), expected_size) or problem)
-        if problem is None and not (isinstance(seq_len, (int, np.integer)) and not isinstance(seq_len, bool)):
-            problem = f"seq_len must be the number of tokens of the whole sequence (an int), got {seq_len!r}"
         if problem is None:
             options = canonical(options)
-            shown = dict(compared(options, timeout), seq_len=_Shown(int(seq_len)), scale=_Shown(scale),
-                         **{name: _Shown(value) for name, value in (values or {}).items()})
+            if seq_len is None and options["positions"] is None:
+                problem = "seq_len must be given (the number of tokens of the whole sequence), unless positions are"
+            elif seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer))):
+                problem = f"seq_len must be the number of tokens of the whole sequence (an int), got {seq_len!r}"
+            held = [options[name] for name in ROW_OPTIONS]
+            shown = dict(compared(options, timeout), seq_len=_Shown(None if seq_len is None else int(seq_len)),
+                         scale=_Shown(scale), **{name: _Shown(value) for name, value in (values or {}).items()})
     except Exception as exc:  # reported collectively, never raised alone
         problem, shown = describe(exc), None
-    gathered = allgather(comm, (problem, shown, MPI.Get_processor_name()), agreement_timeout(timeout))
+    gathered = allgather(comm, (problem, shown, MPI.Get_processor_name(), held), agreement_timeout(timeout))
     message = verdict([g[0] for g in gathered]) or verdict(differences([g[1] for g in gathered], 0))
     if message:
         raise ValueError(message)
-    plan = make_plan(int(seq_len), comm.Get_size(), **without_precision(options))  # raises everywhere or nowhere
+    implied = with_every_rank_positions(options, [g[3] for g in gathered])
+    if seq_len is not None and implied is not None and implied != seq_len:  # the same data everywhere
+        raise ValueError(f"seq_len={seq_len} but the ranks' positions hold {implied} tokens")
+    plan = make_plan(implied or int(seq_len), comm.Get_size(), **without_precision(options))  # raises everywhere
     return plan, [g[2] for g in gathered], options
 
 

@@ -44,7 +44,7 @@ def _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec,
     coded = (wire.encode(k), wire.encode(v))  # as the wire carries it: coded once, here
     held = {stream: coded for stream in plan.rounds or [+1]}  # the K/V block each stream holds now
     arriving = {}  # stream -> the dK/dV partial of the held block, sent by its previous visitor
-    longest = max(len(s) for s in plan.shards)
+    longest = max(len(s) for s in plan.kv_shards)
     empty = tuple(np.empty(a.shape[:-2] + (0, a.shape[-1]), pr.grad) for a in (k, v))
     kv_buffers = {stream: Buffers(coded, longest) for stream in plan.rounds}
     grad_buffers = {stream: Buffers(empty, longest) for stream in plan.rounds}
@@ -78,7 +78,7 @@ def _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec,
         partials_due = step >= 2  # partials the previous visitors sent (the first visitor, step 1, starts them)
         onward = {}
         for task in plan.tasks(step, rank):
-            stream, n = task.stream, len(plan.shards[task.source])
+            stream, n = task.stream, len(plan.kv_shards[task.source])
             pieces = plan.pieces(rank, task.source)
             count_pairs(rec, pieces)
             kv = mine if task.source == rank else tuple(wire.decode(a) for a in held[stream])
@@ -110,7 +110,7 @@ def _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec,
         arriving = {}  # pass each partial on with its block
         for stream in onward:
             source = plan.held_source(rank, stream, step + 1)
-            arriving[stream] = grad_buffers[stream].take(len(plan.shards[source]))
+            arriving[stream] = grad_buffers[stream].take(len(plan.kv_shards[source]))
         shift(grad_ring, onward, arriving, rec, step, "dK/dV")
         rec.step_done(step, plan.n_steps)
     if homecoming:  # only the last chunks can still be on their way
@@ -125,7 +125,7 @@ def _allgather_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec, 
     """All-gather K/V once, compute every block's dK/dV contribution here, reduce-scatter them to their owners."""
     pr = pr or Precision(k.dtype)
     rank, size, wire = comm.Get_rank(), comm.Get_size(), pr.wire
-    lengths = [len(s) for s in plan.shards]
+    lengths = [len(s) for s in plan.kv_shards]
     sums = [flat_blocks(a, lengths, pr.grad) for a in (k, v)]  # this rank's share of every block's dK, dV
     queries = (dout, q, out, lse, delta)
     dq = np.zeros(q.shape, GRAD_DTYPE)

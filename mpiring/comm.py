@@ -386,7 +386,7 @@ def next_buffers(plan, rank, step, buffers):
     for stream, rounds in plan.rounds.items():
         if step < rounds:
             source = plan.held_source(rank, stream, step + 1)
-            incoming[stream] = buffers[stream].take(len(plan.shards[source]))
+            incoming[stream] = buffers[stream].take(len(plan.kv_shards[source]))
     return incoming
 
 
@@ -420,7 +420,7 @@ def start_allgather(k, v, plan, comm, rec):
     Bytes and messages are counted as a ring all-gather moves them.
     """
     size = comm.Get_size()
-    lengths = [len(s) for s in plan.shards]
+    lengths = [len(s) for s in plan.kv_shards]
     gathered, requests = [], []
     for a in (k, v):
         flat, counts, views = flat_blocks(a, lengths, a.dtype, empty=True)

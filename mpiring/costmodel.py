@@ -87,7 +87,7 @@ def predicted_bytes_sent(plan, kv_width, itemsize):
         else:
             blocks = [plan.held_source(rank, stream, step) for stream, rounds in plan.rounds.items()
                       for step in range(rounds)]
-        sent.append(sum(len(plan.shards[b]) for b in blocks) * kv_width * itemsize)
+        sent.append(sum(len(plan.kv_shards[b]) for b in blocks) * kv_width * itemsize)
     return sent
 
 
@@ -105,7 +105,7 @@ def predicted_backward_bytes(plan, kv_width, itemsize, grad_itemsize=None, grad_
     """
     grad_itemsize = (8 if itemsize == 8 else 4) if grad_itemsize is None else grad_itemsize
     grad_width = kv_width if grad_width is None else grad_width
-    n = [len(s) for s in plan.shards]
+    n = [len(s) for s in plan.kv_shards]
     sent = []
     for rank, kv_bytes in enumerate(predicted_bytes_sent(plan, kv_width, itemsize)):  # K/V: as forward
         if plan.mode == "allgather":
@@ -277,7 +277,7 @@ def predict_plan(plan, machine, *, batch, heads, kv_heads, head_dim, itemsize, b
     work, traffic = (2.5, 2.0) if backward else (1.0, 1.0)
     flop_per_pair = work * 4 * batch * heads * head_dim
     per_token = traffic * 2 * batch * kv_heads * head_dim * itemsize
-    lengths = [len(s) for s in plan.shards]
+    lengths = [len(s) for s in plan.kv_shards]
     cache = {}
 
     def seconds(r, j):

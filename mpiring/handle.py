@@ -40,7 +40,7 @@ from .backward import run_backward
 from .block import GRAD_DTYPE
 from .comm import HomeRing, RingComm, exclusive, wait_until
 from .kernels import default_scale
-from .layouts import shard
+from .layouts import LAYOUTS, shard, take_rows
 from .precision import Precision, compute_dtype, without_precision
 from .record import Record
 from .ring import run_forward
@@ -80,9 +80,10 @@ def made_by(options, size, scale, seq_len=None):
     cu = options["cu_seqlens"]
     if cu is not None:
         cu = cu.tolist() if len(cu) <= 8 else f"{len(cu)} entries, sha1 {hashlib.sha1(cu.tobytes()).hexdigest()[:12]}"
-    tag = {"layout": options["layout"], "mode": options["mode"], "causal": bool(options["causal"]),
-           "window": tuple(options["window"]), "cu_seqlens": cu, "ranks": size, "scale": float(scale),
-           "wire_dtype": options.get("wire_dtype")}
+    layout = "positions" if options.get("positions") is not None else options["layout"]
+    tag = {"layout": layout, "mode": options["mode"], "causal": bool(options["causal"]),
+           "window": tuple(options["window"]), "cu_seqlens": cu, "causal_block": options.get("causal_block"),
+           "ranks": size, "scale": float(scale), "wire_dtype": options.get("wire_dtype")}
     if seq_len is not None:
         tag["seq_len"] = seq_len
     return tag
@@ -91,7 +92,7 @@ def made_by(options, size, scale, seq_len=None):
 def plan_options(plan, precision):
     """The canonical options of a call under ``plan`` with the ``precision`` options."""
     return dict(layout=plan.layout, mode=plan.mode, causal=plan.causal, window=plan.window, cu_seqlens=plan.cu_seqlens,
-                **precision)
+                causal_block=plan.causal_block, **precision)
 
 
 def mismatch(lse, mine):
@@ -163,10 +164,12 @@ class Ring:
                  layout: str = "contiguous", mode: str = "ring", window=None, cu_seqlens=None,
                  timeout: float | str | None = "auto", seq_axis: int = -2, threads="auto",
                  wire_dtype: str | None = None, grad_wire_dtype: str | None = None, accumulate: str = "float64",
+                 positions=None, kv_positions=None, causal_block: int | None = None,
                  check_finite: bool = False, expected_size: int | None = None):
         comm = check_comm(comm)
         options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens,
-                       wire_dtype=wire_dtype, grad_wire_dtype=grad_wire_dtype, accumulate=accumulate)
+                       wire_dtype=wire_dtype, grad_wire_dtype=grad_wire_dtype, accumulate=accumulate,
+                       positions=positions, kv_positions=kv_positions, causal_block=causal_block)
         problem = _axis_problem({}, seq_axis) or threads_problem(threads)
         plan, hosts, options = setup_ring(comm, seq_len, options, scale, timeout, expected_size, problem,
                                           values=dict(seq_axis=seq_axis, threads=threads, check_finite=check_finite))
@@ -182,6 +185,7 @@ class Ring:
     def _start(self, comm, plan, scale, timeout, hosts, seq_axis, threads, options, check_finite, backward):
         self.plan, self.seq_axis, self.check_finite = plan, int(seq_axis), check_finite
         self._precision = {key: value for key, value in options.items() if key not in without_precision(options)}
+        self._same_rows = options.get("kv_positions") is None
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.threads = threads_for(threads, hosts, self.rank)
         self._scale, self._timeout, self._failed, self._rings = scale, timeout, None, []
@@ -211,12 +215,18 @@ class Ring:
 
     @property
     def positions(self):
-        """The global positions of this rank's tokens (for RoPE or position embeddings), in row order."""
-        return self.plan.shards[self.rank]
+        """The global positions of this rank's query rows (for RoPE or position embeddings), in its row order."""
+        return self.plan.in_caller_order(self.rank, self.plan.shards[self.rank], axis=-1)
 
     def shard(self, x, axis=None):
-        """This rank's part of a full array ``x``, the sequence on ``axis`` (default: this handle's seq_axis)."""
-        return shard(x, self.size, self.rank, self.plan.layout, self.seq_axis if axis is None else axis)
+        """This rank's part of a full array ``x``, the sequence on ``axis`` (default: this handle's seq_axis).
+
+        A view for the contiguous and striped layouts, a copy otherwise (``mpiring.shard``).
+        """
+        axis = self.seq_axis if axis is None else axis
+        if self.plan.layout in LAYOUTS:
+            return shard(x, self.size, self.rank, self.plan.layout, axis)
+        return np.take(x, self.positions, axis=0 if np.ndim(x) == 1 else axis)
 
     @contextlib.contextmanager
     def _call(self):
@@ -265,7 +275,8 @@ class Ring:
                 moved = [np.moveaxis(a, self.seq_axis, -2) for a in tensors.values()]
                 names = dict(zip(tensors, moved))
                 q, k, v = names["q"], names["k"], names["v"]
-                problem = local_problem(q, k, v, None, self.check_finite) or self._length_problem(q)
+                problem = (local_problem(q, k, v, None, self.check_finite, self._same_rows)
+                           or self._length_problem(q, k))
                 if problem is None and lse is not None:
                     problem = (grad_problem(names["dout"], q, k, v, names["out"], lse)
                                or self._dlse_problem(dlse, lse)
@@ -273,6 +284,7 @@ class Ring:
                                                         self._resolved_scale(q), self.plan.seq_len)))
             if problem is None:  # may fail alone (MemoryError): agreed below
                 moved, lses = contiguous(dict(zip(tensors, moved)), [a for a in (lse, dlse) if a is not None])
+                moved, lses = self._sorted(list(tensors), moved, lses)
                 values = call_values(names)
                 peak = peaks(names["q"], names["k"])
         except Exception as exc:  # reported collectively, never raised alone
@@ -288,12 +300,20 @@ class Ring:
     def _resolved_scale(self, q):
         return default_scale(q.shape[-1]) if self._scale is None else float(self._scale)
 
-    def _length_problem(self, q):
-        want = len(self.plan.shards[self.rank])
-        if q.shape[-2] != want:
-            return (f"q holds {q.shape[-2]} tokens, but the {self.plan.layout} layout of {self.plan.seq_len} "
-                    f"tokens over {self.size} ranks gives this rank {want}")
+    def _length_problem(self, q, k):
+        for name, a, shards in (("q", q, self.plan.shards), ("k", k, self.plan.kv_shards)):
+            want = len(shards[self.rank])
+            if a.shape[-2] != want:
+                held = (f"the {self.plan.layout} layout of {self.plan.seq_len} tokens over {self.size} ranks"
+                        if self.plan.layout in LAYOUTS else "its positions")
+                return f"{name} holds {a.shape[-2]} tokens, but {held} give this rank {want}"
         return None
+
+    def _sorted(self, names, arrays, lses):
+        """The rows in position order, the order the ring works in (``Plan.in_caller_order`` undoes it)."""
+        rows, kv_rows = self.plan.orders[self.rank], self.plan.kv_orders[self.rank]
+        arrays = [take_rows(a, kv_rows if name in ("k", "v") else rows) for name, a in zip(names, arrays)]
+        return arrays, [take_rows(a, rows, axis=-1) for a in lses]
 
     @staticmethod
     def _dlse_problem(dlse, lse):
@@ -316,6 +336,7 @@ class Ring:
         with self._running():
             out, lse = run_forward(q, k, v, self.plan, self._rings[0], scale, rec, timeout,
                                    Precision.of(q.dtype, self._precision))
+        out, lse = self.plan.in_caller_order(self.rank, out), self.plan.in_caller_order(self.rank, lse, axis=-1)
         lse = lse.view(Lse)
         lse.made_by = made_by(plan_options(self.plan, self._precision), self.size, scale, self.plan.seq_len)
         return np.moveaxis(out, -2, self.seq_axis), lse
@@ -333,7 +354,9 @@ class Ring:
         with self._running():
             grads = run_backward((dout, q, k, v, out, lses[0], delta.astype(q.dtype)), self.plan, self._rings,
                                  scale, rec, timeout, pr)
-        return tuple(np.moveaxis(g.astype(pr.input, copy=False), -2, self.seq_axis) for g in grads)
+        grads = [self.plan.in_caller_order(self.rank, g.astype(pr.input, copy=False), kv=i > 0)
+                 for i, g in enumerate(grads)]
+        return tuple(np.moveaxis(g, -2, self.seq_axis) for g in grads)
 
 
 # ---------------------------------------------------------------------- the plain functions
@@ -347,7 +370,7 @@ def ring_attention(
     mode: str = "ring", window: tuple[int, int] | None = None, cu_seqlens=None,
     timeout: float | str | None = "auto", record: Record | None = None, check_finite: bool = False,
     expected_size: int | None = None, seq_axis: int = -2, threads="auto", wire_dtype: str | None = None,
-    accumulate: str = "float64",
+    accumulate: str = "float64", positions=None, kv_positions=None, causal_block: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:  # out (..., Hq, n, Dv), lse (..., Hq, n)
     """Attention of this rank's queries against the whole distributed sequence.
 
@@ -363,6 +386,14 @@ def ring_attention(
         mode: "ring", "bidirectional" or "allgather" (see ``mpiring.plan``).
         window: sliding window ``(left, right)`` as in flash-attn; -1 is unbounded.
         cu_seqlens: packed documents ``[0, end_0, end_1, ..., seq_len]`` (global positions).
+        positions: global positions of this rank's q (and k, v) rows, any
+            order and any number (at least one); the ranks' together hold every
+            position of the sequence once. Replaces ``layout`` (see ``mpiring.balance``).
+        kv_positions: positions of this rank's k, v rows when they are not q's
+            (queries against a longer K/V: every rank's together hold every key
+            position once; q positions are then distinct positions among them).
+        causal_block: with ``causal``, key j is visible to query i iff
+            j // causal_block <= i // causal_block (frame-causal video masks).
         timeout: seconds a rank may wait for the others (each transfer, a final
             check) before raising ``CommTimeout``; an error or stall on one rank
             then raises on every rank still alive: the failed rank its own error
@@ -389,12 +420,13 @@ def ring_attention(
     comm = check_comm(comm)
     with exclusive(comm):  # one call per communicator at a time (threads: one Dup each)
         options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens,
-                       wire_dtype=wire_dtype, accumulate=accumulate)
+                       wire_dtype=wire_dtype, accumulate=accumulate, positions=positions, kv_positions=kv_positions,
+                       causal_block=causal_block)
         moved, problem = _moved({"q": q, "k": k, "v": v}, seq_axis, threads)
         hosts = []
         plan, scale, (q, k, v) = setup(*moved, comm, scale, options, check_finite, expected_size, timeout,
                                        prepare=lambda: [np.ascontiguousarray(a) for a in moved], problem=problem,
-                                       hosts=hosts)
+                                       rows="qkk", hosts=hosts)
         with Ring._agreed(comm, plan, scale, timeout, hosts, seq_axis, threads, options, backward=False) as ring:
             with limited(ring.threads):
                 return ring._forward(q, k, v, scale, record, checked=True)
@@ -416,6 +448,7 @@ def ring_attention_backward(
     mode: str = "ring", window: tuple[int, int] | None = None, cu_seqlens=None,
     timeout: float | str | None = "auto", record: Record | None = None, seq_axis: int = -2, threads="auto",
     dlse: np.ndarray | None = None, wire_dtype: str | None = None, grad_wire_dtype: str | None = None,
+    positions=None, kv_positions=None, causal_block: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # dq, dk, dv: the shapes of q, k, v
     """Gradients ``(dq, dk, dv)`` of this rank's shard, given the upstream gradient ``dout``.
 
@@ -436,7 +469,8 @@ def ring_attention_backward(
     comm = check_comm(comm)
     with exclusive(comm):  # one call per communicator at a time (threads: one Dup each)
         options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens,
-                       wire_dtype=wire_dtype, grad_wire_dtype=grad_wire_dtype)
+                       wire_dtype=wire_dtype, grad_wire_dtype=grad_wire_dtype, positions=positions,
+                       kv_positions=kv_positions, causal_block=causal_block)
         tensors = {"dout": dout, "q": q, "k": k, "v": v, "out": out}
         moved, problem = _moved(tensors, seq_axis, threads)
         if problem is None:
@@ -449,7 +483,7 @@ def ring_attention_backward(
 
         hosts = []
         plan, scale, arrays = setup(*moved[1:4], comm, scale, options, timeout=timeout, prepare=prepare,
-                                    problem=problem, hosts=hosts)
+                                    problem=problem, rows="qqkkq" + "l" * (1 if dlse is None else 2), hosts=hosts)
         with Ring._agreed(comm, plan, scale, timeout, hosts, seq_axis, threads, options, backward=True) as ring:
             with limited(ring.threads):
                 return ring._backward(arrays[:5], arrays[5:], scale, record, checked=True)

@@ -6,11 +6,17 @@
 - striped: token t lives on rank t mod P (Brandon et al., Striped Attention).
 
 Lengths need not divide evenly: chunk sizes differ by at most one token.
+
+A layout is just one way to produce positions: ``ring_attention(positions=...)``
+takes any arrays that partition the sequence (``mpiring.balance`` makes more).
+The ring keeps each rank's rows in position order (``sort_order``,
+``take_rows``) and gives results back in the caller's (``put_rows``).
 """
 
 import numpy as np
 
-__all__ = ["LAYOUTS", "block_range", "shard_indices", "shard", "unshard"]
+__all__ = ["LAYOUTS", "block_range", "shard_indices", "shard", "unshard", "layout_positions", "positions_problem",
+           "sort_order", "take_rows", "put_rows", "position_runs"]
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
 
@@ -88,3 +94,86 @@ def unshard(pieces: list, layout: str = "contiguous", axis: int | None = None) -
     for rank, piece in enumerate(pieces):
         moved[shard_indices(seq_len, size, rank, layout)] = np.moveaxis(np.asarray(piece), axis, 0)
     return full
+
+
+# ---------------------------------------------------------------- positions as data
+
+
+def layout_positions(seq_len, size, layout="contiguous"):
+    """The positions every rank holds under a built-in layout: ``size`` sorted arrays."""
+    return [shard_indices(seq_len, size, r, layout) for r in range(size)]
+
+
+def positions_problem(parts, seq_len, name="positions", partition=True):
+    """Why ``parts`` (one integer array per rank) is not a partition of range(seq_len), or None.
+
+    ``partition=False``: the positions need only be distinct and in range (queries
+    against a longer K/V hold a subset of the keys' positions).
+    """
+    for r, p in enumerate(parts):
+        if len(p) == 0:
+            return f"{name} of rank {r} is empty: every rank needs at least one token"
+        low, high = int(p.min()), int(p.max())
+        if low < 0 or high >= seq_len:
+            bad = low if low < 0 else high
+            return f"{name} of rank {r} holds {bad}, outside 0 .. {seq_len - 1}"
+    counts = np.bincount(np.concatenate(parts), minlength=seq_len)  # every position is in range here
+    twice = np.flatnonzero(counts > 1)
+    if twice.size:
+        holders = [r for r, p in enumerate(parts) for _ in range(int(np.sum(p == twice[0])))]
+        return (f"{name}: position {int(twice[0])} is held more than once (by ranks {', '.join(map(str, holders))}); "
+                f"each must be held once")
+    if partition and counts.size and counts.min() == 0:
+        return f"{name} must hold every position 0 .. {seq_len - 1} once; no rank holds {int(np.argmin(counts))}"
+    return None
+
+
+def sort_order(positions):
+    """The permutation that sorts ``positions``, or None when they already are or are None (nothing to move)."""
+    if positions is None:
+        return None
+    positions = np.asarray(positions)
+    if positions.size < 2 or np.all(positions[1:] > positions[:-1]):
+        return None
+    return np.argsort(positions, kind="stable")
+
+
+def take_rows(a, order, axis=-2):
+    """``a``'s rows (on ``axis``) in position order; ``a`` itself when ``order`` is None."""
+    return a if order is None else np.take(a, order, axis=axis)
+
+
+def put_rows(a, order, axis=-2):
+    """Inverse of ``take_rows``: rows in position order back to the caller's order."""
+    if order is None:
+        return a
+    out = np.empty_like(a)
+    moved = np.moveaxis(out, axis, 0)
+    moved[order] = np.moveaxis(a, axis, 0)
+    return out
+
+
+MAX_RUNS = 32  # beyond this many runs a rank's rows are one run (striped): the kernel's tiles skip inside it
+
+
+def position_runs(shards):
+    """Per rank, the row ranges ``(a, b)`` its sorted positions fall into, for tight key ranges per run.
+
+    Runs of consecutive positions, each cut into runs about as long as the
+    typical (median) one: zigzag's last rank, whose two chunks meet, keeps two
+    runs like every other rank. Too many runs (striped) make one.
+    """
+    bounds = [[0, *(np.flatnonzero(np.diff(s) != 1) + 1).tolist(), len(s)] for s in shards]
+    lengths = sorted(b - a for bs in bounds for a, b in zip(bs, bs[1:]))
+    unit = lengths[(len(lengths) - 1) // 2]
+    runs = []
+    for s, bs in zip(shards, bounds):
+        if len(bs) - 1 > min(MAX_RUNS, max(2, len(s) // 2)):  # mostly single tokens (striped): one run
+            runs.append([(0, len(s))])
+            continue
+        mine = []
+        for a, b in zip(bs, bs[1:]):
+            n, parts = b - a, max(1, int((b - a) / unit + 0.5))
+            mine += [(a + -(-i * n // parts), a + -(-(i + 1) * n // parts)) for i in range(parts)]
+        runs.append(mine if len(mine) <= MAX_RUNS else [(a, b) for a, b in zip(bs, bs[1:])])
+    return runs

@@ -1,14 +1,17 @@
-"""Which keys each query may see: causal, sliding window and packed documents.
+"""Which keys each query may see: causal (or block-causal), sliding window and packed documents.
 
-Every layout keeps a rank's global token positions sorted, so the keys one
-query may see always form one contiguous run of local key indices. A block
+The ring keeps every block's global token positions sorted (a rank's rows
+are put in position order before the ring and back after it), and every
+rule allows an interval of positions, so the keys one query may see always
+form one contiguous run of local key indices. A block
 mask is therefore two integer arrays ``klo, khi``: row i sees keys
 ``klo[i] <= j < khi[i]``. This covers every option with one representation.
 """
 
 import numpy as np
 
-__all__ = ["visible_keys", "block_kind", "doc_ids", "check_window", "check_cu_seqlens"]
+__all__ = ["visible_keys", "block_kind", "doc_ids", "check_window", "check_cu_seqlens", "check_causal_block",
+           "row_work"]
 
 _INT64_MAX = int(np.iinfo(np.int64).max)
 _BIG = _INT64_MAX // 4  # beyond any position: q_pos +/- _BIG cannot wrap around
@@ -49,16 +52,30 @@ def check_cu_seqlens(cu_seqlens, seq_len):
     return cu
 
 
+def check_causal_block(causal_block, causal):
+    """Validate the frame size of a block-causal mask (None: plain causal); return it as an int or None."""
+    if causal_block is None:
+        return None
+    if isinstance(causal_block, (bool, np.bool_)) or not isinstance(causal_block, (int, np.integer)) \
+            or causal_block < 1:
+        raise ValueError(f"causal_block must be a positive integer (tokens per frame), got {causal_block!r}")
+    if not causal:
+        raise ValueError(f"causal_block={causal_block} needs causal=True: it makes the causal mask block-causal")
+    return int(causal_block)
+
+
 def doc_ids(pos, cu_seqlens):
     """Index of the packed document each global position belongs to."""
     return np.searchsorted(cu_seqlens, pos, side="right") - 1
 
 
-def visible_keys(q_pos, k_pos, *, causal=False, window=(-1, -1), cu_seqlens=None):
+def visible_keys(q_pos, k_pos, *, causal=False, window=(-1, -1), cu_seqlens=None, causal_block=None):
     """Per-query half-open ranges [klo, khi) of visible local key indices.
 
-    ``q_pos`` and ``k_pos`` are the sorted global positions of a query block and
-    a key block. Returns ``(None, None)`` when nothing is masked at all.
+    ``q_pos`` are the global positions of a query block, ``k_pos`` the sorted
+    global positions of a key block. ``causal_block=F``: key j is visible to
+    query i iff j // F <= i // F (frame-causal). Returns ``(None, None)`` when
+    nothing is masked at all.
     """
     left, right = window
     if not causal and left < 0 and right < 0 and cu_seqlens is None:
@@ -66,8 +83,8 @@ def visible_keys(q_pos, k_pos, *, causal=False, window=(-1, -1), cu_seqlens=None
     q_pos = np.asarray(q_pos, dtype=np.int64)
     lo = np.full(q_pos.shape, -_BIG, dtype=np.int64)  # first visible position (inclusive)
     hi = np.full(q_pos.shape, _BIG, dtype=np.int64)  # last visible position (inclusive)
-    if causal:
-        np.minimum(hi, q_pos, out=hi)
+    if causal:  # the last key of the query's frame; a frame of 1 token: the query itself
+        np.minimum(hi, q_pos if not causal_block else (q_pos // causal_block + 1) * causal_block - 1, out=hi)
     if right >= 0:  # a window wider than any sequence is clipped: q_pos + right must not wrap around
         np.minimum(hi, q_pos + min(right, _BIG), out=hi)
     if left >= 0:
@@ -91,3 +108,11 @@ def block_kind(klo, khi, n_keys):
     if pairs == len(klo) * n_keys:
         return "full", pairs
     return "masked", pairs
+
+
+def row_work(seq_len, *, causal=False, window=(-1, -1), cu_seqlens=None, causal_block=None):
+    """Visible keys of every query position 0 .. seq_len-1 against the whole sequence (int64)."""
+    pos = np.arange(seq_len, dtype=np.int64)
+    klo, khi = visible_keys(pos, pos, causal=causal, window=check_window(window), cu_seqlens=cu_seqlens,
+                            causal_block=causal_block)
+    return np.full(seq_len, seq_len, np.int64) if klo is None else khi - klo

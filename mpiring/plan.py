@@ -18,6 +18,11 @@ computes the blocks in the same order as the ring, with no further transfers.
 
 Blocks that no rank needs any more (sliding windows, packed documents) end
 the ring early: those transfers are not made.
+
+Which tokens a rank holds is data too: ``positions`` (one array per rank, any
+order and sizes) replace the built-in layouts, which only produce positions;
+``kv_positions`` give K/V rows of their own (queries against a longer cache).
+Block kinds, skipping and the early stop all follow from the positions.
 """
 
 from dataclasses import dataclass, field
@@ -25,8 +30,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .layouts import block_range, check_layout, shard_indices
-from .masks import block_kind, check_cu_seqlens, check_window, visible_keys
+from .layouts import check_layout, layout_positions, position_runs, positions_problem, put_rows, sort_order
+from .masks import block_kind, check_causal_block, check_cu_seqlens, check_window, visible_keys
 
 __all__ = ["MODES", "NEXT", "PREV", "HOME_CHUNKS", "Task", "Piece", "Schedule", "Plan", "make_plan",
            "home_chunks", "key_chunks", "cut_to_keys", "chunks_in_order"]
@@ -106,7 +111,11 @@ class Plan:
     causal: bool = False
     window: tuple = (-1, -1)
     cu_seqlens: np.ndarray | None = None
-    shards: list = field(default_factory=list)  # global positions held by each rank
+    causal_block: int | None = None  # frame size of a block-causal mask (None: token-causal)
+    shards: list = field(default_factory=list)  # sorted global positions of each rank's queries
+    kv_shards: list = field(default_factory=list)  # ... and of its keys/values (the same list unless kv_positions)
+    orders: list = field(default_factory=list)  # per rank: the sort of its query rows as passed (None: sorted)
+    kv_orders: list = field(default_factory=list)  # ... of its key/value rows
     runs: list = field(default_factory=list)  # row ranges of each rank's chunks (zigzag: two)
     kinds: list = field(default_factory=list)  # kinds[rank][source]
     pairs: list = field(default_factory=list)  # pairs[rank][source]: visible (query, key) pairs
@@ -122,8 +131,15 @@ class Plan:
 
     def mask(self, rank, source):
         """``(klo, khi)`` for rank's queries against source's keys."""
-        return visible_keys(self.shards[rank], self.shards[source], causal=self.causal,
-                            window=self.window, cu_seqlens=self.cu_seqlens)
+        return visible_keys(self.shards[rank], self.kv_shards[source], causal=self.causal,
+                            window=self.window, cu_seqlens=self.cu_seqlens, causal_block=self.causal_block)
+
+    def in_caller_order(self, rank, a, kv=False, axis=-2):
+        """``rank``'s results, computed on its rows sorted by position, back in the order it passed them.
+
+        ``kv``: rows of its keys/values (dk, dv); ``axis``: the rows' axis (-1 for lse).
+        """
+        return put_rows(a, (self.kv_orders if kv else self.orders)[rank], axis)
 
     def held_source(self, rank, stream, step):
         """Source of the block that ``stream`` brings to ``rank`` at ``step``."""
@@ -139,7 +155,7 @@ class Plan:
         """
         if self.kinds[rank][source] == "skip":
             return []
-        n_q, n_k = len(self.shards[rank]), len(self.shards[source])
+        n_q, n_k = len(self.shards[rank]), len(self.kv_shards[source])
         if self.kinds[rank][source] == "full":
             return [Piece(0, n_q, 0, n_k)]
         klo, khi = self.mask(rank, source)
@@ -191,26 +207,60 @@ def _last_needed(kinds, size, stream, max_step):
     return last
 
 
+def _held(parts, seq_len, size, name, partition):
+    """``(sorted positions, orders)`` of every rank from its positions as passed; ValueError if not valid."""
+    if len(parts) != size:
+        raise ValueError(f"{name} must give one array per rank: {size} ranks, {len(parts)} arrays")
+    parts = [np.asarray(p) for p in parts]
+    for r, p in enumerate(parts):
+        if p.ndim != 1 or not (np.issubdtype(p.dtype, np.integer) or p.size == 0):
+            raise ValueError(f"{name} of rank {r} must be a 1-D integer array, got {p.dtype} of shape {p.shape}")
+    parts = [p.astype(np.int64) for p in parts]
+    problem = positions_problem(parts, seq_len, name, partition)
+    if problem:
+        raise ValueError(problem)
+    orders = [sort_order(p) for p in parts]
+    return [p if o is None else p[o] for p, o in zip(parts, orders)], orders
+
+
 def make_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str = "ring", causal: bool = False,
-              window: tuple[int, int] | None = None, cu_seqlens=None) -> Plan:
-    """Build the plan for ``size`` ranks over a sequence of ``seq_len`` tokens."""
-    check_layout(layout)
+              window: tuple[int, int] | None = None, cu_seqlens=None, causal_block: int | None = None,
+              positions=None, kv_positions=None) -> Plan:
+    """Build the plan for ``size`` ranks over a sequence of ``seq_len`` tokens (keys).
+
+    ``positions``: one integer array per rank, the global positions of its
+    query (and key/value) rows in the order it passes them; together a
+    partition of range(seq_len). Replaces ``layout``. ``kv_positions``: the
+    positions of the key/value rows when they are not the queries' (a
+    partition of range(seq_len)); the query positions are then distinct
+    positions of that range. ``causal_block=F`` (with ``causal``): key j is
+    visible to query i iff j // F <= i // F.
+    """
+    if positions is None:
+        check_layout(layout)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
     if size < 1 or seq_len < size:
         raise ValueError(f"need at least one token per rank: seq_len={seq_len}, ranks={size}")
-    plan = Plan(seq_len, size, layout, mode, bool(causal), check_window(window), check_cu_seqlens(cu_seqlens, seq_len))
-    plan.shards = [shard_indices(seq_len, size, r, layout) for r in range(size)]
-    for r, held in enumerate(plan.shards):
-        first = block_range(seq_len, 2 * size, r)[0] if layout == "zigzag" else len(held)
-        plan.runs.append([(a, b) for a, b in ((0, first), (first, len(held))) if b > a])
+    if kv_positions is not None and positions is None:
+        raise ValueError("kv_positions needs positions: the query rows' own positions")
+    plan = Plan(seq_len, size, "positions" if positions is not None else layout, mode, bool(causal),
+                check_window(window), check_cu_seqlens(cu_seqlens, seq_len), check_causal_block(causal_block, causal))
+    if positions is None:
+        plan.shards, plan.orders = layout_positions(seq_len, size, layout), [None] * size
+    else:
+        plan.shards, plan.orders = _held(positions, seq_len, size, "positions", kv_positions is None)
+    plan.kv_shards, plan.kv_orders = plan.shards, plan.orders
+    if kv_positions is not None:
+        plan.kv_shards, plan.kv_orders = _held(kv_positions, seq_len, size, "kv_positions", True)
+    plan.runs = position_runs(plan.shards)
     for r in range(size):
         row_kinds, row_pairs = [], []
         for j in range(size):
             klo, khi = plan.mask(r, j)
-            kind, pairs = block_kind(klo, khi, len(plan.shards[j]))
+            kind, pairs = block_kind(klo, khi, len(plan.kv_shards[j]))
             row_kinds.append(kind)
-            row_pairs.append(len(plan.shards[r]) * len(plan.shards[j]) if pairs is None else pairs)
+            row_pairs.append(len(plan.shards[r]) * len(plan.kv_shards[j]) if pairs is None else pairs)
         plan.kinds.append(row_kinds)
         plan.pairs.append(row_pairs)
 
@@ -239,7 +289,7 @@ def make_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str 
 
 def home_chunks(plan):
     """Key chunks of every hop home: HOME_CHUNKS, or fewer if a shard is shorter (the same on every rank)."""
-    return min(HOME_CHUNKS, min(len(s) for s in plan.shards))
+    return min(HOME_CHUNKS, min(len(s) for s in plan.kv_shards))
 
 
 def key_chunks(n, chunks):

@@ -11,17 +11,21 @@ __all__ = ["definition_mask", "dense_attention", "dense_attention_backward", "re
            "reference_attention_backward"]
 
 
-def definition_mask(q_pos, k_pos, *, causal=False, window=None, cu_seqlens=None):
+def definition_mask(q_pos, k_pos, *, causal=False, window=None, cu_seqlens=None, causal_block=None):
     """Boolean (len(q_pos), len(k_pos)): may query position i see key position j?
 
-    causal: j <= i. window (left, right), -1 or None unbounded: i - left <= j <= i + right
+    causal: j <= i; with causal_block F: j // F <= i // F (j's frame is not after i's).
+    window (left, right), -1 or None unbounded: i - left <= j <= i + right
     (j - i is compared with the window as a Python integer: nothing wraps around).
     cu_seqlens [0, e1, ..., S]: i and j in the same document, document d holding
     positions cu[d] <= p < cu[d + 1].
     """
     gap = np.asarray(k_pos, np.int64)[None, :] - np.asarray(q_pos, np.int64)[:, None]  # j - i
     ok = np.ones(gap.shape, bool)
-    if causal:
+    if causal and causal_block:
+        frame_q, frame_k = (np.asarray(p, np.int64) // causal_block for p in (q_pos, k_pos))
+        ok &= frame_k[None, :] <= frame_q[:, None]
+    elif causal:
         ok &= gap <= 0
     left, right = (-1, -1) if window is None else (-1 if w is None else int(w) for w in window)
     if left >= 0:  # compared as Python ints: a window beyond 64 bits is still just a number

@@ -28,7 +28,7 @@ def _ring_loop(q, k, v, plan, ring, scale, rec, timeout, pr=None):
     rank, wire = ring.rank, pr.wire
     acc = block.accumulators(q, v, pr.out, pr.lse)
     q = pr.widen(q)  # half inputs: tiles compute in float32
-    longest = max(len(s) for s in plan.shards)
+    longest = max(len(s) for s in plan.kv_shards)
     # K/V blocks are kept as the kernel takes them, [k | 1]^T and [v | 1]^T (or as the wire codes them,
     # ``precision.Wire``), in two slots per stream; the first slot of the first stream starts with this
     # rank's own block.

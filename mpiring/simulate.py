@@ -4,7 +4,6 @@ import numpy as np
 
 from .block import accumulators, attend
 from .kernels import default_scale
-from .layouts import shard, unshard
 from .plan import make_plan
 from .precision import INPUT_DTYPES, Precision, canonical_precision
 from .record import Record
@@ -22,13 +21,14 @@ def _as_float(name, a):
 
 
 def simulate(Q, K, V, num_devices, *, causal=False, scale=None, layout="contiguous", mode="ring",
-             window=None, cu_seqlens=None, wire_dtype=None, accumulate="float64"):
+             window=None, cu_seqlens=None, causal_block=None, positions=None, wire_dtype=None, accumulate="float64"):
     """Run every device's part of the ring in turn; return ``(out, lse, schedule)``.
 
     ``schedule`` is the plan's Schedule: ``schedule.table[step][device]``
     holds the Tasks (source block, full/masked/skip) of that step.
     ``wire_dtype`` and ``accumulate`` are as in ``ring_attention``: every block
     a device gets from another is coded and decoded as the wire would.
+    ``positions``: one array per device, the tokens it holds (instead of ``layout``).
     """
     Q, K, V = (_as_float(n, a) for n, a in (("Q", Q), ("K", K), ("V", V)))
     if isinstance(num_devices, bool) or not isinstance(num_devices, (int, np.integer)) or num_devices < 1:
@@ -46,15 +46,16 @@ def simulate(Q, K, V, num_devices, *, causal=False, scale=None, layout="contiguo
     Q, K, V = (a.astype(dtype, copy=False) for a in (Q, K, V))
     pr = Precision(dtype, **canonical_precision({"wire_dtype": wire_dtype, "accumulate": accumulate}))
     plan = make_plan(Q.shape[-2], int(num_devices), layout=layout, mode=mode, causal=causal,
-                     window=window, cu_seqlens=cu_seqlens)
+                     window=window, cu_seqlens=cu_seqlens, causal_block=causal_block, positions=positions)
     scale = default_scale(Q.shape[-1]) if scale is None else float(scale)
     P = plan.size
-    kv = [tuple(pr.widen(shard(X, P, j, layout)) for X in (K, V)) for j in range(P)]  # as its owner has it
-    wire = pr.wire  # as the others get it: coded by the owner, decoded on arrival
-    sent = [tuple(wire.decode(wire.encode(shard(X, P, j, layout))) for X in (K, V)) for j in range(P)]
+    wire = pr.wire  # the others get a block coded by its owner, decoded on arrival
+    kv = [tuple(pr.widen(np.take(X, plan.kv_shards[j], axis=-2)) for X in (K, V)) for j in range(P)]  # sorted
+    sent = [tuple(wire.decode(wire.encode(np.take(X, plan.kv_shards[j], axis=-2))) for X in (K, V))
+            for j in range(P)]
     outs, lses = [], []
     for device in range(P):
-        q = pr.widen(np.ascontiguousarray(shard(Q, P, device, layout)))
+        q = pr.widen(np.ascontiguousarray(np.take(Q, plan.shards[device], axis=-2)))
         acc = accumulators(q, V, pr.out, pr.lse)  # float64 by default, as in the MPI ring
         rec = Record(device)
         for step in range(plan.n_steps):
@@ -62,8 +63,12 @@ def simulate(Q, K, V, num_devices, *, causal=False, scale=None, layout="contiguo
                 block = kv[device] if task.source == device else sent[task.source]
                 attend(q, block, task, plan.pieces(device, task.source), scale, acc, rec, None, step)
         outs.append(acc[0].astype(pr.input, copy=False))
-        lses.append(acc[1].astype(pr.compute, copy=False)[..., None])
-    return unshard(outs, layout), unshard(lses, layout)[..., 0], plan.schedule
+        lses.append(acc[1].astype(pr.compute, copy=False))
+    out = np.empty(Q.shape[:-1] + V.shape[-1:], pr.input)
+    lse = np.empty(Q.shape[:-1], pr.compute)
+    for device in range(P):
+        out[..., plan.shards[device], :], lse[..., plan.shards[device]] = outs[device], lses[device]
+    return out, lse, plan.schedule
 
 
 def ring_attention_simulate(Q, K, V, num_devices):

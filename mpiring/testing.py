@@ -66,18 +66,19 @@ def tolerance(dtype, wire=None):
 # ---------------------------------------------------------------- the dense reference
 
 
-def dense_mask(q_positions, k_positions, *, causal=False, window=None, cu_seqlens=None):
+def dense_mask(q_positions, k_positions, *, causal=False, window=None, cu_seqlens=None, causal_block=None):
     """Boolean (len(q_positions), len(k_positions)) mask: True where query i may see key j.
 
     Straight from the definitions (``mpiring.reference.definition_mask``), with i, j global
-    token positions: causal: j <= i; window (left, right), -1 unbounded (flash-attn):
+    token positions: causal: j <= i (causal_block F: j // F <= i // F); window (left, right), -1 unbounded (flash-attn):
     i - left <= j <= i + right; cu_seqlens [0, e1, ..., S]: i and j in the same document.
     """
     if cu_seqlens is not None:
         bounds = np.asarray(cu_seqlens, np.int64)
         if bounds.ndim != 1 or len(bounds) < 2 or bounds[0] != 0 or np.any(np.diff(bounds) < 0):
             raise ValueError(f"cu_seqlens must be [0, e1, ..., S], non-decreasing; got {cu_seqlens!r}")
-    return definition_mask(q_positions, k_positions, causal=causal, window=window, cu_seqlens=cu_seqlens)
+    return definition_mask(q_positions, k_positions, causal=causal, window=window, cu_seqlens=cu_seqlens,
+                           causal_block=causal_block)
 
 
 def _prepare(q, k, v, q_positions, k_positions, mask_options):
@@ -98,7 +99,7 @@ def _prepare(q, k, v, q_positions, k_positions, mask_options):
 
 
 def reference(q, k, v, *, causal=False, window=None, cu_seqlens=None, q_positions=None, k_positions=None,
-              scale=None):
+              scale=None, causal_block=None):
     """Dense attention in float64: ``(out, lse)`` (``mpiring.reference.dense_attention``).
 
     q (..., Hq, Sq, D), k (..., Hk, Sk, D), v (..., Hk, Sk, Dv), Hq a multiple of Hk (head h uses
@@ -108,20 +109,22 @@ def reference(q, k, v, *, causal=False, window=None, cu_seqlens=None, q_position
     Rows that see no key get out 0 and lse -inf. The default scale is 1/sqrt(D). BLAS threads
     are shared out among the ranks on this node during the call, as in ``ring_attention``.
     """
-    mask = _prepare(q, k, v, q_positions, k_positions, {"causal": causal, "window": window, "cu_seqlens": cu_seqlens})
+    mask = _prepare(q, k, v, q_positions, k_positions, dict(causal=causal, window=window, cu_seqlens=cu_seqlens,
+                                                            causal_block=causal_block))
     with limited(node_threads()):
         return dense_attention(q, k, v, scale, mask)
 
 
 def reference_backward(dout, q, k, v, *, causal=False, window=None, cu_seqlens=None, q_positions=None,
-                       k_positions=None, scale=None):
+                       k_positions=None, scale=None, causal_block=None):
     """Dense gradients of ``reference``'s output in float64: ``(dq, dk, dv)`` for the loss sum(dout * out).
 
     dP = dout v^T, dS = P * (dP - rowsum(dout * out)), dq = scale dS k, dk = scale dS^T q, dv = P^T dout;
     grouped-query K/V gradients are summed over the query heads that share them
     (``mpiring.reference.dense_attention_backward``).
     """
-    mask = _prepare(q, k, v, q_positions, k_positions, {"causal": causal, "window": window, "cu_seqlens": cu_seqlens})
+    mask = _prepare(q, k, v, q_positions, k_positions, dict(causal=causal, window=window, cu_seqlens=cu_seqlens,
+                                                            causal_block=causal_block))
     with limited(node_threads()):
         return dense_attention_backward(dout, q, k, v, scale, mask)
 

@@ -16,11 +16,11 @@ from mpiring.__main__ import main
 from mpiring.reference import definition_mask
 
 
-def _ignore_window(q_pos, k_pos, *, causal=False, window=(-1, -1), cu_seqlens=None):
-    return masks.visible_keys(q_pos, k_pos, causal=causal, cu_seqlens=cu_seqlens)
+def _ignore_window(q_pos, k_pos, *, causal=False, window=(-1, -1), cu_seqlens=None, causal_block=None):
+    return masks.visible_keys(q_pos, k_pos, causal=causal, cu_seqlens=cu_seqlens, causal_block=causal_block)
 
 
-def _wrapping_window(q_pos, k_pos, *, causal=False, window=(-1, -1), cu_seqlens=None):
+def _wrapping_window(q_pos, k_pos, *, causal=False, window=(-1, -1), cu_seqlens=None, causal_block=None):
     """The old overflow: q_pos + right computed in int64 wraps to a negative end."""
     left, right = window
     with np.errstate(over="ignore"):

@@ -74,6 +74,7 @@ class Config:
     backward: bool = False
     dtype: str = "float32"
     wire: str | None = None  # K/V on the wire (``wire_dtype``): None, the input dtype
+    positions: bool = False  # each rank passes its shard of the layout as explicit positions=, not layout=
 
     @property
     def layout(self):
@@ -114,17 +115,18 @@ def _local_inputs(cfg, plan, rank, seed):
     return arrays
 
 
-def _one_run(q, k, v, dout, comm, cfg):
+def _one_run(q, k, v, dout, comm, cfg, plan):
     """One timed pass; returns (wall, wait, compute, bytes) of this rank."""
     comm.Barrier()
     rec = Record(comm.Get_rank())
+    held = {"positions": plan.shards[comm.Get_rank()]} if cfg.positions else {"layout": cfg.layout}
     start = time.perf_counter()
-    out, lse = ring_attention(q, k, v, comm, causal=cfg.causal, layout=cfg.layout, record=rec, wire_dtype=cfg.wire)
+    out, lse = ring_attention(q, k, v, comm, causal=cfg.causal, record=rec, wire_dtype=cfg.wire, **held)
     wait, compute, sent = rec.wait_time, rec.compute_time, rec.bytes_sent
     if cfg.backward:
         brec = Record(comm.Get_rank())
-        ring_attention_backward(dout, q, k, v, out, lse, comm, causal=cfg.causal, layout=cfg.layout, record=brec,
-                                wire_dtype=cfg.wire)
+        ring_attention_backward(dout, q, k, v, out, lse, comm, causal=cfg.causal, record=brec, wire_dtype=cfg.wire,
+                                **held)
         wait, compute, sent = wait + brec.wait_time, compute + brec.compute_time, sent + brec.bytes_sent
     wall = time.perf_counter() - start
     return wall, wait, compute, sent
@@ -149,8 +151,9 @@ def run_config(comm, cfg, *, repeats=3, budget=30.0, seed=0, limits=None, baseli
     model = memory_model(cfg, size)
     flops = 4 * cfg.B * cfg.H * cfg.D * sum(plan.visible_pairs()) * (3.5 if cfg.backward else 1)
     row = {"P": size, "S": cfg.S, "D": cfg.D, "H": cfg.H, "B": cfg.B, "causal": int(cfg.causal),
-           "layout": cfg.layout, "pass": cfg.name, "dtype": cfg.dtype, "wire": cfg.wire or "",
-           "precision": cfg.precision, "model_mb": model["total"] / MB, "baseline_mb": baseline_mb}
+           "layout": cfg.layout + (" (positions)" if cfg.positions else ""), "pass": cfg.name, "dtype": cfg.dtype,
+           "wire": cfg.wire or "", "precision": cfg.precision, "model_mb": model["total"] / MB,
+           "baseline_mb": baseline_mb}
     need = (model["total"] + kernel_scratch(cfg, plan)) / MB
     if guard_mb is not None and need * local_ranks > 0.8 * guard_mb:
         row["status"] = (f"skipped: needs ~{need:.0f} MiB per rank x {local_ranks} ranks, "
@@ -161,13 +164,13 @@ def run_config(comm, cfg, *, repeats=3, budget=30.0, seed=0, limits=None, baseli
     q, k, v, *rest = _local_inputs(cfg, plan, rank, seed)
     dout = rest[0] if rest else None
     samples, elapsed = [], 0.0
-    first = _one_run(q, k, v, dout, comm, cfg)
+    first = _one_run(q, k, v, dout, comm, cfg, plan)
     slowest = comm.allreduce(first[0], op=MPI.MAX)
     if slowest * (repeats + 1) > budget:  # too slow to afford a warm-up: the first run counts
         samples.append(first)
         elapsed = slowest
     while len(samples) < repeats and (not samples or elapsed + slowest <= budget):
-        samples.append(_one_run(q, k, v, dout, comm, cfg))
+        samples.append(_one_run(q, k, v, dout, comm, cfg, plan))
         slowest = comm.allreduce(samples[-1][0], op=MPI.MAX)
         elapsed += slowest
     peak = peak_rss_mb()
@@ -235,6 +238,8 @@ def bench_parser():
     p.add_argument("--precisions", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS),
                    help="fp32: float32 inputs; bf16: bfloat16 inputs; int8w: float32 inputs, K/V sent as int8 "
                         "(the last two: forward causal rows only)")
+    p.add_argument("--positions", action="store_true", help="pass each rank's shard of the layout as explicit "
+                   "positions= instead of layout= (the same tokens: times should not change)")
     return p
 
 
@@ -244,7 +249,7 @@ PRECISIONS = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int8w": ("
 def _configs(args):
     if args.long:
         sizes = args.sizes or LONG_SIZES
-        return [Config(S, 64, H=1, B=1, causal=True) for S in sizes]
+        return [Config(S, 64, H=1, B=1, causal=True, positions=args.positions) for S in sizes]
     sizes = args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES)
     dims = args.dims or (QUICK_DIMS if args.quick else FULL_DIMS)
     masks = {"both": (False, True), "causal": (True,), "full": (False,)}[args.mask]
@@ -257,7 +262,8 @@ def _configs(args):
     extra = [PRECISIONS[p] for p in args.precisions if p != "fp32"  # bf16 inputs, int8 wire: forward causal rows
              and (p != "bf16" or importlib.util.find_spec("ml_dtypes"))]  # no bf16 rows without ml_dtypes
     plain = "fp32" in args.precisions
-    return [Config(S, D, H=args.heads, B=args.batch, causal=c, backward=b, dtype=dtype, wire=wire)
+    return [Config(S, D, H=args.heads, B=args.batch, causal=c, backward=b, dtype=dtype, wire=wire,
+                   positions=args.positions)
             for b in passes for S in sizes for D in dims for c in masks
             for dtype, wire in ([("float32", None)] if plain else []) + ([] if b or not c else extra)]
 

@@ -6,7 +6,10 @@ import time
 
 import numpy as np
 
-__all__ = ["command_parser", "add_variant_args", "variant", "at_least", "Agreed", "launch_rank", "poll"]
+from mpiring.balancers import METHODS, balance, imbalance, work
+
+__all__ = ["command_parser", "add_variant_args", "variant", "video", "held_positions", "balance_table", "at_least",
+           "Agreed", "launch_rank", "poll"]
 
 
 class Agreed(Exception):  # noqa: N818 (not an error of one rank: the same verdict on every rank)
@@ -72,13 +75,57 @@ def add_variant_args(p):
                    help="how K/V travel: one way round the ring, both ways, or all-gathered once")
     p.add_argument("--window", type=int, nargs=2, metavar=("LEFT", "RIGHT"), help="sliding window; -1 = unbounded")
     p.add_argument("--cu-seqlens", type=int, nargs="+", metavar="N", help="packed documents: 0 e1 e2 ... seq_len")
+    p.add_argument("--causal-block", type=int, nargs="?", const=0, metavar="F",
+                   help="block-causal mask (with --causal): key j visible to query i iff j // F <= i // F; "
+                        "no value: F = --frame-tokens")
+    p.add_argument("--balance", choices=METHODS, metavar="METHOD",
+                   help=f"positions from mpiring.balance ({', '.join(METHODS)}) instead of --layout; prints every "
+                        f"method's per-rank work side by side")
+    p.add_argument("--frames", type=int, help="video: --frames x --frame-tokens tokens, frame-causal "
+                   "(sets --seq-len, --causal and --causal-block)")
+    p.add_argument("--frame-tokens", type=int, default=512, help="video: tokens per frame")
+    p.checks += [at_least(1, **{"--frames": "frames", "--frame-tokens": "frame_tokens"}), video]
+
+
+def video(args):
+    """``--frames``: the sequence is frames x frame tokens, frame-causal; a check (None: fine)."""
+    if args.frames:
+        args.seq_len, args.causal = args.frames * args.frame_tokens, True
+        args.causal_block = args.causal_block or args.frame_tokens
+    elif args.causal_block == 0:
+        args.causal_block = args.frame_tokens
+    if args.causal_block is not None and args.causal_block < 1:
+        return f"--causal-block must be at least 1, got {args.causal_block}"
+    return None
 
 
 def variant(args):
     """The keyword arguments of ``make_plan`` and the ring that ``add_variant_args`` options ask for."""
     return dict(causal=args.causal, layout=args.layout, mode=args.mode,
                 window=tuple(args.window) if args.window else None,
-                cu_seqlens=np.array(args.cu_seqlens) if args.cu_seqlens else None)
+                cu_seqlens=np.array(args.cu_seqlens) if args.cu_seqlens else None, causal_block=args.causal_block)
+
+
+def _mask(args):
+    options = variant(args)
+    return {name: options[name] for name in ("causal", "window", "cu_seqlens", "causal_block")}
+
+
+def held_positions(args, seq_len, size):
+    """Every rank's positions under ``--balance`` (None: the --layout)."""
+    return None if args.balance is None else balance(seq_len, size, method=args.balance, **_mask(args))
+
+
+def balance_table(args, seq_len, size):
+    """Every balancer's per-rank work (visible pairs) side by side, and max/mean; the chosen one marked."""
+    mask = _mask(args)
+    loads = {m: work(balance(seq_len, size, method=m, **mask), seq_len, **mask) for m in METHODS}
+    names = [m + ("*" if m == args.balance else "") for m in METHODS]
+    lines = [f"visible pairs per rank, by balancer (mpiring.balance{'; * = this run' if args.balance else ''}):",
+             "rank" + "".join(f"{n:>14}" for n in names)]
+    lines += [f"{r:>4}" + "".join(f"{loads[m][r]:>14}" for m in METHODS) for r in range(size)]
+    lines.append("max/mean" + "".join(f"{imbalance(loads[m]):>14.3f}" for m in METHODS)[4:])
+    return "\n".join(lines)
 
 
 # where launchers put a process's rank before MPI starts: MPICH/Hydra and PMI-2, Open MPI, PMIx, Slurm

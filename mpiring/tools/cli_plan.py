@@ -1,6 +1,7 @@
 """The commands that need no MPI: ``schedule`` (the plan) and ``cost`` (the cost report and the time model).
 
     python -m mpiring schedule -P 4 --layout zigzag --causal
+    python -m mpiring schedule -P 4 --frames 16 --frame-tokens 64 --balance greedy
     python -m mpiring cost --seq-len 1048576 -P 8 --hidden 4096 --heads 32 --causal
 
 Each is ``(comm, args=None) -> exit code``; they ignore ``comm`` (pass None).
@@ -10,9 +11,9 @@ from mpiring import make_plan
 from mpiring.costmodel import PRESETS, Machine, format_time_model, format_wire_model, ring_attention_context_parallel
 
 from .calibrate import calibrate
-from .cli import add_variant_args, at_least, command_parser, variant
+from .cli import add_variant_args, at_least, balance_table, command_parser, held_positions, variant
 
-__all__ = ["schedule", "schedule_parser", "cost", "cost_parser", "compute_table"]
+__all__ = ["schedule", "schedule_parser", "cost", "cost_parser", "compute_table", "held_text"]
 
 
 def compute_table(plan, records=None):
@@ -44,12 +45,20 @@ def schedule(comm=None, args=None):
     """Print the ring schedule and the work of every rank (no MPI needed)."""
     args = schedule_parser().parse_args(args)
     seq_len = args.seq_len or 64 * args.ranks
-    plan = make_plan(seq_len, args.ranks, **variant(args))
-    print(f"P={plan.size} seq_len={seq_len} layout={plan.layout} mode={plan.mode} causal={plan.causal} "
+    plan = make_plan(seq_len, args.ranks, positions=held_positions(args, seq_len, args.ranks), **variant(args))
+    print(f"P={plan.size} seq_len={seq_len} {held_text(args, plan)} mode={plan.mode} causal={plan.causal} "
           f"window={plan.window} steps={plan.n_steps} messages/rank={plan.messages_per_rank()}")
     print(plan.schedule.format())
     print(compute_table(plan))
+    if args.balance or args.frames:
+        print(balance_table(args, seq_len, args.ranks))
     return 0
+
+
+def held_text(args, plan):
+    """How the tokens are dealt out, for a report's first line (and the frame size of a block-causal mask)."""
+    held = f"balance={args.balance}" if args.balance else f"layout={plan.layout}"
+    return held + (f" causal_block={plan.causal_block}" if plan.causal_block else "")
 
 
 def cost_parser():

@@ -26,16 +26,16 @@ from mpiring import (
     ring_attention,
     ring_attention_backward,
     ring_attention_context_parallel,
-    shard_indices,
 )
+from mpiring.layouts import layout_positions
 from mpiring.plan import Schedule
 from mpiring.precision import ACCUMULATE, GRAD_WIRE_DTYPES, INPUT_DTYPES, WIRE_DTYPES, Precision, named_dtype
 from mpiring.record import Record
 
 from . import verify
 from .calibrate import calibrate
-from .cli import Agreed, add_variant_args, at_least, command_parser, poll, variant
-from .cli_plan import compute_table
+from .cli import Agreed, add_variant_args, at_least, balance_table, command_parser, held_positions, poll, variant
+from .cli_plan import compute_table, held_text
 from .plot import plot_timeline
 from .progress import Progress
 from .report import format_timeline, timing_report
@@ -129,7 +129,7 @@ def job_problem(args, size):
             return '--plot needs matplotlib, which is not installed: pip install -e ".[plot]" (or leave out --plot)'
         if _writable("--plot", args.plot):
             return _writable("--plot", args.plot)
-    return verify.check_partition(args.seq_len, size, args.layout)
+    return None if args.balance else verify.check_partition(args.seq_len, size, args.layout)
 
 
 def _share_text(comm, text):
@@ -179,7 +179,10 @@ def run(comm, args=None):
     hk = args.kv_heads or args.heads
     options = variant(args)
     inputs = verify.Inputs(args.seed, args.batch, args.heads, hk, args.dim, dtype)
-    positions = shard_indices(args.seq_len, size, rank, args.layout)
+    parts = held_positions(args, args.seq_len, size) or layout_positions(args.seq_len, size, args.layout)
+    positions = parts[rank]
+    if args.balance:
+        options["positions"] = positions
     q, k, v = (inputs.tokens(kind, positions) for kind in ("q", "k", "v"))
     timeout = None if args.timeout == 0 else args.timeout
     progress = Progress("ring step (rank 0)", enabled={"auto": None, "on": True, "off": False}[args.progress])
@@ -207,8 +210,8 @@ def run(comm, args=None):
                                        1 << 26))
     checked = None
     if not args.no_verify:
-        mask = dict(causal=args.causal, window=args.window, cu_seqlens=args.cu_seqlens)
-        checked = verify.check_rank(inputs, args.seq_len, size, rank, args.layout, mask, got,
+        mask = dict(causal=args.causal, window=args.window, cu_seqlens=args.cu_seqlens, causal_block=args.causal_block)
+        checked = verify.check_rank(inputs, args.seq_len, size, rank, parts, mask, got,
                                     share=lambda piece: allgather_arrays(comm, piece))
     rec = backward if args.backward else forward
     if checked is not None:
@@ -236,13 +239,15 @@ def _report_forward(args, sched, checks, machine):
     pr, kv_width, wire_size = _wire(args)
     predicted = predicted_bytes_sent(plan, kv_width, wire_size)
     print(f"mpiring run: P={size} seq_len={args.seq_len} batch={args.batch} heads={args.heads} kv_heads={hk} "
-          f"dim={args.dim} {dtype} causal={plan.causal} layout={plan.layout} mode={plan.mode} window={plan.window}")
+          f"dim={args.dim} {dtype} causal={plan.causal} {held_text(args, plan)} mode={plan.mode} window={plan.window}")
     print(_wire_line(args, pr))
     print("\nschedule as recorded by the ranks:")
     print(sched.format())
     for r, rec in enumerate(records):
         rec["blocks_computed"] = sum(t.kind != "skip" for row in sched.table for t in row[r])
     print(compute_table(plan, records))
+    if args.balance or args.frames:
+        print(balance_table(args, args.seq_len, size))
     agrees = sched == plan.schedule and [r["visible_pairs"] for r in records] == plan.visible_pairs()
     print(f"recorded schedule equals the plan: {'yes' if agrees else 'NO'}")
     print("\nrank  bytes sent  predicted  messages  compute s  blocked in wait s")
@@ -366,7 +371,7 @@ def _report_backward(args, sched, checks):
     bwd_bytes = predicted_backward_bytes(plan, kv_width, wire_size, pr.grad.itemsize, args.batch * hk * 2 * args.dim)
     bwd_messages = plan.backward_messages_per_rank()
     print(f"mpiring run --backward: P={size} seq_len={args.seq_len} batch={args.batch} heads={args.heads} "
-          f"kv_heads={hk} dim={args.dim} {dtype} causal={plan.causal} layout={plan.layout} mode={plan.mode} "
+          f"kv_heads={hk} dim={args.dim} {dtype} causal={plan.causal} {held_text(args, plan)} mode={plan.mode} "
           f"window={plan.window}")
     print(_wire_line(args, pr))
     print("\nbackward schedule as recorded by the ranks (K/V and their dK/dV partials follow the forward plan):")

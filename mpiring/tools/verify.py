@@ -25,7 +25,7 @@ blocks. It shares no code with the ring it checks. What it covers:
 
 import numpy as np
 
-from mpiring.layouts import shard_indices
+from mpiring.layouts import layout_positions, shard_indices
 from mpiring.reference import definition_mask
 from mpiring.testing import tolerance
 
@@ -208,13 +208,15 @@ def check_rank(inputs, seq_len, size, rank, layout, mask, got, share=None):
     """This rank's check: ``{"rows", "of", "keys", "error": {name: err}, "largest": {name: max |ref|}}``.
 
     ``got``: this rank's ``out`` and ``lse`` (and ``dq``, ``dk``, ``dv`` after a
-    backward pass), its shard of the ``layout`` in sequence order.
+    backward pass), its shard of the ``layout`` in sequence order; ``layout``
+    may also be every rank's sorted positions (``mpiring.balance``).
     ``share(piece)``: every rank's ``piece`` (an all-gather), needed (and called,
     collectively) only when dK and dV are checked.
     """
     scale = 1.0 / np.sqrt(inputs.dim)
     seed = inputs.seed
-    positions = shard_indices(seq_len, size, rank, layout)
+    parts = layout_positions(seq_len, size, layout) if isinstance(layout, str) else layout
+    positions = parts[rank]
     n = len(positions)
     backward = "dq" in got
     with_dkv = backward and seq_len <= DKV_MAX_SEQ
@@ -242,7 +244,7 @@ def check_rank(inputs, seq_len, size, rank, layout, mask, got, share=None):
     pieces = share(np.ascontiguousarray(np.stack([lse, delta])))
     every = np.empty((2,) + lse.shape[:-1] + (seq_len,))
     for r, piece in enumerate(pieces):
-        every[..., shard_indices(seq_len, size, r, layout)] = piece
+        every[..., parts[r]] = piece
     keys = sample_rows(n, seed, rank, "keys")
     dk, dv = dkv_reference(inputs, positions[keys], seq_len, scale, mask, every[0], every[1])
     compare("dK", got["dk"][..., keys, :], dk)
