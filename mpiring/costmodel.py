@@ -264,19 +264,21 @@ def time_model(total_seq_len, num_devices, *, heads, head_dim, kv_heads=None, ba
     }
 
 
-def predict_plan(plan, machine, *, batch, heads, kv_heads, head_dim, itemsize, backward=False):
+def predict_plan(plan, machine, *, batch, heads, kv_heads, head_dim, itemsize, backward=False, grad_itemsize=None):
     """Per-step prediction for a concrete plan: ``[(compute, transfer, step), ...]`` in seconds.
 
     Compute is the busiest rank's work at that step, counted as the score
     entries mpiring's kernel is given (``plan.pieces``), at the machine's
     ``masked_flops`` for sub-blocks with a mask; transfer is the busiest
-    rank's sends started at that step (all-gather: all of them at step 0).
-    Used by ``run`` to put a prediction next to the measurement.
+    rank's sends started at that step (all-gather: all of them at step 0);
+    backward: K/V and their dK/dV partials (``grad_itemsize``: 4, or 8 when
+    ``itemsize`` is 8). Used by ``run`` to put a prediction next to the measurement.
     """
     m = machine
-    work, traffic = (2.5, 2.0) if backward else (1.0, 1.0)
+    grad_itemsize = (8 if itemsize == 8 else 4) if grad_itemsize is None else grad_itemsize
+    work, traffic = (2.5, itemsize + grad_itemsize) if backward else (1.0, itemsize)
     flop_per_pair = work * 4 * batch * heads * head_dim
-    per_token = traffic * 2 * batch * kv_heads * head_dim * itemsize
+    per_token = 2 * batch * kv_heads * head_dim * traffic
     lengths = [len(s) for s in plan.kv_shards]
     cache = {}
 

@@ -60,8 +60,12 @@ class Shapes:
         self.g = hq // hk
         self.dv = v.shape[-1]
         self.b = int(np.prod(batch, dtype=np.int64)) * hk
-        # float32 and float64 are kept; float16 computes in float32, ints in float64
-        self.dtype = np.result_type(q.dtype, np.float32) if q.dtype.kind == "f" else np.dtype(np.float64)
+        # float32 and float64 are kept; float16 and bfloat16 compute in float32, ints in float64
+        half = q.dtype.kind == "f" or q.dtype.name == "bfloat16"
+        self.dtype = np.result_type(q.dtype, np.float32) if half else np.dtype(np.float64)
+        if q.dtype != self.dtype:  # widened once: a product with a Python float would stay in a half dtype
+            q = q.astype(self.dtype)
+            k, v = (k, v) if padded else (k.astype(self.dtype), v.astype(self.dtype))
         self.q = q.reshape(self.b, self.g, self.sq, self.d)
         if padded:  # no copies: views of the caller's blocks (B, D+1, Sk)
             self.kt, self.vt = as_view(kp, (self.b, self.d + 1, self.sk)), as_view(vp, (self.b, self.dv + 1, self.sk))

@@ -70,6 +70,23 @@ def test_simulator_takes_half_inputs(rng, dtype, P):
     assert_attention_close(lse, ref_lse, np.float32)  # lse stays in float32: its error is float32's
 
 
+@pytest.mark.parametrize("dtype", HALF)
+def test_block_kernels_compute_half_inputs_in_float32(rng, dtype):
+    """attention_block(_backward) on half inputs: float32 tiles and results, within the dtype's tolerance."""
+    (q, k, v), exact = _inputs(rng, dtype, (2, 300, 16))
+    dout = rng.standard_normal(q.shape).astype(q.dtype)
+    out, lse = mpiring.attention_block(q, k, v)
+    assert out.dtype == lse.dtype == np.float32
+    ref, ref_lse = reference(*exact)
+    assert_attention_close(out, ref, q.dtype)
+    assert_attention_close(lse, ref_lse, np.float32)
+    grads = mpiring.attention_block_backward(dout, q, k, v, out, lse)
+    want = mpiring.reference_attention_backward(dout.astype(np.float64), *exact)
+    for got, ref, name in zip(grads, want, ("dq", "dk", "dv")):
+        assert got.dtype == np.float32
+        assert_attention_close(got, ref, q.dtype, name)
+
+
 @pytest.mark.parametrize("wire", WIRES)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_simulator_wire_error_within_its_bound(rng, wire, dtype):
