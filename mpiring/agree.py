@@ -16,7 +16,7 @@ from .comm import allgather
 from .kernels import LSE_LIMIT, default_scale
 from .layouts import check_layout
 from .masks import check_window
-from .plan import MODES, make_plan
+from .plan import ALL_MODES, make_plan
 
 __all__ = ["agree", "setup", "agree_root", "check_comm", "comm_problem", "resolve_timeout", "agreement_timeout",
            "local_problem", "grad_problem", "root_problem", "root_grad_problem", "timeout_problem", "scale_problem",
@@ -139,8 +139,8 @@ def canonical(options):
     (cu_seqlens against the total length) once every rank holds the same options.
     """
     check_layout(options["layout"])
-    if options["mode"] not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}; got {options['mode']!r}")
+    if options["mode"] not in ALL_MODES:
+        raise ValueError(f"mode must be one of {', '.join(ALL_MODES)}; got {options['mode']!r}")
     cu = options["cu_seqlens"]
     if cu is not None:
         cu = np.asarray(cu)

@@ -19,6 +19,7 @@ from . import block
 from .agree import check_comm, grad_problem, resolve_timeout, setup
 from .block import GRAD_DTYPE, add_grads, count_pairs
 from .comm import Buffers, HomeRing, RingComm, allgathered, exclusive, flat_blocks, next_buffers, shift, wait_until
+from .heads import heads_problem
 from .plan import chunks_in_order, home_chunks, key_chunks
 from .record import Record
 from .ring import agree_outcome
@@ -169,7 +170,7 @@ def ring_attention_backward(
             delta = np.sum(arrays[0].astype(GRAD_DTYPE) * arrays[4], axis=-1).astype(q.dtype)
             return arrays + [delta]
 
-        problem = grad_problem(dout, q, k, v, out, lse)
+        problem = grad_problem(dout, q, k, v, out, lse) or heads_problem(q, k, comm.Get_size(), mode)
         plan, scale, (dout, q, k, v, out, lse, delta) = setup(q, k, v, comm, scale, options, timeout=timeout,
                                                               prepare=prepare, problem=problem)
         timeout = resolve_timeout(timeout, plan, q.size // (q.shape[-2] * q.shape[-1]), q.shape[-1], factor=2.5)
@@ -177,13 +178,17 @@ def ring_attention_backward(
         rings = []
         try:  # private duplicates: K/V, dK/dV onward, dK/dV home (all-gather needs only the first)
             rings.append(RingComm(comm, timeout))
-            if plan.mode != "allgather":
+            if plan.mode not in ("allgather", "ulysses"):
                 rings += [RingComm(comm, timeout), HomeRing(comm, plan, timeout)]
             wait_until([rings[0].comm.Ibarrier()], timeout, rings[0].rank, "start barrier")  # a common start
             rec.t0 = start = time.perf_counter()
             if plan.mode == "allgather":
                 dq, dk, dv = _allgather_backward(dout, q, k, v, out, lse, delta, plan, rings[0].comm, scale, rec,
                                                  timeout)
+            elif plan.mode == "ulysses":  # heads move, not K/V blocks (mpiring.ulysses)
+                from .ulysses import ulysses_backward
+
+                dq, dk, dv = ulysses_backward(dout, q, k, v, lse, delta, plan, rings[0].comm, scale, rec, timeout)
             else:
                 dq, dk, dv = _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec, timeout)
                 rec.bytes_sent = sum(ring.bytes_sent for ring in rings)

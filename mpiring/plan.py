@@ -28,10 +28,11 @@ import numpy as np
 from .layouts import block_range, check_layout, shard_indices
 from .masks import block_kind, check_cu_seqlens, check_window, visible_keys
 
-__all__ = ["MODES", "NEXT", "PREV", "HOME_CHUNKS", "Task", "Piece", "Schedule", "Plan", "make_plan",
+__all__ = ["MODES", "ALL_MODES", "NEXT", "PREV", "HOME_CHUNKS", "Task", "Piece", "Schedule", "Plan", "make_plan",
            "home_chunks", "key_chunks", "cut_to_keys", "chunks_in_order"]
 
-MODES = ("ring", "bidirectional", "allgather")
+MODES = ("ring", "bidirectional", "allgather")  # the ring modes: K/V blocks travel (the simulator's too)
+ALL_MODES = MODES + ("ulysses",)  # and the modes that move heads (mpiring.heads)
 NEXT, PREV = +1, -1  # a stream's direction: NEXT sends to rank + 1 (receives from rank - 1), PREV the reverse
 HOME_CHUNKS = 4  # the backward pass sends a partial home in this many key chunks, each as soon as its keys are done
 
@@ -195,8 +196,13 @@ def make_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str 
               window: tuple[int, int] | None = None, cu_seqlens=None) -> Plan:
     """Build the plan for ``size`` ranks over a sequence of ``seq_len`` tokens."""
     check_layout(layout)
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+    if mode not in ALL_MODES:
+        raise ValueError(f"mode must be one of {', '.join(ALL_MODES)}; got {mode!r}")
+    if mode == "ulysses":  # the ring plan's shards and masks, followed in one step (mpiring.heads)
+        from .heads import ulysses_plan
+
+        return ulysses_plan(make_plan(seq_len, size, layout=layout, mode="allgather", causal=causal, window=window,
+                                      cu_seqlens=cu_seqlens))
     if size < 1 or seq_len < size:
         raise ValueError(f"need at least one token per rank: seq_len={seq_len}, ranks={size}")
     plan = Plan(seq_len, size, layout, mode, bool(causal), check_window(window), check_cu_seqlens(cu_seqlens, seq_len))

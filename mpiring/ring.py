@@ -16,6 +16,7 @@ from mpi4py import MPI
 from . import block
 from .agree import check_comm, resolve_timeout, setup
 from .comm import CommTimeout, KVBuffers, RingComm, allgathered, exclusive, next_buffers, shift, wait_until
+from .heads import heads_problem
 from .record import Record
 
 __all__ = ["ring_attention", "agree_outcome"]
@@ -128,7 +129,8 @@ def ring_attention(
     with exclusive(comm):  # one call per communicator at a time (threads: one Dup each)
         options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens)
         plan, scale, (q, k, v) = setup(q, k, v, comm, scale, options, check_finite, expected_size, timeout,
-                                       prepare=lambda: [np.ascontiguousarray(a) for a in (q, k, v)])
+                                       prepare=lambda: [np.ascontiguousarray(a) for a in (q, k, v)],
+                                       problem=heads_problem(q, k, comm.Get_size(), mode))
         timeout = resolve_timeout(timeout, plan, q.size // (q.shape[-2] * q.shape[-1]), q.shape[-1])
         rec = Record(comm.Get_rank()) if record is None else record
         with RingComm(comm, timeout) as ring:  # a private duplicate: the caller's messages never mix with the ring's
@@ -137,6 +139,10 @@ def ring_attention(
             rec.t0 = start = time.perf_counter()
             if plan.mode == "allgather":
                 out, lse = _allgather_loop(q, k, v, plan, ring.comm, scale, rec, timeout)
+            elif plan.mode == "ulysses":  # heads move, not K/V blocks (mpiring.ulysses)
+                from .ulysses import ulysses_forward
+
+                out, lse = ulysses_forward(q, k, v, plan, ring.comm, scale, rec, timeout)
             else:
                 out, lse = _ring_loop(q, k, v, plan, ring, scale, rec, timeout)
                 rec.bytes_sent, rec.messages, rec.wait_time = ring.bytes_sent, ring.messages, ring.wait_time

@@ -6,6 +6,8 @@ import time
 
 import numpy as np
 
+from mpiring.plan import ALL_MODES
+
 __all__ = ["command_parser", "add_variant_args", "variant", "at_least", "Agreed", "launch_rank", "poll"]
 
 
@@ -68,8 +70,9 @@ def add_variant_args(p):
     p.add_argument("--causal", action="store_true", help="causal mask")
     p.add_argument("--layout", default="contiguous", choices=["contiguous", "zigzag", "striped"],
                    help="which tokens each rank holds")
-    p.add_argument("--mode", default="ring", choices=["ring", "bidirectional", "allgather"],
-                   help="how K/V travel: one way round the ring, both ways, or all-gathered once")
+    p.add_argument("--mode", default="ring", choices=list(ALL_MODES),
+                   help="how K/V travel: one way round the ring, both ways, or all-gathered once; or ulysses: "
+                        "heads travel (all-to-all), every rank attends its heads over the whole sequence")
     p.add_argument("--window", type=int, nargs=2, metavar=("LEFT", "RIGHT"), help="sliding window; -1 = unbounded")
     p.add_argument("--cu-seqlens", type=int, nargs="+", metavar="N", help="packed documents: 0 e1 e2 ... seq_len")
 

@@ -21,13 +21,12 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from mpiring import (
-    predicted_backward_bytes,
-    predicted_bytes_sent,
     ring_attention,
     ring_attention_backward,
     ring_attention_context_parallel,
     shard_indices,
 )
+from mpiring.heads import predicted_bytes
 from mpiring.plan import Schedule
 from mpiring.record import Record
 
@@ -214,9 +213,9 @@ def _report_forward(args, sched, checks, machine):
     size, dtype = plan.size, np.dtype(args.dtype)
     hk = args.kv_heads or args.heads
     wall = max(r["wall_time"] for r in records)
-    flops = 4 * args.batch * args.heads * args.dim * sum(plan.visible_pairs())
+    flops = 4 * args.batch * args.heads * args.dim * sum(map(sum, plan.pairs))  # the sequence's visible pairs
     itemsize = dtype.itemsize
-    predicted = predicted_bytes_sent(plan, args.batch * hk * 2 * args.dim, itemsize)
+    predicted = predicted_bytes(plan, **_shape(args), itemsize=itemsize)
     print(f"mpiring run: P={size} seq_len={args.seq_len} batch={args.batch} heads={args.heads} kv_heads={hk} "
           f"dim={args.dim} {dtype} causal={plan.causal} layout={plan.layout} mode={plan.mode} window={plan.window}")
     print("\nschedule as recorded by the ranks:")
@@ -230,7 +229,7 @@ def _report_forward(args, sched, checks, machine):
     for r, rec in enumerate(records):
         print(f"{r:>4}  {rec['bytes_sent']:>10}  {predicted[r]:>9}  {rec['messages']:>8}  "
               f"{rec['compute_time']:>9.4f}  {rec['wait_time']:>17.4f}")
-    if args.seq_len % size == 0 and plan.mode != "bidirectional":
+    if args.seq_len % size == 0 and plan.mode in ("ring", "allgather"):
         report = ring_attention_context_parallel(args.seq_len, size, hk * args.dim, args.heads, itemsize)
         print(f"cost report: total_comm_bytes per rank x batch = {report['total_comm_bytes'] * args.batch}"
               f" (full ring; windows/documents may stop it early)")
@@ -246,6 +245,11 @@ def _report_forward(args, sched, checks, machine):
     _write_trace_and_plot(args, records, f"P={size} {plan.layout} {plan.mode}{' causal' if plan.causal else ''}, "
                           f"seq_len={args.seq_len}, H={args.heads} d={args.dim} {dtype}")
     return _verdict(ok, passed, checks)
+
+
+def _shape(args):
+    """The problem's shape as ``heads.predicted_bytes`` takes it."""
+    return dict(batch=args.batch, hq=args.heads, hk=args.kv_heads or args.heads, dim=args.dim, dim_v=args.dim)
 
 
 NAMES = ("out", "lse", "dQ", "dK", "dV")
@@ -323,9 +327,8 @@ def _report_backward(args, sched, checks):
     plan, records = sched.plan, sched.records
     size, dtype = plan.size, np.dtype(args.dtype)
     hk = args.kv_heads or args.heads
-    kv_width = args.batch * hk * 2 * args.dim
-    fwd_bytes = predicted_bytes_sent(plan, kv_width, dtype.itemsize)
-    bwd_bytes = predicted_backward_bytes(plan, kv_width, dtype.itemsize)
+    fwd_bytes = predicted_bytes(plan, **_shape(args), itemsize=dtype.itemsize)
+    bwd_bytes = predicted_bytes(plan, **_shape(args), itemsize=dtype.itemsize, backward=True)
     bwd_messages = plan.backward_messages_per_rank()
     print(f"mpiring run --backward: P={size} seq_len={args.seq_len} batch={args.batch} heads={args.heads} "
           f"kv_heads={hk} dim={args.dim} {dtype} causal={plan.causal} layout={plan.layout} mode={plan.mode} "
@@ -341,7 +344,7 @@ def _report_backward(args, sched, checks):
               f"{bwd_bytes[r]:>10}  {rec['messages']:>8}  {bwd_messages:>9}  {rec['compute_time']:>9.4f}  "
               f"{rec['wait_time']:>17.4f}")
     print("(backward bytes: K/V in the input dtype, their travelling dK/dV partials in float64)")
-    flops = 4 * args.batch * args.heads * args.dim * sum(plan.visible_pairs())
+    flops = 4 * args.batch * args.heads * args.dim * sum(map(sum, plan.pairs))  # the sequence's visible pairs
     for name, wall, factor in (("forward ", max(r["forward"]["wall_time"] for r in records), 1.0),
                                ("backward", max(r["wall_time"] for r in records), 2.5)):
         print(f"{name} wall time {wall:.4f} s   {factor * flops / wall / 1e9:.2f} GFLOP/s "
