@@ -28,7 +28,8 @@ from .costmodel import predicted_backward_bytes, predicted_bytes_sent
 from .plan import Piece, Plan, Schedule, Task
 
 __all__ = ["HEAD_MODES", "UlyssesPlan", "ulysses_plan", "heads_problem", "query_heads", "kv_heads",
-           "predicted_ulysses_bytes", "predicted_bytes"]
+           "ulysses_pair_bytes", "predicted_ulysses_bytes",
+           "predicted_bytes"]
 
 HEAD_MODES = ("ulysses",)
 
@@ -121,31 +122,30 @@ def ulysses_plan(base):
     return plan
 
 
-def predicted_ulysses_bytes(plan, *, batch, hq, hk, dim, dim_v, itemsize, backward=False,
-                            grad_itemsize=8):
-    """Bytes each rank sends under a Ulysses plan (a rank's share to itself never leaves it).
+def ulysses_pair_bytes(plan, r, d, *, batch, hq, hk, dim, dim_v, itemsize, backward=False, grad_itemsize=8):
+    """Bytes rank r sends rank d under a Ulysses plan (0 to itself: that share never leaves it).
 
-    Forward: to every other rank d its query heads of this rank's tokens
-    (``Hq/P x n x D``) and the K/V heads d uses (``kv x n x (D + Dv)``), then
-    back to d its tokens of this rank's heads, out and lse (``Hq/P x n_d x
-    (Dv + 1)``), all in the input dtype. Backward: out goes as delta, so
-    ``Hq/P x n x (D + Dv + 2)`` (q, dout, lse, delta) and the K/V heads; back
-    dq and the K/V heads' dK, dV of d's tokens, in ``grad_itemsize`` bytes.
+    Forward: d's query heads of r's tokens (``Hq/P x n_r x D``) and the K/V
+    heads d uses (``kv_d x n_r x (D + Dv)``), then back d's tokens of r's
+    heads, out and lse (``Hq/P x n_d x (Dv + 1)``), all in the input dtype.
+    Backward: out goes as delta, so ``Hq/P x n_r x (D + Dv + 2)`` (q, dout,
+    lse, delta) and the K/V heads; back dq and the dK, dV of r's K/V heads
+    for d's tokens, in ``grad_itemsize`` bytes.
     """
-    P, hq_l = plan.size, hq // plan.size
-    n = [len(s) for s in plan.shards]
-    kv = [len(range(hk)[kv_heads(d, P, hk)]) for d in range(P)]  # K/V heads each rank gets
-    sent = []
-    for r in range(P):
-        others = [d for d in range(P) if d != r]
-        if backward:
-            out = sum(n[r] * (hq_l * (dim + dim_v + 2) + kv[d] * (dim + dim_v)) for d in others) * itemsize
-            back = sum(n[d] * (hq_l * dim + kv[r] * (dim + dim_v)) for d in others) * grad_itemsize
-        else:
-            out = sum(n[r] * (hq_l * dim + kv[d] * (dim + dim_v)) for d in others) * itemsize
-            back = sum(n[d] * hq_l * (dim_v + 1) for d in others) * itemsize
-        sent.append(batch * (out + back))
-    return sent
+    if r == d:
+        return 0
+    P = plan.size
+    hq_l, n_r, n_d = hq // P, len(plan.shards[r]), len(plan.shards[d])
+    kv_r, kv_d = (len(range(hk)[kv_heads(x, P, hk)]) for x in (r, d))  # K/V heads each rank gets
+    if backward:
+        return batch * (n_r * (hq_l * (dim + dim_v + 2) + kv_d * (dim + dim_v)) * itemsize
+                        + n_d * (hq_l * dim + kv_r * (dim + dim_v)) * grad_itemsize)
+    return batch * (n_r * (hq_l * dim + kv_d * (dim + dim_v)) + n_d * hq_l * (dim_v + 1)) * itemsize
+
+
+def predicted_ulysses_bytes(plan, **shape):
+    """Bytes each rank sends under a Ulysses plan: ``ulysses_pair_bytes`` to every other rank."""
+    return [sum(ulysses_pair_bytes(plan, r, d, **shape) for d in range(plan.size)) for r in range(plan.size)]
 
 
 def predicted_bytes(plan, *, batch, hq, hk, dim, dim_v, itemsize, backward=False):

@@ -34,6 +34,7 @@ from . import verify
 from .calibrate import calibrate
 from .cli import Agreed, add_variant_args, at_least, command_parser, poll, variant
 from .cli_plan import compute_table
+from .links import LinkMeter
 from .plot import plot_timeline
 from .progress import Progress
 from .report import format_timeline, timing_report
@@ -170,14 +171,18 @@ def run(comm, args=None):
     timeout = None if args.timeout == 0 else args.timeout
     progress = Progress("ring step (rank 0)", enabled={"auto": None, "on": True, "off": False}[args.progress])
     forward = Record(rank, on_step=progress if rank == 0 and not args.backward else None)
-    got = {}
+    got, meter, sent = {}, LinkMeter(comm), []  # sent: each node's bytes on its links, per call
     try:  # bad arguments: the library raises the same ValueError on every rank, before any transfer
+        meter.start()
         got["out"], got["lse"] = ring_attention(q, k, v, comm, timeout=timeout, record=forward, **options)
+        sent.append(meter.stop())
         if args.backward:
             backward = Record(rank)
             dout = inputs.tokens("dout", positions)
+            meter.start()
             got["dq"], got["dk"], got["dv"] = ring_attention_backward(dout, q, k, v, got["out"], got["lse"], comm,
                                                                       timeout=timeout, record=backward, **options)
+            sent.append(meter.stop())
     except ValueError as exc:
         raise Agreed(str(exc)) from exc
     progress.close()
@@ -202,12 +207,13 @@ def run(comm, args=None):
     table = [[columns[r][0][step] for r in range(size)] for step in range(plan.n_steps)]
     sched = Schedule(table, records=[c[1] for c in columns], plan=plan)
     checks = None if args.no_verify else [c[2] for c in columns]
+    links = meter.report(sent[-1], plan, _shape(args), dtype.itemsize, backward=args.backward)
     if args.backward:
-        return _report_backward(args, sched, checks)
-    return _report_forward(args, sched, checks, machine)
+        return _report_backward(args, sched, checks, links)
+    return _report_forward(args, sched, checks, machine, links)
 
 
-def _report_forward(args, sched, checks, machine):
+def _report_forward(args, sched, checks, machine, links=()):
     """Rank 0's report of a forward run; its exit code."""
     plan, records = sched.plan, sched.records
     size, dtype = plan.size, np.dtype(args.dtype)
@@ -233,6 +239,8 @@ def _report_forward(args, sched, checks, machine):
         report = ring_attention_context_parallel(args.seq_len, size, hk * args.dim, args.heads, itemsize)
         print(f"cost report: total_comm_bytes per rank x batch = {report['total_comm_bytes'] * args.batch}"
               f" (full ring; windows/documents may stop it early)")
+    for line in links:
+        print(line)
     print(f"\nwall time {wall:.4f} s   attention {flops / wall / 1e9:.2f} GFLOP/s "
           f"(4*B*H*D*visible pairs = {flops / 1e9:.3f} GFLOP)")
     ok = agrees and all(r["bytes_sent"] == p for r, p in zip(records, predicted, strict=True))
@@ -322,7 +330,7 @@ def _write_trace_and_plot(args, records, title):
         print(f"timeline written to {args.plot}")
 
 
-def _report_backward(args, sched, checks):
+def _report_backward(args, sched, checks, links=()):
     """Rank 0's report of ``run --backward``; its exit code."""
     plan, records = sched.plan, sched.records
     size, dtype = plan.size, np.dtype(args.dtype)
@@ -350,6 +358,8 @@ def _report_backward(args, sched, checks):
         print(f"{name} wall time {wall:.4f} s   {factor * flops / wall / 1e9:.2f} GFLOP/s "
               f"({factor * flops / 1e9:.3f} GFLOP)")
     print("FLOPs: forward 4*B*H*D*visible pairs; backward 2.5x forward, as FlashAttention counts")
+    for line in links:
+        print(line)
     ok = agrees and all(r["bytes_sent"] == p and r["messages"] == bwd_messages
                         for r, p in zip(records, bwd_bytes, strict=True))
     ok = ok and all(r["forward"]["bytes_sent"] == p for r, p in zip(records, fwd_bytes, strict=True))

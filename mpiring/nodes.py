@@ -1,0 +1,64 @@
+"""Who sends how many bytes to whom, and which of those cross between nodes. No MPI.
+
+    python -m mpiring schedule -P 4 --causal      # the plan; ``traffic`` is its bytes by (sender, receiver)
+
+``traffic(plan, ...)[r][d]`` is what rank r sends rank d in one call (its row
+sums are ``heads.predicted_bytes``). With the node of every rank
+(``node_of[r]``, e.g. from the hostnames), ``inter_node_bytes`` is what
+crosses between nodes: on a cluster, what the slow links carry.
+"""
+
+from .heads import HEAD_MODES, ulysses_pair_bytes
+
+__all__ = ["traffic", "inter_node_bytes", "node_ids"]
+
+
+def _add(matrix, r, d, nbytes):
+    if d != r:
+        matrix[r][d] += nbytes
+
+
+def traffic(plan, *, batch, hq, hk, dim, dim_v, itemsize, backward=False, grad_itemsize=8):
+    """``matrix[r][d]``: bytes rank r sends rank d under ``plan``; None for the all-gather (MPI picks its pattern).
+
+    Ring modes: K/V blocks to the next rank of each stream; backward also the
+    dK/dV partial onward (steps 1 .. R-1) and home, R ranks back. Ulysses: each
+    all-to-all's share for each other rank (``heads.predicted_ulysses_bytes``).
+    """
+    P = plan.size
+    n = [len(s) for s in plan.shards]
+    matrix = [[0] * P for _ in range(P)]
+    if plan.mode == "allgather":
+        return None
+    if plan.mode in HEAD_MODES:
+        shape = dict(batch=batch, hq=hq, hk=hk, dim=dim, dim_v=dim_v, itemsize=itemsize, backward=backward,
+                     grad_itemsize=grad_itemsize)
+        return [[ulysses_pair_bytes(plan, r, d, **shape) for d in range(P)] for r in range(P)]
+    per_token = batch * hk * (dim + dim_v)
+    for r in range(P):
+        for stream, rounds in plan.rounds.items():
+            ahead = (r + stream) % P
+            for step in range(rounds):  # K/V onward
+                _add(matrix, r, ahead, n[plan.held_source(r, stream, step)] * per_token * itemsize)
+            if backward and rounds:
+                for step in range(1, rounds):  # the partial onward, with its block
+                    _add(matrix, r, ahead, n[plan.held_source(r, stream, step)] * per_token * grad_itemsize)
+                home = plan.held_source(r, stream, rounds)  # the last visitor sends it home
+                _add(matrix, r, home, n[home] * per_token * grad_itemsize)
+    return matrix
+
+
+def inter_node_bytes(matrix, node_of):
+    """Per node: bytes its ranks send to ranks on other nodes."""
+    sent = [0] * (max(node_of) + 1)
+    for r, row in enumerate(matrix):
+        for d, nbytes in enumerate(row):
+            if node_of[r] != node_of[d]:
+                sent[node_of[r]] += nbytes
+    return sent
+
+
+def node_ids(names):
+    """Node index of every rank from its host name (``MPI.Get_processor_name()``): in order of first appearance."""
+    first = {}
+    return [first.setdefault(name, len(first)) for name in names]
