@@ -59,7 +59,7 @@ def main(argv=None):
     q, k, v = (rng.standard_normal((1, args.heads, n, args.dim)).astype(np.float32) for _ in range(3))
     transfer = transfer_time(k, v, comm, args.repeat)
     rows = []
-    for rep in range(args.repeat):
+    for _ in range(args.repeat):
         rec = Record(rank)
         ring_attention(q, k, v, comm, causal=args.causal, layout=args.layout, record=rec)
         steps = {}
