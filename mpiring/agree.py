@@ -149,8 +149,13 @@ def canonical(options):
         cu = cu.astype(np.int64)
     if not isinstance(options["causal"], (bool, np.bool_)):
         raise ValueError(f"causal must be True or False, got {options['causal']!r}")
+    node_size = options.get("node_size")
+    if node_size is not None and (isinstance(node_size, bool) or not isinstance(node_size, (int, np.integer))
+                                  or node_size < 1):
+        raise ValueError(f"node_size must be a positive integer (ranks per node) or None, got {node_size!r}")
     return dict(layout=options["layout"], mode=options["mode"], causal=bool(options["causal"]),
-                window=check_window(options["window"]), cu_seqlens=cu)
+                window=check_window(options["window"]), cu_seqlens=cu,
+                node_size=None if node_size is None else int(node_size))
 
 
 class _Shown:

@@ -150,7 +150,7 @@ def ring_attention_backward(
     out: np.ndarray, lse: np.ndarray,  # what ring_attention returned: (..., Hq, n, Dv), (..., Hq, n)
     comm=None, *, causal: bool = False, scale: float | None = None, layout: str = "contiguous",
     mode: str = "ring", window: tuple[int, int] | None = None, cu_seqlens=None,
-    timeout: float | str | None = "auto", record: Record | None = None,
+    timeout: float | str | None = "auto", record: Record | None = None, node_size: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # dq, dk, dv: the shapes of q, k, v
     """Gradients ``(dq, dk, dv)`` of this rank's shard, given the upstream gradient ``dout``.
 
@@ -163,7 +163,8 @@ def ring_attention_backward(
     """
     comm = check_comm(comm)
     with exclusive(comm):  # one call per communicator at a time (threads: one Dup each)
-        options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens)
+        options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens,
+                       node_size=node_size)
 
         def prepare():  # what may fail on one rank alone (MemoryError) is done before the agreement
             arrays = [np.ascontiguousarray(a) for a in (dout, q, k, v, out, lse)]
@@ -178,7 +179,7 @@ def ring_attention_backward(
         rings = []
         try:  # private duplicates: K/V, dK/dV onward, dK/dV home (all-gather needs only the first)
             rings.append(RingComm(comm, timeout))
-            if plan.mode not in ("allgather", "ulysses"):
+            if plan.mode not in ("allgather", "ulysses", "double_ring"):
                 rings += [RingComm(comm, timeout), HomeRing(comm, plan, timeout)]
             wait_until([rings[0].comm.Ibarrier()], timeout, rings[0].rank, "start barrier")  # a common start
             rec.t0 = start = time.perf_counter()
@@ -189,6 +190,12 @@ def ring_attention_backward(
                 from .ulysses import ulysses_backward
 
                 dq, dk, dv = ulysses_backward(dout, q, k, v, lse, delta, plan, rings[0].comm, scale, rec, timeout)
+            elif plan.mode == "double_ring":  # an inner ring per node, an outer ring across (mpiring.double_ring)
+                from .double_ring import double_ring_backward, nodes_of
+
+                plan = nodes_of(plan, rings[0].comm, node_size)
+                dq, dk, dv = double_ring_backward(dout, q, k, v, out, lse, delta, plan, rings[0].comm, scale, rec,
+                                                  timeout)
             else:
                 dq, dk, dv = _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec, timeout)
                 rec.bytes_sent = sum(ring.bytes_sent for ring in rings)

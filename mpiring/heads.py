@@ -24,12 +24,10 @@ dV (each from a subset of the group's query heads) are summed at the owner.
 
 from dataclasses import dataclass
 
-from .costmodel import predicted_backward_bytes, predicted_bytes_sent
 from .plan import Piece, Plan, Schedule, Task
 
 __all__ = ["HEAD_MODES", "UlyssesPlan", "ulysses_plan", "heads_problem", "query_heads", "kv_heads",
-           "ulysses_pair_bytes", "predicted_ulysses_bytes",
-           "predicted_bytes"]
+           "ulysses_pair_bytes", "predicted_ulysses_bytes"]
 
 HEAD_MODES = ("ulysses",)
 
@@ -146,12 +144,3 @@ def ulysses_pair_bytes(plan, r, d, *, batch, hq, hk, dim, dim_v, itemsize, backw
 def predicted_ulysses_bytes(plan, **shape):
     """Bytes each rank sends under a Ulysses plan: ``ulysses_pair_bytes`` to every other rank."""
     return [sum(ulysses_pair_bytes(plan, r, d, **shape) for d in range(plan.size)) for r in range(plan.size)]
-
-
-def predicted_bytes(plan, *, batch, hq, hk, dim, dim_v, itemsize, backward=False):
-    """Bytes each rank sends under any plan: the ring modes' K/V (and dK/dV) or Ulysses' all-to-alls."""
-    if plan.mode in HEAD_MODES:
-        return predicted_ulysses_bytes(plan, batch=batch, hq=hq, hk=hk, dim=dim, dim_v=dim_v,
-                                       itemsize=itemsize, backward=backward)
-    kv_width = batch * hk * (dim + dim_v)
-    return (predicted_backward_bytes if backward else predicted_bytes_sent)(plan, kv_width, itemsize)

@@ -8,9 +8,10 @@ sums are ``heads.predicted_bytes``). With the node of every rank
 crosses between nodes: on a cluster, what the slow links carry.
 """
 
+from .costmodel import predicted_backward_bytes, predicted_bytes_sent
 from .heads import HEAD_MODES, ulysses_pair_bytes
 
-__all__ = ["traffic", "inter_node_bytes", "node_ids"]
+__all__ = ["traffic", "predicted_bytes", "inter_node_bytes", "node_ids"]
 
 
 def _add(matrix, r, d, nbytes):
@@ -23,7 +24,8 @@ def traffic(plan, *, batch, hq, hk, dim, dim_v, itemsize, backward=False, grad_i
 
     Ring modes: K/V blocks to the next rank of each stream; backward also the
     dK/dV partial onward (steps 1 .. R-1) and home, R ranks back. Ulysses: each
-    all-to-all's share for each other rank (``heads.predicted_ulysses_bytes``).
+    all-to-all's share for each other rank (``heads.ulysses_pair_bytes``).
+    Double ring: what ``DoubleRingPlan.sends`` lists.
     """
     P = plan.size
     n = [len(s) for s in plan.shards]
@@ -35,6 +37,11 @@ def traffic(plan, *, batch, hq, hk, dim, dim_v, itemsize, backward=False, grad_i
                      grad_itemsize=grad_itemsize)
         return [[ulysses_pair_bytes(plan, r, d, **shape) for d in range(P)] for r in range(P)]
     per_token = batch * hk * (dim + dim_v)
+    if plan.mode == "double_ring":  # K/V in the input dtype, partials in float64
+        for r in range(P):
+            for _, dest, source, what, _ in plan.sends(r, backward):
+                _add(matrix, r, dest, n[source] * per_token * (itemsize if what == "K/V" else grad_itemsize))
+        return matrix
     for r in range(P):
         for stream, rounds in plan.rounds.items():
             ahead = (r + stream) % P
@@ -46,6 +53,16 @@ def traffic(plan, *, batch, hq, hk, dim, dim_v, itemsize, backward=False, grad_i
                 home = plan.held_source(r, stream, rounds)  # the last visitor sends it home
                 _add(matrix, r, home, n[home] * per_token * grad_itemsize)
     return matrix
+
+
+def predicted_bytes(plan, *, batch, hq, hk, dim, dim_v, itemsize, backward=False):
+    """Bytes each rank sends under any plan: the row sums of ``traffic`` (all-gather: as a ring all-gather)."""
+    shape = dict(batch=batch, hq=hq, hk=hk, dim=dim, dim_v=dim_v, itemsize=itemsize, backward=backward)
+    matrix = traffic(plan, **shape)
+    if matrix is not None:
+        return [sum(row) for row in matrix]
+    kv_width = batch * hk * (dim + dim_v)
+    return (predicted_backward_bytes if backward else predicted_bytes_sent)(plan, kv_width, itemsize)
 
 
 def inter_node_bytes(matrix, node_of):

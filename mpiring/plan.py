@@ -32,7 +32,7 @@ __all__ = ["MODES", "ALL_MODES", "NEXT", "PREV", "HOME_CHUNKS", "Task", "Piece",
            "home_chunks", "key_chunks", "cut_to_keys", "chunks_in_order"]
 
 MODES = ("ring", "bidirectional", "allgather")  # the ring modes: K/V blocks travel (the simulator's too)
-ALL_MODES = MODES + ("ulysses",)  # and the modes that move heads (mpiring.heads)
+ALL_MODES = MODES + ("ulysses", "double_ring")  # and Ulysses (mpiring.heads), the double ring (mpiring.hierarchy)
 NEXT, PREV = +1, -1  # a stream's direction: NEXT sends to rank + 1 (receives from rank - 1), PREV the reverse
 HOME_CHUNKS = 4  # the backward pass sends a partial home in this many key chunks, each as soon as its keys are done
 
@@ -193,16 +193,23 @@ def _last_needed(kinds, size, stream, max_step):
 
 
 def make_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str = "ring", causal: bool = False,
-              window: tuple[int, int] | None = None, cu_seqlens=None) -> Plan:
-    """Build the plan for ``size`` ranks over a sequence of ``seq_len`` tokens."""
+              window: tuple[int, int] | None = None, cu_seqlens=None, node_size: int | None = None) -> Plan:
+    """Build the plan for ``size`` ranks over a sequence of ``seq_len`` tokens.
+
+    ``node_size``: ranks per node of the double ring (None: all ranks on one node); other modes ignore it.
+    """
     check_layout(layout)
     if mode not in ALL_MODES:
         raise ValueError(f"mode must be one of {', '.join(ALL_MODES)}; got {mode!r}")
-    if mode == "ulysses":  # the ring plan's shards and masks, followed in one step (mpiring.heads)
+    if mode in ("ulysses", "double_ring"):  # the ring plan's shards and masks, visited in their own order
         from .heads import ulysses_plan
+        from .hierarchy import double_ring_plan
 
-        return ulysses_plan(make_plan(seq_len, size, layout=layout, mode="allgather", causal=causal, window=window,
-                                      cu_seqlens=cu_seqlens))
+        base = make_plan(seq_len, size, layout=layout, mode="allgather", causal=causal, window=window,
+                         cu_seqlens=cu_seqlens)
+        if mode == "ulysses":
+            return ulysses_plan(base)
+        return double_ring_plan(base, size if node_size is None else node_size)
     if size < 1 or seq_len < size:
         raise ValueError(f"need at least one token per rank: seq_len={seq_len}, ranks={size}")
     plan = Plan(seq_len, size, layout, mode, bool(causal), check_window(window), check_cu_seqlens(cu_seqlens, seq_len))

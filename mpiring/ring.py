@@ -94,7 +94,7 @@ def ring_attention(
     comm=None, *, causal: bool = False, scale: float | None = None, layout: str = "contiguous",
     mode: str = "ring", window: tuple[int, int] | None = None, cu_seqlens=None,
     timeout: float | str | None = "auto", record: Record | None = None, check_finite: bool = False,
-    expected_size: int | None = None,
+    expected_size: int | None = None, node_size: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:  # out (..., Hq, n, Dv), lse (..., Hq, n)
     """Attention of this rank's queries against the whole distributed sequence.
 
@@ -107,7 +107,9 @@ def ring_attention(
         causal: token t attends only to tokens <= t.
         scale: softmax scale, default 1/sqrt(dim).
         layout: "contiguous", "zigzag" or "striped" (see ``mpiring.layouts``).
-        mode: "ring", "bidirectional" or "allgather" (see ``mpiring.schedule``).
+        mode: "ring", "bidirectional" or "allgather" (see ``mpiring.plan``); "ulysses": heads move by
+            all-to-all (``mpiring.heads``); "double_ring": an inner ring per node, an outer ring across
+            nodes (``mpiring.hierarchy``).
         window: sliding window ``(left, right)`` as in flash-attn; -1 is unbounded.
         cu_seqlens: packed documents ``[0, end_0, end_1, ..., seq_len]`` (global positions).
         timeout: seconds a rank may wait for the others (each transfer, a final
@@ -121,13 +123,15 @@ def ring_attention(
         record: a ``Record`` to fill with tasks, events and traffic counters.
         check_finite: also reject NaN/Inf in q, k, v (one extra pass over them).
         expected_size: raise unless the communicator has this many ranks.
+        node_size: ranks per node for the double ring; None: as MPI places them (``COMM_TYPE_SHARED``).
 
     Bad arguments on any rank raise the same ``ValueError`` on every rank,
     before any transfer (see docs/reliability.md).
     """
     comm = check_comm(comm)
     with exclusive(comm):  # one call per communicator at a time (threads: one Dup each)
-        options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens)
+        options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens,
+                       node_size=node_size)
         plan, scale, (q, k, v) = setup(q, k, v, comm, scale, options, check_finite, expected_size, timeout,
                                        prepare=lambda: [np.ascontiguousarray(a) for a in (q, k, v)],
                                        problem=heads_problem(q, k, comm.Get_size(), mode))
@@ -143,6 +147,11 @@ def ring_attention(
                 from .ulysses import ulysses_forward
 
                 out, lse = ulysses_forward(q, k, v, plan, ring.comm, scale, rec, timeout)
+            elif plan.mode == "double_ring":  # an inner ring per node, an outer ring across (mpiring.double_ring)
+                from .double_ring import double_ring_forward, nodes_of
+
+                plan = nodes_of(plan, ring.comm, node_size)
+                out, lse = double_ring_forward(q, k, v, plan, ring, scale, rec, timeout)
             else:
                 out, lse = _ring_loop(q, k, v, plan, ring, scale, rec, timeout)
                 rec.bytes_sent, rec.messages, rec.wait_time = ring.bytes_sent, ring.messages, ring.wait_time

@@ -62,7 +62,8 @@ def hosts(request):
 
 
 @pytest.mark.parametrize("hosts,args", [
-    (2, ["--seq-len", "2048", "--heads", "4", "--dim", "32", "--causal", "--layout", "zigzag"]),
+    (2, ["--seq-len", "1024", "--heads", "4", "--dim", "16", "--causal", "--layout", "zigzag", "--mode", "double_ring",
+         "--backward"]),
     (4, ["--seq-len", "1024", "--heads", "8", "--kv-heads", "2", "--dim", "16", "--mode", "ulysses", "--backward"]),
 ], indirect=["hosts"])
 def test_verified_run_across_hosts_moves_the_models_bytes(hosts, args):
@@ -72,6 +73,7 @@ def test_verified_run_across_hosts_moves_the_models_bytes(hosts, args):
     out = result.stdout
     assert result.returncode == 0, out + result.stderr
     assert "VERIFIED" in out and "recorded schedule equals the plan: yes" in out
+    assert f"P={ranks} " in out and ("node_size=2" in out or "double_ring" not in args)  # nodes as MPI sees them
     table = out[out.index("node  ranks  measured sent"):].split("measured / model")[0]
     rows = re.findall(r"^\s+(\d+)\s+([\d,]+)\s+(\d+)\s+(\d+)$", table, re.M)
     assert len(rows) == hosts, out

@@ -8,7 +8,8 @@ import pytest
 
 from mpiring import LAYOUTS, make_plan
 from mpiring.__main__ import main
-from mpiring.heads import heads_problem, kv_heads, predicted_bytes, query_heads
+from mpiring.heads import heads_problem, kv_heads, query_heads
+from mpiring.nodes import predicted_bytes
 
 from launch import MPIEXEC, clean_env, mpiexec_argv
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from mpiring import LAYOUTS, Record, distributed_attention, make_plan, ring_attention, ring_attention_backward, shard
-from mpiring.heads import predicted_bytes
+from mpiring.nodes import predicted_bytes
 from mpiring.reference import dense_attention
 
 from conftest import GRAD_TOL, dense_mask, naive_attention_backward, tol

@@ -71,15 +71,18 @@ def add_variant_args(p):
     p.add_argument("--layout", default="contiguous", choices=["contiguous", "zigzag", "striped"],
                    help="which tokens each rank holds")
     p.add_argument("--mode", default="ring", choices=list(ALL_MODES),
-                   help="how K/V travel: one way round the ring, both ways, or all-gathered once; or ulysses: "
-                        "heads travel (all-to-all), every rank attends its heads over the whole sequence")
+                   help="how K/V travel: one way round the ring, both ways, all-gathered once, or an inner ring per "
+                        "node and an outer ring across nodes (double_ring); or ulysses: heads travel "
+                        "(all-to-all), every rank attends its heads over the whole sequence")
+    p.add_argument("--node-size", type=int, metavar="N",
+                   help="double_ring: ranks per node (default: as MPI places them; schedule: all on one node)")
     p.add_argument("--window", type=int, nargs=2, metavar=("LEFT", "RIGHT"), help="sliding window; -1 = unbounded")
     p.add_argument("--cu-seqlens", type=int, nargs="+", metavar="N", help="packed documents: 0 e1 e2 ... seq_len")
 
 
 def variant(args):
     """The keyword arguments of ``make_plan`` and the ring that ``add_variant_args`` options ask for."""
-    return dict(causal=args.causal, layout=args.layout, mode=args.mode,
+    return dict(causal=args.causal, layout=args.layout, mode=args.mode, node_size=args.node_size,
                 window=tuple(args.window) if args.window else None,
                 cu_seqlens=np.array(args.cu_seqlens) if args.cu_seqlens else None)
 

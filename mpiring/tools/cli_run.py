@@ -26,7 +26,7 @@ from mpiring import (
     ring_attention_context_parallel,
     shard_indices,
 )
-from mpiring.heads import predicted_bytes
+from mpiring.nodes import predicted_bytes
 from mpiring.plan import Schedule
 from mpiring.record import Record
 
@@ -223,7 +223,7 @@ def _report_forward(args, sched, checks, machine, links=()):
     itemsize = dtype.itemsize
     predicted = predicted_bytes(plan, **_shape(args), itemsize=itemsize)
     print(f"mpiring run: P={size} seq_len={args.seq_len} batch={args.batch} heads={args.heads} kv_heads={hk} "
-          f"dim={args.dim} {dtype} causal={plan.causal} layout={plan.layout} mode={plan.mode} window={plan.window}")
+          f"dim={args.dim} {dtype} causal={plan.causal} layout={plan.layout} mode={_mode(plan)} window={plan.window}")
     print("\nschedule as recorded by the ranks:")
     print(sched.format())
     for r, rec in enumerate(records):
@@ -253,6 +253,11 @@ def _report_forward(args, sched, checks, machine, links=()):
     _write_trace_and_plot(args, records, f"P={size} {plan.layout} {plan.mode}{' causal' if plan.causal else ''}, "
                           f"seq_len={args.seq_len}, H={args.heads} d={args.dim} {dtype}")
     return _verdict(ok, passed, checks)
+
+
+def _mode(plan):
+    """The mode, with the double ring's ranks per node."""
+    return f"{plan.mode} node_size={plan.node_size}" if plan.mode == "double_ring" else plan.mode
 
 
 def _shape(args):
@@ -339,7 +344,7 @@ def _report_backward(args, sched, checks, links=()):
     bwd_bytes = predicted_bytes(plan, **_shape(args), itemsize=dtype.itemsize, backward=True)
     bwd_messages = plan.backward_messages_per_rank()
     print(f"mpiring run --backward: P={size} seq_len={args.seq_len} batch={args.batch} heads={args.heads} "
-          f"kv_heads={hk} dim={args.dim} {dtype} causal={plan.causal} layout={plan.layout} mode={plan.mode} "
+          f"kv_heads={hk} dim={args.dim} {dtype} causal={plan.causal} layout={plan.layout} mode={_mode(plan)} "
           f"window={plan.window}")
     print("\nbackward schedule as recorded by the ranks (K/V and their dK/dV partials follow the forward plan):")
     print(sched.format())
