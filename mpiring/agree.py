@@ -153,9 +153,14 @@ def canonical(options):
     if node_size is not None and (isinstance(node_size, bool) or not isinstance(node_size, (int, np.integer))
                                   or node_size < 1):
         raise ValueError(f"node_size must be a positive integer (ranks per node) or None, got {node_size!r}")
+    ulysses_size = options.get("ulysses_size")
+    if ulysses_size is not None and (isinstance(ulysses_size, bool) or not isinstance(ulysses_size, (int, np.integer))
+                                     or ulysses_size < 1):
+        raise ValueError(f"ulysses_size must be a positive integer or None, got {ulysses_size!r}")
     return dict(layout=options["layout"], mode=options["mode"], causal=bool(options["causal"]),
                 window=check_window(options["window"]), cu_seqlens=cu,
-                node_size=None if node_size is None else int(node_size))
+                node_size=None if node_size is None else int(node_size),
+                ulysses_size=None if ulysses_size is None else int(ulysses_size))
 
 
 class _Shown:

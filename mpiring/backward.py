@@ -19,7 +19,7 @@ from . import block
 from .agree import check_comm, grad_problem, resolve_timeout, setup
 from .block import GRAD_DTYPE, add_grads, count_pairs
 from .comm import Buffers, HomeRing, RingComm, allgathered, exclusive, flat_blocks, next_buffers, shift, wait_until
-from .heads import heads_problem
+from .heads import HybridPlan, grid_problem, heads_problem
 from .plan import chunks_in_order, home_chunks, key_chunks
 from .record import Record
 from .ring import agree_outcome
@@ -151,6 +151,7 @@ def ring_attention_backward(
     comm=None, *, causal: bool = False, scale: float | None = None, layout: str = "contiguous",
     mode: str = "ring", window: tuple[int, int] | None = None, cu_seqlens=None,
     timeout: float | str | None = "auto", record: Record | None = None, node_size: int | None = None,
+    ulysses_size: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # dq, dk, dv: the shapes of q, k, v
     """Gradients ``(dq, dk, dv)`` of this rank's shard, given the upstream gradient ``dout``.
 
@@ -164,14 +165,15 @@ def ring_attention_backward(
     comm = check_comm(comm)
     with exclusive(comm):  # one call per communicator at a time (threads: one Dup each)
         options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens,
-                       node_size=node_size)
+                       node_size=node_size, ulysses_size=ulysses_size)
 
         def prepare():  # what may fail on one rank alone (MemoryError) is done before the agreement
             arrays = [np.ascontiguousarray(a) for a in (dout, q, k, v, out, lse)]
             delta = np.sum(arrays[0].astype(GRAD_DTYPE) * arrays[4], axis=-1).astype(q.dtype)
             return arrays + [delta]
 
-        problem = grad_problem(dout, q, k, v, out, lse) or heads_problem(q, k, comm.Get_size(), mode)
+        problem = (grad_problem(dout, q, k, v, out, lse) or heads_problem(q, k, comm.Get_size(), mode)
+                   or grid_problem(q, k, comm.Get_size(), mode, ulysses_size))
         plan, scale, (dout, q, k, v, out, lse, delta) = setup(q, k, v, comm, scale, options, timeout=timeout,
                                                               prepare=prepare, problem=problem)
         timeout = resolve_timeout(timeout, plan, q.size // (q.shape[-2] * q.shape[-1]), q.shape[-1], factor=2.5)
@@ -179,11 +181,16 @@ def ring_attention_backward(
         rings = []
         try:  # private duplicates: K/V, dK/dV onward, dK/dV home (all-gather needs only the first)
             rings.append(RingComm(comm, timeout))
-            if plan.mode not in ("allgather", "ulysses", "double_ring"):
+            if plan.mode not in ("allgather", "ulysses", "double_ring") and not isinstance(plan, HybridPlan):
                 rings += [RingComm(comm, timeout), HomeRing(comm, plan, timeout)]
             wait_until([rings[0].comm.Ibarrier()], timeout, rings[0].rank, "start barrier")  # a common start
             rec.t0 = start = time.perf_counter()
-            if plan.mode == "allgather":
+            if isinstance(plan, HybridPlan):  # Ulysses in groups, this ring across them (mpiring.grid)
+                from .grid import hybrid_backward
+
+                dq, dk, dv = hybrid_backward(dout, q, k, v, out, lse, plan, rings[0].comm,
+                                             dict(options, node_size=None, ulysses_size=None), scale, rec, timeout)
+            elif plan.mode == "allgather":
                 dq, dk, dv = _allgather_backward(dout, q, k, v, out, lse, delta, plan, rings[0].comm, scale, rec,
                                                  timeout)
             elif plan.mode == "ulysses":  # heads move, not K/V blocks (mpiring.ulysses)

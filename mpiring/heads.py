@@ -24,34 +24,37 @@ dV (each from a subset of the group's query heads) are summed at the owner.
 
 from dataclasses import dataclass
 
+from .layouts import block_range
 from .plan import Piece, Plan, Schedule, Task
 
 __all__ = ["HEAD_MODES", "UlyssesPlan", "ulysses_plan", "heads_problem", "query_heads", "kv_heads",
-           "ulysses_pair_bytes", "predicted_ulysses_bytes"]
+           "ulysses_pair_bytes", "predicted_ulysses_bytes", "HybridPlan", "hybrid_plan", "grid_problem",
+           "sequence_pairs"]
 
 HEAD_MODES = ("ulysses",)
 
 
-def heads_problem(q, k, size, mode):
+def heads_problem(q, k, size, mode, label=None):
     """Why ``mode`` cannot split the heads of q, k over ``size`` ranks, or None (never raises).
 
     Called on each rank before the agreement; every rank has the same head
-    counts (the agreement compares shapes), so every rank finds the same problem.
+    counts (the agreement compares shapes), so every rank finds the same
+    problem. ``label`` names what splits them (default: the mode and the ranks).
     """
     if mode not in HEAD_MODES:
         return None
+    who, parts = label or (f"mode={mode!r}", "the number of ranks")
     try:
         if q.ndim < 3:
-            return None if size == 1 else (f"mode={mode!r} splits the heads axis over the ranks: q needs shape "
+            return None if size == 1 else (f"{who} splits the heads axis over the ranks: q needs shape "
                                             f"(..., heads, seq, dim), got {q.shape}")
         hq, hk = q.shape[-3], k.shape[-3]
     except AttributeError:  # not arrays: local_problem reports it
         return None
     if hq % size:
-        return f"mode={mode!r} needs the query heads ({hq}) divisible by the number of ranks ({size})"
+        return f"{who} needs the query heads ({hq}) divisible by {parts} ({size})"
     if hk % size and size % hk:
-        return (f"mode={mode!r} needs the K/V heads ({hk}) to divide or be divisible by the number of ranks "
-                f"({size})")
+        return f"{who} needs the K/V heads ({hk}) to divide or be divisible by {parts} ({size})"
     return None
 
 
@@ -144,3 +147,77 @@ def ulysses_pair_bytes(plan, r, d, *, batch, hq, hk, dim, dim_v, itemsize, backw
 def predicted_ulysses_bytes(plan, **shape):
     """Bytes each rank sends under a Ulysses plan: ``ulysses_pair_bytes`` to every other rank."""
     return [sum(ulysses_pair_bytes(plan, r, d, **shape) for d in range(plan.size)) for r in range(plan.size)]
+
+
+# ---------------------------------------------------------------- ring x Ulysses: a u x (P/u) grid
+
+
+@dataclass
+class HybridPlan(Plan):
+    """``ulysses_size=u``: Ulysses inside each group of u consecutive ranks, a ring plan across the P/u groups.
+
+    The layout applies to the ring dimension: group g holds the tokens that
+    rank g of a P/u-rank ring would hold (zigzag balance is the groups'), and
+    its u ranks hold consecutive pieces of them (``block_range``). After the
+    group's all-to-all, each rank holds the group's tokens, in order, for
+    Hq/u heads; ``ring_plan`` (over the P/u groups) then moves K/V between the
+    ranks of the same place in every group.
+    """
+
+    ulysses_size: int = 1
+    ring_plan: Plan | None = None
+
+    def group(self, rank):
+        """``(group, place in the group)`` of ``rank``."""
+        return divmod(rank, self.ulysses_size)
+
+    def visible_pairs(self):
+        """Per rank: its group's visible pairs, which it computes for its Hq/u heads."""
+        return [self.ring_plan.visible_pairs()[r // self.ulysses_size] for r in range(self.size)]
+
+    def computed_pairs(self):
+        return [self.ring_plan.computed_pairs()[r // self.ulysses_size] for r in range(self.size)]
+
+    def messages_per_rank(self):
+        """The group's two all-to-alls (u - 1 messages each), and the ring's across the groups."""
+        return 2 * (self.ulysses_size - 1) + self.ring_plan.messages_per_rank()
+
+    def backward_messages_per_rank(self):
+        return 2 * (self.ulysses_size - 1) + self.ring_plan.backward_messages_per_rank()
+
+
+def sequence_pairs(plan):
+    """The whole sequence's visible (query, key) pairs, under any plan."""
+    return sum(map(sum, (plan.ring_plan if isinstance(plan, HybridPlan) else plan).pairs))
+
+
+def hybrid_plan(seq_len, size, ulysses_size, ring_plan):
+    """The u x (P/u) grid over ``ring_plan`` (a plan of the P/u groups); shards as ``HybridPlan`` says."""
+    u = ulysses_size
+    shards = []
+    for group_shard in ring_plan.shards:
+        for j in range(u):
+            count, start = block_range(len(group_shard), u, j)
+            shards.append(group_shard[start:start + count])
+    if min(map(len, shards)) < 1:
+        raise ValueError(f"ulysses_size {u}: a group's {min(map(len, ring_plan.shards))} tokens do not give each "
+                         f"of its {u} ranks one")
+    table = [[ring_plan.tasks(step, r // u) for r in range(size)] for step in range(ring_plan.n_steps)]
+    return HybridPlan(seq_len, size, ring_plan.layout, ring_plan.mode, ring_plan.causal, ring_plan.window,
+                      ring_plan.cu_seqlens, shards=shards, runs=[[(0, len(s))] for s in shards],
+                      kinds=[ring_plan.kinds[r // u] for r in range(size)],
+                      pairs=[ring_plan.pairs[r // u] for r in range(size)], rounds=ring_plan.rounds,
+                      schedule=Schedule(table), ulysses_size=u, ring_plan=ring_plan)
+
+
+def grid_problem(q, k, size, mode, ulysses_size):
+    """Why ``ulysses_size`` does not fit (or None): it must divide the ranks and split the heads."""
+    if ulysses_size is None:
+        return None
+    if mode not in ("ring", "bidirectional", "allgather"):
+        return f"ulysses_size combines with mode ring, bidirectional or allgather, not {mode!r}"
+    if isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int) or ulysses_size < 1:
+        return None  # canonical reports it
+    if size % ulysses_size:
+        return f"ulysses_size {ulysses_size} does not divide the {size} ranks"
+    return heads_problem(q, k, ulysses_size, "ulysses", (f"ulysses_size {ulysses_size}", "ulysses_size"))

@@ -9,7 +9,7 @@ crosses between nodes: on a cluster, what the slow links carry.
 """
 
 from .costmodel import predicted_backward_bytes, predicted_bytes_sent
-from .heads import HEAD_MODES, ulysses_pair_bytes
+from .heads import HEAD_MODES, HybridPlan, kv_heads, ulysses_pair_bytes
 
 __all__ = ["traffic", "predicted_bytes", "inter_node_bytes", "node_ids"]
 
@@ -30,6 +30,9 @@ def traffic(plan, *, batch, hq, hk, dim, dim_v, itemsize, backward=False, grad_i
     P = plan.size
     n = [len(s) for s in plan.shards]
     matrix = [[0] * P for _ in range(P)]
+    if isinstance(plan, HybridPlan):
+        return _grid_traffic(plan, matrix, batch=batch, hq=hq, hk=hk, dim=dim, dim_v=dim_v, itemsize=itemsize,
+                             backward=backward)
     if plan.mode == "allgather":
         return None
     if plan.mode in HEAD_MODES:
@@ -55,12 +58,56 @@ def traffic(plan, *, batch, hq, hk, dim, dim_v, itemsize, backward=False, grad_i
     return matrix
 
 
+def _group_pair(plan, r, d, *, batch, hq, hk, dim, dim_v, itemsize, backward):
+    """Bytes member r sends member d of its group in the grid's two all-to-alls (all in the input dtype).
+
+    Out: d's Hq/u query heads of r's tokens (backward also dout, out and lse:
+    the inner ring's backward takes out) and d's K/V heads; back: r's heads
+    of d's tokens (out, lse; backward dq, and dK, dV of r's K/V heads).
+    """
+    u = plan.ulysses_size
+    hq_l, n_r, n_d = hq // u, len(plan.shards[r]), len(plan.shards[d])
+    kv_r, kv_d = (len(range(hk)[kv_heads(x % u, u, hk)]) for x in (r, d))
+    if backward:
+        out = n_r * (hq_l * (dim + 2 * dim_v + 1) + kv_d * (dim + dim_v))
+        back = n_d * (hq_l * dim + kv_r * (dim + dim_v))
+    else:
+        out = n_r * (hq_l * dim + kv_d * (dim + dim_v))
+        back = n_d * hq_l * (dim_v + 1)
+    return batch * (out + back) * itemsize
+
+
+def _grid_traffic(plan, matrix, *, backward, **shape):
+    """The grid: the group all-to-alls, and each place's ring across the groups (None if that is an all-gather)."""
+    u, P = plan.ulysses_size, plan.size
+    for r in range(P):
+        for d in range(P):
+            if r // u == d // u and r != d:
+                matrix[r][d] += _group_pair(plan, r, d, backward=backward, **shape)
+    for j in range(u):  # the ring of place j: Hq/u heads, its K/V heads, the groups' tokens
+        inner = dict(shape, hq=shape["hq"] // u, hk=len(range(shape["hk"])[kv_heads(j, u, shape["hk"])]))
+        ring = traffic(plan.ring_plan, **inner, backward=backward)
+        if ring is None:
+            return None
+        for g, row in enumerate(ring):
+            for g2, nbytes in enumerate(row):
+                matrix[g * u + j][g2 * u + j] += nbytes
+    return matrix
+
+
 def predicted_bytes(plan, *, batch, hq, hk, dim, dim_v, itemsize, backward=False):
     """Bytes each rank sends under any plan: the row sums of ``traffic`` (all-gather: as a ring all-gather)."""
     shape = dict(batch=batch, hq=hq, hk=hk, dim=dim, dim_v=dim_v, itemsize=itemsize, backward=backward)
     matrix = traffic(plan, **shape)
     if matrix is not None:
         return [sum(row) for row in matrix]
+    if isinstance(plan, HybridPlan):  # all-gather across the groups: its bytes, plus the group all-to-alls
+        u = plan.ulysses_size
+        across = [predicted_bytes(plan.ring_plan, **dict(shape, hq=hq // u,
+                                                         hk=len(range(hk)[kv_heads(j, u, hk)])))
+                  for j in range(u)]
+        return [across[r % u][r // u] + sum(_group_pair(plan, r, d, **shape) for d in range(plan.size)
+                                            if d // u == r // u and d != r) for r in range(plan.size)]
     kv_width = batch * hk * (dim + dim_v)
     return (predicted_backward_bytes if backward else predicted_bytes_sent)(plan, kv_width, itemsize)
 

@@ -193,14 +193,28 @@ def _last_needed(kinds, size, stream, max_step):
 
 
 def make_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str = "ring", causal: bool = False,
-              window: tuple[int, int] | None = None, cu_seqlens=None, node_size: int | None = None) -> Plan:
+              window: tuple[int, int] | None = None, cu_seqlens=None, node_size: int | None = None,
+              ulysses_size: int | None = None) -> Plan:
     """Build the plan for ``size`` ranks over a sequence of ``seq_len`` tokens.
 
     ``node_size``: ranks per node of the double ring (None: all ranks on one node); other modes ignore it.
+    ``ulysses_size``: Ulysses inside groups of that many ranks, the ring mode across them (mpiring.heads).
     """
     check_layout(layout)
     if mode not in ALL_MODES:
         raise ValueError(f"mode must be one of {', '.join(ALL_MODES)}; got {mode!r}")
+    if ulysses_size is not None:  # a u x (P/u) grid: the ring plan of the groups (mpiring.heads.HybridPlan)
+        from .heads import hybrid_plan
+
+        if mode not in MODES:
+            raise ValueError(f"ulysses_size combines with mode ring, bidirectional or allgather, not {mode!r}")
+        if isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int) or ulysses_size < 1:
+            raise ValueError(f"ulysses_size must be a positive integer, got {ulysses_size!r}")
+        if size % ulysses_size:
+            raise ValueError(f"ulysses_size {ulysses_size} does not divide the {size} ranks")
+        groups = make_plan(seq_len, size // ulysses_size, layout=layout, mode=mode, causal=causal, window=window,
+                           cu_seqlens=cu_seqlens)
+        return hybrid_plan(seq_len, size, ulysses_size, groups)
     if mode in ("ulysses", "double_ring"):  # the ring plan's shards and masks, visited in their own order
         from .heads import ulysses_plan
         from .hierarchy import double_ring_plan

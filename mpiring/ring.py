@@ -16,7 +16,7 @@ from mpi4py import MPI
 from . import block
 from .agree import check_comm, resolve_timeout, setup
 from .comm import CommTimeout, KVBuffers, RingComm, allgathered, exclusive, next_buffers, shift, wait_until
-from .heads import heads_problem
+from .heads import HybridPlan, grid_problem, heads_problem
 from .record import Record
 
 __all__ = ["ring_attention", "agree_outcome"]
@@ -94,7 +94,7 @@ def ring_attention(
     comm=None, *, causal: bool = False, scale: float | None = None, layout: str = "contiguous",
     mode: str = "ring", window: tuple[int, int] | None = None, cu_seqlens=None,
     timeout: float | str | None = "auto", record: Record | None = None, check_finite: bool = False,
-    expected_size: int | None = None, node_size: int | None = None,
+    expected_size: int | None = None, node_size: int | None = None, ulysses_size: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:  # out (..., Hq, n, Dv), lse (..., Hq, n)
     """Attention of this rank's queries against the whole distributed sequence.
 
@@ -124,6 +124,8 @@ def ring_attention(
         check_finite: also reject NaN/Inf in q, k, v (one extra pass over them).
         expected_size: raise unless the communicator has this many ranks.
         node_size: ranks per node for the double ring; None: as MPI places them (``COMM_TYPE_SHARED``).
+        ulysses_size: u: Ulysses inside groups of u consecutive ranks, the ring ``mode`` across the P/u
+            groups; shards follow the grid (``mpiring.heads.HybridPlan``).
 
     Bad arguments on any rank raise the same ``ValueError`` on every rank,
     before any transfer (see docs/reliability.md).
@@ -131,17 +133,23 @@ def ring_attention(
     comm = check_comm(comm)
     with exclusive(comm):  # one call per communicator at a time (threads: one Dup each)
         options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens,
-                       node_size=node_size)
+                       node_size=node_size, ulysses_size=ulysses_size)
         plan, scale, (q, k, v) = setup(q, k, v, comm, scale, options, check_finite, expected_size, timeout,
                                        prepare=lambda: [np.ascontiguousarray(a) for a in (q, k, v)],
-                                       problem=heads_problem(q, k, comm.Get_size(), mode))
+                                       problem=heads_problem(q, k, comm.Get_size(), mode)
+                                       or grid_problem(q, k, comm.Get_size(), mode, ulysses_size))
         timeout = resolve_timeout(timeout, plan, q.size // (q.shape[-2] * q.shape[-1]), q.shape[-1])
         rec = Record(comm.Get_rank()) if record is None else record
         with RingComm(comm, timeout) as ring:  # a private duplicate: the caller's messages never mix with the ring's
             # a common start: event times minus rec.t0 compare across ranks
             wait_until([ring.comm.Ibarrier()], timeout, ring.rank, "start barrier")
             rec.t0 = start = time.perf_counter()
-            if plan.mode == "allgather":
+            if isinstance(plan, HybridPlan):  # Ulysses in groups, this ring across them (mpiring.grid)
+                from .grid import hybrid_forward
+
+                out, lse = hybrid_forward(q, k, v, plan, ring.comm, dict(options, node_size=None, ulysses_size=None),
+                                          scale, rec, timeout)
+            elif plan.mode == "allgather":
                 out, lse = _allgather_loop(q, k, v, plan, ring.comm, scale, rec, timeout)
             elif plan.mode == "ulysses":  # heads move, not K/V blocks (mpiring.ulysses)
                 from .ulysses import ulysses_forward

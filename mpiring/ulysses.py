@@ -17,7 +17,7 @@ from .block import GRAD_DTYPE, add_grads, count_pairs
 from .comm import wait_until
 from .heads import kv_heads, query_heads
 
-__all__ = ["exchange", "ulysses_forward", "ulysses_backward"]
+__all__ = ["exchange", "heads_out", "tokens_back", "ulysses_forward", "ulysses_backward"]
 
 
 def exchange(comm, sends, shapes, dtype, rec, timeout, step, data):
@@ -63,32 +63,55 @@ def _no_progress():
     pass
 
 
+def heads_out(comm, arrays, heads, lengths, dtype, rec, timeout, step, data="heads out"):
+    """Every member's tokens of member d's heads to member d: one all-to-all; returns each array's result.
+
+    ``arrays[i]``: this rank's (..., H_i, n, D_i); ``heads[i][d]``: the slice of
+    heads member d gets; ``lengths[s]``: member s's tokens. Each result is
+    (..., h_i, sum(lengths), D_i): the members' tokens one after the other.
+    """
+    rank = comm.Get_rank()
+    sends = [[a[..., h[d], :, :] for a, h in zip(arrays, heads)] for d in range(len(lengths))]
+    mine = [len(range(a.shape[-3])[h[rank]]) for a, h in zip(arrays, heads)]
+    shapes = [[a.shape[:-3] + (m, n, a.shape[-1]) for a, m in zip(arrays, mine)] for n in lengths]
+    got = exchange(comm, sends, shapes, dtype, rec, timeout, step, data)
+    return [np.concatenate([g[i] for g in got], axis=-2) for i in range(len(arrays))]
+
+
+def tokens_back(comm, arrays, counts, lengths, dtype, rec, timeout, step, data="results back"):
+    """The inverse movement: member d gets its tokens of this rank's heads; returns ``got[s][i]`` from member s.
+
+    ``arrays[i]``: (..., h_i, sum(lengths), D_i) in member order; ``counts[i][s]``:
+    the heads of array i that member s holds. ``got[s][i]`` is (..., counts[i][s], n_me, D_i).
+    """
+    rank = comm.Get_rank()
+    starts = np.cumsum([0] + list(lengths))
+    sends = [[a[..., starts[d]:starts[d + 1], :] for a in arrays] for d in range(len(lengths))]
+    shapes = [[a.shape[:-3] + (c[s], lengths[rank], a.shape[-1]) for a, c in zip(arrays, counts)]
+              for s in range(len(lengths))]
+    return exchange(comm, sends, shapes, dtype, rec, timeout, step, data)
+
+
 def ulysses_forward(q, k, v, plan, comm, scale, rec, timeout):
     """This rank's (out, lse): its tokens' heads out, every token of its heads attended, results back."""
     flat = q.ndim == 2
     if flat:
         q, k, v = _with_heads(q, k, v)
     rank, size = plan_rank(comm, plan)
-    lead, hq, hk, D, Dv = q.shape[:-3], q.shape[-3], k.shape[-3], q.shape[-1], v.shape[-1]
-    n = [len(s) for s in plan.shards]
-    hq_l, hk_l = hq // size, len(range(hk)[kv_heads(rank, size, hk)])
-    sends = [[q[..., query_heads(d, size, hq), :, :], k[..., kv_heads(d, size, hk), :, :],
-              v[..., kv_heads(d, size, hk), :, :]] for d in range(size)]
-    shapes = [[lead + (hq_l, n[s], D), lead + (hk_l, n[s], D), lead + (hk_l, n[s], Dv)] for s in range(size)]
-    got = exchange(comm, sends, shapes, q.dtype, rec, timeout, 0, "heads out")
-    queries = np.concatenate([g[0] for g in got], axis=-2)  # (..., Hq/P, S, D): every token, shard order
-    acc = block.accumulators(queries, got[0][2])
+    n, starts = [len(s) for s in plan.shards], plan.offsets()
+    qs = [query_heads(d, size, q.shape[-3]) for d in range(size)]
+    ks = [kv_heads(d, size, k.shape[-3]) for d in range(size)]
+    queries, keys, values = heads_out(comm, [q, k, v], [qs, ks, ks], n, q.dtype, rec, timeout, 0)
+    acc = block.accumulators(queries, values)
     for task in plan.tasks(0, rank):  # key block j: the tokens rank j held
-        _, ks, vs = got[task.source]
-        block.attend(queries, (ks, vs), task, plan.block_pieces(task.source), scale, acc, rec, _no_progress, 0)
+        j = slice(starts[task.source], starts[task.source] + n[task.source])
+        block.attend(queries, (keys[..., j, :], values[..., j, :]), task, plan.block_pieces(task.source), scale,
+                     acc, rec, _no_progress, 0)
     rec.step_done(0, plan.n_steps)
-    starts = plan.offsets()
-    sends = [[acc[0][..., starts[d]:starts[d] + n[d], :], acc[1][..., starts[d]:starts[d] + n[d]]]
-             for d in range(size)]
-    shapes = [[lead + (hq_l, n[rank], Dv), lead + (hq_l, n[rank])] for _ in range(size)]
-    got = exchange(comm, sends, shapes, q.dtype, rec, timeout, 0, "results back")
+    h = queries.shape[-3]
+    got = tokens_back(comm, [acc[0], acc[1][..., None]], [[h] * size] * 2, n, q.dtype, rec, timeout, 0)
     out = np.concatenate([g[0] for g in got], axis=-3)
-    lse = np.concatenate([g[1] for g in got], axis=-2)
+    lse = np.concatenate([g[1][..., 0] for g in got], axis=-2)
     return (out[0], lse[0]) if flat else (out, lse)
 
 
@@ -112,40 +135,29 @@ def ulysses_backward(dout, q, k, v, lse, delta, plan, comm, scale, rec, timeout)
         dout, q, k, v = _with_heads(dout, q, k, v)
         lse, delta = lse[None], delta[None]
     rank, size = plan_rank(comm, plan)
-    lead, hq, hk, D, Dv = q.shape[:-3], q.shape[-3], k.shape[-3], q.shape[-1], v.shape[-1]
-    n = [len(s) for s in plan.shards]
-    hq_l = hq // size
-    kv = [kv_heads(d, size, hk) for d in range(size)]
-    sends = []
-    for d in range(size):
-        h = query_heads(d, size, hq)
-        sends.append([q[..., h, :, :], dout[..., h, :, :], lse[..., h, :], delta[..., h, :],
-                      k[..., kv[d], :, :], v[..., kv[d], :, :]])
-    hk_l = kv[rank].stop - kv[rank].start
-    shapes = [[lead + (hq_l, n[s], D), lead + (hq_l, n[s], Dv), lead + (hq_l, n[s]), lead + (hq_l, n[s]),
-               lead + (hk_l, n[s], D), lead + (hk_l, n[s], Dv)] for s in range(size)]
-    got = exchange(comm, sends, shapes, q.dtype, rec, timeout, 0, "heads out")
-    Q, dO, L, De = (np.concatenate([g[i] for g in got], axis=-2 if i < 2 else -1) for i in range(4))
+    n, starts = [len(s) for s in plan.shards], plan.offsets()
+    qs = [query_heads(d, size, q.shape[-3]) for d in range(size)]
+    ks = [kv_heads(d, size, k.shape[-3]) for d in range(size)]
+    Q, dO, L, De, K, V = heads_out(comm, [q, dout, lse[..., None], delta[..., None], k, v], [qs] * 4 + [ks] * 2,
+                                   n, q.dtype, rec, timeout, 0)
     # out is read only to compute delta, which is given: a zero-size stand-in of its shape
-    queries = (dO, Q, np.broadcast_to(np.zeros((), q.dtype), dO.shape), L, De)
+    queries = (dO, Q, np.broadcast_to(np.zeros((), q.dtype), dO.shape), L[..., 0], De[..., 0])
     dq = np.zeros(Q.shape, GRAD_DTYPE)
-    partials = [[np.zeros(g[4].shape, GRAD_DTYPE), np.zeros(g[5].shape, GRAD_DTYPE)] for g in got]
+    dK, dV = np.zeros(K.shape, GRAD_DTYPE), np.zeros(V.shape, GRAD_DTYPE)
     for task in plan.tasks(0, rank):
+        j = slice(starts[task.source], starts[task.source] + n[task.source])
         pieces = plan.block_pieces(task.source)
         count_pairs(rec, pieces)
-        grads = block.grads_of(queries, got[task.source][4:], task, pieces, scale, dq, rec, _no_progress, 0)
-        add_grads(partials[task.source], grads)
+        grads = block.grads_of(queries, (K[..., j, :], V[..., j, :]), task, pieces, scale, dq, rec, _no_progress, 0)
+        add_grads((dK[..., j, :], dV[..., j, :]), grads)
         rec.tasks.append((0, task))
     rec.step_done(0, plan.n_steps)
-    starts = plan.offsets()
-    sends = [[dq[..., starts[d]:starts[d] + n[d], :]] + partials[d] for d in range(size)]
-    shapes = [[lead + (hq_l, n[rank], D), lead + (kv[s].stop - kv[s].start, n[rank], D),
-               lead + (kv[s].stop - kv[s].start, n[rank], Dv)] for s in range(size)]
-    got = exchange(comm, sends, shapes, GRAD_DTYPE, rec, timeout, 0, "gradients back")
+    kv = [len(range(k.shape[-3])[s]) for s in ks]
+    got = tokens_back(comm, [dq, dK, dV], [[Q.shape[-3]] * size, kv, kv], n, GRAD_DTYPE, rec, timeout, 0,
+                      "gradients back")
     dq = np.concatenate([g[0] for g in got], axis=-3)
-    dk = np.zeros(k.shape, GRAD_DTYPE)
-    dv = np.zeros(v.shape, GRAD_DTYPE)
+    dk, dv = np.zeros(k.shape, GRAD_DTYPE), np.zeros(v.shape, GRAD_DTYPE)
     for s, (_, gk, gv) in enumerate(got):  # replicated K/V heads: every replica's share adds up
-        dk[..., kv[s], :, :] += gk
-        dv[..., kv[s], :, :] += gv
+        dk[..., ks[s], :, :] += gk
+        dv[..., ks[s], :, :] += gv
     return (dq[0], dk[0], dv[0]) if flat else (dq, dk, dv)

@@ -8,10 +8,11 @@ here); every rank checks its own results, bytes, messages and recorded schedule.
 
 import numpy as np
 import pytest
+from modecheck import check_mode
+from modecheck import problem as _problem
 
 from mpiring import LAYOUTS, Record, ring_attention, ring_attention_backward, shard
 from mpiring.hierarchy import INNER, OUTER
-from mpiring.nodes import predicted_bytes
 from mpiring.reference import dense_attention
 
 from conftest import GRAD_TOL, dense_mask, naive_attention_backward, tol
@@ -25,41 +26,18 @@ def _local(x, comm, layout, axis=-2):
     return np.ascontiguousarray(shard(x, comm.size, comm.rank, layout, axis=axis))
 
 
-def _problem(rng, S, dtype=np.float64, hq=4, hk=1, dim=8, dim_v=6):
-    shapes = ((2, hq, S, dim), (2, hk, S, dim), (2, hk, S, dim_v), (2, hq, S, dim_v))
-    return [rng.standard_normal(s).astype(dtype) for s in shapes]
-
-
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("causal,window,cu", MASKS)
 def test_forward_and_backward_match_reference(comm, rng, layout, causal, window, cu):
     P = comm.size
     S = 5 * P + 3
-    cu = [0, 2, 2, S - 4, S] if cu else None
-    mask = dense_mask(S, causal, window, cu)
-    Q, K, V, dOut = _problem(rng, S)  # 4 query heads, 1 K/V head
-    out_ref, lse_ref = dense_attention(Q, K, V, None, lambda a, b: mask[a:b])
-    grads_ref = naive_attention_backward(dOut, Q, K, V, mask)
-    q, k, v, dout = (_local(x, comm, layout) for x in (Q, K, V, dOut))
+    arrays = _problem(rng, S, 4, 1)  # 4 query heads, 1 K/V head
     for node_size in [n for n in range(1, P + 1) if P % n == 0] + [None]:
         options = dict(layout=layout, mode="double_ring", causal=causal, window=window, cu_seqlens=cu,
                        node_size=node_size)
-        fwd, bwd = Record(), Record()
-        out, lse = ring_attention(q, k, v, comm, record=fwd, **options)
-        np.testing.assert_allclose(out, _local(out_ref, comm, layout), atol=1e-12, rtol=0)
-        np.testing.assert_allclose(lse, _local(lse_ref, comm, layout, axis=-1), atol=1e-12, rtol=0)
-        grads = ring_attention_backward(dout, q, k, v, out, lse, comm, record=bwd, **options)
-        for name, got, want in zip(("dq", "dk", "dv"), grads, grads_ref):
-            np.testing.assert_allclose(got, _local(want, comm, layout), atol=GRAD_TOL[np.float64], rtol=0,
-                                       err_msg=f"{name}, node_size {node_size}")
+        fwd, _ = check_mode(comm, *arrays, options, f"node_size {node_size}")
         plan = fwd.plan
         assert plan.node_size == (node_size or P)  # one machine: MPI puts every rank on one node
-        shape = dict(batch=2, hq=4, hk=1, dim=8, dim_v=6, itemsize=8)
-        assert fwd.bytes_sent == predicted_bytes(plan, **shape)[comm.rank]
-        assert bwd.bytes_sent == predicted_bytes(plan, **shape, backward=True)[comm.rank]
-        assert fwd.messages == plan.messages_per_rank() and bwd.messages == plan.backward_messages_per_rank()
-        for rec in (fwd, bwd):
-            assert rec.table(plan.n_steps) == [plan.tasks(s, comm.rank) for s in range(plan.n_steps)]
         sends = [(e[3]["step"], e[3]["dest"], e[3]["link"]) for e in fwd.events if e[0] == "send"]
         assert sends == [(step, dest, link) for step, dest, _, _, link in plan.sends(comm.rank)]
 
@@ -67,7 +45,7 @@ def test_forward_and_backward_match_reference(comm, rng, layout, causal, window,
 def test_float32_and_links_named(comm, rng):
     P = comm.size
     S = 32 * P
-    Q, K, V, dOut = _problem(rng, S, np.float32, hq=2, hk=2, dim=16, dim_v=16)
+    Q, K, V, dOut = _problem(rng, S, 2, 2, np.float32, dim=16, dim_v=16)
     q, k, v, dout = (_local(x, comm, "zigzag") for x in (Q, K, V, dOut))
     node_size = 2 if P % 2 == 0 else 1
     options = dict(layout="zigzag", mode="double_ring", causal=True, node_size=node_size)
@@ -86,7 +64,7 @@ def test_float32_and_links_named(comm, rng):
 
 def test_bad_node_size_raises_on_every_rank(comm, rng):
     P = comm.size
-    q, k, v, _ = (_local(x, comm, "contiguous") for x in _problem(rng, 4 * P))
+    q, k, v, _ = (_local(x, comm, "contiguous") for x in _problem(rng, 4 * P, 4, 1))
     if P > 1:
         with pytest.raises(ValueError, match=f"node_size {P + 1} does not divide the {P} ranks"):
             ring_attention(q, k, v, comm, mode="double_ring", node_size=P + 1)

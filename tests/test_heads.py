@@ -82,3 +82,31 @@ def test_run_verifies(extra):
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=clean_env())
     assert result.returncode == 0, result.stdout + result.stderr
     assert "VERIFIED" in result.stdout and "recorded schedule equals the plan: yes" in result.stdout
+
+
+def test_the_grid_plan():
+    """u = 2 over P = 4, zigzag: the layout of 2 groups, each group's tokens cut in 2 consecutive pieces."""
+    from mpiring.heads import sequence_pairs
+
+    plan = make_plan(40, 4, layout="zigzag", causal=True, ulysses_size=2)
+    groups = make_plan(40, 2, layout="zigzag", causal=True)
+    assert [list(s) for s in plan.shards] == [list(groups.shards[0][:10]), list(groups.shards[0][10:]),
+                                              list(groups.shards[1][:10]), list(groups.shards[1][10:])]
+    assert plan.n_steps == groups.n_steps and plan.tasks(1, 3) == groups.tasks(1, 1)
+    assert sequence_pairs(plan) == sequence_pairs(groups) == 40 * 41 // 2
+    assert plan.messages_per_rank() == 2 + 2  # the group's all-to-alls, the ring's K and V
+    shape = dict(batch=1, hq=4, hk=2, dim=4, dim_v=4, itemsize=4)
+    # to the other member: its 2 query heads and 1 K/V head of my 10 tokens, then its 10 tokens of my 2 heads
+    # (out and lse); across: the group's 20 tokens of my 1 K/V head
+    assert predicted_bytes(plan, **shape) == [4 * (10 * (2 * 4 + 1 * 8) + 10 * 2 * 5 + 20 * 8)] * 4
+    with pytest.raises(ValueError, match="ulysses_size 3 does not divide the 4 ranks"):
+        make_plan(40, 4, ulysses_size=3)
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
+def test_run_verifies_the_grid():
+    cmd = mpiexec_argv(2, sys.executable, "-m", "mpiring", "run", "--ulysses-size", "2", "--seq-len", "128",
+                       "--heads", "2", "--dim", "8", "--causal", "--layout", "zigzag", "--backward")
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=clean_env())
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "VERIFIED" in result.stdout and "mode=ring ulysses_size=2" in result.stdout

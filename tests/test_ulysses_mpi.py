@@ -10,8 +10,10 @@ the ranks and are replicated.
 
 import numpy as np
 import pytest
+from modecheck import check_mode
+from modecheck import problem as _problem
 
-from mpiring import LAYOUTS, Record, distributed_attention, make_plan, ring_attention, ring_attention_backward, shard
+from mpiring import LAYOUTS, distributed_attention, make_plan, ring_attention, ring_attention_backward, shard
 from mpiring.nodes import predicted_bytes
 from mpiring.reference import dense_attention
 
@@ -26,11 +28,6 @@ def _local(x, comm, layout, axis=-2):
     return np.ascontiguousarray(shard(x, comm.size, comm.rank, layout, axis=axis))
 
 
-def _problem(rng, S, hq, hk, dtype=np.float64, dim=8, dim_v=6):
-    arrays = [rng.standard_normal(s) for s in ((2, hq, S, dim), (2, hk, S, dim), (2, hk, S, dim_v), (2, hq, S, dim_v))]
-    return [a.astype(dtype) for a in arrays]
-
-
 def _kv_counts(P):
     return sorted({2 * P, 1} | ({2} if P % 2 == 0 else set()))
 
@@ -40,29 +37,9 @@ def _kv_counts(P):
 def test_forward_and_backward_match_reference(comm, rng, layout, causal, window, cu):
     P = comm.size
     S = 5 * P + 3  # uneven on purpose
-    cu = [0, 2, 2, S - 4, S] if cu else None
     options = dict(layout=layout, mode="ulysses", causal=causal, window=window, cu_seqlens=cu)
-    plan = make_plan(S, P, **options)
-    mask = dense_mask(S, causal, window, cu)
     for hk in _kv_counts(P):
-        Q, K, V, dOut = _problem(rng, S, 2 * P, hk)
-        out_ref, lse_ref = dense_attention(Q, K, V, None, lambda a, b: mask[a:b])
-        q, k, v, dout = (_local(x, comm, layout) for x in (Q, K, V, dOut))
-        fwd, bwd = Record(), Record()
-        out, lse = ring_attention(q, k, v, comm, record=fwd, **options)
-        np.testing.assert_allclose(out, _local(out_ref, comm, layout), atol=1e-12, rtol=0)
-        np.testing.assert_allclose(lse, _local(lse_ref, comm, layout, axis=-1), atol=1e-12, rtol=0)
-        grads = ring_attention_backward(dout, q, k, v, out, lse, comm, record=bwd, **options)
-        for name, got, want in zip(("dq", "dk", "dv"), grads, naive_attention_backward(dOut, Q, K, V, mask)):
-            np.testing.assert_allclose(got, _local(want, comm, layout), atol=GRAD_TOL[np.float64], rtol=0,
-                                       err_msg=f"{name}, {hk} K/V heads")
-        shape = dict(batch=2, hq=2 * P, hk=hk, dim=8, dim_v=6, itemsize=8)
-        assert fwd.bytes_sent == predicted_bytes(plan, **shape)[comm.rank]
-        assert bwd.bytes_sent == predicted_bytes(plan, **shape, backward=True)[comm.rank]
-        assert fwd.messages == plan.messages_per_rank() and bwd.messages == plan.backward_messages_per_rank()
-        for rec in (fwd, bwd):
-            assert rec.table(plan.n_steps) == [plan.tasks(0, comm.rank)]
-            assert rec.visible_pairs == plan.visible_pairs()[comm.rank]
+        check_mode(comm, *_problem(rng, S, 2 * P, hk), options, f"{hk} K/V heads")
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

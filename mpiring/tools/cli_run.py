@@ -21,18 +21,21 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from mpiring import (
+    MODES,
+    make_plan,
     ring_attention,
     ring_attention_backward,
     ring_attention_context_parallel,
     shard_indices,
 )
+from mpiring.heads import sequence_pairs
 from mpiring.nodes import predicted_bytes
 from mpiring.plan import Schedule
 from mpiring.record import Record
 
 from . import verify
 from .calibrate import calibrate
-from .cli import Agreed, add_variant_args, at_least, command_parser, poll, variant
+from .cli import Agreed, add_variant_args, at_least, command_parser, mode_text, poll, variant
 from .cli_plan import compute_table
 from .links import LinkMeter
 from .plot import plot_timeline
@@ -82,7 +85,8 @@ def run_parser():
                    help="ring step counter on rank 0 (auto: when output is a terminal)")
     add_variant_args(p)
     p.checks += [at_least(1, **{"--seq-len": "seq_len", "--dim": "dim", "--heads": "heads",
-                                "--kv-heads": "kv_heads", "--batch": "batch", "--threads": "threads"}),
+                                "--kv-heads": "kv_heads", "--batch": "batch", "--threads": "threads",
+                                "--ulysses-size": "ulysses_size"}),
                  at_least(0, **{"--seed": "seed"}), _heads_problem]
     return p
 
@@ -166,7 +170,13 @@ def run(comm, args=None):
     hk = args.kv_heads or args.heads
     options = variant(args)
     inputs = verify.Inputs(args.seed, args.batch, args.heads, hk, args.dim, dtype)
-    positions = shard_indices(args.seq_len, size, rank, args.layout)
+    shards = None  # the grid's (ring x Ulysses); else the layout's
+    if args.ulysses_size and size % args.ulysses_size == 0 and args.mode in MODES:  # else the library says why
+        try:  # the same on every rank
+            shards = make_plan(args.seq_len, size, **options).shards
+        except ValueError as exc:
+            raise Agreed(str(exc)) from exc
+    positions = shards[rank] if shards else shard_indices(args.seq_len, size, rank, args.layout)
     q, k, v = (inputs.tokens(kind, positions) for kind in ("q", "k", "v"))
     timeout = None if args.timeout == 0 else args.timeout
     progress = Progress("ring step (rank 0)", enabled={"auto": None, "on": True, "off": False}[args.progress])
@@ -198,7 +208,7 @@ def run(comm, args=None):
     if not args.no_verify:
         mask = dict(causal=args.causal, window=args.window, cu_seqlens=args.cu_seqlens)
         checked = verify.check_rank(inputs, args.seq_len, size, rank, args.layout, mask, got,
-                                    share=lambda piece: allgather_arrays(comm, piece))
+                                    share=lambda piece: allgather_arrays(comm, piece), shards=shards)
     rec = backward if args.backward else forward
     summary = dict(rec.summary(), **({"forward": forward.summary()} if args.backward else {}))
     columns = gather_objects(comm, (rec.table(plan.n_steps), summary, checked))
@@ -219,11 +229,12 @@ def _report_forward(args, sched, checks, machine, links=()):
     size, dtype = plan.size, np.dtype(args.dtype)
     hk = args.kv_heads or args.heads
     wall = max(r["wall_time"] for r in records)
-    flops = 4 * args.batch * args.heads * args.dim * sum(map(sum, plan.pairs))  # the sequence's visible pairs
+    flops = 4 * args.batch * args.heads * args.dim * sequence_pairs(plan)
     itemsize = dtype.itemsize
     predicted = predicted_bytes(plan, **_shape(args), itemsize=itemsize)
     print(f"mpiring run: P={size} seq_len={args.seq_len} batch={args.batch} heads={args.heads} kv_heads={hk} "
-          f"dim={args.dim} {dtype} causal={plan.causal} layout={plan.layout} mode={_mode(plan)} window={plan.window}")
+          f"dim={args.dim} {dtype} causal={plan.causal} layout={plan.layout} mode={mode_text(plan)} "
+          f"window={plan.window}")
     print("\nschedule as recorded by the ranks:")
     print(sched.format())
     for r, rec in enumerate(records):
@@ -253,11 +264,6 @@ def _report_forward(args, sched, checks, machine, links=()):
     _write_trace_and_plot(args, records, f"P={size} {plan.layout} {plan.mode}{' causal' if plan.causal else ''}, "
                           f"seq_len={args.seq_len}, H={args.heads} d={args.dim} {dtype}")
     return _verdict(ok, passed, checks)
-
-
-def _mode(plan):
-    """The mode, with the double ring's ranks per node."""
-    return f"{plan.mode} node_size={plan.node_size}" if plan.mode == "double_ring" else plan.mode
 
 
 def _shape(args):
@@ -344,7 +350,7 @@ def _report_backward(args, sched, checks, links=()):
     bwd_bytes = predicted_bytes(plan, **_shape(args), itemsize=dtype.itemsize, backward=True)
     bwd_messages = plan.backward_messages_per_rank()
     print(f"mpiring run --backward: P={size} seq_len={args.seq_len} batch={args.batch} heads={args.heads} "
-          f"kv_heads={hk} dim={args.dim} {dtype} causal={plan.causal} layout={plan.layout} mode={_mode(plan)} "
+          f"kv_heads={hk} dim={args.dim} {dtype} causal={plan.causal} layout={plan.layout} mode={mode_text(plan)} "
           f"window={plan.window}")
     print("\nbackward schedule as recorded by the ranks (K/V and their dK/dV partials follow the forward plan):")
     print(sched.format())
@@ -357,7 +363,7 @@ def _report_backward(args, sched, checks, links=()):
               f"{bwd_bytes[r]:>10}  {rec['messages']:>8}  {bwd_messages:>9}  {rec['compute_time']:>9.4f}  "
               f"{rec['wait_time']:>17.4f}")
     print("(backward bytes: K/V in the input dtype, their travelling dK/dV partials in float64)")
-    flops = 4 * args.batch * args.heads * args.dim * sum(map(sum, plan.pairs))  # the sequence's visible pairs
+    flops = 4 * args.batch * args.heads * args.dim * sequence_pairs(plan)
     for name, wall, factor in (("forward ", max(r["forward"]["wall_time"] for r in records), 1.0),
                                ("backward", max(r["wall_time"] for r in records), 2.5)):
         print(f"{name} wall time {wall:.4f} s   {factor * flops / wall / 1e9:.2f} GFLOP/s "

@@ -195,17 +195,19 @@ def _error(got, want):
     return float(np.max(np.where(same, 0.0, np.abs(got - want)), initial=0.0))
 
 
-def check_rank(inputs, seq_len, size, rank, layout, mask, got, share=None):
+def check_rank(inputs, seq_len, size, rank, layout, mask, got, share=None, shards=None):
     """This rank's check: ``{"rows", "of", "keys", "error": {name: err}, "largest": {name: max |ref|}}``.
 
     ``got``: this rank's ``out`` and ``lse`` (and ``dq``, ``dk``, ``dv`` after a
     backward pass), its shard of the ``layout`` in sequence order.
     ``share(piece)``: every rank's ``piece`` (an all-gather), needed (and called,
-    collectively) only when dK and dV are checked.
+    collectively) only when dK and dV are checked. ``shards``: every rank's
+    positions, where they do not follow ``layout`` (ring x Ulysses: the grid's).
     """
     scale = 1.0 / np.sqrt(inputs.dim)
     seed = inputs.seed
-    positions = shard_indices(seq_len, size, rank, layout)
+    shards = shards or [shard_indices(seq_len, size, r, layout) for r in range(size)]
+    positions = shards[rank]
     n = len(positions)
     backward = "dq" in got
     with_dkv = backward and seq_len <= DKV_MAX_SEQ
@@ -232,7 +234,7 @@ def check_rank(inputs, seq_len, size, rank, layout, mask, got, share=None):
     pieces = share(np.ascontiguousarray(np.stack([lse, delta])))
     every = np.empty((2,) + lse.shape[:-1] + (seq_len,))
     for r, piece in enumerate(pieces):
-        every[..., shard_indices(seq_len, size, r, layout)] = piece
+        every[..., shards[r]] = piece
     keys = sample_rows(n, seed, rank, "keys")
     dk, dv = dkv_reference(inputs, positions[keys], seq_len, scale, mask, every[0], every[1])
     compare("dK", got["dk"][..., keys, :], dk)
