@@ -26,12 +26,12 @@ MASKS = [(False, None, None), (True, None, None), (True, (4, 0), "docs")]
 def test_forward_and_backward_match_reference(comm, rng, layout, causal, window, cu):
     P = comm.size
     S = 6 * P + 5
-    for u in [u for u in range(1, P + 1) if P % u == 0]:
-        for mode, hk in (("ring", 1), ("bidirectional", 2 * u), ("allgather", 2)):
-            if hk % u and u % hk:
-                continue
-            options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu, ulysses_size=u)
-            check_mode(comm, *_problem(rng, S, 2 * u, hk), options, f"u={u} {mode}")
+    cases = (("ring", 1), ("bidirectional", 2), ("allgather", None))  # K/V heads: 1, 2 (< u at u = 4), 2u
+    for i, u in enumerate(u for u in range(1, P + 1) if P % u == 0):
+        mode, hk = cases[(i + LAYOUTS.index(layout)) % 3]  # every u meets every mode over the layouts
+        hk = 2 * u if hk is None or (hk % u and u % hk) else hk
+        options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu, ulysses_size=u)
+        check_mode(comm, *_problem(rng, S, 2 * u, hk), options, f"u={u} {mode}")
 
 
 def test_float32(comm, rng):
