@@ -16,7 +16,7 @@ from .comm import allgather, wait_until
 from .kernels import LSE_LIMIT, default_scale
 from .layouts import check_layout, sort_order, take_rows
 from .masks import check_causal_block, check_window
-from .plan import MODES, make_plan
+from .plan import ALL_MODES, MODES, make_plan
 from .precision import canonical_precision, compute_dtype, dtype_problem, without_precision
 
 __all__ = ["agree", "setup", "agree_root", "check_comm", "comm_problem", "resolve_timeout", "agreement_timeout",
@@ -142,8 +142,8 @@ def canonical(options):
     The precision options (``wire_dtype``, ...) are checked and kept when given.
     """
     check_layout(options["layout"])
-    if options["mode"] not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}; got {options['mode']!r}")
+    if options["mode"] not in ALL_MODES:
+        raise ValueError(f"mode must be one of {', '.join(ALL_MODES)}; got {options['mode']!r}")
     cu = options["cu_seqlens"]
     if cu is not None:
         cu = np.asarray(cu)
@@ -156,9 +156,22 @@ def canonical(options):
     if rows["kv_positions"] is not None and rows["positions"] is None:
         raise ValueError("kv_positions needs positions: the query rows' own positions")
     precision = canonical_precision(options) if len(without_precision(options)) < len(options) else {}
+    node_size = options.get("node_size")
+    if node_size is not None and (isinstance(node_size, bool) or not isinstance(node_size, (int, np.integer))
+                                  or node_size < 1):
+        raise ValueError(f"node_size must be a positive integer (ranks per node) or None, got {node_size!r}")
+    ulysses_size = options.get("ulysses_size")
+    if ulysses_size is not None and (isinstance(ulysses_size, bool) or not isinstance(ulysses_size, (int, np.integer))
+                                     or ulysses_size < 1):
+        raise ValueError(f"ulysses_size must be a positive integer or None, got {ulysses_size!r}")
+    if (options["mode"] not in MODES or ulysses_size is not None) and precision.get("wire_dtype") is not None:
+        raise ValueError(f"wire_dtype works with modes {', '.join(MODES)} (not with mode {options['mode']!r} "
+                         f"or ulysses_size)")
     return dict(layout=options["layout"], mode=options["mode"], causal=bool(options["causal"]),
                 window=check_window(options["window"]), cu_seqlens=cu,
-                causal_block=check_causal_block(options.get("causal_block"), options["causal"]), **rows, **precision)
+                causal_block=check_causal_block(options.get("causal_block"), options["causal"]), **rows, **precision,
+                node_size=None if node_size is None else int(node_size),
+                ulysses_size=None if ulysses_size is None else int(ulysses_size))
 
 
 ROW_OPTIONS = ("positions", "kv_positions")  # this rank's own: gathered from every rank, not compared

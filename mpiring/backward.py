@@ -19,6 +19,7 @@ import numpy as np
 from . import block
 from .block import GRAD_DTYPE, add_grads, count_pairs
 from .comm import Buffers, allgathered, flat_blocks, next_buffers, shift, wait_until
+from .heads import HybridPlan
 from .plan import chunks_in_order, home_chunks, key_chunks
 from .precision import Precision
 from .ring import agree_outcome
@@ -150,7 +151,7 @@ def _allgather_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec, 
     return dq, own[0], own[1]
 
 
-def run_backward(arrays, plan, rings, scale, rec, timeout, pr):
+def run_backward(arrays, plan, rings, scale, rec, timeout, pr, options=None):
     """The backward pass of contiguous, agreed ``arrays`` (dout, q, k, v, out, lse, delta), all ranks having met.
 
     ``rings``: the K/V RingComm, then (but for all-gather) the dK/dV onward
@@ -160,8 +161,21 @@ def run_backward(arrays, plan, rings, scale, rec, timeout, pr):
     rec.t0 = start = time.perf_counter()
     rec.wire_dtype = pr.wire.name
     counters = [(ring.bytes_sent, ring.messages, ring.wait_time) for ring in rings]
-    if plan.mode == "allgather":
+    dout, q, k, v, out, lse, delta = arrays
+    if isinstance(plan, HybridPlan):  # Ulysses in groups, the ring across them (mpiring.grid)
+        from .grid import hybrid_backward
+
+        dq, dk, dv = hybrid_backward(dout, q, k, v, out, lse, plan, rings[0].comm, options, scale, rec, timeout)
+    elif plan.mode == "allgather":
         dq, dk, dv = _allgather_backward(*arrays, plan, rings[0].comm, scale, rec, timeout, pr)
+    elif plan.mode == "ulysses":  # heads move, not K/V blocks (mpiring.ulysses)
+        from .ulysses import ulysses_backward
+
+        dq, dk, dv = ulysses_backward(dout, q, k, v, lse, delta, plan, rings[0].comm, scale, rec, timeout)
+    elif plan.mode == "double_ring":  # an inner ring per node, an outer ring across (mpiring.double_ring)
+        from .double_ring import double_ring_backward
+
+        dq, dk, dv = double_ring_backward(*arrays, plan, rings[0].comm, scale, rec, timeout)
     else:
         dq, dk, dv = _backward_ring_loop(*arrays, plan, rings, scale, rec, timeout, pr)
         rec.bytes_sent = sum(ring.bytes_sent - c[0] for ring, c in zip(rings, counters))

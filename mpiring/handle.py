@@ -39,8 +39,10 @@ from .agree import (
 from .backward import run_backward
 from .block import GRAD_DTYPE
 from .comm import HomeRing, RingComm, exclusive, wait_until
+from .heads import HybridPlan, grid_problem, heads_problem
 from .kernels import default_scale
 from .layouts import LAYOUTS, shard, take_rows
+from .plan import MODES
 from .precision import Precision, compute_dtype, without_precision
 from .record import Record
 from .ring import run_forward
@@ -164,12 +166,13 @@ class Ring:
                  layout: str = "contiguous", mode: str = "ring", window=None, cu_seqlens=None,
                  timeout: float | str | None = "auto", seq_axis: int = -2, threads="auto",
                  wire_dtype: str | None = None, grad_wire_dtype: str | None = None, accumulate: str = "float64",
-                 positions=None, kv_positions=None, causal_block: int | None = None,
-                 check_finite: bool = False, expected_size: int | None = None):
+                 positions=None, kv_positions=None, causal_block: int | None = None, node_size: int | None = None,
+                 ulysses_size: int | None = None, check_finite: bool = False, expected_size: int | None = None):
         comm = check_comm(comm)
         options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens,
                        wire_dtype=wire_dtype, grad_wire_dtype=grad_wire_dtype, accumulate=accumulate,
-                       positions=positions, kv_positions=kv_positions, causal_block=causal_block)
+                       positions=positions, kv_positions=kv_positions, causal_block=causal_block,
+                       node_size=node_size, ulysses_size=ulysses_size)
         problem = _axis_problem({}, seq_axis) or threads_problem(threads)
         plan, hosts, options = setup_ring(comm, seq_len, options, scale, timeout, expected_size, problem,
                                           values=dict(seq_axis=seq_axis, threads=threads, check_finite=check_finite))
@@ -186,12 +189,18 @@ class Ring:
         self.plan, self.seq_axis, self.check_finite = plan, int(seq_axis), check_finite
         self._precision = {key: value for key, value in options.items() if key not in without_precision(options)}
         self._same_rows = options.get("kv_positions") is None
+        self._mode, self._ulysses_size = options.get("mode", plan.mode), options.get("ulysses_size")
+        self._ring_options = {key: options[key] for key in ("layout", "mode", "causal", "window", "cu_seqlens")}
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.threads = threads_for(threads, hosts, self.rank)
         self._scale, self._timeout, self._failed, self._rings = scale, timeout, None, []
-        try:  # private duplicates: K/V; for a backward also dK/dV onward and dK/dV home
+        try:  # private duplicates: K/V; for a backward of the ring modes also dK/dV onward and dK/dV home
             self._rings.append(RingComm(comm, agreement_timeout(timeout)))
-            if backward and plan.mode != "allgather":
+            if plan.mode == "double_ring":  # ranks per node, as MPI placed them unless node_size says (collective)
+                from .double_ring import nodes_of
+
+                self.plan = plan = nodes_of(plan, self._rings[0].comm, options.get("node_size"))
+            if backward and plan.mode in MODES and plan.mode != "allgather" and not isinstance(plan, HybridPlan):
                 self._rings += [RingComm(comm, agreement_timeout(timeout)), HomeRing(comm, plan,
                                                                                      agreement_timeout(timeout))]
         except BaseException:
@@ -224,7 +233,7 @@ class Ring:
         A view for the contiguous and striped layouts, a copy otherwise (``mpiring.shard``).
         """
         axis = self.seq_axis if axis is None else axis
-        if self.plan.layout in LAYOUTS:
+        if self.plan.layout in LAYOUTS and not isinstance(self.plan, HybridPlan):  # a grid deals its own shards
             return shard(x, self.size, self.rank, self.plan.layout, axis)
         return np.take(x, self.positions, axis=0 if np.ndim(x) == 1 else axis)
 
@@ -276,7 +285,8 @@ class Ring:
                 names = dict(zip(tensors, moved))
                 q, k, v = names["q"], names["k"], names["v"]
                 problem = (local_problem(q, k, v, None, self.check_finite, self._same_rows)
-                           or self._length_problem(q, k))
+                           or self._length_problem(q, k) or heads_problem(q, k, self.size, self._mode)
+                           or grid_problem(q, k, self.size, self._mode, self._ulysses_size))
                 if problem is None and lse is not None:
                     problem = (grad_problem(names["dout"], q, k, v, names["out"], lse)
                                or self._dlse_problem(dlse, lse)
@@ -335,7 +345,7 @@ class Ring:
             self._start_barrier(timeout)
         with self._running():
             out, lse = run_forward(q, k, v, self.plan, self._rings[0], scale, rec, timeout,
-                                   Precision.of(q.dtype, self._precision))
+                                   Precision.of(q.dtype, self._precision), self._ring_options)
         out, lse = self.plan.in_caller_order(self.rank, out), self.plan.in_caller_order(self.rank, lse, axis=-1)
         lse = lse.view(Lse)
         lse.made_by = made_by(plan_options(self.plan, self._precision), self.size, scale, self.plan.seq_len)
@@ -353,7 +363,7 @@ class Ring:
             self._start_barrier(timeout)
         with self._running():
             grads = run_backward((dout, q, k, v, out, lses[0], delta.astype(q.dtype)), self.plan, self._rings,
-                                 scale, rec, timeout, pr)
+                                 scale, rec, timeout, pr, self._ring_options)
         grads = [self.plan.in_caller_order(self.rank, g.astype(pr.input, copy=False), kv=i > 0)
                  for i, g in enumerate(grads)]
         return tuple(np.moveaxis(g, -2, self.seq_axis) for g in grads)
@@ -371,6 +381,7 @@ def ring_attention(
     timeout: float | str | None = "auto", record: Record | None = None, check_finite: bool = False,
     expected_size: int | None = None, seq_axis: int = -2, threads="auto", wire_dtype: str | None = None,
     accumulate: str = "float64", positions=None, kv_positions=None, causal_block: int | None = None,
+    node_size: int | None = None, ulysses_size: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:  # out (..., Hq, n, Dv), lse (..., Hq, n)
     """Attention of this rank's queries against the whole distributed sequence.
 
@@ -383,7 +394,9 @@ def ring_attention(
         causal: token t attends only to tokens <= t.
         scale: softmax scale, default 1/sqrt(dim).
         layout: "contiguous", "zigzag" or "striped" (see ``mpiring.layouts``).
-        mode: "ring", "bidirectional" or "allgather" (see ``mpiring.plan``).
+        mode: "ring", "bidirectional" or "allgather" (see ``mpiring.plan``); "ulysses": heads move by
+            all-to-all (``mpiring.heads``); "double_ring": an inner ring per node, an outer ring across
+            nodes (``mpiring.hierarchy``).
         window: sliding window ``(left, right)`` as in flash-attn; -1 is unbounded.
         cu_seqlens: packed documents ``[0, end_0, end_1, ..., seq_len]`` (global positions).
         positions: global positions of this rank's q (and k, v) rows, any
@@ -394,6 +407,9 @@ def ring_attention(
             position once; q positions are then distinct positions among them).
         causal_block: with ``causal``, key j is visible to query i iff
             j // causal_block <= i // causal_block (frame-causal video masks).
+        node_size: ranks per node for the double ring; None: as MPI places them (``COMM_TYPE_SHARED``).
+        ulysses_size: u: Ulysses inside groups of u consecutive ranks, the ring ``mode`` across the P/u
+            groups; shards follow the grid (``mpiring.heads.HybridPlan``).
         timeout: seconds a rank may wait for the others (each transfer, a final
             check) before raising ``CommTimeout``; an error or stall on one rank
             then raises on every rank still alive: the failed rank its own error
@@ -421,8 +437,9 @@ def ring_attention(
     with exclusive(comm):  # one call per communicator at a time (threads: one Dup each)
         options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens,
                        wire_dtype=wire_dtype, accumulate=accumulate, positions=positions, kv_positions=kv_positions,
-                       causal_block=causal_block)
+                       causal_block=causal_block, node_size=node_size, ulysses_size=ulysses_size)
         moved, problem = _moved({"q": q, "k": k, "v": v}, seq_axis, threads)
+        problem = problem or _heads_problem(moved[0], moved[1], comm, mode, ulysses_size)
         hosts = []
         plan, scale, (q, k, v) = setup(*moved, comm, scale, options, check_finite, expected_size, timeout,
                                        prepare=lambda: [np.ascontiguousarray(a) for a in moved], problem=problem,
@@ -430,6 +447,11 @@ def ring_attention(
         with Ring._agreed(comm, plan, scale, timeout, hosts, seq_axis, threads, options, backward=False) as ring:
             with limited(ring.threads):
                 return ring._forward(q, k, v, scale, record, checked=True)
+
+
+def _heads_problem(q, k, comm, mode, ulysses_size):
+    """Why the heads of q, k do not split as ``mode`` / ``ulysses_size`` need, or None (never raises)."""
+    return heads_problem(q, k, comm.Get_size(), mode) or grid_problem(q, k, comm.Get_size(), mode, ulysses_size)
 
 
 def _moved(tensors, seq_axis, threads):
@@ -448,7 +470,8 @@ def ring_attention_backward(
     mode: str = "ring", window: tuple[int, int] | None = None, cu_seqlens=None,
     timeout: float | str | None = "auto", record: Record | None = None, seq_axis: int = -2, threads="auto",
     dlse: np.ndarray | None = None, wire_dtype: str | None = None, grad_wire_dtype: str | None = None,
-    positions=None, kv_positions=None, causal_block: int | None = None,
+    positions=None, kv_positions=None, causal_block: int | None = None, node_size: int | None = None,
+    ulysses_size: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # dq, dk, dv: the shapes of q, k, v
     """Gradients ``(dq, dk, dv)`` of this rank's shard, given the upstream gradient ``dout``.
 
@@ -470,11 +493,13 @@ def ring_attention_backward(
     with exclusive(comm):  # one call per communicator at a time (threads: one Dup each)
         options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens,
                        wire_dtype=wire_dtype, grad_wire_dtype=grad_wire_dtype, positions=positions,
-                       kv_positions=kv_positions, causal_block=causal_block)
+                       kv_positions=kv_positions, causal_block=causal_block, node_size=node_size,
+                       ulysses_size=ulysses_size)
         tensors = {"dout": dout, "q": q, "k": k, "v": v, "out": out}
         moved, problem = _moved(tensors, seq_axis, threads)
         if problem is None:
             problem = (grad_problem(*moved, lse) or Ring._dlse_problem(dlse, lse)
+                       or _heads_problem(moved[1], moved[2], comm, mode, ulysses_size)
                        or _lse_problem(lse, options, comm.Get_size(), scale, moved[1]))
 
         def prepare():  # what may fail on one rank alone (MemoryError) is done before the agreement

@@ -33,10 +33,11 @@ import numpy as np
 from .layouts import check_layout, layout_positions, position_runs, positions_problem, put_rows, sort_order
 from .masks import block_kind, check_causal_block, check_cu_seqlens, check_window, visible_keys
 
-__all__ = ["MODES", "NEXT", "PREV", "HOME_CHUNKS", "Task", "Piece", "Schedule", "Plan", "make_plan",
+__all__ = ["MODES", "ALL_MODES", "NEXT", "PREV", "HOME_CHUNKS", "Task", "Piece", "Schedule", "Plan", "make_plan",
            "home_chunks", "key_chunks", "cut_to_keys", "chunks_in_order"]
 
-MODES = ("ring", "bidirectional", "allgather")
+MODES = ("ring", "bidirectional", "allgather")  # the ring modes: K/V blocks travel (the simulator's too)
+ALL_MODES = MODES + ("ulysses", "double_ring")  # and Ulysses (mpiring.heads), the double ring (mpiring.hierarchy)
 NEXT, PREV = +1, -1  # a stream's direction: NEXT sends to rank + 1 (receives from rank - 1), PREV the reverse
 HOME_CHUNKS = 4  # the backward pass sends a partial home in this many key chunks, each as soon as its keys are done
 
@@ -225,7 +226,8 @@ def _held(parts, seq_len, size, name, partition):
 
 def make_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str = "ring", causal: bool = False,
               window: tuple[int, int] | None = None, cu_seqlens=None, causal_block: int | None = None,
-              positions=None, kv_positions=None) -> Plan:
+              positions=None, kv_positions=None, node_size: int | None = None,
+              ulysses_size: int | None = None) -> Plan:
     """Build the plan for ``size`` ranks over a sequence of ``seq_len`` tokens (keys).
 
     ``positions``: one integer array per rank, the global positions of its
@@ -235,11 +237,38 @@ def make_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str 
     partition of range(seq_len)); the query positions are then distinct
     positions of that range. ``causal_block=F`` (with ``causal``): key j is
     visible to query i iff j // F <= i // F.
+    ``node_size``: ranks per node of the double ring (None: all ranks on one node); other modes ignore it.
+    ``ulysses_size``: Ulysses inside groups of that many ranks, the ring mode across them (mpiring.heads).
     """
+    if mode not in ALL_MODES:
+        raise ValueError(f"mode must be one of {', '.join(ALL_MODES)}; got {mode!r}")
+    if (mode not in MODES or ulysses_size is not None) and (positions is not None or kv_positions is not None
+                                                            or causal_block is not None):
+        raise ValueError(f"positions, kv_positions and causal_block work with modes {', '.join(MODES)} "
+                         f"(not with mode {mode!r} or ulysses_size)")
+    if ulysses_size is not None:  # a u x (P/u) grid: the ring plan of the groups (mpiring.heads.HybridPlan)
+        from .heads import hybrid_plan
+
+        if mode not in MODES:
+            raise ValueError(f"ulysses_size combines with mode ring, bidirectional or allgather, not {mode!r}")
+        if isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int) or ulysses_size < 1:
+            raise ValueError(f"ulysses_size must be a positive integer, got {ulysses_size!r}")
+        if size % ulysses_size:
+            raise ValueError(f"ulysses_size {ulysses_size} does not divide the {size} ranks")
+        groups = make_plan(seq_len, size // ulysses_size, layout=layout, mode=mode, causal=causal, window=window,
+                           cu_seqlens=cu_seqlens)
+        return hybrid_plan(seq_len, size, ulysses_size, groups)
+    if mode in ("ulysses", "double_ring"):  # the ring plan's shards and masks, visited in their own order
+        from .heads import ulysses_plan
+        from .hierarchy import double_ring_plan
+
+        base = make_plan(seq_len, size, layout=layout, mode="allgather", causal=causal, window=window,
+                         cu_seqlens=cu_seqlens)
+        if mode == "ulysses":
+            return ulysses_plan(base)
+        return double_ring_plan(base, size if node_size is None else node_size)
     if positions is None:
         check_layout(layout)
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
     if size < 1 or seq_len < size:
         raise ValueError(f"need at least one token per rank: seq_len={seq_len}, ranks={size}")
     if kv_positions is not None and positions is None:

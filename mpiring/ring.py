@@ -16,6 +16,7 @@ from mpi4py import MPI
 
 from . import block
 from .comm import CommTimeout, allgathered, kv_slots, next_buffers, shift, wait_until
+from .heads import HybridPlan
 from .kernels import pad_ones
 from .precision import Precision
 
@@ -95,18 +96,33 @@ def agree_outcome(comm, timeout, t0):
                           f"the timeout ({timeout:g} s): one was stalled and the others gave up on it")
 
 
-def run_forward(q, k, v, plan, ring, scale, rec, timeout, pr):
+def run_forward(q, k, v, plan, ring, scale, rec, timeout, pr, options=None):
     """The forward pass of contiguous, agreed arrays over ``ring`` (a RingComm), all ranks having just met.
 
-    ``pr``: the call's ``Precision``. Fills ``rec`` (this call's events, bytes
-    and times) and returns ``(out, lse)``.
+    ``pr``: the call's ``Precision``; ``options``: the ring's (layout, mode,
+    causal, window, cu_seqlens) for the grid's ring across Ulysses groups.
+    Fills ``rec`` (this call's events, bytes and times) and returns ``(out, lse)``.
     """
     rec.t0 = start = time.perf_counter()  # event times minus rec.t0 compare across ranks
     rec.wire_dtype = pr.wire.name
-    if plan.mode == "allgather":
+    sent, messages, waited = ring.bytes_sent, ring.messages, ring.wait_time
+    if isinstance(plan, HybridPlan):  # Ulysses in groups, the ring across them (mpiring.grid)
+        from .grid import hybrid_forward
+
+        out, lse = hybrid_forward(q, k, v, plan, ring.comm, options, scale, rec, timeout)
+    elif plan.mode == "allgather":
         out, lse = _allgather_loop(q, k, v, plan, ring.comm, scale, rec, timeout, pr)
+    elif plan.mode == "ulysses":  # heads move, not K/V blocks (mpiring.ulysses)
+        from .ulysses import ulysses_forward
+
+        out, lse = ulysses_forward(q, k, v, plan, ring.comm, scale, rec, timeout)
+    elif plan.mode == "double_ring":  # an inner ring per node, an outer ring across (mpiring.double_ring)
+        from .double_ring import double_ring_forward
+
+        out, lse = double_ring_forward(q, k, v, plan, ring, scale, rec, timeout)
+        rec.bytes_sent, rec.messages = rec.bytes_sent - sent, rec.messages - messages  # ``ring``'s counters run on
+        rec.wait_time -= waited
     else:
-        sent, messages, waited = ring.bytes_sent, ring.messages, ring.wait_time
         out, lse = _ring_loop(q, k, v, plan, ring, scale, rec, timeout, pr)
         rec.bytes_sent, rec.messages = ring.bytes_sent - sent, ring.messages - messages
         rec.wait_time = ring.wait_time - waited

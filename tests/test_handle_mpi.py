@@ -259,3 +259,22 @@ def test_handle_half_inputs_and_wires_equal_functions(comm, dtype):
         np.testing.assert_array_equal(g.astype(np.float32), gf.astype(np.float32))
     with pytest.raises(ValueError, match="wire_dtype='int8' there, None here"):
         ring_attention_backward(dout, q, k, v, out, lse, comm, causal=True, layout="striped")
+
+
+@pytest.mark.parametrize("options", [dict(mode="ulysses"), dict(mode="double_ring", node_size=1),
+                                     dict(mode="ring", layout="zigzag", ulysses_size=2), dict(mode="double_ring")])
+def test_handle_other_modes(comm, options):
+    """Ulysses, the double ring and the ring x Ulysses grid through one handle, twice: the reference each call."""
+    if options.get("ulysses_size", 1) > 1 and comm.size % options["ulysses_size"]:
+        options = dict(options, ulysses_size=1)
+    S = 4 * comm.size + 1
+    mask = dense_mask(S, causal=True)
+    with Ring(comm, S, causal=True, **options) as ring:
+        for call in range(2):
+            Q, K, V, dOut = _problem(S, heads=12, kv_heads=12, seed=call)
+            q, k, v, dout = (ring.shard(x) for x in (Q, K, V, dOut))
+            out, lse = ring.forward(q, k, v)
+            grads = ring.backward(dout, q, k, v, out, lse)
+            want = [naive_attention(Q, K, V, mask)] + list(naive_attention_backward(dOut, Q, K, V, mask))
+            for got, ref in zip((out, *grads), want):
+                assert np.max(np.abs(got - ring.shard(ref))) < TOL, (options, call)

@@ -7,9 +7,10 @@ import time
 import numpy as np
 
 from mpiring.balancers import METHODS, balance, imbalance, work
+from mpiring.plan import ALL_MODES
 
-__all__ = ["command_parser", "add_variant_args", "variant", "video", "held_positions", "balance_table", "at_least",
-           "Agreed", "launch_rank", "poll"]
+__all__ = ["command_parser", "add_variant_args", "variant", "mode_text", "video", "held_positions", "balance_table",
+           "at_least", "Agreed", "launch_rank", "poll"]
 
 
 class Agreed(Exception):  # noqa: N818 (not an error of one rank: the same verdict on every rank)
@@ -71,8 +72,14 @@ def add_variant_args(p):
     p.add_argument("--causal", action="store_true", help="causal mask")
     p.add_argument("--layout", default="contiguous", choices=["contiguous", "zigzag", "striped"],
                    help="which tokens each rank holds")
-    p.add_argument("--mode", default="ring", choices=["ring", "bidirectional", "allgather"],
-                   help="how K/V travel: one way round the ring, both ways, or all-gathered once")
+    p.add_argument("--mode", default="ring", choices=list(ALL_MODES),
+                   help="how K/V travel: one way round the ring, both ways, all-gathered once, or an inner ring per "
+                        "node and an outer ring across nodes (double_ring); or ulysses: heads travel "
+                        "(all-to-all), every rank attends its heads over the whole sequence")
+    p.add_argument("--node-size", type=int, metavar="N",
+                   help="double_ring: ranks per node (default: as MPI places them; schedule: all on one node)")
+    p.add_argument("--ulysses-size", type=int, metavar="U",
+                   help="ring x Ulysses: Ulysses inside groups of U ranks, the ring mode across the groups")
     p.add_argument("--window", type=int, nargs=2, metavar=("LEFT", "RIGHT"), help="sliding window; -1 = unbounded")
     p.add_argument("--cu-seqlens", type=int, nargs="+", metavar="N", help="packed documents: 0 e1 e2 ... seq_len")
     p.add_argument("--causal-block", type=int, nargs="?", const=0, metavar="F",
@@ -101,7 +108,8 @@ def video(args):
 
 def variant(args):
     """The keyword arguments of ``make_plan`` and the ring that ``add_variant_args`` options ask for."""
-    return dict(causal=args.causal, layout=args.layout, mode=args.mode,
+    return dict(causal=args.causal, layout=args.layout, mode=args.mode, node_size=args.node_size,
+                ulysses_size=args.ulysses_size,
                 window=tuple(args.window) if args.window else None,
                 cu_seqlens=np.array(args.cu_seqlens) if args.cu_seqlens else None, causal_block=args.causal_block)
 
@@ -126,6 +134,14 @@ def balance_table(args, seq_len, size):
     lines += [f"{r:>4}" + "".join(f"{loads[m][r]:>14}" for m in METHODS) for r in range(size)]
     lines.append("max/mean" + "".join(f"{imbalance(loads[m]):>14.3f}" for m in METHODS)[4:])
     return "\n".join(lines)
+
+
+def mode_text(plan):
+    """The plan's mode as reports show it, with the double ring's node size or the grid's Ulysses size."""
+    if plan.mode == "double_ring":
+        return f"{plan.mode} node_size={plan.node_size}"
+    size = getattr(plan, "ulysses_size", None)
+    return f"{plan.mode} ulysses_size={size}" if size else plan.mode
 
 
 # where launchers put a process's rank before MPI starts: MPICH/Hydra and PMI-2, Open MPI, PMIx, Slurm

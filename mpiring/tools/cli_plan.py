@@ -8,10 +8,11 @@ Each is ``(comm, args=None) -> exit code``; they ignore ``comm`` (pass None).
 """
 
 from mpiring import make_plan
+from mpiring.cluster_model import CLUSTERS, format_comparison
 from mpiring.costmodel import PRESETS, Machine, format_time_model, format_wire_model, ring_attention_context_parallel
 
 from .calibrate import calibrate
-from .cli import add_variant_args, at_least, balance_table, command_parser, held_positions, variant
+from .cli import add_variant_args, at_least, balance_table, command_parser, held_positions, mode_text, variant
 
 __all__ = ["schedule", "schedule_parser", "cost", "cost_parser", "compute_table", "held_text"]
 
@@ -46,7 +47,7 @@ def schedule(comm=None, args=None):
     args = schedule_parser().parse_args(args)
     seq_len = args.seq_len or 64 * args.ranks
     plan = make_plan(seq_len, args.ranks, positions=held_positions(args, seq_len, args.ranks), **variant(args))
-    print(f"P={plan.size} seq_len={seq_len} {held_text(args, plan)} mode={plan.mode} causal={plan.causal} "
+    print(f"P={plan.size} seq_len={seq_len} {held_text(args, plan)} mode={mode_text(plan)} causal={plan.causal} "
           f"window={plan.window} steps={plan.n_steps} messages/rank={plan.messages_per_rank()}")
     print(plan.schedule.format())
     print(compute_table(plan))
@@ -78,9 +79,12 @@ def cost_parser():
     p.add_argument("--flops", type=float, help="a custom machine: FLOP/s (with --bandwidth, --latency)")
     p.add_argument("--bandwidth", type=float, help="custom machine: bytes/s per direction")
     p.add_argument("--latency", type=float, default=10e-6, help="custom machine: seconds per transfer")
+    p.add_argument("--cluster", choices=sorted(CLUSTERS), help="also compare ring, double ring and Ulysses on "
+                   "nodes of --node-size ranks with two link levels (mpiring.cluster_model)")
+    p.add_argument("--node-size", type=int, default=8, help="--cluster: ranks per node (must divide -P)")
     p.checks.append(at_least(1, **{"--seq-len": "seq_len", "-P/--ranks": "ranks", "--hidden": "hidden",
                                    "--heads": "heads", "--bytes-per-element": "bytes_per_element", "--dim": "dim",
-                                   "--batch": "batch"}))
+                                   "--batch": "batch", "--node-size": "node_size"}))
     return p
 
 
@@ -97,6 +101,14 @@ def cost(comm=None, args=None):
         print()
         print(format_wire_model(args.seq_len, args.ranks, heads=args.heads, head_dim=dim, kv_heads=args.hidden // dim,
                                 batch=args.batch, causal=args.causal, machines=machines))
+    if args.cluster:
+        if args.ranks % args.node_size:
+            raise ValueError(f"--node-size {args.node_size} must divide -P {args.ranks}")
+        dim = args.dim or args.hidden // args.heads
+        cluster = CLUSTERS[args.cluster](args.ranks // args.node_size, args.node_size)
+        print()
+        print(format_comparison(args.seq_len, cluster, causal=args.causal, batch=args.batch, hq=args.heads,
+                                hk=args.hidden // dim, dim=dim, dim_v=dim, itemsize=args.bytes_per_element))
     return 0
 
 

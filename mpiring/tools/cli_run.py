@@ -21,21 +21,36 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from mpiring import (
+    MODES,
+    make_plan,
     predicted_backward_bytes,
     predicted_bytes_sent,
     ring_attention,
     ring_attention_backward,
     ring_attention_context_parallel,
 )
+from mpiring.heads import HybridPlan, sequence_pairs
 from mpiring.layouts import layout_positions
+from mpiring.nodes import predicted_bytes
 from mpiring.plan import Schedule
 from mpiring.precision import ACCUMULATE, GRAD_WIRE_DTYPES, INPUT_DTYPES, WIRE_DTYPES, Precision, named_dtype
 from mpiring.record import Record
 
 from . import verify
 from .calibrate import calibrate
-from .cli import Agreed, add_variant_args, at_least, balance_table, command_parser, held_positions, poll, variant
+from .cli import (
+    Agreed,
+    add_variant_args,
+    at_least,
+    balance_table,
+    command_parser,
+    held_positions,
+    mode_text,
+    poll,
+    variant,
+)
 from .cli_plan import compute_table, held_text
+from .links import LinkMeter
 from .plot import plot_timeline
 from .progress import Progress
 from .report import format_timeline, timing_report
@@ -90,7 +105,8 @@ def run_parser():
                    help="ring step counter on rank 0 (auto: when output is a terminal)")
     add_variant_args(p)
     p.checks += [at_least(1, **{"--seq-len": "seq_len", "--dim": "dim", "--heads": "heads",
-                                "--kv-heads": "kv_heads", "--batch": "batch", "--threads": "threads"}),
+                                "--kv-heads": "kv_heads", "--batch": "batch", "--threads": "threads",
+                                "--ulysses-size": "ulysses_size"}),
                  at_least(0, **{"--seed": "seed"}), _heads_problem]
     return p
 
@@ -179,7 +195,13 @@ def run(comm, args=None):
     hk = args.kv_heads or args.heads
     options = variant(args)
     inputs = verify.Inputs(args.seed, args.batch, args.heads, hk, args.dim, dtype)
-    parts = held_positions(args, args.seq_len, size) or layout_positions(args.seq_len, size, args.layout)
+    parts = held_positions(args, args.seq_len, size)  # --balance, --frames: explicit positions
+    if parts is None and args.ulysses_size and size % args.ulysses_size == 0 and args.mode in MODES:
+        try:  # the grid's (ring x Ulysses), the same on every rank; else the library says why
+            parts = make_plan(args.seq_len, size, **options).shards
+        except ValueError as exc:
+            raise Agreed(str(exc)) from exc
+    parts = parts or layout_positions(args.seq_len, size, args.layout)
     positions = parts[rank]
     if args.balance:
         options["positions"] = positions
@@ -187,16 +209,20 @@ def run(comm, args=None):
     timeout = None if args.timeout == 0 else args.timeout
     progress = Progress("ring step (rank 0)", enabled={"auto": None, "on": True, "off": False}[args.progress])
     forward = Record(rank, on_step=progress if rank == 0 and not args.backward else None)
-    got = {}
+    got, meter, sent = {}, LinkMeter(comm), []  # sent: each node's bytes on its links, per call
     try:  # bad arguments: the library raises the same ValueError on every rank, before any transfer
+        meter.start()
         got["out"], got["lse"] = ring_attention(q, k, v, comm, timeout=timeout, record=forward,
                                                 wire_dtype=args.wire_dtype, accumulate=args.accumulate, **options)
+        sent.append(meter.stop())
         if args.backward:
             backward = Record(rank)
             dout = inputs.tokens("dout", positions)
+            meter.start()
             got["dq"], got["dk"], got["dv"] = ring_attention_backward(
                 dout, q, k, v, got["out"], got["lse"], comm, timeout=timeout, record=backward,
                 wire_dtype=args.wire_dtype, grad_wire_dtype=args.grad_wire_dtype, **options)
+            sent.append(meter.stop())
     except ValueError as exc:
         raise Agreed(str(exc)) from exc
     progress.close()
@@ -223,23 +249,25 @@ def run(comm, args=None):
     table = [[columns[r][0][step] for r in range(size)] for step in range(plan.n_steps)]
     sched = Schedule(table, records=[c[1] for c in columns], plan=plan)
     checks = None if args.no_verify else [c[2] for c in columns]
+    links = meter.report(sent[-1], plan, _shape(args), dtype.itemsize, backward=args.backward)
     if args.backward:
-        return _report_backward(args, sched, checks)
-    return _report_forward(args, sched, checks, machine)
+        return _report_backward(args, sched, checks, links)
+    return _report_forward(args, sched, checks, machine, links)
 
 
-def _report_forward(args, sched, checks, machine):
+def _report_forward(args, sched, checks, machine, links=()):
     """Rank 0's report of a forward run; its exit code."""
     plan, records = sched.plan, sched.records
     size, dtype = plan.size, named_dtype(args.dtype)
     hk = args.kv_heads or args.heads
     wall = max(r["wall_time"] for r in records)
-    flops = 4 * args.batch * args.heads * args.dim * sum(plan.visible_pairs())
+    flops = 4 * args.batch * args.heads * args.dim * sequence_pairs(plan)
     itemsize = dtype.itemsize
     pr, kv_width, wire_size = _wire(args)
-    predicted = predicted_bytes_sent(plan, kv_width, wire_size)
+    predicted = _predicted(args, plan)
     print(f"mpiring run: P={size} seq_len={args.seq_len} batch={args.batch} heads={args.heads} kv_heads={hk} "
-          f"dim={args.dim} {dtype} causal={plan.causal} {held_text(args, plan)} mode={plan.mode} window={plan.window}")
+          f"dim={args.dim} {dtype} causal={plan.causal} {held_text(args, plan)} mode={mode_text(plan)} "
+          f"window={plan.window}")
     print(_wire_line(args, pr))
     print("\nschedule as recorded by the ranks:")
     print(sched.format())
@@ -254,10 +282,12 @@ def _report_forward(args, sched, checks, machine):
     for r, rec in enumerate(records):
         print(f"{r:>4}  {rec['bytes_sent']:>10}  {predicted[r]:>9}  {rec['messages']:>8}  "
               f"{rec['compute_time']:>9.4f}  {rec['wait_time']:>17.4f}")
-    if args.seq_len % size == 0 and plan.mode != "bidirectional":
+    if args.seq_len % size == 0 and plan.mode in ("ring", "allgather"):
         report = ring_attention_context_parallel(args.seq_len, size, hk * args.dim, args.heads, itemsize)
         print(f"cost report: total_comm_bytes per rank x batch = {report['total_comm_bytes'] * args.batch}"
               f" (full ring; windows/documents may stop it early)")
+    for line in links:
+        print(line)
     print(f"\nwall time {wall:.4f} s   attention {flops / wall / 1e9:.2f} GFLOP/s "
           f"(4*B*H*D*visible pairs = {flops / 1e9:.3f} GFLOP)")
     ok = agrees and all(r["bytes_sent"] == p for r, p in zip(records, predicted, strict=True))
@@ -273,7 +303,29 @@ def _report_forward(args, sched, checks, machine):
     return _verdict(ok, passed, checks)
 
 
+def _shape(args):
+    """The problem's shape as ``heads.predicted_bytes`` takes it."""
+    return dict(batch=args.batch, hq=args.heads, hk=args.kv_heads or args.heads, dim=args.dim, dim_v=args.dim)
+
+
 NAMES = ("out", "lse", "dQ", "dK", "dV")
+
+
+def _ring_modes(plan):
+    """Whether ``plan`` is one of the ring modes (where the wire and partial dtypes apply)."""
+    return plan.mode in MODES and not isinstance(plan, HybridPlan)
+
+
+def _predicted(args, plan, backward=False):
+    """Bytes each rank sends: ring modes with the wire's and the partials' bytes, other modes as mpiring.nodes
+    counts them (K/V in the input dtype, partials in float64)."""
+    if not _ring_modes(plan):
+        return predicted_bytes(plan, **_shape(args), itemsize=named_dtype(args.dtype).itemsize, backward=backward)
+    pr, kv_width, wire_size = _wire(args)
+    if not backward:
+        return predicted_bytes_sent(plan, kv_width, wire_size)
+    hk = args.kv_heads or args.heads
+    return predicted_backward_bytes(plan, kv_width, wire_size, pr.grad.itemsize, args.batch * hk * 2 * args.dim)
 
 
 def _wire(args):
@@ -361,17 +413,16 @@ def _write_trace_and_plot(args, records, title):
         print(f"timeline written to {args.plot}")
 
 
-def _report_backward(args, sched, checks):
+def _report_backward(args, sched, checks, links=()):
     """Rank 0's report of ``run --backward``; its exit code."""
     plan, records = sched.plan, sched.records
     size, dtype = plan.size, named_dtype(args.dtype)
     hk = args.kv_heads or args.heads
-    pr, kv_width, wire_size = _wire(args)
-    fwd_bytes = predicted_bytes_sent(plan, kv_width, wire_size)
-    bwd_bytes = predicted_backward_bytes(plan, kv_width, wire_size, pr.grad.itemsize, args.batch * hk * 2 * args.dim)
+    pr = _wire(args)[0]
+    fwd_bytes, bwd_bytes = _predicted(args, plan), _predicted(args, plan, backward=True)
     bwd_messages = plan.backward_messages_per_rank()
     print(f"mpiring run --backward: P={size} seq_len={args.seq_len} batch={args.batch} heads={args.heads} "
-          f"kv_heads={hk} dim={args.dim} {dtype} causal={plan.causal} {held_text(args, plan)} mode={plan.mode} "
+          f"kv_heads={hk} dim={args.dim} {dtype} causal={plan.causal} {held_text(args, plan)} mode={mode_text(plan)} "
           f"window={plan.window}")
     print(_wire_line(args, pr))
     print("\nbackward schedule as recorded by the ranks (K/V and their dK/dV partials follow the forward plan):")
@@ -384,14 +435,17 @@ def _report_backward(args, sched, checks):
         print(f"{r:>4}  {rec['forward']['bytes_sent']:>10}  {fwd_bytes[r]:>9}  {rec['bytes_sent']:>10}  "
               f"{bwd_bytes[r]:>10}  {rec['messages']:>8}  {bwd_messages:>9}  {rec['compute_time']:>9.4f}  "
               f"{rec['wait_time']:>17.4f}")
+    partials = pr.grad if _ring_modes(plan) else "float64"
     print(f"(backward bytes: K/V as on the forward's wire, {pr.wire.name}; their travelling dK/dV partials "
-          f"in {pr.grad})")
-    flops = 4 * args.batch * args.heads * args.dim * sum(plan.visible_pairs())
+          f"in {partials})")
+    flops = 4 * args.batch * args.heads * args.dim * sequence_pairs(plan)
     for name, wall, factor in (("forward ", max(r["forward"]["wall_time"] for r in records), 1.0),
                                ("backward", max(r["wall_time"] for r in records), 2.5)):
         print(f"{name} wall time {wall:.4f} s   {factor * flops / wall / 1e9:.2f} GFLOP/s "
               f"({factor * flops / 1e9:.3f} GFLOP)")
     print("FLOPs: forward 4*B*H*D*visible pairs; backward 2.5x forward, as FlashAttention counts")
+    for line in links:
+        print(line)
     ok = agrees and all(r["bytes_sent"] == p and r["messages"] == bwd_messages
                         for r, p in zip(records, bwd_bytes, strict=True))
     ok = ok and all(r["forward"]["bytes_sent"] == p for r, p in zip(records, fwd_bytes, strict=True))

@@ -108,6 +108,7 @@ def chrome_trace(records, title="mpiring", meta=None):
                 out.append(dict(base, name=f"block {e['source']} ({e['kind']})", cat="compute", tid=COMPUTE_TID))
             elif e["name"] == "send":
                 what = f"send {e['data']}" if e.get("data") else "send"
+                what += f" ({e['link']})" if e.get("link") else ""  # double ring: inside a node or between nodes
                 out.append(dict(base, name=f"{what} -> {e['dest']}", cat="comm", tid=COMM_TID))
             elif e["name"] == "wait":
                 out.append(dict(base, name=f"wait {e['data']}" if e.get("data") else "wait", cat="comm",

@@ -204,14 +204,15 @@ def _error(got, want, reduce=np.max):
     return float(reduce(err)) if err.size else 0.0
 
 
-def check_rank(inputs, seq_len, size, rank, layout, mask, got, share=None):
+def check_rank(inputs, seq_len, size, rank, layout, mask, got, share=None, shards=None):
     """This rank's check: ``{"rows", "of", "keys", "error": {name: err}, "largest": {name: max |ref|}}``.
 
     ``got``: this rank's ``out`` and ``lse`` (and ``dq``, ``dk``, ``dv`` after a
     backward pass), its shard of the ``layout`` in sequence order; ``layout``
     may also be every rank's sorted positions (``mpiring.balance``).
     ``share(piece)``: every rank's ``piece`` (an all-gather), needed (and called,
-    collectively) only when dK and dV are checked.
+    collectively) only when dK and dV are checked. ``shards``: every rank's
+    positions, where they do not follow ``layout`` (ring x Ulysses: the grid's).
     """
     scale = 1.0 / np.sqrt(inputs.dim)
     seed = inputs.seed

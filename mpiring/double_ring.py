@@ -1,0 +1,211 @@
+"""The double ring over MPI, forward and backward: an inner ring per node, an outer ring across nodes.
+
+    mpiexec -n 4 python -m mpiring run --mode double_ring --node-size 2 --causal --backward
+    run/cluster run -n 4 python -m mpiring run --mode double_ring --causal    # nodes from MPI
+
+``ring_attention`` and ``ring_attention_backward`` call these when the plan's
+mode is "double_ring" (``mpiring.hierarchy`` has the plan: who holds which
+block when, who sends what where). Blocks go through the ring's own code
+(``block.attend``, ``block.grads_of``) and move with ``RingComm``: one for
+the inner ring and one for the outer, each with its own neighbours. Every
+"send" event names its link (``hierarchy.INNER`` or ``OUTER``).
+"""
+
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from . import block
+from .block import GRAD_DTYPE, add_grads, count_pairs
+from .comm import KVBuffers, RingComm, payload_bytes
+from .hierarchy import INNER, OUTER, double_ring_plan
+from .nodes import node_ids
+
+__all__ = ["nodes_of", "double_ring_forward", "double_ring_backward"]
+
+
+def nodes_of(plan, comm, node_size):
+    """The plan with MPI's ranks per node (``Split_type(COMM_TYPE_SHARED)``) unless ``node_size`` was given.
+
+    Collective; called after the agreement, so every rank calls it. Nodes of
+    unequal size or with ranks out of order raise the same ValueError on every rank.
+    """
+    if node_size is not None:
+        return plan
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        leader = node.allreduce(comm.Get_rank(), op=MPI.MIN)
+    finally:
+        node.Free()
+    node_of = node_ids(comm.allgather(leader))
+    n = node_of.count(0)
+    if node_of != [r // n for r in range(plan.size)]:
+        raise ValueError(f"mode='double_ring' needs nodes of equal size holding consecutive ranks; MPI places the "
+                         f"ranks on nodes {node_of}: pass node_size to choose the groups")
+    return double_ring_plan(plan, n)
+
+
+def _rings(comm, plan, timeout, inner=None):
+    """Two RingComms (``inner`` if given, and a new one): +1 is the next rank in the node, and on the next node."""
+    rings = [inner or RingComm(comm, timeout), RingComm(comm, timeout)]
+    rank = rings[0].rank
+    for ring, step in zip(rings, (plan.inner_next, plan.outer_next)):
+        ring.send_rank[+1], ring.recv_rank[+1] = step(rank), step(rank, -1)
+    return rings
+
+
+def _shift(ring, send, recv, rec, step, link, data="K/V", pad=0):
+    posted = time.perf_counter()
+    ring.shift({+1: send}, {+1: recv}, pad)
+    rec.event("send", posted, step=step, stream=+1, data=data, dest=ring.send_rank[+1], link=link,
+              bytes=sum(payload_bytes(a, pad) for a in send))
+
+
+def _wait(rings, rec, step, data="K/V"):
+    start = time.perf_counter()
+    for ring in rings:
+        ring.wait()
+    rec.event("wait", start, step=step, data=data)
+
+
+def double_ring_forward(q, k, v, plan, ring, scale, rec, timeout):
+    """This rank's (out, lse); ``ring`` (a RingComm of the caller's) becomes the inner ring."""
+    inner, outer = _rings(ring.comm, plan, timeout, inner=ring)
+    try:
+        rank = inner.rank
+        acc = block.accumulators(q, v)
+        longest = max(len(s) for s in plan.shards)
+        inner_slots, outer_slots = KVBuffers((k, v), longest), KVBuffers((k, v), longest)
+        first = outer_slots.hold((k, v))  # a round's first block: this rank's own, then what the outer ring brings
+        held = first
+
+        def progress():
+            inner.progress()
+            outer.progress()
+
+        n, m = plan.node_size, plan.nodes
+        for step in range(plan.n_steps):
+            o, i = plan.round_step(step)
+            waiting = []
+            if i == 0 and o < m - 1:  # the next round's first block, behind this whole round
+                nxt = outer_slots.take(len(plan.shards[plan.source_at(rank, step + n)]))
+                _shift(outer, first, nxt, rec, step, OUTER, pad=1)
+            if i < n - 1:
+                incoming = inner_slots.take(len(plan.shards[plan.source_at(rank, step + 1)]))
+                _shift(inner, held, incoming, rec, step, INNER, pad=1)
+                waiting.append(inner)
+            for task in plan.tasks(step, rank):
+                block.attend(q, held, task, plan.pieces(rank, task.source), scale, acc, rec, progress, step,
+                             padded=True)
+            if i == n - 1 and o < m - 1:
+                waiting.append(outer)
+            if waiting:
+                _wait(waiting, rec, step)
+            if i < n - 1:
+                held = incoming
+            elif o < m - 1:
+                first = held = nxt
+            rec.step_done(step, plan.n_steps)
+        rec.bytes_sent = inner.bytes_sent + outer.bytes_sent
+        rec.messages = inner.messages + outer.messages
+        rec.wait_time = inner.wait_time + outer.wait_time
+    finally:
+        outer.free()
+    return acc[0].astype(q.dtype, copy=False), acc[1].astype(q.dtype, copy=False)
+
+
+def double_ring_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec, timeout):
+    """This rank's (dq, dk, dv) in float64.
+
+    K/V move as in the forward pass. A block's partial starts at its first
+    visitor in a node (zeros), goes to the next rank with the block (one
+    step behind, so the wait for it follows a compute), and the node's last
+    visitor sends it home. At a round's last step every rank sends one
+    partial home and receives one of its own block's (``plan.last_visitor``),
+    so the hop home is one more ring shift, waited for a round later.
+    """
+    kv_inner, kv_outer = _rings(comm, plan, timeout)
+    grads_inner, home = _rings(comm, plan, timeout)
+    rings = (kv_inner, kv_outer, grads_inner, home)
+    try:
+        rank = kv_inner.rank
+        n, m = plan.node_size, plan.nodes
+        queries = (dout, q, out, lse, delta)
+        dq = np.zeros(q.shape, GRAD_DTYPE)
+        own = (np.zeros(k.shape, GRAD_DTYPE), np.zeros(v.shape, GRAD_DTYPE))
+        held = first = (k, v)
+        arriving = None  # the held block's partial, from the previous visitor in this node
+        coming_home = None  # the own block's partial from a node's last visitor, on its way
+
+        def progress():
+            for ring in rings:
+                ring.progress()
+
+        def block_of(source, dtype=None, make=np.zeros):
+            return tuple(make(a.shape[:-2] + (len(plan.shards[source]), a.shape[-1]), dtype or a.dtype)
+                         for a in (k, v))
+
+        for step in range(plan.n_steps):
+            o, i = plan.round_step(step)
+            source = plan.source_at(rank, step)
+            kv_waiting = []
+            if i == 0 and o < m - 1:
+                nxt = block_of(plan.source_at(rank, step + n), make=np.empty)
+                _shift(kv_outer, first, nxt, rec, step, OUTER)
+            if i < n - 1:
+                incoming = block_of(plan.source_at(rank, step + 1), make=np.empty)
+                _shift(kv_inner, held, incoming, rec, step, INNER)
+                kv_waiting.append(kv_inner)
+            task = plan.tasks(step, rank)[0]
+            pieces = plan.pieces(rank, task.source)
+            count_pairs(rec, pieces)
+            grads = block.grads_of(queries, held, task, pieces, scale, dq, rec, progress, step)
+            rec.tasks.append((step, task))
+            if i == 0:  # the first visitor in this node; with one rank per node the own block's share stays here
+                total = own if source == rank and n == 1 else block_of(source, GRAD_DTYPE)
+            else:
+                _wait([grads_inner], rec, step, "dK/dV")
+                total = arriving
+            add_grads(total, grads)
+            if i == n - 1 and o < m - 1:
+                kv_waiting.append(kv_outer)
+            if kv_waiting:
+                _wait(kv_waiting, rec, step)
+            if i < n - 1:  # the partial goes on with its block
+                arriving = block_of(plan.source_at(rank, step + 1), GRAD_DTYPE)
+                _shift(grads_inner, total, arriving, rec, step, INNER, "dK/dV")
+            elif source != rank:  # the node's last visitor: the partial goes home, one comes home
+                coming_home = _home(home, total, coming_home, own, plan, o, rec, step, block_of(rank, GRAD_DTYPE))
+            if i < n - 1:
+                held = incoming
+            elif o < m - 1:
+                first = held = nxt
+            rec.step_done(step, plan.n_steps)
+        _home(home, None, coming_home, own, plan, m, rec, plan.n_steps - 1, None)
+        rec.bytes_sent = sum(ring.bytes_sent for ring in rings)
+        rec.messages = sum(ring.messages for ring in rings)
+        rec.wait_time = sum(ring.wait_time for ring in rings)
+    finally:
+        for ring in rings:
+            ring.free()
+    return dq, own[0], own[1]
+
+
+def _home(home, total, coming_home, own, plan, rnd, rec, step, receive):
+    """The hop home of round ``rnd``: finish the previous one (add it into ``own``), start this one (if ``total``).
+
+    Returns the arrays the own block's partial is arriving in (None when nothing was started).
+    """
+    if coming_home is not None:
+        _wait([home], rec, step, "dK/dV home")
+        own[0][...] += coming_home[0]
+        own[1][...] += coming_home[1]
+    if total is None:
+        return None
+    rank = home.rank
+    source = plan.source_at(rank, rnd * plan.node_size + plan.node_size - 1)
+    home.send_rank[+1], home.recv_rank[+1] = source, plan.last_visitor(rank, rnd)
+    same = plan.place(source)[0] == plan.place(rank)[0]
+    _shift(home, total, receive, rec, step, INNER if same else OUTER, "dK/dV home")
+    return receive

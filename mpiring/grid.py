@@ -1,0 +1,101 @@
+"""Ring x Ulysses over MPI (``ulysses_size=u``): Ulysses inside groups of u ranks, a ring across the groups.
+
+    mpiexec -n 4 python -m pytest --with-mpi -m mpi -q tests/test_grid_mpi.py
+
+Ranks form a u x (P/u) grid with two communicators (``Split``): the group,
+u consecutive ranks, and the cross ring, the ranks at the same place of
+every group. The group's all-to-all gives each rank the group's tokens for
+Hq/u heads (``ulysses.heads_out``); those are the tokens rank g of a P/u-rank
+ring holds under the layout (``heads.HybridPlan``), so the ring across
+groups is ``ring_attention`` (``ring_attention_backward``) itself on the
+cross communicator; a second all-to-all brings every rank its tokens back.
+The inner call's events, tasks and counters join this call's record.
+"""
+
+import numpy as np
+
+from .heads import kv_heads, query_heads
+from .ulysses import heads_out, tokens_back
+
+__all__ = ["grid_comms", "hybrid_forward", "hybrid_backward"]
+
+SUMS = ("bytes_sent", "messages", "wait_time", "compute_time", "computed_pairs", "visible_pairs")
+
+
+def grid_comms(comm, plan):
+    """``(group, cross)``: this rank's group of u and its ring across groups (collective; free both after)."""
+    g, j = plan.group(comm.Get_rank())
+    return comm.Split(g, j), comm.Split(j, g)
+
+
+def _join(rec, inner):
+    """Add the inner ring's record to this call's."""
+    rec.events += inner.events
+    rec.tasks += inner.tasks
+    for name in SUMS:
+        setattr(rec, name, getattr(rec, name) + getattr(inner, name))
+
+
+def _heads(plan, hq, hk):
+    """Per group member: its query heads and K/V heads (slices), as Ulysses splits them over u ranks."""
+    u = plan.ulysses_size
+    return [query_heads(j, u, hq) for j in range(u)], [kv_heads(j, u, hk) for j in range(u)]
+
+
+def _lengths(plan, rank):
+    g, _ = plan.group(rank)
+    u = plan.ulysses_size
+    return [len(plan.shards[g * u + j]) for j in range(u)]
+
+
+def hybrid_forward(q, k, v, plan, comm, options, scale, rec, timeout):
+    """This rank's (out, lse); ``options``: the ring's (layout, mode, causal, window, cu_seqlens)."""
+    from .handle import ring_attention
+    from .record import Record
+
+    rank = comm.Get_rank()
+    qs, ks = _heads(plan, q.shape[-3], k.shape[-3])
+    lengths = _lengths(plan, rank)
+    group, cross = grid_comms(comm, plan)
+    try:
+        Q, K, V = heads_out(group, [q, k, v], [qs, ks, ks], lengths, q.dtype, rec, timeout, 0)
+        inner = Record(rank)
+        out, lse = ring_attention(Q, K, V, cross, scale=scale, timeout=timeout, record=inner, **options)
+        _join(rec, inner)
+        h = Q.shape[-3]
+        got = tokens_back(group, [out, lse[..., None]], [[h] * len(lengths)] * 2, lengths, q.dtype, rec, timeout,
+                          plan.n_steps - 1)
+    finally:
+        group.Free()
+        cross.Free()
+    return np.concatenate([g[0] for g in got], axis=-3), np.concatenate([g[1][..., 0] for g in got], axis=-2)
+
+
+def hybrid_backward(dout, q, k, v, out, lse, plan, comm, options, scale, rec, timeout):
+    """This rank's (dq, dk, dv): the group's heads out (q, dout, out, lse; k, v), the cross ring's backward,
+    the gradients back; dK, dV of a K/V head that several members held (fewer K/V heads than u) add up."""
+    from .handle import ring_attention_backward
+    from .record import Record
+
+    rank = comm.Get_rank()
+    qs, ks = _heads(plan, q.shape[-3], k.shape[-3])
+    lengths = _lengths(plan, rank)
+    group, cross = grid_comms(comm, plan)
+    try:
+        Q, dO, Out, L, K, V = heads_out(group, [q, dout, out, lse[..., None], k, v], [qs] * 4 + [ks] * 2, lengths,
+                                      q.dtype, rec, timeout, 0)
+        inner = Record(rank)
+        dq, dk, dv = ring_attention_backward(dO, Q, K, V, Out, L[..., 0], cross, scale=scale, timeout=timeout,
+                                             record=inner, **options)
+        _join(rec, inner)
+        kv = [len(range(k.shape[-3])[s]) for s in ks]
+        got = tokens_back(group, [dq, dk, dv], [[Q.shape[-3]] * len(lengths), kv, kv], lengths, q.dtype, rec,
+                          timeout, plan.n_steps - 1)
+    finally:
+        group.Free()
+        cross.Free()
+    dk_all, dv_all = np.zeros(k.shape, np.float64), np.zeros(v.shape, np.float64)
+    for s, (_, gk, gv) in enumerate(got):
+        dk_all[..., ks[s], :, :] += gk
+        dv_all[..., ks[s], :, :] += gv
+    return np.concatenate([g[0] for g in got], axis=-3), dk_all, dv_all

@@ -1,0 +1,225 @@
+"""Ulysses (DeepSpeed-Ulysses): heads move, not K/V blocks. The plan and its bytes; no MPI.
+
+    python -m mpiring schedule -P 4 --mode ulysses --causal --layout zigzag
+
+One all-to-all turns every rank's sequence shard of all heads into all tokens
+of its share of the heads: rank d gets query heads ``d*Hq/P .. (d+1)*Hq/P``
+of every rank's tokens. It attends them over the whole sequence with the same
+block code as the ring (one key block per source rank, ``block.attend`` /
+``block.grads_of``), and a second all-to-all returns each rank's tokens.
+
+After the first all-to-all a rank holds the tokens in shard order (rank 0's
+positions, then rank 1's, ...), so every layout works unchanged: query shard
+i against key block j is the ring plan's ``pieces(i, j)``, moved to the rows
+where shard i sits (``UlyssesPlan.block_pieces``).
+
+K/V heads: with Hk divisible by P each rank gets Hk/P of them, the ones its
+query heads use. With fewer K/V heads than ranks (P divisible by Hk), each
+rank gets the one K/V head of its query heads: every K/V head is sent to P/Hk
+ranks, so the K/V part of the all-to-all is P/Hk times what an even split of
+heads would move (it equals ``1 x n x (D + Dv)`` per destination, the size of
+one head, instead of ``Hk/P`` of one). In the backward pass the replicas' dK,
+dV (each from a subset of the group's query heads) are summed at the owner.
+"""
+
+from dataclasses import dataclass
+
+from .layouts import block_range
+from .plan import Piece, Plan, Schedule, Task
+
+__all__ = ["HEAD_MODES", "UlyssesPlan", "ulysses_plan", "heads_problem", "query_heads", "kv_heads",
+           "ulysses_pair_bytes", "predicted_ulysses_bytes", "HybridPlan", "hybrid_plan", "grid_problem",
+           "sequence_pairs"]
+
+HEAD_MODES = ("ulysses",)
+
+
+def heads_problem(q, k, size, mode, label=None):
+    """Why ``mode`` cannot split the heads of q, k over ``size`` ranks, or None (never raises).
+
+    Called on each rank before the agreement; every rank has the same head
+    counts (the agreement compares shapes), so every rank finds the same
+    problem. ``label`` names what splits them (default: the mode and the ranks).
+    """
+    if mode not in HEAD_MODES:
+        return None
+    who, parts = label or (f"mode={mode!r}", "the number of ranks")
+    try:
+        if q.ndim < 3:
+            return None if size == 1 else (f"{who} splits the heads axis over the ranks: q needs shape "
+                                            f"(..., heads, seq, dim), got {q.shape}")
+        hq, hk = q.shape[-3], k.shape[-3]
+    except AttributeError:  # not arrays: local_problem reports it
+        return None
+    if hq % size:
+        return f"{who} needs the query heads ({hq}) divisible by {parts} ({size})"
+    if hk % size and size % hk:
+        return f"{who} needs the K/V heads ({hk}) to divide or be divisible by {parts} ({size})"
+    return None
+
+
+def query_heads(rank, size, hq):
+    """The query heads rank ``rank`` attends, as a slice."""
+    per = hq // size
+    return slice(rank * per, (rank + 1) * per)
+
+
+def kv_heads(rank, size, hk):
+    """The K/V heads rank ``rank``'s query heads use, as a slice: Hk/P of them, or one when Hk < P."""
+    if hk >= size:
+        return slice(rank * hk // size, (rank + 1) * hk // size)
+    first = rank * hk // size
+    return slice(first, first + 1)
+
+
+@dataclass
+class UlyssesPlan(Plan):
+    """A ring plan's shards, masks and pieces, followed in one step: every rank does every block, for its heads."""
+
+    def block_pieces(self, source):
+        """Every query shard against key block ``source``, rows moved to where the shard sits after the all-to-all."""
+        starts = self.offsets()
+        return [Piece(a + starts[i], b + starts[i], c, d, klo, khi)
+                for i in range(self.size) for a, b, c, d, klo, khi in self.pieces(i, source)]
+
+    def offsets(self):
+        """Where each rank's tokens start in the gathered (shard-ordered) sequence."""
+        starts, total = [], 0
+        for s in self.shards:
+            starts.append(total)
+            total += len(s)
+        return starts
+
+    def visible_pairs(self):
+        """Per rank: (query, key) pairs its kernel is given the mask of, for its heads: the whole sequence's."""
+        return [int(sum(map(sum, self.pairs)))] * self.size
+
+    def computed_pairs(self):
+        total = sum((p.q1 - p.q0) * (p.k1 - p.k0) for j in range(self.size) for p in self.block_pieces(j))
+        return [total] * self.size
+
+    def messages_per_rank(self):
+        """Two all-to-alls (heads out, results back), P - 1 messages each."""
+        return 2 * (self.size - 1)
+
+    def backward_messages_per_rank(self):
+        return 2 * (self.size - 1)
+
+
+def _column_kind(kinds, source):
+    column = {row[source] for row in kinds}
+    if column == {"skip"}:
+        return "skip"
+    return "full" if column == {"full"} else "masked"
+
+
+def ulysses_plan(base):
+    """The Ulysses plan over the shards and masks of ``base`` (a ring plan of the same options)."""
+    fields = {name: getattr(base, name) for name in ("seq_len", "size", "layout", "causal", "window", "cu_seqlens",
+                                                     "shards", "kv_shards", "orders", "kv_orders", "runs", "kinds",
+                                                     "pairs")}
+    plan = UlyssesPlan(**fields, mode="ulysses", rounds={})
+    tasks = tuple(Task(j, _column_kind(base.kinds, j), 0) for j in range(base.size))
+    plan.schedule = Schedule([[tasks] * base.size])
+    return plan
+
+
+def ulysses_pair_bytes(plan, r, d, *, batch, hq, hk, dim, dim_v, itemsize, backward=False, grad_itemsize=8):
+    """Bytes rank r sends rank d under a Ulysses plan (0 to itself: that share never leaves it).
+
+    Forward: d's query heads of r's tokens (``Hq/P x n_r x D``) and the K/V
+    heads d uses (``kv_d x n_r x (D + Dv)``), then back d's tokens of r's
+    heads, out and lse (``Hq/P x n_d x (Dv + 1)``), all in the input dtype.
+    Backward: out goes as delta, so ``Hq/P x n_r x (D + Dv + 2)`` (q, dout,
+    lse, delta) and the K/V heads; back dq and the dK, dV of r's K/V heads
+    for d's tokens, in ``grad_itemsize`` bytes.
+    """
+    if r == d:
+        return 0
+    P = plan.size
+    hq_l, n_r, n_d = hq // P, len(plan.shards[r]), len(plan.shards[d])
+    kv_r, kv_d = (len(range(hk)[kv_heads(x, P, hk)]) for x in (r, d))  # K/V heads each rank gets
+    if backward:
+        return batch * (n_r * (hq_l * (dim + dim_v + 2) + kv_d * (dim + dim_v)) * itemsize
+                        + n_d * (hq_l * dim + kv_r * (dim + dim_v)) * grad_itemsize)
+    return batch * (n_r * (hq_l * dim + kv_d * (dim + dim_v)) + n_d * hq_l * (dim_v + 1)) * itemsize
+
+
+def predicted_ulysses_bytes(plan, **shape):
+    """Bytes each rank sends under a Ulysses plan: ``ulysses_pair_bytes`` to every other rank."""
+    return [sum(ulysses_pair_bytes(plan, r, d, **shape) for d in range(plan.size)) for r in range(plan.size)]
+
+
+# ---------------------------------------------------------------- ring x Ulysses: a u x (P/u) grid
+
+
+@dataclass
+class HybridPlan(Plan):
+    """``ulysses_size=u``: Ulysses inside each group of u consecutive ranks, a ring plan across the P/u groups.
+
+    The layout applies to the ring dimension: group g holds the tokens that
+    rank g of a P/u-rank ring would hold (zigzag balance is the groups'), and
+    its u ranks hold consecutive pieces of them (``block_range``). After the
+    group's all-to-all, each rank holds the group's tokens, in order, for
+    Hq/u heads; ``ring_plan`` (over the P/u groups) then moves K/V between the
+    ranks of the same place in every group.
+    """
+
+    ulysses_size: int = 1
+    ring_plan: Plan | None = None
+
+    def group(self, rank):
+        """``(group, place in the group)`` of ``rank``."""
+        return divmod(rank, self.ulysses_size)
+
+    def visible_pairs(self):
+        """Per rank: its group's visible pairs, which it computes for its Hq/u heads."""
+        return [self.ring_plan.visible_pairs()[r // self.ulysses_size] for r in range(self.size)]
+
+    def computed_pairs(self):
+        return [self.ring_plan.computed_pairs()[r // self.ulysses_size] for r in range(self.size)]
+
+    def messages_per_rank(self):
+        """The group's two all-to-alls (u - 1 messages each), and the ring's across the groups."""
+        return 2 * (self.ulysses_size - 1) + self.ring_plan.messages_per_rank()
+
+    def backward_messages_per_rank(self):
+        return 2 * (self.ulysses_size - 1) + self.ring_plan.backward_messages_per_rank()
+
+
+def sequence_pairs(plan):
+    """The whole sequence's visible (query, key) pairs, under any plan."""
+    return sum(map(sum, (plan.ring_plan if isinstance(plan, HybridPlan) else plan).pairs))
+
+
+def hybrid_plan(seq_len, size, ulysses_size, ring_plan):
+    """The u x (P/u) grid over ``ring_plan`` (a plan of the P/u groups); shards as ``HybridPlan`` says."""
+    u = ulysses_size
+    shards = []
+    for group_shard in ring_plan.shards:
+        for j in range(u):
+            count, start = block_range(len(group_shard), u, j)
+            shards.append(group_shard[start:start + count])
+    if min(map(len, shards)) < 1:
+        raise ValueError(f"ulysses_size {u}: a group's {min(map(len, ring_plan.shards))} tokens do not give each "
+                         f"of its {u} ranks one")
+    table = [[ring_plan.tasks(step, r // u) for r in range(size)] for step in range(ring_plan.n_steps)]
+    return HybridPlan(seq_len, size, ring_plan.layout, ring_plan.mode, ring_plan.causal, ring_plan.window,
+                      ring_plan.cu_seqlens, shards=shards, kv_shards=shards, orders=[None] * size,
+                      kv_orders=[None] * size, runs=[[(0, len(s))] for s in shards],
+                      kinds=[ring_plan.kinds[r // u] for r in range(size)],
+                      pairs=[ring_plan.pairs[r // u] for r in range(size)], rounds=ring_plan.rounds,
+                      schedule=Schedule(table), ulysses_size=u, ring_plan=ring_plan)
+
+
+def grid_problem(q, k, size, mode, ulysses_size):
+    """Why ``ulysses_size`` does not fit (or None): it must divide the ranks and split the heads."""
+    if ulysses_size is None:
+        return None
+    if mode not in ("ring", "bidirectional", "allgather"):
+        return f"ulysses_size combines with mode ring, bidirectional or allgather, not {mode!r}"
+    if isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int) or ulysses_size < 1:
+        return None  # canonical reports it
+    if size % ulysses_size:
+        return f"ulysses_size {ulysses_size} does not divide the {size} ranks"
+    return heads_problem(q, k, ulysses_size, "ulysses", (f"ulysses_size {ulysses_size}", "ulysses_size"))

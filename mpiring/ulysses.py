@@ -1,0 +1,163 @@
+"""Ulysses over MPI, forward and backward: all-to-all to head shards, attend the whole sequence, all-to-all back.
+
+    mpiexec -n 4 python -m mpiring run --mode ulysses --heads 8 --kv-heads 2 --causal --backward
+
+``ring_attention`` and ``ring_attention_backward`` call these when the plan's
+mode is "ulysses" (``mpiring.heads`` has the plan, the head split and the
+bytes). The blocks are the ring's: one key block per source rank, through
+``block.attend`` and ``block.grads_of``; only the movement differs.
+"""
+
+import time
+
+import numpy as np
+
+from . import block
+from .block import GRAD_DTYPE, add_grads, count_pairs
+from .comm import wait_until
+from .heads import kv_heads, query_heads
+
+__all__ = ["exchange", "heads_out", "tokens_back", "ulysses_forward", "ulysses_backward"]
+
+
+def exchange(comm, sends, shapes, dtype, rec, timeout, step, data):
+    """One all-to-all of several arrays per peer: ``sends[d]`` go to rank d; returns ``got[s]``, from rank s.
+
+    ``shapes[s]`` are the shapes of the arrays rank s sends here. Everything
+    travels in ``dtype`` as one ``Ialltoallv``; bytes and messages to other
+    ranks are counted in ``rec`` (a rank's share to itself never leaves it),
+    with a "send" and a "wait" event.
+    """
+    rank = comm.Get_rank()
+    send_counts = [sum(a.size for a in arrays) for arrays in sends]
+    flat = np.concatenate([np.asarray(a, dtype).ravel() for arrays in sends for a in arrays] + [np.empty(0, dtype)])
+    recv_counts = [sum(int(np.prod(s)) for s in group) for group in shapes]
+    got = np.empty(sum(recv_counts), dtype)
+    posted = time.perf_counter()
+    request = comm.Ialltoallv([flat, send_counts], [got, recv_counts])
+    nbytes = (sum(send_counts) - send_counts[rank]) * np.dtype(dtype).itemsize
+    rec.bytes_sent += nbytes
+    rec.messages += sum(1 for d, c in enumerate(send_counts) if d != rank and c)
+    rec.event("send", posted, step=step, stream=0, data=data, dest="all", bytes=nbytes)
+    start = time.perf_counter()
+    wait_until([request], timeout, rank, f"all-to-all ({data})")
+    end = rec.event("wait", start, step=step, data=data)
+    rec.wait_time += end - start
+    out, at = [], 0
+    for group in shapes:
+        arrays = []
+        for shape in group:
+            size = int(np.prod(shape))
+            arrays.append(got[at:at + size].reshape(shape))
+            at += size
+        out.append(arrays)
+    return out
+
+
+def _with_heads(*arrays):
+    """(seq, dim) arrays as (1, seq, dim): one head (Ulysses splits heads; with one rank that is all of them)."""
+    return [a[None] for a in arrays]
+
+
+def _no_progress():
+    pass
+
+
+def heads_out(comm, arrays, heads, lengths, dtype, rec, timeout, step, data="heads out"):
+    """Every member's tokens of member d's heads to member d: one all-to-all; returns each array's result.
+
+    ``arrays[i]``: this rank's (..., H_i, n, D_i); ``heads[i][d]``: the slice of
+    heads member d gets; ``lengths[s]``: member s's tokens. Each result is
+    (..., h_i, sum(lengths), D_i): the members' tokens one after the other.
+    """
+    rank = comm.Get_rank()
+    sends = [[a[..., h[d], :, :] for a, h in zip(arrays, heads)] for d in range(len(lengths))]
+    mine = [len(range(a.shape[-3])[h[rank]]) for a, h in zip(arrays, heads)]
+    shapes = [[a.shape[:-3] + (m, n, a.shape[-1]) for a, m in zip(arrays, mine)] for n in lengths]
+    got = exchange(comm, sends, shapes, dtype, rec, timeout, step, data)
+    return [np.concatenate([g[i] for g in got], axis=-2) for i in range(len(arrays))]
+
+
+def tokens_back(comm, arrays, counts, lengths, dtype, rec, timeout, step, data="results back"):
+    """The inverse movement: member d gets its tokens of this rank's heads; returns ``got[s][i]`` from member s.
+
+    ``arrays[i]``: (..., h_i, sum(lengths), D_i) in member order; ``counts[i][s]``:
+    the heads of array i that member s holds. ``got[s][i]`` is (..., counts[i][s], n_me, D_i).
+    """
+    rank = comm.Get_rank()
+    starts = np.cumsum([0] + list(lengths))
+    sends = [[a[..., starts[d]:starts[d + 1], :] for a in arrays] for d in range(len(lengths))]
+    shapes = [[a.shape[:-3] + (c[s], lengths[rank], a.shape[-1]) for a, c in zip(arrays, counts)]
+              for s in range(len(lengths))]
+    return exchange(comm, sends, shapes, dtype, rec, timeout, step, data)
+
+
+def ulysses_forward(q, k, v, plan, comm, scale, rec, timeout):
+    """This rank's (out, lse): its tokens' heads out, every token of its heads attended, results back."""
+    flat = q.ndim == 2
+    if flat:
+        q, k, v = _with_heads(q, k, v)
+    rank, size = plan_rank(comm, plan)
+    n, starts = [len(s) for s in plan.shards], plan.offsets()
+    qs = [query_heads(d, size, q.shape[-3]) for d in range(size)]
+    ks = [kv_heads(d, size, k.shape[-3]) for d in range(size)]
+    queries, keys, values = heads_out(comm, [q, k, v], [qs, ks, ks], n, q.dtype, rec, timeout, 0)
+    acc = block.accumulators(queries, values)
+    for task in plan.tasks(0, rank):  # key block j: the tokens rank j held
+        j = slice(starts[task.source], starts[task.source] + n[task.source])
+        block.attend(queries, (keys[..., j, :], values[..., j, :]), task, plan.block_pieces(task.source), scale,
+                     acc, rec, _no_progress, 0)
+    rec.step_done(0, plan.n_steps)
+    h = queries.shape[-3]
+    got = tokens_back(comm, [acc[0], acc[1][..., None]], [[h] * size] * 2, n, q.dtype, rec, timeout, 0)
+    out = np.concatenate([g[0] for g in got], axis=-3)
+    lse = np.concatenate([g[1][..., 0] for g in got], axis=-2)
+    return (out[0], lse[0]) if flat else (out, lse)
+
+
+def plan_rank(comm, plan):
+    """This rank and the plan's size, which must be the communicator's."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size != plan.size:
+        raise ValueError(f"the plan is for {plan.size} ranks, the communicator has {size}")
+    return rank, size
+
+
+def ulysses_backward(dout, q, k, v, lse, delta, plan, comm, scale, rec, timeout):
+    """This rank's (dq, dk, dv) in float64: its tokens' heads out, every token's gradients, gradients back.
+
+    ``delta`` = rowsum(dout * out) travels instead of out (one value per row).
+    dK, dV of a K/V head held by several ranks (fewer K/V heads than ranks)
+    come back from each, for a subset of the group's query heads, and are summed.
+    """
+    flat = q.ndim == 2
+    if flat:
+        dout, q, k, v = _with_heads(dout, q, k, v)
+        lse, delta = lse[None], delta[None]
+    rank, size = plan_rank(comm, plan)
+    n, starts = [len(s) for s in plan.shards], plan.offsets()
+    qs = [query_heads(d, size, q.shape[-3]) for d in range(size)]
+    ks = [kv_heads(d, size, k.shape[-3]) for d in range(size)]
+    Q, dO, L, De, K, V = heads_out(comm, [q, dout, lse[..., None], delta[..., None], k, v], [qs] * 4 + [ks] * 2,
+                                   n, q.dtype, rec, timeout, 0)
+    # out is read only to compute delta, which is given: a zero-size stand-in of its shape
+    queries = (dO, Q, np.broadcast_to(np.zeros((), q.dtype), dO.shape), L[..., 0], De[..., 0])
+    dq = np.zeros(Q.shape, GRAD_DTYPE)
+    dK, dV = np.zeros(K.shape, GRAD_DTYPE), np.zeros(V.shape, GRAD_DTYPE)
+    for task in plan.tasks(0, rank):
+        j = slice(starts[task.source], starts[task.source] + n[task.source])
+        pieces = plan.block_pieces(task.source)
+        count_pairs(rec, pieces)
+        grads = block.grads_of(queries, (K[..., j, :], V[..., j, :]), task, pieces, scale, dq, rec, _no_progress, 0)
+        add_grads((dK[..., j, :], dV[..., j, :]), grads)
+        rec.tasks.append((0, task))
+    rec.step_done(0, plan.n_steps)
+    kv = [len(range(k.shape[-3])[s]) for s in ks]
+    got = tokens_back(comm, [dq, dK, dV], [[Q.shape[-3]] * size, kv, kv], n, GRAD_DTYPE, rec, timeout, 0,
+                      "gradients back")
+    dq = np.concatenate([g[0] for g in got], axis=-3)
+    dk, dv = np.zeros(k.shape, GRAD_DTYPE), np.zeros(v.shape, GRAD_DTYPE)
+    for s, (_, gk, gv) in enumerate(got):  # replicated K/V heads: every replica's share adds up
+        dk[..., ks[s], :, :] += gk
+        dv[..., ks[s], :, :] += gv
+    return (dq[0], dk[0], dv[0]) if flat else (dq, dk, dv)

@@ -1,0 +1,69 @@
+"""Ring x Ulysses (``ulysses_size=u``) against the reference, forward and backward, on P ranks.
+
+    mpiexec -n 4 python -m pytest --with-mpi -m mpi -q tests/test_grid_mpi.py
+
+Every u dividing P, with each ring mode; shards follow the grid (``heads.HybridPlan``):
+the layout over the P/u groups, each group's tokens cut in u consecutive pieces.
+"""
+
+import numpy as np
+import pytest
+from modecheck import check_mode, local
+from modecheck import problem as _problem
+
+from mpiring import LAYOUTS, make_plan, ring_attention, ring_attention_backward
+from mpiring.reference import dense_attention
+
+from conftest import GRAD_TOL, dense_mask, naive_attention_backward, tol
+
+pytestmark = pytest.mark.mpi
+
+MASKS = [(False, None, None), (True, None, None), (True, (4, 0), "docs")]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("causal,window,cu", MASKS)
+def test_forward_and_backward_match_reference(comm, rng, layout, causal, window, cu):
+    P = comm.size
+    S = 6 * P + 5
+    cases = (("ring", 1), ("bidirectional", 2), ("allgather", None))  # K/V heads: 1, 2 (< u at u = 4), 2u
+    for i, u in enumerate(u for u in range(1, P + 1) if P % u == 0):
+        mode, hk = cases[(i + LAYOUTS.index(layout)) % 3]  # every u meets every mode over the layouts
+        hk = 2 * u if hk is None or (hk % u and u % hk) else hk
+        options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu, ulysses_size=u)
+        check_mode(comm, *_problem(rng, S, 2 * u, hk), options, f"u={u} {mode}")
+
+
+def test_float32(comm, rng):
+    P = comm.size
+    u = 2 if P % 2 == 0 else 1
+    S = 24 * P
+    options = dict(layout="zigzag", causal=True, ulysses_size=u)
+    plan = make_plan(S, P, **options)
+    Q, K, V, dOut = _problem(rng, S, 4, 2, np.float32, dim=16, dim_v=16)
+    q, k, v, dout = (local(x, plan, comm.rank) for x in (Q, K, V, dOut))
+    out, lse = ring_attention(q, k, v, comm, **options)
+    grads = ring_attention_backward(dout, q, k, v, out, lse, comm, **options)
+    mask = dense_mask(S, causal=True)
+    want = dense_attention(Q, K, V, None, lambda a, b: mask[a:b])[0]
+    np.testing.assert_allclose(out, local(want, plan, comm.rank), atol=tol(np.float32), rtol=0)
+    for got, want in zip(grads, naive_attention_backward(dOut, Q, K, V, mask)):
+        assert got.dtype == np.float32
+        np.testing.assert_allclose(got, local(want, plan, comm.rank), atol=GRAD_TOL[np.float32], rtol=0)
+
+
+def test_bad_grids_raise_on_every_rank(comm, rng):
+    P = comm.size
+    plan = make_plan(8 * P, P)
+    q, k, v, _ = (local(x, plan, comm.rank) for x in _problem(rng, 8 * P, 3, 1))
+    if P > 1:
+        with pytest.raises(ValueError, match=f"ulysses_size {P + 1} does not divide the {P} ranks"):
+            ring_attention(q, k, v, comm, ulysses_size=P + 1)
+    if P in (2, 4):
+        with pytest.raises(ValueError, match="ulysses_size 2 needs the query heads \\(3\\) divisible by "
+                                             "ulysses_size \\(2\\)"):
+            ring_attention(q, k, v, comm, ulysses_size=2)
+    with pytest.raises(ValueError, match="ulysses_size combines with mode ring, bidirectional or allgather"):
+        ring_attention(q, k, v, comm, mode="double_ring", ulysses_size=1)
+    with pytest.raises(ValueError, match="ulysses_size must be a positive integer"):
+        ring_attention(q, k, v, comm, ulysses_size=0)

@@ -1,0 +1,112 @@
+"""The Ulysses plan and its bytes (no MPI), and ``run``/``schedule`` with ``--mode ulysses``."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mpiring import LAYOUTS, make_plan
+from mpiring.__main__ import main
+from mpiring.heads import heads_problem, kv_heads, query_heads
+from mpiring.nodes import predicted_bytes
+
+from launch import MPIEXEC, clean_env, mpiexec_argv
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_rank_does_every_visible_pair_once_for_its_heads(P, layout):
+    S = 6 * P + 5
+    plan = make_plan(S, P, layout=layout, mode="ulysses", causal=True, window=(7, 0))
+    ring = make_plan(S, P, layout=layout, causal=True, window=(7, 0))
+    assert plan.n_steps == 1 and plan.rounds == {}
+    assert plan.visible_pairs() == [sum(ring.visible_pairs())] * P  # the whole sequence's, for its heads
+    gathered = np.concatenate(plan.shards)  # positions in the order the all-to-all leaves them
+    seen = np.zeros((S, S), int)
+    for j in range(P):
+        keys = plan.shards[j]
+        for a, b, c, d, klo, khi in plan.block_pieces(j):
+            for row in range(a, b):
+                lo, hi = (c, d) if klo is None else (c + klo[row - a], c + khi[row - a])
+                seen[gathered[row], keys[lo:hi]] += 1
+    i, j = np.meshgrid(np.arange(S), np.arange(S), indexing="ij")
+    np.testing.assert_array_equal(seen, ((j <= i) & (j >= i - 7)).astype(int))
+
+
+def test_heads_split_and_kv_heads_replicated_when_fewer_than_ranks():
+    assert [query_heads(r, 4, 8) for r in range(4)] == [slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8)]
+    assert [kv_heads(r, 4, 8) for r in range(4)] == [slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8)]
+    assert [kv_heads(r, 4, 2) for r in range(4)] == [slice(0, 1), slice(0, 1), slice(1, 2), slice(1, 2)]
+    assert [kv_heads(r, 4, 1) for r in range(4)] == [slice(0, 1)] * 4
+
+
+def test_bytes_by_hand():
+    """P = 4, S = 64 (n = 16), B = 1, Hq = 8, D = Dv = 4, float32: each of the 3 other ranks gets ..."""
+    plan = make_plan(64, 4, mode="ulysses")
+    q_out = 3 * 16 * 2 * 4  # ... its 2 query heads of my 16 tokens
+    results = 3 * 16 * 2 * (4 + 1)  # ... and back its tokens of my 2 heads: out and lse
+    for hk, kv in ((8, 2), (4, 1), (2, 1), (1, 1)):  # K/V heads each rank gets: Hk/P, or one replica
+        assert predicted_bytes(plan, batch=1, hq=8, hk=hk, dim=4, dim_v=4, itemsize=4) == \
+            [4 * (q_out + 3 * 16 * kv * 8 + results)] * 4
+    grads = 3 * 16 * (2 * 4 + 1 * 8) * 8  # back: dq (2 heads) and the dK, dV of one K/V head, float64
+    assert predicted_bytes(plan, batch=1, hq=8, hk=2, dim=4, dim_v=4, itemsize=4, backward=True) == \
+        [4 * 3 * 16 * (2 * (4 + 4 + 2) + 8) + grads] * 4
+    ring = make_plan(64, 4)
+    assert predicted_bytes(ring, batch=1, hq=8, hk=2, dim=4, dim_v=4, itemsize=4) == [3 * 16 * 2 * 8 * 4] * 4
+
+
+def test_heads_problems():
+    q, k = np.zeros((1, 6, 4, 2)), np.zeros((1, 2, 4, 2))
+    assert heads_problem(q, k, 4, "ring") is None
+    assert "query heads (6) divisible by the number of ranks (4)" in heads_problem(q, k, 4, "ulysses")
+    assert heads_problem(q, k, 3, "ulysses") == "mode='ulysses' needs the K/V heads (2) to divide or be " \
+                                                "divisible by the number of ranks (3)"
+    assert heads_problem(q, k, 6, "ulysses") is None and heads_problem(q, k, 2, "ulysses") is None
+    assert "splits the heads axis" in heads_problem(q[0, 0], k[0, 0], 2, "ulysses")
+    assert heads_problem(q[0, 0], k[0, 0], 1, "ulysses") is None
+    assert heads_problem("not an array", k, 2, "ulysses") is None  # local_problem reports that one
+
+
+def test_schedule_command(capsys):
+    assert main(["schedule", "-P", "3", "--mode", "ulysses", "--causal", "--layout", "zigzag"]) == 0
+    text = capsys.readouterr().out
+    assert "mode=ulysses" in text and "steps=1 messages/rank=4" in text and "0m,1m,2m" in text
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
+@pytest.mark.parametrize("extra", [[], ["--backward"]])
+def test_run_verifies(extra):
+    cmd = mpiexec_argv(2, sys.executable, "-m", "mpiring", "run", "--mode", "ulysses", "--seq-len", "200",
+                       "--heads", "4", "--kv-heads", "1", "--dim", "8", "--causal", "--layout", "zigzag", *extra)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=clean_env())
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "VERIFIED" in result.stdout and "recorded schedule equals the plan: yes" in result.stdout
+
+
+def test_the_grid_plan():
+    """u = 2 over P = 4, zigzag: the layout of 2 groups, each group's tokens cut in 2 consecutive pieces."""
+    from mpiring.heads import sequence_pairs
+
+    plan = make_plan(40, 4, layout="zigzag", causal=True, ulysses_size=2)
+    groups = make_plan(40, 2, layout="zigzag", causal=True)
+    assert [list(s) for s in plan.shards] == [list(groups.shards[0][:10]), list(groups.shards[0][10:]),
+                                              list(groups.shards[1][:10]), list(groups.shards[1][10:])]
+    assert plan.n_steps == groups.n_steps and plan.tasks(1, 3) == groups.tasks(1, 1)
+    assert sequence_pairs(plan) == sequence_pairs(groups) == 40 * 41 // 2
+    assert plan.messages_per_rank() == 2 + 2  # the group's all-to-alls, the ring's K and V
+    shape = dict(batch=1, hq=4, hk=2, dim=4, dim_v=4, itemsize=4)
+    # to the other member: its 2 query heads and 1 K/V head of my 10 tokens, then its 10 tokens of my 2 heads
+    # (out and lse); across: the group's 20 tokens of my 1 K/V head
+    assert predicted_bytes(plan, **shape) == [4 * (10 * (2 * 4 + 1 * 8) + 10 * 2 * 5 + 20 * 8)] * 4
+    with pytest.raises(ValueError, match="ulysses_size 3 does not divide the 4 ranks"):
+        make_plan(40, 4, ulysses_size=3)
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
+def test_run_verifies_the_grid():
+    cmd = mpiexec_argv(2, sys.executable, "-m", "mpiring", "run", "--ulysses-size", "2", "--seq-len", "128",
+                       "--heads", "2", "--dim", "8", "--causal", "--layout", "zigzag", "--backward")
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=clean_env())
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "VERIFIED" in result.stdout and "mode=ring ulysses_size=2" in result.stdout

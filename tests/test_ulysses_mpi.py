@@ -1,0 +1,96 @@
+"""Ulysses (heads all-to-all) against the single-process reference, forward and backward, on P ranks.
+
+    mpiexec -n 4 python -m pytest --with-mpi -m mpi -q tests/test_ulysses_mpi.py
+
+Every rank builds the same seeded problem, keeps its shard, and checks its own
+results, bytes and recorded schedule; P is the world size. Query heads are 2P,
+K/V heads 2P (no grouping), 2 and 1: with P > 2 the K/V heads are fewer than
+the ranks and are replicated.
+"""
+
+import numpy as np
+import pytest
+from modecheck import check_mode
+from modecheck import problem as _problem
+
+from mpiring import LAYOUTS, distributed_attention, make_plan, ring_attention, ring_attention_backward, shard
+from mpiring.nodes import predicted_bytes
+from mpiring.reference import dense_attention
+
+from conftest import GRAD_TOL, dense_mask, naive_attention_backward, tol
+
+pytestmark = pytest.mark.mpi
+
+MASKS = [(False, None, None), (True, None, None), (True, (4, 0), None), (False, (2, 2), "docs")]
+
+
+def _local(x, comm, layout, axis=-2):
+    return np.ascontiguousarray(shard(x, comm.size, comm.rank, layout, axis=axis))
+
+
+def _kv_counts(P):
+    return sorted({2 * P, 1} | ({2} if P % 2 == 0 else set()))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("causal,window,cu", MASKS)
+def test_forward_and_backward_match_reference(comm, rng, layout, causal, window, cu):
+    P = comm.size
+    S = 5 * P + 3  # uneven on purpose
+    options = dict(layout=layout, mode="ulysses", causal=causal, window=window, cu_seqlens=cu)
+    for hk in _kv_counts(P):
+        check_mode(comm, *_problem(rng, S, 2 * P, hk), options, f"{hk} K/V heads")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_dtypes_gqa_and_a_long_sequence(comm, rng, dtype):
+    P = comm.size
+    S = 48 * P
+    Q, K, V, dOut = _problem(rng, S, 4 * P, 1, dtype, dim=16, dim_v=16)
+    q, k, v, dout = (_local(x, comm, "zigzag") for x in (Q, K, V, dOut))
+    options = dict(layout="zigzag", mode="ulysses", causal=True, scale=0.3)
+    out, lse = ring_attention(q, k, v, comm, **options)
+    grads = ring_attention_backward(dout, q, k, v, out, lse, comm, **options)
+    mask = dense_mask(S, causal=True)
+    want = dense_attention(Q, K, V, 0.3, lambda a, b: mask[a:b])[0]
+    assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
+    np.testing.assert_allclose(out, _local(want, comm, "zigzag"), atol=tol(dtype), rtol=0)
+    for got, want in zip(grads, naive_attention_backward(dOut, Q, K, V, mask, 0.3)):
+        np.testing.assert_allclose(got, _local(want, comm, "zigzag"), atol=GRAD_TOL[dtype], rtol=0)
+
+
+def test_distributed_attention_gathers_ulysses(comm, rng):
+    P = comm.size
+    S = 7 * P
+    Q, K, V, _ = _problem(rng, S, 2 * P, 1)
+    out, schedule = distributed_attention(Q, K, V, comm, causal=True, layout="striped", mode="ulysses", timeout=30)
+    if comm.rank != 0:
+        return
+    mask = dense_mask(S, causal=True)
+    np.testing.assert_allclose(out, dense_attention(Q, K, V, None, lambda a, b: mask[a:b])[0], atol=1e-12, rtol=0)
+    plan = make_plan(S, P, causal=True, layout="striped", mode="ulysses")
+    assert schedule == plan.schedule
+    assert [r["bytes_sent"] for r in schedule.records] == predicted_bytes(plan, batch=2, hq=2 * P, hk=1, dim=8,
+                                                                          dim_v=6, itemsize=8)
+
+
+def test_heads_that_do_not_split_raise_on_every_rank(comm, rng):
+    P = comm.size
+    if P == 1:
+        pytest.skip("one rank takes any number of heads")
+    q, k, v, dout = (_local(x, comm, "contiguous") for x in _problem(rng, 4 * P, 2 * P + 1, 1))
+    with pytest.raises(ValueError, match=rf"ranks 0, .*: mode='ulysses' needs the query heads \({2 * P + 1}\) "
+                                         rf"divisible by the number of ranks \({P}\)"):
+        ring_attention(q, k, v, comm, mode="ulysses")
+    if P > 2:  # 2 K/V heads neither divide nor are divisible by P = 3
+        q, k, v, dout = (_local(x, comm, "contiguous") for x in _problem(rng, 4 * P, 6 * P, 2 if P % 2 else 4))
+        if P % 2:
+            out, lse = ring_attention(q, k, v, comm)  # the ring takes them
+            with pytest.raises(ValueError, match="needs the K/V heads"):
+                ring_attention_backward(dout, q, k, v, out, lse, comm, mode="ulysses")
+    flat = [a[0, 0] for a in (q, k, v)]  # (seq, dim): no heads axis to split
+    with pytest.raises(ValueError, match="splits the heads axis"):
+        ring_attention(*flat, comm, mode="ulysses")
+    q, k, v, _ = (_local(x, comm, "contiguous") for x in _problem(rng, 4 * P, 2 * P, 1))
+    out, lse = ring_attention(q, k, v, comm, mode="ulysses", timeout=30)  # and it still works afterwards
+    assert out.shape == q.shape[:-1] + (6,)
