@@ -166,7 +166,10 @@ def run(comm, args=None):
     hk = args.kv_heads or args.heads
     options = variant(args)
     inputs = verify.Inputs(args.seed, args.batch, args.heads, hk, args.dim, dtype)
-    parts = held_positions(args, args.seq_len, size) or layout_positions(args.seq_len, size, args.layout)
+    try:  # the balancer is deterministic: a bad option fails alike on every rank
+        parts = held_positions(args, args.seq_len, size) or layout_positions(args.seq_len, size, args.layout)
+    except ValueError as exc:
+        raise Agreed(str(exc)) from exc
     positions = parts[rank]
     if args.balance:
         options["positions"] = positions
