@@ -85,3 +85,6 @@ def test_run_bad_input_fails_on_every_rank_quickly():
     result = _mpirun(2, "--seq-len", "1", "--heads", "1", "--dim", "4", timeout=60)
     assert result.returncode != 0
     assert "shorter than the number of ranks" in result.stderr
+    result = _mpirun(2, "--seq-len", "64", "--cu-seqlens", "0", "10", "60", "--causal", "--balance", "greedy",
+                     timeout=60)
+    assert result.returncode == 2 and "cu_seqlens must start at 0 and end at the total length 64" in result.stderr
