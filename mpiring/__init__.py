@@ -21,11 +21,11 @@ from .simulate import ring_attention_simulate, simulate
 _LAZY = {
     "ring_attention": "ring", "ring_attention_backward": "backward",
     "distributed_attention": "distributed", "distributed_attention_backward": "distributed",
-    "CommTimeout": "comm",
+    "CommTimeout": "comm", "decode_attention": "decode", "KVCache": "kvcache",
 }
 
 __all__ = [
-    "ring_attention", "distributed_attention", "Record", "CommTimeout",
+    "ring_attention", "distributed_attention", "Record", "CommTimeout", "decode_attention", "KVCache",
     "ring_attention_backward", "distributed_attention_backward", "predicted_backward_bytes",
     "attention_block_backward", "reference_attention_backward",
     "ring_attention_simulate", "simulate",
