@@ -218,23 +218,28 @@ def _local_problem(q, k, v, scale, merge, causal, positions, kv_positions):
 
 
 def decode_agreement(comm, q, k, v, scale, timeout, merge="tree", causal=False, positions=None, kv_positions=None,
-                     extra=None):
+                     extra=None, k_peak=None, problem=None):
     """Check this rank's arguments and agree with every rank (one all-gather): ``(scale, kv lengths)``.
 
     The same ValueError on every rank if any rank has a problem, if q (its
     bytes), its positions or an option differ from rank 0's, or if the logits
-    may overflow. ``extra``: more name -> value pairs every rank must share.
+    may overflow. ``extra``: more name -> value pairs every rank must share;
+    ``k_peak``: max |k| when k is only a stand-in for its shape (a cache's
+    stored keys); ``problem``: one more of this rank's problems (or None).
     """
     problem = values = peaks = None
     try:
-        problem = timeout_problem(timeout) or _local_problem(q, k, v, scale, merge, causal, positions, kv_positions)
+        problem = (problem or timeout_problem(timeout)
+                   or _local_problem(q, k, v, scale, merge, causal, positions, kv_positions))
         if problem is None:
             values = {"q shape": str(q.shape), "k shape": _shape_text(k), "v shape": _shape_text(v),
                       "dtype": str(q.dtype), "scale": repr(scale), "merge": repr(merge), "causal": repr(bool(causal)),
                       "timeout": repr(timeout), "q (sha1 of its bytes)": _digest(q),
                       "positions (sha1)": _digest(None if positions is None else np.asarray(positions, np.int64)),
                       **(extra or {})}
-            peaks = (float(np.abs(q).max()), float(np.abs(k).max()) if k.size else 0.0, k.shape[-2])
+            if k_peak is None:
+                k_peak = float(np.abs(k).max()) if k.size else 0.0
+            peaks = (float(np.abs(q).max()), k_peak, k.shape[-2])
     except Exception as exc:  # reported collectively, never raised alone
         problem, values = describe(exc), None
     metas = allgather(comm, (problem, values, peaks), agreement_timeout(timeout))
