@@ -9,6 +9,7 @@ Each is ``(comm, args=None) -> exit code``; they ignore ``comm`` (pass None).
 
 from mpiring import make_plan
 from mpiring.costmodel import PRESETS, Machine, format_time_model, ring_attention_context_parallel
+from mpiring.infercost import format_inference_model
 
 from .calibrate import calibrate
 from .cli import add_variant_args, at_least, balance_table, command_parser, held_positions, variant
@@ -76,9 +77,10 @@ def cost_parser():
     p.add_argument("--flops", type=float, help="a custom machine: FLOP/s (with --bandwidth, --latency)")
     p.add_argument("--bandwidth", type=float, help="custom machine: bytes/s per direction")
     p.add_argument("--latency", type=float, default=10e-6, help="custom machine: seconds per transfer")
+    p.add_argument("--new-tokens", type=int, default=1, help="inference model: tokens per decode step")
     p.checks.append(at_least(1, **{"--seq-len": "seq_len", "-P/--ranks": "ranks", "--hidden": "hidden",
                                    "--heads": "heads", "--bytes-per-element": "bytes_per_element", "--dim": "dim",
-                                   "--batch": "batch"}))
+                                   "--batch": "batch", "--new-tokens": "new_tokens"}))
     return p
 
 
@@ -90,6 +92,8 @@ def cost(comm=None, args=None):
         print(f"{key:>24}: {value}")
     print()
     print(_time_model_text(args))
+    print()
+    print(_inference_text(args))
     return 0
 
 
@@ -99,6 +103,16 @@ def _time_model_text(args):
     if dim < 1 or args.hidden % dim or args.heads % (args.hidden // dim):
         raise ValueError(f"--hidden {args.hidden} must be K/V heads x --dim {dim}, with heads {args.heads} "
                          f"a multiple of the K/V heads")
+    return format_time_model(args.seq_len, args.ranks, heads=args.heads, head_dim=dim, kv_heads=args.hidden // dim,
+                             batch=args.batch, bytes_per_element=args.bytes_per_element, machines=_machines(args),
+                             causal=args.causal)
+
+
+def _machines(args):
+    """The machines of ``--preset`` (this machine calibrated once) and a custom one."""
+    if getattr(args, "machines", None) is not None:
+        return args.machines
+    dim = args.dim or args.hidden // args.heads
     machines = [calibrate(head_dim=dim) if name == "this-machine" else PRESETS[name] for name in args.preset]
     if args.flops or args.bandwidth:
         if not (args.flops and args.bandwidth):
@@ -106,6 +120,13 @@ def _time_model_text(args):
         machines.append(Machine("custom", args.flops, args.latency, args.bandwidth,
                                 f"{args.flops / 1e12:g} TFLOP/s, {args.bandwidth / 1e9:g} GB/s, "
                                 f"{args.latency * 1e6:g} us"))
-    return format_time_model(args.seq_len, args.ranks, heads=args.heads, head_dim=dim, kv_heads=args.hidden // dim,
-                             batch=args.batch, bytes_per_element=args.bytes_per_element, machines=machines,
-                             causal=args.causal)
+    args.machines = machines
+    return machines
+
+
+def _inference_text(args):
+    """The inference model for ``cost``: decode tree vs ring, prefill pass-KV vs pass-Q (``mpiring.infercost``)."""
+    dim = args.dim or args.hidden // args.heads
+    return format_inference_model(args.seq_len, args.ranks, heads=args.heads, kv_heads=args.hidden // dim,
+                                  head_dim=dim, batch=args.batch, bytes_per_element=args.bytes_per_element,
+                                  machines=_machines(args), new_tokens=args.new_tokens)
