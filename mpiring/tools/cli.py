@@ -8,8 +8,8 @@ import numpy as np
 
 from mpiring.balancers import METHODS, balance, imbalance, work
 
-__all__ = ["command_parser", "add_variant_args", "variant", "video", "held_positions", "balance_table", "at_least",
-           "Agreed", "launch_rank", "poll"]
+__all__ = ["command_parser", "heads_problem", "add_variant_args", "variant", "video", "held_positions", "balance_table",
+           "at_least", "Agreed", "launch_rank", "poll"]
 
 
 class Agreed(Exception):  # noqa: N818 (not an error of one rank: the same verdict on every rank)
@@ -64,6 +64,13 @@ def at_least(minimum, **options):
                 return f"{name} must be at least {minimum}, got {value}"
         return None
     return check
+
+
+def heads_problem(args):
+    """A check: grouped-query ``--kv-heads`` must divide ``--heads``."""
+    if args.kv_heads and args.heads % args.kv_heads:
+        return f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}"
+    return None
 
 
 def add_variant_args(p):

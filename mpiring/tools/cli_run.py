@@ -33,7 +33,17 @@ from mpiring.record import Record
 
 from . import verify
 from .calibrate import calibrate
-from .cli import Agreed, add_variant_args, at_least, balance_table, command_parser, held_positions, poll, variant
+from .cli import (
+    Agreed,
+    add_variant_args,
+    at_least,
+    balance_table,
+    command_parser,
+    heads_problem,
+    held_positions,
+    poll,
+    variant,
+)
 from .cli_plan import compute_table, held_text
 from .plot import plot_timeline
 from .progress import Progress
@@ -83,15 +93,8 @@ def run_parser():
     add_variant_args(p)
     p.checks += [at_least(1, **{"--seq-len": "seq_len", "--dim": "dim", "--heads": "heads",
                                 "--kv-heads": "kv_heads", "--batch": "batch", "--threads": "threads"}),
-                 at_least(0, **{"--seed": "seed"}), _heads_problem]
+                 at_least(0, **{"--seed": "seed"}), heads_problem]
     return p
-
-
-def _heads_problem(args):
-    """Grouped-query heads must divide the query heads."""
-    if args.kv_heads and args.heads % args.kv_heads:
-        return f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}"
-    return None
 
 
 def _writable(option, path):

@@ -1,0 +1,35 @@
+"""``python -m mpiring generate`` on every rank of the test job: prefill, decode steps, each verified.
+
+    mpiexec -n 4 python -m pytest --with-mpi -m mpi -q tests/test_generate_mpi.py
+
+The command is a function ``(comm, args) -> exit code`` (as mpi4py.bench's);
+rank 0 prints the report and must end with VERIFIED.
+"""
+
+import pytest
+
+from mpiring.tools.cli import Agreed
+from mpiring.tools.cli_generate import generate
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.mark.parametrize("extra", [[], ["--quantize", "int8", "--merge", "ring", "--placement", "contiguous"],
+                                   ["--quantize", "float16", "--merge", "tree", "--dtype", "float64"]])
+def test_generate_verifies(comm, capsys, extra):
+    code = generate(comm, ["--prompt-len", "45", "--new-tokens", "3", "--heads", "4", "--kv-heads", "2",
+                           "--dim", "16", *extra])
+    assert comm.allgather(code) == [0] * comm.size
+    if comm.rank == 0:
+        out = capsys.readouterr().out
+        assert out.splitlines()[-1].startswith("VERIFIED"), out
+        assert "cache bytes per rank" in out and "p95" in out
+        for merge in ("tree", "ring"):
+            assert (f"  {merge} " in out) == (merge in extra or "--merge" not in extra)
+
+
+def test_generate_needs_a_prompt_token_per_rank(comm):
+    if comm.size == 1:
+        pytest.skip("needs two ranks")
+    with pytest.raises(Agreed, match="shorter than the number of ranks"):
+        generate(comm, ["--prompt-len", "1", "--new-tokens", "1", "--heads", "2", "--dim", "8"])
