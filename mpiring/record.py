@@ -34,6 +34,7 @@ class Record:
     visible_pairs: int = 0  # of those, the ones the mask lets through
     wall_time: float = 0.0
     plan: object = None  # the Plan the ring followed, set when the call returns
+    rotate: str = "kv"  # what travelled the ring: "kv" (K/V blocks) or "q" (query blocks; ``rotate="auto"`` decides)
 
     def event(self, name, start, **info):
         """Record an event that started at ``start`` and ends now; returns now."""

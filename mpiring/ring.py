@@ -16,6 +16,7 @@ from mpi4py import MPI
 from . import block
 from .agree import check_comm, resolve_timeout, setup
 from .comm import CommTimeout, KVBuffers, RingComm, allgathered, exclusive, next_buffers, shift, wait_until
+from .passq import chosen_rotation, passq_loop, rotate_problem
 from .record import Record
 
 __all__ = ["ring_attention", "agree_outcome"]
@@ -94,6 +95,7 @@ def ring_attention(
     mode: str = "ring", window: tuple[int, int] | None = None, cu_seqlens=None,
     timeout: float | str | None = "auto", record: Record | None = None, check_finite: bool = False,
     expected_size: int | None = None, positions=None, kv_positions=None, causal_block: int | None = None,
+    rotate: str = "kv",
 ) -> tuple[np.ndarray, np.ndarray]:  # out (..., Hq, n, Dv), lse (..., Hq, n)
     """Attention of this rank's queries against the whole distributed sequence.
 
@@ -128,6 +130,10 @@ def ring_attention(
         record: a ``Record`` to fill with tasks, events and traffic counters.
         check_finite: also reject NaN/Inf in q, k, v (one extra pass over them).
         expected_size: raise unless the communicator has this many ranks.
+        rotate: what travels the ring: "kv" (K/V blocks), "q" (query blocks; K/V
+            stay and the partial results go home, ``mpiring.passq``; mode "ring"
+            only), or "auto": whichever sends fewer bytes under the plan
+            (``passq.plan_bytes``); the choice is in ``record.rotate``.
 
     Bad arguments on any rank raise the same ``ValueError`` on every rank,
     before any transfer (see docs/reliability.md).
@@ -137,15 +143,22 @@ def ring_attention(
         options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens,
                        positions=positions, kv_positions=kv_positions, causal_block=causal_block)
         plan, scale, (q, k, v) = setup(q, k, v, comm, scale, options, check_finite, expected_size, timeout,
-                                       prepare=lambda: [np.ascontiguousarray(a) for a in (q, k, v)], rows="qkk")
+                                       prepare=lambda: [np.ascontiguousarray(a) for a in (q, k, v)], rows="qkk",
+                                       problem=rotate_problem(rotate, mode), compare={"rotate": rotate})
+        rotate = chosen_rotation(rotate, plan, q, k, v)
         timeout = resolve_timeout(timeout, plan, q.size // (q.shape[-2] * q.shape[-1]), q.shape[-1])
         rec = Record(comm.Get_rank()) if record is None else record
         with RingComm(comm, timeout) as ring:  # a private duplicate: the caller's messages never mix with the ring's
             # a common start: event times minus rec.t0 compare across ranks
             wait_until([ring.comm.Ibarrier()], timeout, ring.rank, "start barrier")
             rec.t0 = start = time.perf_counter()
+            rec.rotate = rotate
             if plan.mode == "allgather":
                 out, lse = _allgather_loop(q, k, v, plan, ring.comm, scale, rec, timeout)
+            elif rotate == "q":
+                out, lse = passq_loop(q, k, v, plan, ring, scale, rec, timeout)
+                rec.bytes_sent += ring.bytes_sent
+                rec.messages, rec.wait_time = rec.messages + ring.messages, ring.wait_time
             else:
                 out, lse = _ring_loop(q, k, v, plan, ring, scale, rec, timeout)
                 rec.bytes_sent, rec.messages, rec.wait_time = ring.bytes_sent, ring.messages, ring.wait_time
