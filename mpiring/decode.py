@@ -151,25 +151,27 @@ def merge_partials(rows, comm, merge, timeout=None, ring=None, rec=None):
 # ---------------------------------------------------------------- this rank's partial
 
 
-def local_partial(q, blocks, scale, positions=None, causal=False):
+def local_partial(q, blocks, scale, positions=None, causal=False, padded=False):
     """This rank's float64 partial ``(out, lse)`` of ``q`` over ``blocks`` of its cache: ``(k, v, kv_positions)``.
 
     Each block goes through the ring's kernel (``attention_block``) and is
-    merged into the running result tile by tile (``into=``). With ``causal``,
-    a block's ``kv_positions`` must be sorted: row i sees the keys at positions <= positions[i].
+    merged into the running result tile by tile (``into=``). ``padded``: the
+    blocks are the kernel's [k | 1]^T, [v | 1]^T (tokens on the last axis). With
+    ``causal``, a block's ``kv_positions`` must be sorted: row i sees the keys at positions <= positions[i].
     """
     out = acc_lse = None
     for k, v, kv_pos in blocks:
         if out is None:
-            out = np.zeros(q.shape[:-1] + v.shape[-1:], np.float64)
+            dv = v.shape[-2] - 1 if padded else v.shape[-1]
+            out = np.zeros(q.shape[:-1] + (dv,), np.float64)
             acc_lse = np.full(q.shape[:-1], -np.inf, np.float64)
-        if k.shape[-2] == 0:
+        if k.shape[-1 if padded else -2] == 0:
             continue
         klo = khi = None
         if causal:
             khi = np.searchsorted(kv_pos, positions, side="right").astype(np.int64)
             klo = np.zeros_like(khi)
-        attention_block(q, k, v, scale, klo, khi, into=(out, acc_lse))
+        attention_block(q, k, v, scale, klo, khi, padded=padded, into=(out, acc_lse))
     return out, acc_lse
 
 

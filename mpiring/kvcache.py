@@ -29,7 +29,7 @@ from .decode import decode_agreement, decode_timeout, local_partial, merge_parti
 from .layouts import layout_positions
 from .record import Record
 
-__all__ = ["KVCache", "PLACEMENTS", "QUANTIZE", "TILE", "ERROR_BOUND", "quantize", "dequantize"]
+__all__ = ["KVCache", "PLACEMENTS", "QUANTIZE", "TILE", "ERROR_BOUND", "quantize"]
 
 PLACEMENTS = ("round_robin", "contiguous")
 QUANTIZE = (None, "float16", "int8")
@@ -50,11 +50,14 @@ def quantize(x, how):
     return np.rint(x / scales[..., None]).astype(np.int8), scales
 
 
-def dequantize(values, scales, dtype):
-    """Stored ``values`` (and int8 ``scales``) back in ``dtype``."""
-    if scales is None:
-        return values.astype(dtype, copy=False)
-    return values.astype(dtype) * scales[..., None].astype(dtype)
+def _grown(old, n, cap, shape, dtype, ones=False):
+    """A store of ``shape + (cap,)`` holding ``old``'s first ``n`` tokens (last axis); ``ones``: one more row, all 1."""
+    new = np.empty(shape[:-1] + (shape[-1] + 1, cap) if ones else shape + (cap,), dtype)
+    if ones:
+        new[..., -1, :] = 1
+    if old is not None:
+        new[..., :n] = old[..., :n]
+    return new
 
 
 class KVCache:
@@ -120,13 +123,10 @@ class KVCache:
 
     @property
     def nbytes(self):
-        """Bytes of this rank's cached tokens as stored (values and int8 scales)."""
+        """Bytes of this rank's cached tokens as stored: values (unquantized: with the kernel's row of ones), scales."""
         if self._store is None:
             return 0
-        rows = int(np.prod(self._lead, dtype=np.int64)) * self.kv_heads  # (batch, head) rows per token
-        per_token = sum(rows * a.itemsize * (a.shape[-1] if a.ndim == len(self._lead) + 3 else 1)
-                        for a in self._store if a is not None)
-        return per_token * self._n
+        return sum(a.nbytes // a.shape[-1] for a in self._store if a is not None) * self._n
 
     def prompt_positions(self, prompt_len):
         """The positions of a prompt of ``prompt_len`` tokens that this rank keeps under the placement."""
@@ -135,8 +135,8 @@ class KVCache:
         return layout_positions(prompt_len, self.size, "contiguous")[self.rank]
 
     def shard(self):
-        """This rank's cached ``(k, v)`` dequantized, in position order (for checks; ``attend`` works per tile)."""
-        return self._tile(0, self._n)[:2]
+        """This rank's cached ``(k, v)`` dequantized, (..., Hk, n, D), in position order (``attend`` works per tile)."""
+        return tuple(np.swapaxes(t[..., :-1, :], -1, -2) for t in self._tile(0, self._n)[:2])
 
     # ---------------------------------------------------------------- filling it
 
@@ -213,7 +213,11 @@ class KVCache:
         return None
 
     def _append(self, k, v, positions):
-        """Store this rank's new rows (position order) after its others, growing the store by doubling."""
+        """Store this rank's new rows (position order) after its others, growing the store by doubling.
+
+        Tokens lie on the last axis: k as (..., Hk, D, capacity) (unquantized: the
+        kernel's [k | 1]^T, D + 1 rows, the last all ones), scales (..., Hk, capacity).
+        """
         if self._store is None:
             self._lead = k.shape[:-3]
             self._store = [None] * 4
@@ -222,28 +226,19 @@ class KVCache:
         cap = self._pos.shape[0]
         if need > cap or self._store[0] is None:
             cap = max(need, 2 * cap, 16)
-            grown = []
-            for i, dim in enumerate((self.head_dim, None, self.value_dim, None)):
-                old = self._store[i]
-                if i % 2 == 0:
-                    dt = {None: self.dtype, "float16": np.float16, "int8": np.int8}[self.quantize]
-                    new = np.empty(self._lead + (self.kv_heads, cap, dim), dt)
-                    if old is not None:
-                        new[..., :self._n, :] = old[..., :self._n, :]
-                elif self.quantize == "int8":
-                    new = np.empty(self._lead + (self.kv_heads, cap), np.float32)
-                    if old is not None:
-                        new[..., :self._n] = old[..., :self._n]
-                else:
-                    new = None
-                grown.append(new)
-            self._store = grown
+            for i, dim in ((0, self.head_dim), (2, self.value_dim)):
+                self._store[i] = _grown(self._store[i], self._n, cap, self._lead + (self.kv_heads, dim),
+                                        {None: self.dtype, "float16": np.float16, "int8": np.int8}[self.quantize],
+                                        ones=self.quantize is None)
+                if self.quantize == "int8":
+                    self._store[i + 1] = _grown(self._store[i + 1], self._n, cap, self._lead + (self.kv_heads,),
+                                                np.float32)
             self._pos = np.concatenate([self._pos[:self._n], np.empty(cap - self._n, np.int64)])
         if n:
             self._k_peak = max(self._k_peak, float(np.abs(k).max()))
         for i, x in ((0, k), (2, v)):
             values, scales = quantize(x, self.quantize)
-            self._store[i][..., self._n:need, :] = values
+            self._store[i][..., :x.shape[-1], self._n:need] = np.swapaxes(values, -1, -2)
             if scales is not None:
                 self._store[i + 1][..., self._n:need] = scales
         self._pos[self._n:need] = positions
@@ -252,13 +247,26 @@ class KVCache:
     # ---------------------------------------------------------------- decoding
 
     def _tile(self, a, b):
-        """This rank's cached tokens a:b as ``(k, v, positions)`` in the cache's dtype."""
+        """This rank's cached tokens a:b as ``(kt, vt, positions)``: the kernel's padded form, in the cache's dtype.
+
+        Unquantized: views of the store, no copy. Quantized: dequantized into new [x | 1]^T arrays.
+        """
         if self._store is None:
-            empty = np.empty((self.kv_heads, 0, self.head_dim), self.dtype)
-            return empty, np.empty((self.kv_heads, 0, self.value_dim), self.dtype), self._pos[:0]
-        ks, vs = (None if s is None else s[..., a:b] for s in (self._store[1], self._store[3]))
-        return (dequantize(self._store[0][..., a:b, :], ks, self.dtype),
-                dequantize(self._store[2][..., a:b, :], vs, self.dtype), self._pos[a:b])
+            return (np.ones((self.kv_heads, self.head_dim + 1, 0), self.dtype),
+                    np.ones((self.kv_heads, self.value_dim + 1, 0), self.dtype), self._pos[:0])
+        tiles = []
+        for i in (0, 2):
+            values = self._store[i][..., a:b]
+            if self.quantize is None:
+                tiles.append(values)
+                continue
+            out = np.empty(values.shape[:-2] + (values.shape[-2] + 1, b - a), self.dtype)
+            out[..., :-1, :] = values
+            if self._store[i + 1] is not None:
+                out[..., :-1, :] *= self._store[i + 1][..., None, a:b]
+            out[..., -1, :] = 1
+            tiles.append(out)
+        return tiles[0], tiles[1], self._pos[a:b]
 
     def attend(self, q, *, causal=False, positions=None, merge="tree", scale=None, record=None):
         """``decode_attention`` of ``q`` (..., Hq, T, D), the same on every rank, over the whole cache.
@@ -283,7 +291,7 @@ class KVCache:
             q = np.ascontiguousarray(q)
             positions = None if positions is None else np.asarray(positions, np.int64)
             blocks = (self._tile(a, min(a + TILE, self._n)) for a in range(0, max(self._n, 1), TILE))
-            out, lse = local_partial(q, blocks, scale, positions, causal)
+            out, lse = local_partial(q, blocks, scale, positions, causal, padded=True)
             rec.compute_time += rec.event("compute", start, kind="decode") - start
             if merge == "ring" and self._ring is None and self.size > 1:
                 self._ring = RingComm(self.comm, timeout)
