@@ -15,7 +15,7 @@ pytestmark = pytest.mark.mpi
 
 
 @pytest.mark.parametrize("extra", [[], ["--quantize", "int8", "--merge", "ring", "--placement", "contiguous"],
-                                   ["--quantize", "float16", "--merge", "tree", "--dtype", "float64"]])
+                                   ["--quantize", "float16", "--merge", "tree", "--dtype", "float64", "--rotate", "q"]])
 def test_generate_verifies(comm, capsys, extra):
     code = generate(comm, ["--prompt-len", "45", "--new-tokens", "3", "--heads", "4", "--kv-heads", "2",
                            "--dim", "16", *extra])
@@ -24,6 +24,7 @@ def test_generate_verifies(comm, capsys, extra):
         out = capsys.readouterr().out
         assert out.splitlines()[-1].startswith("VERIFIED"), out
         assert "cache bytes per rank" in out and "p95" in out
+        assert f"prefill (ring passing {'q' if '--rotate' in extra else 'kv'}, causal)" in out
         for merge in ("tree", "ring"):
             assert (f"  {merge} " in out) == (merge in extra or "--merge" not in extra)
 

@@ -45,6 +45,8 @@ def generate_parser():
     p.add_argument("--merge", choices=[*MERGES, "both"], default="both",
                    help="how the decode partials are merged (both: each step runs and times both)")
     p.add_argument("--quantize", choices=["float16", "int8"], help="store the cache compressed")
+    p.add_argument("--rotate", choices=["kv", "q", "auto"], default="kv",
+                   help="what travels the ring in the prefill: K/V blocks, query blocks, or the one with fewer bytes")
     p.add_argument("--placement", choices=["round_robin", "contiguous"], default="round_robin",
                    help="which rank keeps each cached token")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="dtype of q, k, v")
@@ -105,10 +107,11 @@ def generate(comm, args=None):
         rec = Record(rank)
         comm.Barrier()
         try:
-            out, lse = cache.prefill(q, K[..., mine, :], V[..., mine, :], causal=True, record=rec)
+            out, lse = cache.prefill(q, K[..., mine, :], V[..., mine, :], causal=True, record=rec,
+                                     rotate=args.rotate)
         except ValueError as exc:
             raise Agreed(str(exc)) from exc
-        prefill = {"time": rec.wall_time, "bytes": rec.bytes_sent}
+        prefill = {"time": rec.wall_time, "bytes": rec.bytes_sent, "rotate": rec.rotate}
         rows = np.sort(np.random.default_rng([args.seed, 7, rank]).choice(len(mine), min(len(mine), PREFILL_SAMPLE),
                                                                           replace=False))
         ref = grouped_reference(q[..., rows, :], K64[..., :N, :], V64[..., :N, :], mine[rows], causal=True)
@@ -159,11 +162,13 @@ def _report(args, size, gathered, nbytes, lengths, machine, tol, merges):
     prefill_time = max(g[0]["time"] for g in gathered)
     prefill_bytes = [g[0]["bytes"] for g in gathered]
     prefill_error = max(g[0]["error"] for g in gathered)
-    print(f"prefill (ring, causal): {_ms(prefill_time)} (slowest rank), bytes sent per rank {prefill_bytes}, "
+    rotate = gathered[0][0]["rotate"] + (" (auto)" if args.rotate == "auto" else "")
+    print(f"prefill (ring passing {rotate}, causal): {_ms(prefill_time)} (slowest rank), bytes sent per rank "
+          f"{prefill_bytes}, "
           f"max error of {min(N, PREFILL_SAMPLE * size)} sampled rows {prefill_error:.2e} "
           f"(tolerance {TOLERANCE[np.dtype(args.dtype)]:g})")
     dtype_bytes = 2 * hk * args.dim * np.dtype(args.dtype).itemsize
-    print(f"cache bytes per rank: {nbytes} for {lengths} tokens ({args.dtype} would be "
+    print(f"cache bytes per rank: {nbytes} for {lengths} tokens ({args.dtype} values alone: "
           f"{[n * dtype_bytes for n in lengths]})")
     extend = np.concatenate([g[2] for g in gathered]) if T else np.zeros(1)
     print(f"extend (one token, agreement included): median {_ms(float(np.median(extend)))}")
