@@ -65,7 +65,7 @@ def decode_row(comm, cache=65536, steps=16, heads=8, kv_heads=2, dim=64, seed=0)
                 start = time.perf_counter()
                 alone.attend(Q[..., t:t + 1, :])
                 times["alone"].append(time.perf_counter() - start)
-    machine = calibrate(comm, head_dim=dim, tokens=256, seconds=0.2, nbytes=1 << 16)
+    machine = calibrate(comm, head_dim=dim, tokens=256, seconds=0.2, nbytes=1 << 22)
     if rank != 0:
         return None
     ok = error <= TOLERANCE[np.dtype(np.float32)]
@@ -100,7 +100,7 @@ def prefill_row(comm, new, cached, heads=8, kv_heads=1, dim=64, seed=0, repeats=
         result[rotate] = (min(walls), comm.allreduce(rec.bytes_sent, op=MPI.MAX), out)
     same = float(np.abs(result["q"][2][0] - result["kv"][2][0]).max())
     auto = chosen_rotation("auto", rec.plan, q, k, v)
-    machine = calibrate(comm, head_dim=dim, tokens=256, seconds=0.2, nbytes=1 << 20)
+    machine = calibrate(comm, head_dim=dim, tokens=256, seconds=0.2, nbytes=1 << 22)
     if rank != 0:
         return None
     kw = dict(heads=heads, kv_heads=kv_heads, head_dim=dim, bytes_per_element=4, machine=machine)

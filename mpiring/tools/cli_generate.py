@@ -143,7 +143,7 @@ def generate(comm, args=None):
         nbytes = comm.gather(cache.nbytes)
         lengths = list(cache.lengths)
     machine = calibrate(comm, head_dim=args.dim, dtype=args.dtype, tokens=256, seconds=0.2, threads=args.threads,
-                        nbytes=1 << 16)
+                        nbytes=1 << 22)
     gathered = comm.gather((prefill, steps, extend_times))
     if rank != 0:
         return 0
