@@ -61,7 +61,7 @@ def _grown(old, n, cap, shape, dtype, ones=False):
 
 
 class KVCache:
-    """This rank's share of a KV cache over ``comm``; construction, ``prefill``, ``extend`` and ``attend`` are collective.
+    """This rank's share of a KV cache over ``comm``; construction, prefill, extend and attend are collective.
 
     Args:
         comm: an mpi4py communicator; every rank constructs the cache alike.
