@@ -8,7 +8,7 @@ and ``attention_block``: the ring's kernel and merge), giving a partial
 that every rank ends with the same bits:
 
 - ``merge="tree"``: one ``MPI_Allreduce`` whose operation is the merge
-  (``LSE_MERGE``, a user-defined op): log2 P latency terms (Tree Attention, 2024);
+  (``lse_merge`` as a user-defined op): log2 P latency terms (Tree Attention, 2024);
 - ``merge="ring"``: the partials travel the ring (P - 1 steps, each rank passes
   on what it received), then every rank merges them in rank order.
 
@@ -106,7 +106,7 @@ def packed(out, lse):
 def merge_partials(rows, comm, merge, timeout=None, ring=None, rec=None):
     """Merge every rank's partial ``rows`` (``packed``) into one, the same bits on every rank.
 
-    ``tree``: one non-blocking all-reduce with ``LSE_MERGE`` on ``comm``. ``ring``:
+    ``tree``: one non-blocking all-reduce on ``comm`` whose op is ``lse_merge``. ``ring``:
     P - 1 shifts on ``ring`` (a ``RingComm``; one is made and freed if None), then
     the partials merged in rank order. Returns the merged rows.
     """
