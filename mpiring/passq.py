@@ -24,7 +24,7 @@ from .comm import Buffers, KVBuffers, shift, wait_until
 from .kernels import merge
 from .plan import NEXT, Task
 
-__all__ = ["passq_loop", "ROTATE", "rotate_problem", "plan_bytes", "chosen_rotation"]
+__all__ = ["passq_loop", "ROTATE", "rotate_problem", "plan_bytes", "chosen_rotation", "q_rounds"]
 
 ROTATE = ("kv", "q", "auto")
 
@@ -48,10 +48,11 @@ def passq_loop(q, k, v, plan, ring, scale, rec, timeout):
     buffers = Buffers((q,), max(len(s) for s in plan.shards))
     held = (q,)
     partials = {}
-    for step in range(size):
+    rounds = q_rounds(plan)
+    for step in range(rounds + 1):
         source = (rank - step) % size  # whose queries this rank holds
         incoming = None
-        if step < size - 1:
+        if step < rounds:
             incoming = buffers.take(len(plan.shards[(rank - step - 1) % size]))
             shift(ring, {NEXT: held}, {NEXT: incoming}, rec, step, data="Q")
         task = Task(source, plan.kinds[source][rank])
@@ -64,9 +65,20 @@ def passq_loop(q, k, v, plan, ring, scale, rec, timeout):
             ring.wait(timeout)
             rec.event("wait", start, step=step)
             held = incoming
-        rec.step_done(step, size)
+        rec.step_done(step, rounds + 1)
     out, lse = _home(partials, q, v, plan, ring.comm, rec, timeout)
     return out.astype(q.dtype, copy=False), lse.astype(q.dtype, copy=False)
+
+
+def q_rounds(plan):
+    """Transfers of the query blocks: up to the last step at which some rank's keys are visible to the block it holds.
+
+    As the K/V ring stops early (``plan.rounds``), so does this one: with a
+    sliding window the blocks stop once no rank further round needs them.
+    """
+    size = plan.size
+    return max([s for s in range(size) if any(plan.kinds[(r - s) % size][r] != "skip" for r in range(size))],
+               default=0)
 
 
 def _home(partials, q, v, plan, comm, rec, timeout):
@@ -126,7 +138,7 @@ def plan_bytes(plan, batch_heads, kv_heads_ratio, dim, value_dim, itemsize):
     for r in range(size):
         kv.append(sum(len(plan.kv_shards[plan.held_source(r, s, step)]) for s, rounds in plan.rounds.items()
                       for step in range(rounds)) * kv_width)
-        sent_q = sum(len(plan.shards[(r - step) % size]) for step in range(size - 1)) * q_width
+        sent_q = sum(len(plan.shards[(r - step) % size]) for step in range(q_rounds(plan))) * q_width
         home = sum(len(plan.shards[j]) for j in range(size) if j != r and plan.kinds[j][r] != "skip") * partial_width
         qb.append(sent_q + home)
     return {"kv": max(kv), "q": max(qb)}

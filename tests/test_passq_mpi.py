@@ -10,8 +10,10 @@ positions, masks, grouped-query heads and a prefill against a longer cache
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 
 from mpiring import ring_attention, shard_indices
+from mpiring.passq import plan_bytes
 from mpiring.record import Record
 from mpiring.testing import assert_attention_close, reference
 
@@ -44,6 +46,9 @@ def test_pass_q_matches_pass_kv_and_the_reference(comm, case, dtype):
         rec = Record(comm.rank)
         results[rotate] = ring_attention(q, k, v, comm, rotate=rotate, record=rec, **options)
         assert rec.rotate == rotate
+        # the busiest rank's bytes are the model's (pass-Q: query blocks, then the partials home)
+        predicted = plan_bytes(rec.plan, 2 * 4, 2, 8, 8, np.dtype(dtype).itemsize)[rotate]
+        assert comm.allreduce(rec.bytes_sent, op=MPI.MAX) == predicted
         assert_attention_close(results[rotate][0], ref, dtype, f"out ({rotate})")
         assert_attention_close(results[rotate][1], ref_lse, dtype, f"lse ({rotate})")
     assert_attention_close(results["q"][0], results["kv"][0], dtype, "pass-Q against pass-KV")
