@@ -15,7 +15,8 @@ pytestmark = pytest.mark.mpi
 
 
 @pytest.mark.parametrize("extra", [[], ["--quantize", "int8", "--merge", "ring", "--placement", "contiguous"],
-                                   ["--quantize", "float16", "--merge", "tree", "--dtype", "float64", "--rotate", "q"]])
+                                   ["--quantize", "float16", "--merge", "tree", "--dtype", "float64", "--rotate", "q",
+                                    "--step-tokens", "2"]])
 def test_generate_verifies(comm, capsys, extra):
     code = generate(comm, ["--prompt-len", "45", "--new-tokens", "3", "--heads", "4", "--kv-heads", "2",
                            "--dim", "16", *extra])

@@ -7,8 +7,8 @@ Inputs are seeded (``tools.verify.Inputs``: token block b of tensor c from
 ``default_rng([seed, c, b])``), so every rank makes the same new tokens and
 its own prompt rows. The prompt goes through ``KVCache.prefill`` (the ring;
 each rank keeps its K/V rows); then each step extends the cache by one token
-and attends its query to the whole cache with every merge asked for. Every
-prefill row sampled and every decode step is compared with the float64
+(``--step-tokens S``: S tokens, causal among themselves) and attends its
+query to the whole cache with every merge asked for. Every prefill row sampled and every decode step is compared with the float64
 reference; every rank's decode result must be the same bits. Rank 0 prints
 the times, bytes and the time model's prediction, and VERIFIED or not.
 """
@@ -38,7 +38,9 @@ PREFILL_SAMPLE = 32  # prompt rows per rank compared with the reference
 def generate_parser():
     p = command_parser("generate", generate)
     p.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens, prefilled through the ring")
-    p.add_argument("--new-tokens", type=int, default=8, help="decode steps, one new token each")
+    p.add_argument("--new-tokens", type=int, default=8, help="tokens generated, --step-tokens per decode step")
+    p.add_argument("--step-tokens", type=int, default=1,
+                   help="new tokens per decode step (more than one: causal among themselves)")
     p.add_argument("--heads", type=int, default=8, help="query heads")
     p.add_argument("--kv-heads", type=int, help="K/V heads (grouped-query attention); default = heads")
     p.add_argument("--dim", type=int, default=64, help="head dim")
@@ -53,7 +55,8 @@ def generate_parser():
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs")
     p.add_argument("--threads", type=int, default=1, help="BLAS threads per rank")
     p.checks += [at_least(1, **{"--prompt-len": "prompt_len", "--new-tokens": "new_tokens", "--heads": "heads",
-                                "--kv-heads": "kv_heads", "--dim": "dim", "--threads": "threads"}),
+                                "--kv-heads": "kv_heads", "--dim": "dim", "--threads": "threads",
+                                "--step-tokens": "step_tokens"}),
                  at_least(0, **{"--seed": "seed"}), heads_problem]
     return p
 
@@ -120,18 +123,19 @@ def generate(comm, args=None):
         steps = {m: {"latency": [], "compute": [], "merge": [], "bytes": [], "error": [], "same": True}
                  for m in merges}
         extend_times = []
-        for t in range(T):
-            pos = N + t
+        for t in range(0, T, args.step_tokens):
+            pos, end = N + t, N + min(T, t + args.step_tokens)  # this step's tokens: positions pos .. end - 1
             start = time.perf_counter()
-            cache.extend(K[..., pos:pos + 1, :], V[..., pos:pos + 1, :])
+            cache.extend(K[..., pos:end, :], V[..., pos:end, :])
             extend_times.append(time.perf_counter() - start)
-            q_new = new_q[..., t:t + 1, :]
-            want = grouped_reference(q_new, K64[..., :pos + 1, :], V64[..., :pos + 1, :])
+            q_new = new_q[..., t:end - N, :]
+            causal = end - pos > 1  # several new tokens: each sees the cache up to itself
+            want = grouped_reference(q_new, K64[..., :end, :], V64[..., :end, :], np.arange(pos, end), causal)
             for m in merges:
                 rec = Record(rank)
                 comm.Barrier()
                 start = time.perf_counter()
-                got = cache.attend(q_new, merge=m, record=rec)
+                got = cache.attend(q_new, merge=m, record=rec, causal=causal)
                 s = steps[m]
                 s["latency"].append(time.perf_counter() - start)
                 s["compute"].append(rec.compute_time)
@@ -170,10 +174,11 @@ def _report(args, size, gathered, nbytes, lengths, machine, tol, merges):
     dtype_bytes = 2 * hk * args.dim * np.dtype(args.dtype).itemsize
     print(f"cache bytes per rank: {nbytes} for {lengths} tokens ({args.dtype} values alone: "
           f"{[n * dtype_bytes for n in lengths]})")
-    extend = np.concatenate([g[2] for g in gathered]) if T else np.zeros(1)
-    print(f"extend (one token, agreement included): median {_ms(float(np.median(extend)))}")
-    print(f"time model ({machine.note}) vs measured, per decode step, medians over {T} steps (the slowest rank's "
-          f"each step):")
+    extend = np.concatenate([g[2] for g in gathered])
+    n_steps = len(gathered[0][2])
+    print(f"extend ({args.step_tokens} token(s), agreement included): median {_ms(float(np.median(extend)))}")
+    print(f"time model ({machine.note}) vs measured, per decode step of {args.step_tokens} token(s), medians over "
+          f"{n_steps} steps (the slowest rank's each step):")
     print(f"  {'merge':<6}{'latency':>10}{'p95':>10}{'compute':>10}{'merge':>10}{'bytes/step':>12}   "
           f"{'model: compute':>15}{'merge':>10}{'total':>10}   max error")
     ok = prefill_error <= TOLERANCE[np.dtype(args.dtype)]
@@ -181,7 +186,8 @@ def _report(args, size, gathered, nbytes, lengths, machine, tol, merges):
         per = {key: np.max([g[1][m][key] for g in gathered], axis=0) for key in ("latency", "compute", "merge")}
         error = max(max(g[1][m]["error"]) for g in gathered)
         same = all(g[1][m]["same"] for g in gathered)
-        model = decode_time(N + T, size, heads=args.heads, head_dim=args.dim, machine=machine, merge=m)
+        model = decode_time(N + T, size, heads=args.heads, head_dim=args.dim, machine=machine, merge=m,
+                            new_tokens=args.step_tokens)
         print(f"  {m:<6}{_ms(np.median(per['latency'])):>10}{_ms(np.percentile(per['latency'], 95)):>10}"
               f"{_ms(np.median(per['compute'])):>10}{_ms(np.median(per['merge'])):>10}"
               f"{int(np.median(gathered[0][1][m]['bytes'])):>12}   {_ms(model['compute_s']):>15}"
