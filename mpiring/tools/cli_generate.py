@@ -9,8 +9,9 @@ its own prompt rows. The prompt goes through ``KVCache.prefill`` (the ring;
 each rank keeps its K/V rows); then each step extends the cache by one token
 (``--step-tokens S``: S tokens, causal among themselves) and attends its
 query to the whole cache with every merge asked for. Every prefill row
-sampled and every decode step is compared with the float64 reference; every rank's decode result must be the same bits. Rank 0 prints
-the times, bytes and the time model's prediction, and VERIFIED or not.
+sampled and every decode step is compared with the float64 reference; every
+rank's decode result must be the same bits. Rank 0 prints the times, bytes
+and the time model's prediction, and VERIFIED or not.
 """
 
 import hashlib
