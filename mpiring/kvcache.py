@@ -105,7 +105,7 @@ class KVCache:
         self.lengths = [0] * self.size  # every rank's cached tokens, the same list on every rank
         self._lead = None  # batch axes, from the first tokens
         self._n = 0
-        self._store = None  # [k values, k scales, v values, v scales], capacity on axis -2 (scales: -1)
+        self._store = None  # [k values, k scales, v values, v scales], tokens on the last axis (see _append)
         self._pos = np.empty(0, np.int64)
         self._k_peak = 0.0
         self._ring = None  # a private RingComm for merge="ring", made at the first such attend
@@ -144,8 +144,10 @@ class KVCache:
         """Attention over the prompt through the ring (``ring_attention``); this rank keeps its K/V rows.
 
         ``q, k, v`` are this rank's prompt rows at ``positions`` (default:
-        ``prompt_positions`` of the whole prompt). Returns this rank's
-        ``(out, lse)`` in the order of its rows. ``options`` go to ``ring_attention``.
+        ``prompt_positions`` of the whole prompt; any partition of the prompt
+        works, the placement then rules only the tokens that ``extend`` adds).
+        Returns this rank's ``(out, lse)`` in the order of its rows. ``options``
+        go to ``ring_attention`` (e.g. ``rotate``).
         """
         from .ring import ring_attention
 
