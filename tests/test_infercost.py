@@ -3,6 +3,7 @@
 import contextlib
 import io
 
+import numpy as np
 import pytest
 
 from mpiring.costmodel import Machine
@@ -47,3 +48,17 @@ def test_cost_prints_the_inference_model():
     assert "decode, 1 new token(s) against a cache of 65536" in text
     assert "  tree    2 transfers" in text and "  ring    3 transfers" in text
     assert f"Meta's rule 2 Hkv / Hq = {2 * 8 / 16:.3g}" in text
+
+
+def test_the_plans_bytes_are_the_models():
+    """``passq.plan_bytes`` (from a plan, what ``rotate="auto"`` uses) equals the formula of ``infercost``."""
+    from mpiring import make_plan
+    from mpiring.passq import plan_bytes
+
+    P, T, C = 4, 32, 96
+    q_pos = [np.arange(C + r, C + T, P) for r in range(P)]
+    kv_pos = [np.arange(r, C + T, P) for r in range(P)]
+    plan = make_plan(C + T, P, positions=q_pos, kv_positions=kv_pos)  # no mask: every block is visible
+    got = plan_bytes(plan, 2 * 8, 4, 16, 16, 4)  # batch 2 x 8 heads, 2 K/V heads, D 16, float32
+    want = prefill_bytes(T, C, P, heads=8, kv_heads=2, head_dim=16, batch=2, bytes_per_element=4)
+    assert got == {"kv": want["kv"], "q": want["q"]}
