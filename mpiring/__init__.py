@@ -31,11 +31,11 @@ del _name
 _LAZY = {
     "ring_attention": "handle", "ring_attention_backward": "handle", "Ring": "handle", "Lse": "handle",
     "distributed_attention": "distributed", "distributed_attention_backward": "distributed",
-    "CommTimeout": "comm",
+    "CommTimeout": "comm", "decode_attention": "decode", "KVCache": "kvcache",
 }
 
 __all__ = [
-    "ring_attention", "distributed_attention", "Record", "CommTimeout", "Ring", "Lse",
+    "ring_attention", "distributed_attention", "Record", "CommTimeout", "Ring", "Lse", "decode_attention", "KVCache",
     "ring_attention_backward", "distributed_attention_backward", "predicted_backward_bytes",
     "attention_block_backward", "reference_attention_backward",
     "ring_attention_simulate", "simulate",

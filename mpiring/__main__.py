@@ -4,6 +4,7 @@
     python -m mpiring schedule -P 4 --layout zigzag --causal
     mpiexec -n 4 python -m mpiring run --causal --trace trace.json --plot timeline.png   # see the ring
     python -m mpiring cost --seq-len 1048576 -P 8 --hidden 4096 --heads 32 --causal    # + time model
+    mpiexec -n 4 python -m mpiring generate --prompt-len 4096 --new-tokens 16 --heads 8 --kv-heads 2
     mpiexec -n 2 python -m mpiring bench --quick        # the benchmark table (run/bench runs -n 1 and -n 2)
     mpiexec -n 4 python -m mpiring grade student.py     # grade a student's ring (docs/exercises.md)
     mpiexec -n 2 python -m mpiring demo deadlock        # a blocking ring deadlocks; the two fixes
@@ -40,6 +41,7 @@ from mpiring.tools.cli import Agreed, launch_rank, poll
 # command: (module in mpiring.tools, needs MPI, what it does)
 COMMANDS = {
     "run": ("cli_run", True, "run ring attention under mpiexec and verify it"),
+    "generate": ("cli_generate", True, "prefill a KV cache sharded over the ranks, decode token by token, verified"),
     "schedule": ("cli_plan", False, "print the ring schedule (no MPI needed)"),
     "cost": ("cli_plan", False, "the analytical cost report, then the time model (no MPI needed)"),
     "bench": ("bench", True, "benchmark table under mpiexec -n 1 / -n 2 (see run/bench)"),

@@ -286,7 +286,7 @@ def compared(options, timeout):
 
 
 def setup(q, k, v, comm, scale, options, check_finite=False, expected_size=None, timeout=None, prepare=None,
-          problem=None, rows=None, hosts=None):
+          problem=None, rows=None, hosts=None, compare=None):
     """Validate on every rank, agree collectively (one all-gather), and build the shared plan.
 
     Every rank ends with the same verdict: either ``(plan, scale, prepared)``
@@ -302,6 +302,8 @@ def setup(q, k, v, comm, scale, options, check_finite=False, expected_size=None,
     rows) or "l" (query rows on the last axis: lse); they come back sorted by
     position, the order the ring works in (``Plan.in_caller_order`` undoes it;
     the plan's ``orders`` are these sorts, found from the same positions).
+
+    ``compare``: more arguments by name that every rank must pass alike (e.g. ``rotate``).
 
     Positions given per rank (``positions``, ``kv_positions``) are all-gathered
     with the rest, so every rank checks that they partition the sequence.
@@ -325,6 +327,7 @@ def setup(q, k, v, comm, scale, options, check_finite=False, expected_size=None,
             values = {f"{n} shape": _Shown(*[_shape_text(a)] * 2) for n, a in (("q", q), ("k", k), ("v", v))}
             values.update({"dtype": _Shown(str(q.dtype)),
                            "scale": _Shown(scale), **compared(options, timeout)})
+            values.update({name: _Shown(val) for name, val in (compare or {}).items()})
             n_local = q.shape[-2]
             peaks = (_peak(q), _peak(k))
     except Exception as exc:  # whatever goes wrong here is reported collectively, never raised alone

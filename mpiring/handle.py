@@ -42,6 +42,7 @@ from .comm import HomeRing, RingComm, exclusive, wait_until
 from .heads import HybridPlan, grid_problem, heads_problem
 from .kernels import default_scale
 from .layouts import LAYOUTS, shard, take_rows
+from .passq import chosen_rotation, rotate_problem
 from .plan import MODES
 from .precision import Precision, compute_dtype, without_precision
 from .record import Record
@@ -167,15 +168,18 @@ class Ring:
                  timeout: float | str | None = "auto", seq_axis: int = -2, threads="auto",
                  wire_dtype: str | None = None, grad_wire_dtype: str | None = None, accumulate: str = "float64",
                  positions=None, kv_positions=None, causal_block: int | None = None, node_size: int | None = None,
-                 ulysses_size: int | None = None, check_finite: bool = False, expected_size: int | None = None):
+                 ulysses_size: int | None = None, rotate: str = "kv", check_finite: bool = False,
+                 expected_size: int | None = None):
         comm = check_comm(comm)
         options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens,
                        wire_dtype=wire_dtype, grad_wire_dtype=grad_wire_dtype, accumulate=accumulate,
                        positions=positions, kv_positions=kv_positions, causal_block=causal_block,
                        node_size=node_size, ulysses_size=ulysses_size)
-        problem = _axis_problem({}, seq_axis) or threads_problem(threads)
+        problem = _axis_problem({}, seq_axis) or threads_problem(threads) or _rotation_problem(rotate, mode, wire_dtype)
         plan, hosts, options = setup_ring(comm, seq_len, options, scale, timeout, expected_size, problem,
-                                          values=dict(seq_axis=seq_axis, threads=threads, check_finite=check_finite))
+                                          values=dict(seq_axis=seq_axis, threads=threads, check_finite=check_finite,
+                                                      rotate=rotate))
+        options["rotate"] = rotate
         self._start(comm, plan, scale, timeout, hosts, seq_axis, threads, options, check_finite, backward=True)
 
     @classmethod
@@ -191,6 +195,7 @@ class Ring:
         self._same_rows = options.get("kv_positions") is None
         self._mode, self._ulysses_size = options.get("mode", plan.mode), options.get("ulysses_size")
         self._ring_options = {key: options[key] for key in ("layout", "mode", "causal", "window", "cu_seqlens")}
+        self._rotate = options.get("rotate", "kv")
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.threads = threads_for(threads, hosts, self.rank)
         self._scale, self._timeout, self._failed, self._rings = scale, timeout, None, []
@@ -286,7 +291,8 @@ class Ring:
                 q, k, v = names["q"], names["k"], names["v"]
                 problem = (local_problem(q, k, v, None, self.check_finite, self._same_rows)
                            or self._length_problem(q, k) or heads_problem(q, k, self.size, self._mode)
-                           or grid_problem(q, k, self.size, self._mode, self._ulysses_size))
+                           or grid_problem(q, k, self.size, self._mode, self._ulysses_size)
+                           or (_half_rotation_problem(self._rotate, q) if lse is None else None))
                 if problem is None and lse is not None:
                     problem = (grad_problem(names["dout"], q, k, v, names["out"], lse)
                                or self._dlse_problem(dlse, lse)
@@ -345,7 +351,8 @@ class Ring:
             self._start_barrier(timeout)
         with self._running():
             out, lse = run_forward(q, k, v, self.plan, self._rings[0], scale, rec, timeout,
-                                   Precision.of(q.dtype, self._precision), self._ring_options)
+                                   Precision.of(q.dtype, self._precision), self._ring_options,
+                                   chosen_rotation(self._rotate, self.plan, q, k, v))
         out, lse = self.plan.in_caller_order(self.rank, out), self.plan.in_caller_order(self.rank, lse, axis=-1)
         lse = lse.view(Lse)
         lse.made_by = made_by(plan_options(self.plan, self._precision), self.size, scale, self.plan.seq_len)
@@ -381,7 +388,7 @@ def ring_attention(
     timeout: float | str | None = "auto", record: Record | None = None, check_finite: bool = False,
     expected_size: int | None = None, seq_axis: int = -2, threads="auto", wire_dtype: str | None = None,
     accumulate: str = "float64", positions=None, kv_positions=None, causal_block: int | None = None,
-    node_size: int | None = None, ulysses_size: int | None = None,
+    node_size: int | None = None, ulysses_size: int | None = None, rotate: str = "kv",
 ) -> tuple[np.ndarray, np.ndarray]:  # out (..., Hq, n, Dv), lse (..., Hq, n)
     """Attention of this rank's queries against the whole distributed sequence.
 
@@ -410,6 +417,10 @@ def ring_attention(
         node_size: ranks per node for the double ring; None: as MPI places them (``COMM_TYPE_SHARED``).
         ulysses_size: u: Ulysses inside groups of u consecutive ranks, the ring ``mode`` across the P/u
             groups; shards follow the grid (``mpiring.heads.HybridPlan``).
+        rotate: what travels the ring: "kv" (K/V blocks), "q" (query blocks; K/V
+            stay and the partial results go home, ``mpiring.passq``; mode "ring"
+            only), or "auto": whichever sends fewer bytes under the plan
+            (``passq.plan_bytes``); the choice is in ``record.rotate``.
         timeout: seconds a rank may wait for the others (each transfer, a final
             check) before raising ``CommTimeout``; an error or stall on one rank
             then raises on every rank still alive: the failed rank its own error
@@ -439,14 +450,31 @@ def ring_attention(
                        wire_dtype=wire_dtype, accumulate=accumulate, positions=positions, kv_positions=kv_positions,
                        causal_block=causal_block, node_size=node_size, ulysses_size=ulysses_size)
         moved, problem = _moved({"q": q, "k": k, "v": v}, seq_axis, threads)
-        problem = problem or _heads_problem(moved[0], moved[1], comm, mode, ulysses_size)
+        problem = (problem or _heads_problem(moved[0], moved[1], comm, mode, ulysses_size)
+                   or _rotation_problem(rotate, mode, wire_dtype) or _half_rotation_problem(rotate, moved[0]))
         hosts = []
         plan, scale, (q, k, v) = setup(*moved, comm, scale, options, check_finite, expected_size, timeout,
                                        prepare=lambda: [np.ascontiguousarray(a) for a in moved], problem=problem,
-                                       rows="qkk", hosts=hosts)
-        with Ring._agreed(comm, plan, scale, timeout, hosts, seq_axis, threads, options, backward=False) as ring:
+                                       rows="qkk", hosts=hosts, compare={"rotate": rotate})
+        with Ring._agreed(comm, plan, scale, timeout, hosts, seq_axis, threads, dict(options, rotate=rotate),
+                          backward=False) as ring:
             with limited(ring.threads):
                 return ring._forward(q, k, v, scale, record, checked=True)
+
+
+def _rotation_problem(rotate, mode, wire_dtype):
+    """Why ``rotate`` does not fit the mode or the wire, or None (never raises)."""
+    problem = rotate_problem(rotate, mode)
+    if problem is None and rotate != "kv" and wire_dtype is not None:
+        problem = f"rotate={rotate!r} sends queries as they are: wire_dtype works with rotate='kv'"
+    return problem
+
+
+def _half_rotation_problem(rotate, q):
+    """Pass-Q computes in the input dtype: float32 and float64 only."""
+    if rotate != "kv" and isinstance(q, np.ndarray) and q.dtype not in (np.float32, np.float64):
+        return f"rotate={rotate!r} works with float32 and float64 inputs, got {q.dtype}"
+    return None
 
 
 def _heads_problem(q, k, comm, mode, ulysses_size):

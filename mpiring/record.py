@@ -38,6 +38,7 @@ class Record:
     wire_dtype: str = ""  # how K/V travelled: the input dtype's name, or a ``wire_dtype`` ("int8", ...)
     error: dict = field(default_factory=dict)  # max |result - float64 reference| by name, if a checker filled it in
     plan: object = None  # the Plan the ring followed, set when the call returns
+    rotate: str = "kv"  # what travelled the ring: "kv" (K/V blocks) or "q" (query blocks; ``rotate="auto"`` decides)
 
     def event(self, name, start, **info):
         """Record an event that started at ``start`` and ends now; returns now."""

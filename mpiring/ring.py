@@ -18,6 +18,7 @@ from . import block
 from .comm import CommTimeout, allgathered, kv_slots, next_buffers, shift, wait_until
 from .heads import HybridPlan
 from .kernels import pad_ones
+from .passq import passq_loop
 from .precision import Precision
 
 __all__ = ["run_forward", "agree_outcome"]
@@ -96,15 +97,16 @@ def agree_outcome(comm, timeout, t0):
                           f"the timeout ({timeout:g} s): one was stalled and the others gave up on it")
 
 
-def run_forward(q, k, v, plan, ring, scale, rec, timeout, pr, options=None):
+def run_forward(q, k, v, plan, ring, scale, rec, timeout, pr, options=None, rotate="kv"):
     """The forward pass of contiguous, agreed arrays over ``ring`` (a RingComm), all ranks having just met.
 
     ``pr``: the call's ``Precision``; ``options``: the ring's (layout, mode,
-    causal, window, cu_seqlens) for the grid's ring across Ulysses groups.
-    Fills ``rec`` (this call's events, bytes and times) and returns ``(out, lse)``.
+    causal, window, cu_seqlens) for the grid's ring across Ulysses groups;
+    ``rotate``: "kv" or "q" (the pass-Q ring, ``mpiring.passq``). Fills
+    ``rec`` (this call's events, bytes and times) and returns ``(out, lse)``.
     """
     rec.t0 = start = time.perf_counter()  # event times minus rec.t0 compare across ranks
-    rec.wire_dtype = pr.wire.name
+    rec.wire_dtype, rec.rotate = pr.wire.name, rotate
     sent, messages, waited = ring.bytes_sent, ring.messages, ring.wait_time
     if isinstance(plan, HybridPlan):  # Ulysses in groups, the ring across them (mpiring.grid)
         from .grid import hybrid_forward
@@ -122,6 +124,11 @@ def run_forward(q, k, v, plan, ring, scale, rec, timeout, pr, options=None):
         out, lse = double_ring_forward(q, k, v, plan, ring, scale, rec, timeout)
         rec.bytes_sent, rec.messages = rec.bytes_sent - sent, rec.messages - messages  # ``ring``'s counters run on
         rec.wait_time -= waited
+    elif rotate == "q":  # the queries travel, K/V stay; the partial results go home (mpiring.passq)
+        out, lse = passq_loop(q, k, v, plan, ring, scale, rec, timeout)
+        rec.bytes_sent += ring.bytes_sent - sent  # passq_loop counted the partials' bytes and messages home
+        rec.messages += ring.messages - messages
+        rec.wait_time = ring.wait_time - waited
     else:
         out, lse = _ring_loop(q, k, v, plan, ring, scale, rec, timeout, pr)
         rec.bytes_sent, rec.messages = ring.bytes_sent - sent, ring.messages - messages

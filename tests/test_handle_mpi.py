@@ -278,3 +278,24 @@ def test_handle_other_modes(comm, options):
             want = [naive_attention(Q, K, V, mask)] + list(naive_attention_backward(dOut, Q, K, V, mask))
             for got, ref in zip((out, *grads), want):
                 assert np.max(np.abs(got - ring.shard(ref))) < TOL, (options, call)
+
+
+@pytest.mark.parametrize("rotate", ["q", "auto"])
+def test_handle_pass_q(comm, rotate):
+    """rotate='q' (queries travel) through a handle: the K/V ring's results, the choice in the Record."""
+    S = 6 * comm.size
+    Q, K, V, dOut = _problem(S)
+    q, k, v, dout = (local(x, comm) for x in (Q, K, V, dOut))
+    out_kv, lse_kv = ring_attention(q, k, v, comm, causal=True)
+    with Ring(comm, S, causal=True, rotate=rotate) as ring:
+        rec = mpiring.Record()
+        out, lse = ring.forward(q, k, v, record=rec)
+        grads = ring.backward(dout, q, k, v, out, lse)
+    assert rec.rotate in ("q", "kv") and (rotate == "auto" or rec.rotate == "q")
+    np.testing.assert_allclose(out, out_kv, atol=1e-13)
+    np.testing.assert_allclose(lse, lse_kv, atol=1e-13)
+    mask = dense_mask(S, causal=True)
+    for got, ref in zip(grads, naive_attention_backward(dOut, Q, K, V, mask)):
+        assert np.max(np.abs(got - local(ref, comm))) < TOL
+    with pytest.raises(ValueError, match="wire_dtype works with rotate='kv'"):
+        Ring(comm, S, rotate="q", wire_dtype="int8")

@@ -52,6 +52,7 @@ from mpiring import (
 from mpiring.costmodel import format_wire_model
 from mpiring.precision import Precision, named_dtype
 
+from .benchinfer import inference_rows
 from .benchtable import add_efficiency, format_header, format_long, format_table, format_targets, read_csv, write_csv
 from .cli import command_parser
 from .limits import blas_report, limit_seconds, measure_limits
@@ -240,6 +241,9 @@ def bench_parser():
                         "(the last two: forward causal rows only)")
     p.add_argument("--positions", action="store_true", help="pass each rank's shard of the layout as explicit "
                    "positions= instead of layout= (the same tokens: times should not change)")
+    p.add_argument("--inference", choices=["auto", "on", "off", "only"], default="auto",
+                   help="the inference rows (decode tree vs ring over a 64k cache, prefill pass-KV vs pass-Q; "
+                        "tools.benchinfer): auto = with the full table, not with --quick or --long")
     return p
 
 
@@ -273,6 +277,9 @@ def bench(comm, args=None):
     args = bench_parser().parse_args(args)
     rank, size = comm.Get_rank(), comm.Get_size()
     threadpool_limits(args.threads, user_api="blas")
+    if args.inference == "only":
+        inference_rows(comm, quick=args.quick)
+        return 0
     baseline_mb = comm.allreduce(rss_mb(), op=MPI.MAX)  # interpreter + numpy + mpi4py, before any array
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
     local_ranks = local.Get_size()
@@ -314,6 +321,10 @@ def bench(comm, args=None):
                     flops = rows[i]["gflops"] * rows[i]["wall_s"]
                     rows[i].update(torch_s=t, torch_gflops=flops / t, vs_torch=t / rows[i]["wall_s"])
         _idle_barrier(comm)
+    if args.inference == "on" or (args.inference == "auto" and not (args.quick or args.long or args.sizes)):
+        if rank == 0:
+            print("\ninference rows (mpiring.tools.benchinfer):", flush=True)
+        inference_rows(comm, quick=args.quick)
     others = _background_load(comm, clock)
     if rank != 0:
         return 0

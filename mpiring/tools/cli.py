@@ -9,7 +9,8 @@ import numpy as np
 from mpiring.balancers import METHODS, balance, imbalance, work
 from mpiring.plan import ALL_MODES
 
-__all__ = ["command_parser", "add_variant_args", "variant", "mode_text", "video", "held_positions", "balance_table",
+__all__ = ["command_parser", "heads_problem", "add_variant_args", "variant", "mode_text", "video", "held_positions",
+           "balance_table",
            "at_least", "Agreed", "launch_rank", "poll"]
 
 
@@ -65,6 +66,13 @@ def at_least(minimum, **options):
                 return f"{name} must be at least {minimum}, got {value}"
         return None
     return check
+
+
+def heads_problem(args):
+    """A check: grouped-query ``--kv-heads`` must divide ``--heads``."""
+    if args.kv_heads and args.heads % args.kv_heads:
+        return f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}"
+    return None
 
 
 def add_variant_args(p):

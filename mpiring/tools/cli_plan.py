@@ -10,6 +10,7 @@ Each is ``(comm, args=None) -> exit code``; they ignore ``comm`` (pass None).
 from mpiring import make_plan
 from mpiring.cluster_model import CLUSTERS, format_comparison
 from mpiring.costmodel import PRESETS, Machine, format_time_model, format_wire_model, ring_attention_context_parallel
+from mpiring.infercost import format_inference_model
 
 from .calibrate import calibrate
 from .cli import add_variant_args, at_least, balance_table, command_parser, held_positions, mode_text, variant
@@ -82,9 +83,10 @@ def cost_parser():
     p.add_argument("--cluster", choices=sorted(CLUSTERS), help="also compare ring, double ring and Ulysses on "
                    "nodes of --node-size ranks with two link levels (mpiring.cluster_model)")
     p.add_argument("--node-size", type=int, default=8, help="--cluster: ranks per node (must divide -P)")
+    p.add_argument("--new-tokens", type=int, default=1, help="inference model: tokens per decode step")
     p.checks.append(at_least(1, **{"--seq-len": "seq_len", "-P/--ranks": "ranks", "--hidden": "hidden",
                                    "--heads": "heads", "--bytes-per-element": "bytes_per_element", "--dim": "dim",
-                                   "--batch": "batch", "--node-size": "node_size"}))
+                                   "--batch": "batch", "--node-size": "node_size", "--new-tokens": "new_tokens"}))
     return p
 
 
@@ -95,8 +97,8 @@ def cost(comm=None, args=None):
     for key, value in report.items():
         print(f"{key:>24}: {value}")
     print()
-    text, dim, machines = _time_model_text(args)
-    print(text)
+    print(_time_model_text(args))
+    dim, machines = args.dim or args.hidden // args.heads, _machines(args)
     if args.wires:
         print()
         print(format_wire_model(args.seq_len, args.ranks, heads=args.heads, head_dim=dim, kv_heads=args.hidden // dim,
@@ -104,11 +106,12 @@ def cost(comm=None, args=None):
     if args.cluster:
         if args.ranks % args.node_size:
             raise ValueError(f"--node-size {args.node_size} must divide -P {args.ranks}")
-        dim = args.dim or args.hidden // args.heads
         cluster = CLUSTERS[args.cluster](args.ranks // args.node_size, args.node_size)
         print()
         print(format_comparison(args.seq_len, cluster, causal=args.causal, batch=args.batch, hq=args.heads,
                                 hk=args.hidden // dim, dim=dim, dim_v=dim, itemsize=args.bytes_per_element))
+    print()
+    print(_inference_text(args))
     return 0
 
 
@@ -118,6 +121,16 @@ def _time_model_text(args):
     if dim < 1 or args.hidden % dim or args.heads % (args.hidden // dim):
         raise ValueError(f"--hidden {args.hidden} must be K/V heads x --dim {dim}, with heads {args.heads} "
                          f"a multiple of the K/V heads")
+    return format_time_model(args.seq_len, args.ranks, heads=args.heads, head_dim=dim, kv_heads=args.hidden // dim,
+                             batch=args.batch, bytes_per_element=args.bytes_per_element, machines=_machines(args),
+                             causal=args.causal)
+
+
+def _machines(args):
+    """The machines of ``--preset`` (this machine calibrated once) and a custom one."""
+    if getattr(args, "machines", None) is not None:
+        return args.machines
+    dim = args.dim or args.hidden // args.heads
     machines = [calibrate(head_dim=dim) if name == "this-machine" else PRESETS[name] for name in args.preset]
     if args.flops or args.bandwidth:
         if not (args.flops and args.bandwidth):
@@ -125,6 +138,13 @@ def _time_model_text(args):
         machines.append(Machine("custom", args.flops, args.latency, args.bandwidth,
                                 f"{args.flops / 1e12:g} TFLOP/s, {args.bandwidth / 1e9:g} GB/s, "
                                 f"{args.latency * 1e6:g} us"))
-    return format_time_model(args.seq_len, args.ranks, heads=args.heads, head_dim=dim, kv_heads=args.hidden // dim,
-                             batch=args.batch, bytes_per_element=args.bytes_per_element, machines=machines,
-                             causal=args.causal), dim, machines
+    args.machines = machines
+    return machines
+
+
+def _inference_text(args):
+    """The inference model for ``cost``: decode tree vs ring, prefill pass-KV vs pass-Q (``mpiring.infercost``)."""
+    dim = args.dim or args.hidden // args.heads
+    return format_inference_model(args.seq_len, args.ranks, heads=args.heads, kv_heads=args.hidden // dim,
+                                  head_dim=dim, batch=args.batch, bytes_per_element=args.bytes_per_element,
+                                  machines=_machines(args), new_tokens=args.new_tokens)

@@ -44,6 +44,7 @@ from .cli import (
     at_least,
     balance_table,
     command_parser,
+    heads_problem,
     held_positions,
     mode_text,
     poll,
@@ -107,15 +108,8 @@ def run_parser():
     p.checks += [at_least(1, **{"--seq-len": "seq_len", "--dim": "dim", "--heads": "heads",
                                 "--kv-heads": "kv_heads", "--batch": "batch", "--threads": "threads",
                                 "--ulysses-size": "ulysses_size"}),
-                 at_least(0, **{"--seed": "seed"}), _heads_problem]
+                 at_least(0, **{"--seed": "seed"}), heads_problem]
     return p
-
-
-def _heads_problem(args):
-    """Grouped-query heads must divide the query heads."""
-    if args.kv_heads and args.heads % args.kv_heads:
-        return f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}"
-    return None
 
 
 def _writable(option, path):

@@ -1,0 +1,321 @@
+"""Decoding over MPI (flash-decoding): the same new tokens on every rank against a KV cache sharded over the ranks.
+
+    mpiexec -n 4 python -m mpiring generate --prompt-len 4096 --new-tokens 16 --heads 8 --kv-heads 2 --dim 64
+
+Every rank attends the new queries to its own cache shard (``block.accumulators``
+and ``attention_block``: the ring's kernel and merge), giving a partial
+``(out, lse)``; the partials are then merged with the log-sum-exp rule, so
+that every rank ends with the same bits:
+
+- ``merge="tree"``: one ``MPI_Allreduce`` whose operation is the merge
+  (``lse_merge`` as a user-defined op): log2 P latency terms (Tree Attention, 2024);
+- ``merge="ring"``: the partials travel the ring (P - 1 steps, each rank passes
+  on what it received), then every rank merges them in rank order.
+
+The merge is written in its max-then-sum form,
+``m = max(l1, l2); w_i = exp(l_i - m); out = (w1 o1 + w2 o2) / (w1 + w2); lse = m + log(w1 + w2)``,
+which is commutative to the bit (IEEE addition and multiplication are), so
+however MPI pairs the partials up, both ranks of a pair compute the same bits.
+Partials and the merge are float64 whatever the input dtype; the result is cast back at the end.
+
+Masks: by default every new token sees the whole cache. With ``causal=True``
+and the global ``positions`` of the new tokens (the same on every rank) and
+``kv_positions`` of this rank's cache rows, key j is visible to query i iff
+kv_positions[j] <= positions[i]: new tokens already appended to the cache see
+each other causally, as in a prefill.
+"""
+
+import hashlib
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from .agree import (
+    AUTO_BASE,
+    AUTO_RATE,
+    agreement_timeout,
+    check_comm,
+    describe,
+    logit_problem,
+    scale_problem,
+    timeout_problem,
+    verdict,
+)
+from .comm import RingComm, allgather, exclusive, wait_until
+from .kernels import attention_block, default_scale
+from .record import Record
+
+__all__ = ["decode_attention", "MERGES", "lse_merge", "merge_partials", "local_partial", "decode_agreement",
+           "decode_timeout"]
+
+MERGES = ("tree", "ring")
+
+
+# ---------------------------------------------------------------- the merge as an MPI reduction
+
+
+def lse_merge(a, b):
+    """Merge rows ``a`` into ``b`` in place: each row is ``[out (Dv values), lse]`` in float64.
+
+    The max-then-sum form of the log-sum-exp rule: commutative to the bit, and
+    NaN-free when either or both lse are -inf (a shard with no visible key).
+    """
+    la, lb = a[:, -1], b[:, -1]
+    m = np.maximum(la, lb)
+    m0 = np.where(np.isneginf(m), 0.0, m)
+    wa, wb = np.exp(la - m0), np.exp(lb - m0)
+    total = wa + wb
+    safe = np.where(total > 0, total, 1.0)
+    b[:, :-1] = (wa[:, None] * a[:, :-1] + wb[:, None] * b[:, :-1]) / safe[:, None]
+    with np.errstate(divide="ignore"):
+        b[:, -1] = np.where(total > 0, m0 + np.log(safe), -np.inf)
+
+
+def _reduce(inbuf, inoutbuf, datatype):
+    """The user-defined op: ``inoutbuf = lse_merge(inbuf, inoutbuf)``, rows of ``datatype.extent`` bytes."""
+    width = datatype.Get_extent()[1] // 8
+    lse_merge(np.frombuffer(inbuf, np.float64).reshape(-1, width),
+              np.frombuffer(inoutbuf, np.float64).reshape(-1, width))
+
+
+_OPS = {}  # the op and the row datatypes, made once per process (MPI frees them at finalize)
+
+
+def _op():
+    if "op" not in _OPS:
+        _OPS["op"] = MPI.Op.Create(_reduce, commute=True)
+    return _OPS["op"]
+
+
+def _row_type(width):
+    """An MPI datatype of one row (``width`` float64): a reduction never splits a row between two calls."""
+    if width not in _OPS:
+        _OPS[width] = MPI.DOUBLE.Create_contiguous(width).Commit()
+    return _OPS[width]
+
+
+def packed(out, lse):
+    """``(out, lse)`` as one float64 array of rows ``[out, lse]`` (..., Dv + 1) flattened to (rows, Dv + 1)."""
+    rows = np.empty(lse.shape + (out.shape[-1] + 1,), np.float64)
+    rows[..., :-1] = out
+    rows[..., -1] = lse
+    return rows.reshape(-1, rows.shape[-1])
+
+
+def merge_partials(rows, comm, merge, timeout=None, ring=None, rec=None):
+    """Merge every rank's partial ``rows`` (``packed``) into one, the same bits on every rank.
+
+    ``tree``: one non-blocking all-reduce on ``comm`` whose op is ``lse_merge``. ``ring``:
+    P - 1 shifts on ``ring`` (a ``RingComm``; one is made and freed if None), then
+    the partials merged in rank order. Returns the merged rows.
+    """
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if size == 1:
+        return rows
+    start = time.perf_counter()
+    if merge == "tree":
+        result = np.empty_like(rows)
+        rtype = _row_type(rows.shape[1])
+        wait_until([comm.Iallreduce([rows, rows.shape[0], rtype], [result, rows.shape[0], rtype], op=_op())],
+                   timeout, rank, "decode merge (all-reduce)")
+        if rec is not None:
+            rec.bytes_sent += rows.nbytes * int(np.ceil(np.log2(size)))  # recursive doubling, as modelled
+            rec.messages += int(np.ceil(np.log2(size)))
+    else:
+        own = ring is None
+        ring = RingComm(comm, timeout) if own else ring
+        try:
+            parts = [None] * size
+            parts[rank] = rows
+            held = rows
+            for step in range(1, size):  # at step s the partial of rank - s arrives
+                incoming = np.empty_like(rows)
+                ring.shift({+1: (held,)}, {+1: (incoming,)})
+                ring.wait(timeout)
+                parts[(rank - step) % size] = held = incoming
+            if rec is not None:
+                rec.bytes_sent += rows.nbytes * (size - 1)
+                rec.messages += size - 1
+        finally:
+            if own:
+                ring.free()
+        result = parts[0].copy()
+        for part in parts[1:]:
+            lse_merge(part, result)
+    if rec is not None:
+        rec.event("merge", start, merge=merge)
+    return result
+
+
+# ---------------------------------------------------------------- this rank's partial
+
+
+def local_partial(q, blocks, scale, positions=None, causal=False, padded=False):
+    """This rank's float64 partial ``(out, lse)`` of ``q`` over ``blocks`` of its cache: ``(k, v, kv_positions)``.
+
+    Each block goes through the ring's kernel (``attention_block``) and is
+    merged into the running result tile by tile (``into=``). ``padded``: the
+    blocks are the kernel's [k | 1]^T, [v | 1]^T (tokens on the last axis). With
+    ``causal``, a block's ``kv_positions`` must be sorted: row i sees the keys at positions <= positions[i].
+    """
+    out = acc_lse = None
+    for k, v, kv_pos in blocks:
+        if out is None:
+            dv = v.shape[-2] - 1 if padded else v.shape[-1]
+            out = np.zeros(q.shape[:-1] + (dv,), np.float64)
+            acc_lse = np.full(q.shape[:-1], -np.inf, np.float64)
+        if k.shape[-1 if padded else -2] == 0:
+            continue
+        klo = khi = None
+        if causal:
+            khi = np.searchsorted(kv_pos, positions, side="right").astype(np.int64)
+            klo = np.zeros_like(khi)
+        attention_block(q, k, v, scale, klo, khi, padded=padded, into=(out, acc_lse))
+    return out, acc_lse
+
+
+# ---------------------------------------------------------------- agreement
+
+
+def _digest(a):
+    return hashlib.sha1(np.ascontiguousarray(a).view(np.uint8)).hexdigest()[:16] if a is not None else None
+
+
+def _shape_text(a):
+    """A shape with its sequence axis (which may differ between ranks) as *."""
+    return "(" + ", ".join("*" if i == a.ndim - 2 else str(n) for i, n in enumerate(a.shape)) + ")"
+
+
+def _local_problem(q, k, v, scale, merge, causal, positions, kv_positions):
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(a, np.ndarray):
+            return f"{name} must be a NumPy array, got {type(a).__name__}"
+        if a.dtype not in (np.float32, np.float64):
+            return f"{name} must be float32 or float64, got {a.dtype}"
+        if a.ndim < 3:
+            return f"{name} must have shape (..., heads, tokens, dim), got {a.shape}"
+    if not (q.dtype == k.dtype == v.dtype):
+        return f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+    if not (q.ndim == k.ndim == v.ndim) or q.shape[:-3] != k.shape[:-3]:
+        return f"q, k, v must have the same batch axes, got {q.shape}, {k.shape}, {v.shape}"
+    if k.shape[:-1] != v.shape[:-1]:
+        return f"k and v must agree on all but the last axis, got {k.shape} and {v.shape}"
+    if q.shape[-1] != k.shape[-1]:
+        return f"q and k must have the same head dim, got {q.shape[-1]} and {k.shape[-1]}"
+    if k.shape[-3] == 0 or q.shape[-3] % k.shape[-3]:
+        return f"q heads ({q.shape[-3]}) must be a multiple of k/v heads ({k.shape[-3]})"
+    if q.shape[-2] < 1 or min(q.shape[-1], v.shape[-1]) < 1 or 0 in q.shape[:-2]:
+        return f"q needs at least one token, head and batch entry and a positive head dim, got q {q.shape}, v {v.shape}"
+    if merge not in MERGES:
+        return f"merge must be one of {', '.join(MERGES)}; got {merge!r}"
+    if not isinstance(causal, (bool, np.bool_)):
+        return f"causal must be True or False, got {causal!r}"
+    if causal:
+        for name, p, n in (("positions", positions, q.shape[-2]), ("kv_positions", kv_positions, k.shape[-2])):
+            p = None if p is None else np.asarray(p)
+            if p is None or p.ndim != 1 or len(p) != n or not (np.issubdtype(p.dtype, np.integer) or n == 0):
+                return f"causal decoding needs {name}: a 1-D integer array of {n} global positions"
+    return scale_problem(scale)
+
+
+def decode_agreement(comm, q, k, v, scale, timeout, merge="tree", causal=False, positions=None, kv_positions=None,
+                     extra=None, k_peak=None, problem=None):
+    """Check this rank's arguments and agree with every rank (one all-gather): ``(scale, kv lengths)``.
+
+    The same ValueError on every rank if any rank has a problem, if q (its
+    bytes), its positions or an option differ from rank 0's, or if the logits
+    may overflow. ``extra``: more name -> value pairs every rank must share;
+    ``k_peak``: max |k| when k is only a stand-in for its shape (a cache's
+    stored keys); ``problem``: one more of this rank's problems (or None).
+    """
+    problem = values = peaks = None
+    try:
+        problem = (problem or timeout_problem(timeout)
+                   or _local_problem(q, k, v, scale, merge, causal, positions, kv_positions))
+        if problem is None:
+            values = {"q shape": str(q.shape), "k shape": _shape_text(k), "v shape": _shape_text(v),
+                      "dtype": str(q.dtype), "scale": repr(scale), "merge": repr(merge), "causal": repr(bool(causal)),
+                      "timeout": repr(timeout), "q (sha1 of its bytes)": _digest(q),
+                      "positions (sha1)": _digest(None if positions is None else np.asarray(positions, np.int64)),
+                      **(extra or {})}
+            if k_peak is None:
+                k_peak = float(np.abs(k).max()) if k.size else 0.0
+            peaks = (float(np.abs(q).max()), k_peak, k.shape[-2])
+    except Exception as exc:  # reported collectively, never raised alone
+        problem, values = describe(exc), None
+    metas = allgather(comm, (problem, values, peaks), agreement_timeout(timeout))
+    message = verdict([m[0] for m in metas])
+    if not message:
+        ref = metas[0][1]
+        message = verdict([next((f"{name} {val} differs from rank 0's {ref[name]}" for name, val in m[1].items()
+                                 if val != ref[name]), None) for m in metas])
+    if message:
+        raise ValueError(message)
+    scale = default_scale(q.shape[-1]) if scale is None else float(scale)
+    message = logit_problem(scale, q.shape[-1], max(m[2][0] for m in metas), max(m[2][1] for m in metas), q.dtype)
+    if message:
+        raise ValueError(message)
+    return scale, [m[2][2] for m in metas]
+
+
+def decode_timeout(timeout, q, v, lengths):
+    """Seconds for every wait: ``timeout``, or for "auto" AUTO_BASE plus the longest shard's FLOPs at AUTO_RATE."""
+    if not isinstance(timeout, str):
+        return timeout
+    return AUTO_BASE + 4.0 * q.size * max(lengths + [0]) * (1 + v.shape[-1] / q.shape[-1]) / 2 / AUTO_RATE
+
+
+# ---------------------------------------------------------------- the entry point
+
+
+def decode_attention(
+    q: np.ndarray,  # (..., Hq, T, D): the same new tokens on every rank
+    k: np.ndarray,  # (..., Hk, n, D): this rank's cache shard, any n >= 0
+    v: np.ndarray,  # (..., Hk, n, Dv)
+    comm=None, *, scale: float | None = None, merge: str = "tree", causal: bool = False, positions=None,
+    kv_positions=None, timeout: float | str | None = "auto", record: Record | None = None,
+) -> tuple[np.ndarray, np.ndarray]:  # out (..., Hq, T, Dv), lse (..., Hq, T): the same bits on every rank
+    """Attention of the same new tokens ``q`` (on every rank) over the KV cache sharded across the ranks.
+
+    Every rank computes its shard's partial (out, lse) and the partials are
+    merged with the log-sum-exp rule (``merge="tree"``: an all-reduce with a
+    user-defined op, log2 P steps; ``"ring"``: P - 1 steps around the ring).
+    Every rank returns the same ``(out, lse)``, identical to the bit.
+
+    Args:
+        comm: an mpi4py communicator (default COMM_WORLD).
+        scale: softmax scale, default 1/sqrt(dim).
+        merge: "tree" or "ring".
+        causal: with ``positions`` (of q's tokens, the same on every rank) and
+            ``kv_positions`` (of this rank's k, v rows): key j visible to query i
+            iff kv_positions[j] <= positions[i]. Off: every new token sees every key.
+        timeout: as ``ring_attention``: seconds any wait may take, "auto" or None.
+        record: a ``Record`` to fill ("compute" and "merge" events, bytes sent).
+
+    Bad arguments on any rank (mismatched heads, q different across ranks, a
+    bad option) raise the same ``ValueError`` on every rank.
+    """
+    comm = check_comm(comm)
+    with exclusive(comm):
+        scale, lengths = decode_agreement(comm, q, k, v, scale, timeout, merge, causal, positions, kv_positions)
+        timeout = decode_timeout(timeout, q, v, lengths)
+        rec = Record(comm.Get_rank()) if record is None else record
+        start = time.perf_counter()
+        q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))
+        blocks = [(k, v, None)]
+        if causal:
+            order = np.argsort(np.asarray(kv_positions, np.int64), kind="stable")
+            blocks = [(k[..., order, :], v[..., order, :], np.asarray(kv_positions, np.int64)[order])]
+            positions = np.asarray(positions, np.int64)
+        out, lse = local_partial(q, blocks, scale, positions, causal)
+        rec.compute_time += rec.event("compute", start, kind="decode") - start
+        rows = merge_partials(packed(out, lse), comm, merge, timeout, rec=rec)
+        rec.wall_time = time.perf_counter() - start
+        return unpacked(rows, out.shape, q.dtype)
+
+
+def unpacked(rows, out_shape, dtype):
+    """Merged rows back to ``(out, lse)`` in ``dtype``."""
+    rows = rows.reshape(out_shape[:-1] + (out_shape[-1] + 1,))
+    return rows[..., :-1].astype(dtype), rows[..., -1].astype(dtype)

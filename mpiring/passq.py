@@ -1,0 +1,157 @@
+"""Pass-Q ring attention: the query blocks travel the ring, K/V stay; the partials go home at the end.
+
+    mpiexec -n 4 python -m mpiring generate --prompt-len 4096 --new-tokens 4 --rotate q
+
+At step s rank r holds the queries of rank j = r - s and attends them to its
+own K/V (``block.attend``: the same kernel and merge as the K/V ring, with the
+plan's pieces of j's queries against r's keys), keeping one float64 partial
+``(out, lse)`` per visiting block. After the ring, one all-to-all sends every
+partial home (none where the mask hides all of r's keys from j's queries),
+and every rank merges its partials in rank order with the log-sum-exp rule.
+
+Pass-Q pays off when the queries are fewer than the keys: a prefill of T new
+tokens against a cache of C (Meta, "Context Parallelism for Scalable
+Million-Token Inference", 2024); ``ring_attention(..., rotate="auto")``
+chooses by the bytes each way (``mpiring.infercost.plan_bytes``).
+"""
+
+import time
+
+import numpy as np
+
+from . import block
+from .comm import Buffers, KVBuffers, shift, wait_until
+from .kernels import merge
+from .plan import NEXT, Task
+
+__all__ = ["passq_loop", "ROTATE", "rotate_problem", "plan_bytes", "chosen_rotation", "q_rounds"]
+
+ROTATE = ("kv", "q", "auto")
+
+
+def rotate_problem(rotate, mode):
+    """Why ``rotate`` cannot run in ``mode``, or None."""
+    if not isinstance(rotate, str) or rotate not in ROTATE:
+        return f"rotate must be one of {', '.join(ROTATE)}; got {rotate!r}"
+    if rotate == "q" and mode != "ring":
+        return f"rotate='q' passes the queries one way round the ring: it needs mode='ring', got mode={mode!r}"
+    return None
+
+
+def passq_loop(q, k, v, plan, ring, scale, rec, timeout):
+    """The pass-Q ring: pass the held query block on, attend it to this rank's K/V, wait, swap; then send partials home.
+
+    Returns this rank's merged ``(out, lse)`` in q's dtype, rows in position order.
+    """
+    rank, size = ring.rank, ring.size
+    own_kv = KVBuffers((k, v), k.shape[-2]).hold((k, v))  # [k | 1]^T, [v | 1]^T: the kernel's form, made once
+    buffers = Buffers((q,), max(len(s) for s in plan.shards))
+    held = (q,)
+    partials = {}
+    rounds = q_rounds(plan)
+    for step in range(rounds + 1):
+        source = (rank - step) % size  # whose queries this rank holds
+        incoming = None
+        if step < rounds:
+            incoming = buffers.take(len(plan.shards[(rank - step - 1) % size]))
+            shift(ring, {NEXT: held}, {NEXT: incoming}, rec, step, data="Q")
+        task = Task(source, plan.kinds[source][rank])
+        if task.kind != "skip":
+            partials[source] = block.accumulators(held[0], v)
+        block.attend(held[0], own_kv, task, plan.pieces(source, rank), scale, partials.get(source), rec,
+                     ring.progress, step, padded=True)
+        start = time.perf_counter()
+        if incoming is not None:
+            ring.wait(timeout)
+            rec.event("wait", start, step=step)
+            held = incoming
+        rec.step_done(step, rounds + 1)
+    out, lse = _home(partials, q, v, plan, ring.comm, rec, timeout)
+    return out.astype(q.dtype, copy=False), lse.astype(q.dtype, copy=False)
+
+
+def q_rounds(plan):
+    """Transfers of the query blocks: up to the last step at which some rank's keys are visible to the block it holds.
+
+    As the K/V ring stops early (``plan.rounds``), so does this one: with a
+    sliding window the blocks stop once no rank further round needs them.
+    """
+    size = plan.size
+    return max([s for s in range(size) if any(plan.kinds[(r - s) % size][r] != "skip" for r in range(size))],
+               default=0)
+
+
+def _home(partials, q, v, plan, comm, rec, timeout):
+    """The all-to-all of the partials to their queries' ranks, and their merge there, in rank order."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    width = q.size // q.shape[-2] // q.shape[-1] * (v.shape[-1] + 1)  # float64 values per query row
+    send_counts = [len(plan.shards[j]) * width if j in partials and j != rank else 0 for j in range(size)]
+    recv_counts = [len(plan.shards[rank]) * width if plan.kinds[rank][j] != "skip" and j != rank else 0
+                   for j in range(size)]
+    send = np.empty(sum(send_counts), np.float64)
+    offset = 0
+    for j, n in enumerate(send_counts):
+        if n:
+            _pack(partials[j], send[offset:offset + n])
+            offset += n
+    recv = np.empty(sum(recv_counts), np.float64)
+    start = time.perf_counter()
+    wait_until([comm.Ialltoallv([send, send_counts], [recv, recv_counts])], timeout, rank, "partials home")
+    rec.bytes_sent += send.nbytes
+    rec.messages += sum(1 for n in send_counts if n)
+    rec.event("send", start, step=size, data="partials home", bytes=send.nbytes, dest="all")
+    out, lse = block.accumulators(q, v)
+    offset = 0
+    for j in range(size):
+        if j == rank and j in partials:
+            merge(out, lse, *partials[j], inplace=True)
+        elif recv_counts[j]:
+            other = _unpack(recv[offset:offset + recv_counts[j]], out.shape)
+            merge(out, lse, *other, inplace=True)
+            offset += recv_counts[j]
+    return out, lse
+
+
+def _pack(partial, flat):
+    """A partial ``[out, lse]`` into ``flat`` as rows ``[out, lse]``."""
+    out, lse = partial
+    rows = flat.reshape(lse.shape + (out.shape[-1] + 1,))
+    rows[..., :-1] = out
+    rows[..., -1] = lse
+
+
+def _unpack(flat, out_shape):
+    rows = flat.reshape(out_shape[:-1] + (out_shape[-1] + 1,))
+    return rows[..., :-1], rows[..., -1]
+
+
+def plan_bytes(plan, batch_heads, kv_heads_ratio, dim, value_dim, itemsize):
+    """Bytes the busiest rank sends under ``plan``: ``{"kv": ..., "q": ...}`` (pass-Q with its partials home).
+
+    ``batch_heads`` = batch x query heads; K/V have ``batch_heads / kv_heads_ratio`` heads.
+    """
+    size = plan.size
+    kv_width = batch_heads // kv_heads_ratio * (dim + value_dim) * itemsize
+    q_width = batch_heads * dim * itemsize
+    partial_width = batch_heads * (value_dim + 1) * 8
+    kv, qb = [], []
+    for r in range(size):
+        kv.append(sum(len(plan.kv_shards[plan.held_source(r, s, step)]) for s, rounds in plan.rounds.items()
+                      for step in range(rounds)) * kv_width)
+        sent_q = sum(len(plan.shards[(r - step) % size]) for step in range(q_rounds(plan))) * q_width
+        home = sum(len(plan.shards[j]) for j in range(size) if j != r and plan.kinds[j][r] != "skip") * partial_width
+        qb.append(sent_q + home)
+    return {"kv": max(kv), "q": max(qb)}
+
+
+
+def chosen_rotation(rotate, plan, q, k, v):
+    """``rotate``, "auto" decided by ``plan_bytes`` ("kv" on ties and outside mode "ring"); the same on every rank."""
+    if rotate != "auto":
+        return rotate
+    if plan.mode != "ring":
+        return "kv"
+    batch_heads = q.size // (q.shape[-2] * q.shape[-1])
+    ratio = q.shape[-3] // k.shape[-3] if q.ndim >= 3 else 1
+    b = plan_bytes(plan, batch_heads, ratio, q.shape[-1], v.shape[-1], q.dtype.itemsize)
+    return "q" if b["q"] < b["kv"] else "kv"

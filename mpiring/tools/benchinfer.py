@@ -1,0 +1,126 @@
+"""The benchmark's inference rows: decode latency with tree and ring merges, prefill passing K/V or Q.
+
+    mpiexec -n 2 python -m mpiring bench --inference-only     # just these rows (run/bench prints them too)
+
+Decode: a cache of ``cache`` tokens (8 query heads, 2 K/V heads, D = 64,
+float32) filled with ``KVCache.extend`` (the ring prefill of 64k tokens would
+take an hour of NumPy), then ``steps`` single-token steps, each timed as one
+``attend`` call (agreement, compute, merge), the slowest rank's; the same
+steps on rank 0 alone (COMM_SELF) for the single-process time. Every step's
+result is compared with the float64 reference before it counts.
+
+Prefill: T new tokens after C cached ones (``kv_positions``, round-robin over
+the ranks), causal, 8 query heads and 1 K/V head, timed with ``rotate="kv"``
+and ``rotate="q"``; the bytes each rank sent and the time model's prediction
+on this machine (``calibrate``) beside them.
+"""
+
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from mpiring import KVCache, Record, ring_attention
+from mpiring.infercost import decode_time, meta_rule, prefill_time
+from mpiring.passq import chosen_rotation
+from mpiring.testing import TOLERANCE
+
+from .calibrate import calibrate
+from .cli_generate import grouped_reference
+
+__all__ = ["inference_rows", "decode_row", "prefill_row"]
+
+
+def _median_ms(values):
+    return f"{float(np.median(values)) * 1e3:.3g} ms"
+
+
+def decode_row(comm, cache=65536, steps=16, heads=8, kv_heads=2, dim=64, seed=0):
+    """Per-token decode latency over a cache of ``cache`` tokens: tree, ring, and rank 0 alone. Text on rank 0."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    rng = np.random.default_rng(seed)
+    K, V = (rng.standard_normal((1, kv_heads, cache + steps, dim), dtype=np.float32) for _ in range(2))
+    Q = rng.standard_normal((1, heads, steps, dim), dtype=np.float32)
+    K64, V64 = K.astype(np.float64), V.astype(np.float64)
+    times = {"tree": [], "ring": [], "alone": []}
+    error = 0.0
+    with KVCache(comm, kv_heads, dim) as kv:
+        kv.extend(K[..., :cache, :], V[..., :cache, :])
+        for t in range(steps):
+            kv.extend(K[..., cache + t:cache + t + 1, :], V[..., cache + t:cache + t + 1, :])
+            q = Q[..., t:t + 1, :]
+            want = grouped_reference(q, K64[..., :cache + t + 1, :], V64[..., :cache + t + 1, :])
+            for merge in ("tree", "ring"):
+                comm.Barrier()
+                start = time.perf_counter()
+                out, _ = kv.attend(q, merge=merge)
+                times[merge].append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
+                error = max(error, float(np.abs(out - want[0]).max()))
+        nbytes = kv.nbytes
+    if rank == 0:
+        with KVCache(MPI.COMM_SELF, kv_heads, dim) as alone:
+            alone.extend(K[..., :cache, :], V[..., :cache, :])
+            for t in range(steps):
+                alone.extend(K[..., cache + t:cache + t + 1, :], V[..., cache + t:cache + t + 1, :])
+                start = time.perf_counter()
+                alone.attend(Q[..., t:t + 1, :])
+                times["alone"].append(time.perf_counter() - start)
+    machine = calibrate(comm, head_dim=dim, tokens=256, seconds=0.2, nbytes=1 << 22)
+    if rank != 0:
+        return None
+    ok = error <= TOLERANCE[np.dtype(np.float32)]
+    model = {m: decode_time(cache, size, heads=heads, head_dim=dim, machine=machine, merge=m)["total_s"]
+             for m in ("tree", "ring")}
+    return (f"decode: cache {cache} tokens, P={size}, {heads} heads / {kv_heads} K/V heads, D={dim}, float32, "
+            f"{steps} steps, cache {nbytes / 2**20:.1f} MiB on rank 0: per-token latency (median of the slowest "
+            f"rank) tree {_median_ms(times['tree'])} (model {model['tree'] * 1e3:.3g} ms), ring "
+            f"{_median_ms(times['ring'])} (model {model['ring'] * 1e3:.3g} ms), single process "
+            f"{_median_ms(times['alone'])}; max error {error:.1e} {'ok' if ok else 'FAILED'}")
+
+
+def prefill_row(comm, new, cached, heads=8, kv_heads=1, dim=64, seed=0, repeats=2):
+    """Prefill of ``new`` tokens after ``cached`` ones, passing K/V and passing Q: text on rank 0."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    rng = np.random.default_rng([seed, new, cached])
+    total = new + cached
+    q_pos = np.arange(cached + rank, total, size)
+    kv_pos = np.arange(rank, total, size)
+    q = rng.standard_normal((1, heads, len(q_pos), dim), dtype=np.float32)
+    k, v = (rng.standard_normal((1, kv_heads, len(kv_pos), dim), dtype=np.float32) for _ in range(2))
+    result = {}
+    for rotate in ("kv", "q"):
+        walls = []
+        for _ in range(repeats):
+            rec = Record(rank)
+            comm.Barrier()
+            start = time.perf_counter()
+            out = ring_attention(q, k, v, comm, causal=True, positions=q_pos, kv_positions=kv_pos, rotate=rotate,
+                                 record=rec)
+            walls.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
+        result[rotate] = (min(walls), comm.allreduce(rec.bytes_sent, op=MPI.MAX), out)
+    same = float(np.abs(result["q"][2][0] - result["kv"][2][0]).max())
+    auto = chosen_rotation("auto", rec.plan, q, k, v)
+    machine = calibrate(comm, head_dim=dim, tokens=256, seconds=0.2, nbytes=1 << 22)
+    if rank != 0:
+        return None
+    kw = dict(heads=heads, kv_heads=kv_heads, head_dim=dim, bytes_per_element=4, machine=machine)
+    model = {r: prefill_time(new, cached, size, rotate=r, **kw)["total_s"] for r in ("kv", "q")}
+    return (f"prefill: T={new} new after C={cached} cached (T/(T+C) = {new / total:.3g}), P={size}, {heads} heads / "
+            f"{kv_heads} K/V head, D={dim}, causal: pass-KV {result['kv'][0] * 1e3:.4g} ms, {result['kv'][1]} bytes "
+            f"(model {model['kv'] * 1e3:.3g} ms); pass-Q {result['q'][0] * 1e3:.4g} ms, {result['q'][1]} bytes "
+            f"(model {model['q'] * 1e3:.3g} ms); auto: {auto}, Meta's rule: "
+            f"{meta_rule(new, cached, heads=heads, kv_heads=kv_heads)}; |pass-Q - pass-KV| {same:.1e}")
+
+
+def inference_rows(comm, quick=False):
+    """Every inference row (decode, then prefill at two cache ratios), printed on rank 0 as they finish."""
+    cache, steps = (4096, 4) if quick else (65536, 16)
+    ratios = [(256, 256), (64, 960)] if quick else [(2048, 2048), (512, 7680)]
+    lines = [decode_row(comm, cache, steps)]
+    if comm.Get_rank() == 0:
+        print(lines[-1], flush=True)
+    for new, cached in ratios:
+        lines.append(prefill_row(comm, new, cached))
+        if comm.Get_rank() == 0:
+            print(lines[-1], flush=True)
+    return lines

@@ -1,0 +1,64 @@
+"""The inference time model (``mpiring.infercost``): decode merges, prefill rotations, and ``cost`` printing them."""
+
+import contextlib
+import io
+
+import numpy as np
+import pytest
+
+from mpiring.costmodel import Machine
+from mpiring.infercost import _crossover, choose_rotate, decode_time, meta_rule, prefill_bytes, prefill_time
+from mpiring.tools.cli_plan import cost
+
+LINK = Machine("test", 1e12, 1e-5, 1e10)
+
+
+@pytest.mark.parametrize("P,tree,ring", [(1, 0, 0), (2, 1, 1), (3, 2, 2), (4, 2, 3), (8, 3, 7), (9, 4, 8)])
+def test_decode_transfers_log2_vs_ring(P, tree, ring):
+    t = decode_time(4096, P, heads=8, head_dim=64, machine=LINK, merge="tree")
+    r = decode_time(4096, P, heads=8, head_dim=64, machine=LINK, merge="ring")
+    assert (t["transfers"], r["transfers"]) == (tree, ring)
+    assert t["partial_bytes"] == 8 * 65 * 8  # heads x (dim + lse) float64
+    assert t["merge_s"] == pytest.approx(tree * (1e-5 + t["partial_bytes"] / 1e10))
+    assert t["compute_s"] == r["compute_s"] == pytest.approx(4 * 8 * -(-4096 // P) * 64 / 1e12)
+
+
+def test_prefill_bytes_and_the_crossover():
+    kw = dict(heads=32, kv_heads=8, head_dim=128, bytes_per_element=2)
+    b = prefill_bytes(1000, 3000, 4, **kw)
+    assert b["kv"] == 3 * 8 * 256 * 2 * 4000 / 4
+    assert b["q"] == 3 * (32 * 128 * 2 * 1000 / 4 + 32 * 129 * 8 * 1000 / 4)
+    x = _crossover(32, 8, 128, 2)
+    total = 100_000
+    for frac in (x * 0.9, x * 1.1):
+        T = round(total * frac)
+        assert choose_rotate(T, total - T, 4, **kw) == ("kv" if frac > x else "q")
+    assert meta_rule(50, 50, heads=32, kv_heads=8) == "kv" and meta_rule(49, 51, heads=32, kv_heads=8) == "q"
+    slow = Machine("slow link", 1e12, 1e-5, 1e8)  # transfer-bound: the smaller messages win
+    kv = prefill_time(100, 99_900, 4, rotate="kv", machine=slow, **kw)
+    q = prefill_time(100, 99_900, 4, rotate="q", machine=slow, **kw)
+    assert q["total_s"] < kv["total_s"] and q["home_s"] > 0 and kv["home_s"] == 0
+
+
+def test_cost_prints_the_inference_model():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cost(None, ["--seq-len", "65536", "-P", "4", "--hidden", "512", "--heads", "16", "--dim", "64"]) == 0
+    text = out.getvalue()
+    assert "decode, 1 new token(s) against a cache of 65536" in text
+    assert "  tree    2 transfers" in text and "  ring    3 transfers" in text
+    assert f"Meta's rule 2 Hkv / Hq = {2 * 8 / 16:.3g}" in text
+
+
+def test_the_plans_bytes_are_the_models():
+    """``passq.plan_bytes`` (from a plan, what ``rotate="auto"`` uses) equals the formula of ``infercost``."""
+    from mpiring import make_plan
+    from mpiring.passq import plan_bytes
+
+    P, T, C = 4, 32, 96
+    q_pos = [np.arange(C + r, C + T, P) for r in range(P)]
+    kv_pos = [np.arange(r, C + T, P) for r in range(P)]
+    plan = make_plan(C + T, P, positions=q_pos, kv_positions=kv_pos)  # no mask: every block is visible
+    got = plan_bytes(plan, 2 * 8, 4, 16, 16, 4)  # batch 2 x 8 heads, 2 K/V heads, D 16, float32
+    want = prefill_bytes(T, C, P, heads=8, kv_heads=2, head_dim=16, batch=2, bytes_per_element=4)
+    assert got == {"kv": want["kv"], "q": want["q"]}
