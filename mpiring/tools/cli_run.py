@@ -251,6 +251,7 @@ def run(comm, args=None):
         return 0
     table = [[columns[r][0][step] for r in range(size)] for step in range(plan.n_steps)]
     sched = Schedule(table, records=[c[1] for c in columns], plan=plan)
+    meter.label(sched.records)  # which link each transfer used, in the trace too
     checks = None if args.no_verify else [c[2] for c in columns]
     links = meter.report(sent[-1], plan, _shape(args), dtype.itemsize, backward=args.backward)
     if args.backward:

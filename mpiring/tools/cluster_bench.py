@@ -49,7 +49,8 @@ def main(argv=None):
     p.add_argument("--hosts", type=int, default=2)
     p.add_argument("--per-host", type=int, default=2)
     p.add_argument("--links", nargs="+", default=["100mbit", "1gbit"])
-    p.add_argument("--modes", nargs="+", default=["ring", "double_ring", "ulysses"])
+    p.add_argument("--modes", nargs="+", default=["ring", "double_ring", "ulysses", "hybrid"],
+                   help="hybrid: ring x Ulysses with Ulysses inside each host (--ulysses-size = --per-host)")
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--dim", type=int, default=64)
@@ -66,16 +67,18 @@ def main(argv=None):
         try:
             subprocess.run([CLUSTER, "up", str(args.hosts), "--link", link], check=True, capture_output=True)
             for mode in args.modes:
+                options = (["--mode", "ring", "--ulysses-size", str(args.per_host)] if mode == "hybrid"
+                           else ["--mode", mode])
                 cmd = [CLUSTER, "run", "-n", str(ranks), sys.executable, "-m", "mpiring", "run", "--seq-len",
                        str(args.seq_len), "--heads", str(args.heads), "--dim", str(args.dim), "--causal",
-                       "--layout", "zigzag", "--mode", mode]
+                       "--layout", "zigzag", *options]
                 done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
                 if done.returncode != 0:
                     print(f"| {link} | {mode} | failed (exit {done.returncode}) | | | |")
                     continue
                 m = measure(done.stdout)
-                plan = make_plan(args.seq_len, ranks, layout="zigzag", mode=mode, causal=True,
-                                 node_size=args.per_host)
+                grid = dict(mode="ring", ulysses_size=args.per_host) if mode == "hybrid" else dict(mode=mode)
+                plan = make_plan(args.seq_len, ranks, layout="zigzag", causal=True, node_size=args.per_host, **grid)
                 cluster = emulated(args.hosts, args.per_host, _rate_bits(link), m["gflops"] * 1e9, INTRA_BETA)
                 pred = cluster_time(plan, cluster, **shape)
                 print(f"| {link} | {mode}{'' if m['verified'] else ' (NOT VERIFIED)'} | {m['wall']:.2f} | "

@@ -14,6 +14,7 @@ import os
 
 import numpy as np
 
+from mpiring.hierarchy import INNER, OUTER
 from mpiring.nodes import inter_node_bytes, node_ids, traffic
 
 from .cli import poll
@@ -57,6 +58,18 @@ class LinkMeter:
         mine = None if end is None or self._start is None else end - self._start
         per_rank = self.comm.allgather(mine)
         return [per_rank[self.node_of.index(node)] for node in range(self.nodes)]
+
+    def label(self, records):
+        """Name the link of every point-to-point "send" event in ``records`` (``Record.summary()`` dicts).
+
+        The double ring names its own; other modes learn here, from the ranks'
+        hosts, whether a transfer stayed inside a node or crossed between nodes.
+        """
+        for record in records:
+            for name, _, _, info in record["events"]:
+                if name == "send" and isinstance(info.get("dest"), int) and "link" not in info:
+                    same = self.node_of[record["rank"]] == self.node_of[info["dest"]]
+                    info["link"] = INNER if same else OUTER
 
     def report(self, measured, plan, shape, itemsize, backward=False):
         """Lines comparing ``measured`` (from ``stop``) with the model's inter-node bytes; [] on one node."""

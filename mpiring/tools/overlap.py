@@ -7,9 +7,9 @@ First the transfer of one ring step on its own: every rank sends its K/V
 block to the next with the ring's own messages (``RingComm.shift``, the
 non-contiguous [k | 1]^T blocks), nothing computed, timed to completion;
 the median of ``--repeat``. Then ``ring_attention`` runs ``--repeat`` times,
-and rank 0 prints, per step and repeat, the slowest rank's compute, its
-blocked time, and the bound ``max(0, transfer - compute)`` that a perfectly
-overlapped step would be blocked for. Exit code 0 whatever the result: this
+and rank 0 prints, per step and repeat, the rank blocked longest: its
+compute, its blocked time, and the bound ``max(0, transfer - compute)`` that
+a perfectly overlapped step would leave it blocked for. Exit code 0 whatever the result: this
 measures, it does not judge.
 """
 
@@ -73,14 +73,15 @@ def main(argv=None):
     print(f"P={size} seq_len={args.seq_len} heads={args.heads} dim={args.dim} float32 causal={args.causal} "
           f"layout={args.layout}; K/V block {2 * k.nbytes / 1e6:.2f} MB per rank and step")
     print(f"transfer alone (one step's K/V, nothing computed): {transfer:.3f} s")
-    print("repeat  step  compute s  blocked s  bound max(0, transfer - compute) s   (slowest rank of each)")
+    print("repeat  step  rank  compute s  blocked s  bound max(0, transfer - compute) s   (the rank blocked longest)")
     for rep in range(args.repeat):
         for step in sorted(everyone[0][rep]):
             if step == len(everyone[0][rep]) - 1:
                 continue  # the last step sends nothing
-            compute = max(r[rep][step]["compute"] for r in everyone)
-            blocked = max(r[rep][step]["wait"] for r in everyone)
-            print(f"{rep:>6}  {step:>4}  {compute:>9.3f}  {blocked:>9.3f}  {max(0.0, transfer - compute):>9.3f}")
+            r = max(range(size), key=lambda x: everyone[x][rep][step]["wait"])
+            compute, blocked = everyone[r][rep][step]["compute"], everyone[r][rep][step]["wait"]
+            print(f"{rep:>6}  {step:>4}  {r:>4}  {compute:>9.3f}  {blocked:>9.3f}  "
+                  f"{max(0.0, transfer - compute):>9.3f}")
     return 0
 
 
