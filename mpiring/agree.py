@@ -14,13 +14,13 @@ from mpi4py import MPI
 
 from .comm import allgather
 from .kernels import LSE_LIMIT, default_scale
-from .layouts import check_layout
+from .layouts import check_layout, sort_order, take_rows
 from .masks import check_causal_block, check_window
 from .plan import MODES, make_plan
 
 __all__ = ["agree", "setup", "agree_root", "check_comm", "comm_problem", "resolve_timeout", "agreement_timeout",
            "local_problem", "grad_problem", "root_problem", "root_grad_problem", "timeout_problem", "scale_problem",
-           "logit_problem", "describe"]
+           "logit_problem", "describe", "rows_problem", "with_every_rank_positions", "ROW_OPTIONS"]
 
 
 def local_problem(q, k, v, scale, check_finite=False, same_rows=True):
@@ -170,6 +170,26 @@ def _positions(name, positions):
     return p.astype(np.int64)
 
 
+def _row_order(options, kind):
+    """The sort of this rank's rows of one kind ("q", "l": queries; "k": keys) by position (None: sorted)."""
+    name = "kv_positions" if kind == "k" and options["kv_positions"] is not None else "positions"
+    return sort_order(options[name])
+
+
+def with_every_rank_positions(options, held):
+    """Put every rank's positions (``held[rank]``, as the agreement gathered them) into ``options``.
+
+    Returns the keys' sequence length the positions imply (the total of the
+    k/v positions), or None when no positions were given (the layout's).
+    """
+    seq_len = None
+    for i, name in enumerate(ROW_OPTIONS):
+        if options[name] is not None:  # given on every rank: the agreement compared that
+            options[name] = [h[i] for h in held]
+            seq_len = sum(len(p) for p in options[name])
+    return seq_len
+
+
 def rows_problem(q, k, options):
     """Why this rank's positions do not fit its q and k rows, or None."""
     for name, a in (("positions", q), ("kv_positions", k)):
@@ -262,7 +282,8 @@ def setup(q, k, v, comm, scale, options, check_finite=False, expected_size=None,
     ``problem``: one more of this rank's problems, found by the caller (or None).
     ``rows``: one letter per prepared array, "q" (query rows), "k" (key/value
     rows) or "l" (query rows on the last axis: lse); they come back sorted by
-    position, the order the ring works in (``Plan.in_caller_order`` undoes it).
+    position, the order the ring works in (``Plan.in_caller_order`` undoes it;
+    the plan's ``orders`` are these sorts, found from the same positions).
 
     ``compare``: more arguments by name that every rank must pass alike (e.g. ``rotate``).
 
@@ -275,11 +296,14 @@ def setup(q, k, v, comm, scale, options, check_finite=False, expected_size=None,
         problem = (comm_problem(comm) or timeout_problem(timeout)
                    or local_problem(q, k, v, scale, check_finite, options.get("kv_positions") is None)
                    or problem or size_problem(size, expected_size))
-        if problem is None and prepare is not None:
-            prepared = prepare()
         if problem is None:
             options = canonical(options)
             problem = rows_problem(q, k, options)
+        if problem is None and prepare is not None:
+            prepared = prepare()
+            if rows is not None:  # copies too: made here, where a MemoryError is reported by every rank
+                prepared = [take_rows(a, _row_order(options, kind), -1 if kind == "l" else -2)
+                            for a, kind in zip(prepared, rows)]
         if problem is None:
             held = [options[name] for name in ROW_OPTIONS]
             values = {f"{n} shape": _Shown(*[_shape_text(a)] * 2) for n, a in (("q", q), ("k", k), ("v", v))}
@@ -299,20 +323,12 @@ def setup(q, k, v, comm, scale, options, check_finite=False, expected_size=None,
     if message:
         raise ValueError(message)
     lengths = [m[2] for m in metas]
-    seq_len = sum(lengths)
-    for i, name in enumerate(ROW_OPTIONS):
-        if options[name] is not None:  # every rank's, the same on every rank
-            options[name] = [m[4][i] for m in metas]
-            seq_len = sum(len(p) for p in options[name])
+    seq_len = with_every_rank_positions(options, [m[4] for m in metas]) or sum(lengths)
     plan = make_plan(seq_len, comm.Get_size(), **options)  # deterministic, same options: raises everywhere
     expected = [len(s) for s in plan.shards]
     if lengths != expected:
         raise ValueError(f"local sequence lengths {lengths} do not match the {plan.layout} layout of "
                          f"{plan.seq_len} tokens over {plan.size} ranks, which needs {expected}")
-    if rows is not None:
-        rank = comm.Get_rank()
-        prepared = [plan.in_position_order(rank, a, kind == "k", -1 if kind == "l" else -2)
-                    for a, kind in zip(prepared, rows)]
     return plan, scale, prepared
 
 

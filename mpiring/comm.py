@@ -70,7 +70,22 @@ def exclusive(comm):
 
 
 class CommTimeout(RuntimeError):
-    """A ring transfer did not complete within the requested timeout."""
+    """A ring transfer did not complete within the requested timeout (or failed with its peer)."""
+
+
+def test_all(requests, rank, what):
+    """``MPI.Request.Testall``; an MPI error on a transfer is raised as CommTimeout.
+
+    Such an error means a peer failed: a rank that raised tears its
+    connections down when it finalizes MPI, and whether a transfer it had
+    started still completes first is a race. Either way the live rank
+    reports the failure as it reports a stall.
+    """
+    try:
+        return MPI.Request.Testall(requests)
+    except MPI.Exception as exc:
+        raise CommTimeout(f"rank {rank}: {what} failed ({exc.Get_error_string().splitlines()[0]}): another rank "
+                          f"has likely failed") from None
 
 
 def wait_until(requests, timeout, rank, what, start=None, note=None):
@@ -83,7 +98,7 @@ def wait_until(requests, timeout, rank, what, start=None, note=None):
         return
     start = time.perf_counter() if start is None else start
     polled = time.perf_counter()
-    while not MPI.Request.Testall(requests):
+    while not test_all(requests, rank, what):
         now = time.perf_counter()
         if now - start > timeout:
             raise CommTimeout(f"rank {rank}: {what} not complete after {timeout:g} s ({note or CAUSES})")
@@ -193,7 +208,7 @@ class RingComm:
     def progress(self):
         """Let MPI advance pending transfers (call between compute tiles)."""
         if self._requests:
-            MPI.Request.Testall(self._requests)
+            test_all(self._requests, self.rank, "ring transfer")
 
     def wait(self, timeout=None, note=None):
         """Complete the transfers started by ``shift``; blocked time goes to ``wait_time``."""
@@ -213,7 +228,7 @@ class RingComm:
         kept alive in ``ABANDONED`` for the life of the process, so MPI can
         never touch freed memory, and the caller's error propagates.
         """
-        if self._requests and not MPI.Request.Testall(self._requests):
+        if self._requests and not _completed(self._requests):
             ABANDONED.append((self.comm, self._requests, getattr(self, "_types", None)))
             self._requests = []
             return False
@@ -221,6 +236,14 @@ class RingComm:
         if self.comm != MPI.COMM_NULL:
             self.comm.Free()
         return True
+
+
+def _completed(requests):
+    """Whether ``requests`` are complete; one that failed (a peer gone) is not, and stays pending."""
+    try:
+        return MPI.Request.Testall(requests)
+    except MPI.Exception:
+        return False
 
 
 _vector_types = {}
@@ -417,7 +440,7 @@ def allgathered(k, v, plan, comm, rec, timeout):
     rec.event("send", posted, step=0, stream=0, dest="all", bytes=(k.nbytes + v.nbytes) * (size - 1))
 
     def progress():
-        MPI.Request.Testall(requests)
+        test_all(requests, rank, "all-gather")
 
     for step in range(plan.n_steps):
         task = plan.tasks(step, rank)[0]

@@ -93,22 +93,21 @@ def positions_problem(parts, seq_len, name="positions", partition=True):
         if low < 0 or high >= seq_len:
             bad = low if low < 0 else high
             return f"{name} of rank {r} holds {bad}, outside 0 .. {seq_len - 1}"
-    every = np.concatenate(parts)
-    owner = np.repeat(np.arange(len(parts)), [len(p) for p in parts])
-    order = np.argsort(every, kind="stable")
-    twice = np.flatnonzero(np.diff(every[order]) == 0)
+    counts = np.bincount(np.concatenate(parts), minlength=seq_len)  # every position is in range here
+    twice = np.flatnonzero(counts > 1)
     if twice.size:
-        i = twice[0]
-        return (f"{name}: position {int(every[order[i]])} is held twice (ranks {int(owner[order[i]])} and "
-                f"{int(owner[order[i + 1]])}); each must be held once")
-    if partition and every.size != seq_len:
-        missing = np.setdiff1d(np.arange(seq_len), every)[0]
-        return f"{name} must hold every position 0 .. {seq_len - 1} once; no rank holds {int(missing)}"
+        holders = [r for r, p in enumerate(parts) for _ in range(int(np.sum(p == twice[0])))]
+        return (f"{name}: position {int(twice[0])} is held more than once (by ranks {', '.join(map(str, holders))}); "
+                f"each must be held once")
+    if partition and counts.size and counts.min() == 0:
+        return f"{name} must hold every position 0 .. {seq_len - 1} once; no rank holds {int(np.argmin(counts))}"
     return None
 
 
 def sort_order(positions):
-    """The permutation that sorts ``positions``, or None when they already are (nothing to move)."""
+    """The permutation that sorts ``positions``, or None when they already are or are None (nothing to move)."""
+    if positions is None:
+        return None
     positions = np.asarray(positions)
     if positions.size < 2 or np.all(positions[1:] > positions[:-1]):
         return None

@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .layouts import check_layout, layout_positions, position_runs, positions_problem, put_rows, sort_order, take_rows
+from .layouts import check_layout, layout_positions, position_runs, positions_problem, put_rows, sort_order
 from .masks import block_kind, check_causal_block, check_cu_seqlens, check_window, visible_keys
 
 __all__ = ["MODES", "NEXT", "PREV", "HOME_CHUNKS", "Task", "Piece", "Schedule", "Plan", "make_plan",
@@ -134,12 +134,11 @@ class Plan:
         return visible_keys(self.shards[rank], self.kv_shards[source], causal=self.causal,
                             window=self.window, cu_seqlens=self.cu_seqlens, causal_block=self.causal_block)
 
-    def in_position_order(self, rank, a, kv=False, axis=-2):
-        """``rank``'s rows of ``a`` (its queries', or with ``kv`` its keys') sorted by position: the ring's order."""
-        return take_rows(a, (self.kv_orders if kv else self.orders)[rank], axis)
-
     def in_caller_order(self, rank, a, kv=False, axis=-2):
-        """Inverse of ``in_position_order``: results back in the order the caller passed the rows."""
+        """``rank``'s results, computed on its rows sorted by position, back in the order it passed them.
+
+        ``kv``: rows of its keys/values (dk, dv); ``axis``: the rows' axis (-1 for lse).
+        """
         return put_rows(a, (self.kv_orders if kv else self.orders)[rank], axis)
 
     def held_source(self, rank, stream, step):

@@ -4,7 +4,6 @@ import numpy as np
 
 from .block import accumulators, attend
 from .kernels import default_scale
-from .layouts import shard, unshard
 from .plan import make_plan
 from .record import Record
 
@@ -21,11 +20,12 @@ def _as_float(name, a):
 
 
 def simulate(Q, K, V, num_devices, *, causal=False, scale=None, layout="contiguous", mode="ring",
-             window=None, cu_seqlens=None):
+             window=None, cu_seqlens=None, causal_block=None, positions=None):
     """Run every device's part of the ring in turn; return ``(out, lse, schedule)``.
 
     ``schedule`` is the plan's Schedule: ``schedule.table[step][device]``
     holds the Tasks (source block, full/masked/skip) of that step.
+    ``positions``: one array per device, the tokens it holds (instead of ``layout``).
     """
     Q, K, V = (_as_float(n, a) for n, a in (("Q", Q), ("K", K), ("V", V)))
     if isinstance(num_devices, bool) or not isinstance(num_devices, (int, np.integer)) or num_devices < 1:
@@ -42,14 +42,14 @@ def simulate(Q, K, V, num_devices, *, causal=False, scale=None, layout="contiguo
     dtype = np.result_type(Q, K, V)
     Q, K, V = (a.astype(dtype, copy=False) for a in (Q, K, V))
     plan = make_plan(Q.shape[-2], int(num_devices), layout=layout, mode=mode, causal=causal,
-                     window=window, cu_seqlens=cu_seqlens)
+                     window=window, cu_seqlens=cu_seqlens, causal_block=causal_block, positions=positions)
     scale = default_scale(Q.shape[-1]) if scale is None else float(scale)
     P = plan.size
-    ks = [shard(K, P, j, layout) for j in range(P)]
-    vs = [shard(V, P, j, layout) for j in range(P)]
+    ks = [np.take(K, plan.kv_shards[j], axis=-2) for j in range(P)]  # every block sorted by position
+    vs = [np.take(V, plan.kv_shards[j], axis=-2) for j in range(P)]
     outs, lses = [], []
     for device in range(P):
-        q = np.ascontiguousarray(shard(Q, P, device, layout))
+        q = np.ascontiguousarray(np.take(Q, plan.shards[device], axis=-2))
         acc = accumulators(q, V)  # float64, as in the MPI ring
         rec = Record(device)
         for step in range(plan.n_steps):
@@ -58,7 +58,11 @@ def simulate(Q, K, V, num_devices, *, causal=False, scale=None, layout="contiguo
                        rec, None, step)
         outs.append(acc[0].astype(dtype, copy=False))
         lses.append(acc[1].astype(dtype, copy=False)[..., None])
-    return unshard(outs, layout), unshard(lses, layout)[..., 0], plan.schedule
+    out = np.empty(Q.shape[:-1] + V.shape[-1:], dtype)
+    lse = np.empty(Q.shape[:-1], dtype)
+    for device in range(P):
+        out[..., plan.shards[device], :], lse[..., plan.shards[device]] = outs[device], lses[device][..., 0]
+    return out, lse, plan.schedule
 
 
 def ring_attention_simulate(Q, K, V, num_devices):

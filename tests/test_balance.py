@@ -86,3 +86,47 @@ def test_the_tables_in_the_docs_are_what_the_code_computes():
     doc = (Path(__file__).resolve().parent.parent / "docs" / "balance.md").read_text()
     for size, computed in ((4, False), (8, False), (4, True)):
         assert markdown_table(size, computed=computed) in doc, (size, computed)
+
+
+def test_frame_causal_blocks_from_positions():
+    """One frame per rank: a rank sees its whole own frame (a full block, not a triangle) and skips later ones."""
+    plan = make_plan(4 * 8, 4, causal=True, causal_block=8)
+    assert [[plan.kinds[r][j] for j in range(4)] for r in range(4)] == \
+        [["full" if j <= r else "skip" for j in range(4)] for r in range(4)]
+    plan = make_plan(4 * 8, 4, causal=True, causal_block=1)  # F = 1 is plain causal
+    assert plan.kinds == make_plan(4 * 8, 4, causal=True).kinds
+
+
+def test_queries_against_a_longer_kv_plan():
+    """Prefill: 100 cached tokens over 4 ranks, one new token per rank; every cached block is fully visible."""
+    kv = [np.arange(25 * r, 25 * r + 25).tolist() + [100 + r] for r in range(4)]
+    q = [np.array([103 - r]) for r in range(4)]
+    plan = make_plan(104, 4, causal=True, positions=q, kv_positions=kv)
+    assert plan.visible_pairs() == [sum(1 for p in range(104) if p <= 103 - r) for r in range(4)]
+    assert plan.kinds[3][0] == "full" and plan.kinds[3][1] == "masked"  # query 100 sees keys 0..24 and 100, not 101
+    assert [len(s) for s in plan.kv_shards] == [26] * 4 and plan.kv_orders == [None] * 4
+
+
+@pytest.mark.parametrize("positions, kv, message", [
+    ([[0, 1], [2]], None, "one array per rank"),
+    ([[0, 1], [1, 2], [3]], None, "position 1 is held more than once \\(by ranks 0, 1\\)"),
+    ([[0, 1], [2, 5], [3]], None, "outside 0 .. 4"),
+    ([[0, 1], [2], [3]], None, "no rank holds 4"),
+    ([[0, 1], [], [2, 3, 4]], None, "rank 1 is empty"),
+    ([[0.0, 1.0], [2, 3], [4]], None, "1-D integer array"),
+    ([[0], [1], [2]], [[0, 1], [2, 3], [4, 4]], "kv_positions: position 4 is held more than once \\(by ranks 2, 2\\)"),
+    (None, [[0, 1], [2, 3], [4]], "kv_positions needs positions"),
+])
+def test_bad_positions(positions, kv, message):
+    with pytest.raises(ValueError, match=message):
+        make_plan(5, 3, positions=positions, kv_positions=kv)
+
+
+def test_the_ring_stops_where_the_positions_need_nothing_more():
+    """One packed document per rank, each rank's tokens shuffled: no block travels at all."""
+    rng = np.random.default_rng(0)
+    cu = [0, 7, 20, 21, 40]
+    parts = [rng.permutation(np.arange(a, b)) for a, b in zip(cu[:-1], cu[1:])]
+    plan = make_plan(40, 4, cu_seqlens=cu, positions=parts)
+    assert plan.n_steps == 1 and plan.messages_per_rank() == 0
+    assert plan.orders[1] is not None and np.array_equal(parts[1][plan.orders[1]], np.arange(7, 20))

@@ -16,6 +16,16 @@ def test_schedule_command(capsys):
     assert "rank 3" in text and "max/mean visible pairs: 1.000" in text
 
 
+def test_schedule_balance_prints_every_balancer(capsys):
+    assert main(["schedule", "-P", "3", "--frames", "6", "--frame-tokens", "16", "--balance", "greedy"]) == 0
+    text = capsys.readouterr().out
+    assert "balance=greedy causal_block=16" in text and "greedy*" in text
+    last = text.splitlines()[-1].split()
+    assert last[0] == "max/mean" and float(last[1]) > 1.3 and float(last[-1]) < 1.05  # contiguous .. greedy
+    assert main(["schedule", "-P", "2", "--causal-block", "4"]) == 2
+    assert "causal_block=4 needs causal=True" in capsys.readouterr().err
+
+
 def test_cost_command(capsys):
     assert main(["cost", "--seq-len", "1024", "-P", "4", "--hidden", "64", "--heads", "8"]) == 0
     assert "total_comm_bytes: 196608" in capsys.readouterr().out
@@ -41,6 +51,10 @@ def _mpirun(n, *args, timeout=120):
     ["--seq-len", "256", "--heads", "2", "--dim", "16", "--causal", "--layout", "zigzag"],
     ["--seq-len", "250", "--heads", "4", "--kv-heads", "2", "--dim", "8", "--dtype", "float64",
      "--mode", "bidirectional", "--window", "40", "0", "--causal"],
+    ["--frames", "7", "--frame-tokens", "30", "--causal-block", "--balance", "greedy", "--heads", "2", "--dim", "8",
+     "--dtype", "float64", "--backward", "--mode", "allgather"],
+    ["--seq-len", "200", "--cu-seqlens", "0", "150", "170", "200", "--causal", "--balance", "headtail",
+     "--window", "50", "0", "--heads", "2", "--dim", "8", "--dtype", "float64", "--backward"],
 ])
 def test_run_verifies(args):
     result = _mpirun(3, *args)
@@ -71,3 +85,6 @@ def test_run_bad_input_fails_on_every_rank_quickly():
     result = _mpirun(2, "--seq-len", "1", "--heads", "1", "--dim", "4", timeout=60)
     assert result.returncode != 0
     assert "shorter than the number of ranks" in result.stderr
+    result = _mpirun(2, "--seq-len", "64", "--cu-seqlens", "0", "10", "60", "--causal", "--balance", "greedy",
+                     timeout=60)
+    assert result.returncode == 2 and "cu_seqlens must start at 0 and end at the total length 64" in result.stderr

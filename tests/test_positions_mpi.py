@@ -130,7 +130,7 @@ def test_queries_against_a_longer_kv(comm, mode, options):
 
 
 BAD = [
-    ("a position held twice", lambda r, P, n: np.arange(n) * P + r if r else np.zeros(n, int), {}, "held twice"),
+    ("a position held twice", lambda r, P, n: np.arange(n) * P + r if r else np.zeros(n, int), {}, "more than once"),
     ("out of range", lambda r, P, n: np.arange(n) * P + r + (r == P - 1) * 10 ** 6, {}, "outside 0 .."),
     ("wrong length", lambda r, P, n: np.arange(n + (r == 0)) * P + r, {}, "entries for the"),
     ("not integers", lambda r, P, n: (np.arange(n) * P + r).astype(float), {}, "1-D integer array"),
@@ -161,3 +161,14 @@ def test_kv_positions_must_match_k_rows(comm):
         ring_attention(q, k, k, comm, positions=np.arange(3) * P + r, kv_positions=np.arange(3) * P + r, timeout=30)
     with pytest.raises(ValueError, match="q and k must hold the same local tokens"):
         ring_attention(q, k, k, comm, positions=np.arange(3) * P + r, timeout=30)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_positions_on_some_ranks_only(comm):
+    """Every rank must pass positions, or none: the same ValueError everywhere otherwise."""
+    P, r = comm.size, comm.rank
+    q = np.random.default_rng(2).standard_normal((2, 3, 4))
+    mine = np.arange(3) * P + r
+    with pytest.raises(ValueError, match=f"rank {P - 1}: positions given differs from rank 0's None") as info:
+        ring_attention(q, q, q, comm, positions=mine if r == P - 1 else None, layout="striped", timeout=30)
+    assert len(set(comm.allgather(str(info.value)))) == 1

@@ -119,7 +119,16 @@ def job_problem(args, size):
             return '--plot needs matplotlib, which is not installed: pip install -e ".[plot]" (or leave out --plot)'
         if _writable("--plot", args.plot):
             return _writable("--plot", args.plot)
-    return None if args.balance else verify.check_partition(args.seq_len, size, args.layout)
+    return _balance_problem(args, size) if args.balance else verify.check_partition(args.seq_len, size, args.layout)
+
+
+def _balance_problem(args, size):
+    """Why ``--balance`` cannot deal out the sequence (a bad --cu-seqlens, ...), or None."""
+    try:
+        held_positions(args, args.seq_len, size)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def _share_text(comm, text):
