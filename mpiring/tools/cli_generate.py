@@ -180,8 +180,8 @@ def _report(args, size, gathered, nbytes, lengths, machine, tol, merges):
     print(f"extend ({args.step_tokens} token(s), agreement included): median {_ms(float(np.median(extend)))}")
     print(f"time model ({machine.note}) vs measured, per decode step of {args.step_tokens} token(s), medians over "
           f"{n_steps} steps (the slowest rank's each step):")
-    print(f"  {'merge':<6}{'latency':>10}{'p95':>10}{'compute':>10}{'merge':>10}{'bytes/step':>12}   "
-          f"{'model: compute':>15}{'merge':>10}{'total':>10}   max error")
+    print(f"  {'merge':<6} {'latency':>10} {'p95':>10} {'compute':>10} {'merge':>10} {'bytes/step':>11}   "
+          f"{'model: compute':>15} {'merge':>10} {'total':>10}   max error")
     ok = prefill_error <= TOLERANCE[np.dtype(args.dtype)]
     for m in merges:
         per = {key: np.max([g[1][m][key] for g in gathered], axis=0) for key in ("latency", "compute", "merge")}
@@ -189,10 +189,10 @@ def _report(args, size, gathered, nbytes, lengths, machine, tol, merges):
         same = all(g[1][m]["same"] for g in gathered)
         model = decode_time(N + T, size, heads=args.heads, head_dim=args.dim, machine=machine, merge=m,
                             new_tokens=args.step_tokens)
-        print(f"  {m:<6}{_ms(np.median(per['latency'])):>10}{_ms(np.percentile(per['latency'], 95)):>10}"
-              f"{_ms(np.median(per['compute'])):>10}{_ms(np.median(per['merge'])):>10}"
-              f"{int(np.median(gathered[0][1][m]['bytes'])):>12}   {_ms(model['compute_s']):>15}"
-              f"{_ms(model['merge_s']):>10}{_ms(model['total_s']):>10}   {error:.2e}"
+        print(f"  {m:<6} {_ms(np.median(per['latency'])):>10} {_ms(np.percentile(per['latency'], 95)):>10}"
+              f" {_ms(np.median(per['compute'])):>10} {_ms(np.median(per['merge'])):>10}"
+              f" {int(np.median(gathered[0][1][m]['bytes'])):>11}   {_ms(model['compute_s']):>15}"
+              f" {_ms(model['merge_s']):>10} {_ms(model['total_s']):>10}   {error:.2e}"
               f"{'' if same else '  RESULTS DIFFER BETWEEN RANKS'}")
         ok &= error <= tol and same
     print("latency: the whole attend call (agreement, compute, merge); bytes/step: the ring's counted sends, the "
