@@ -29,7 +29,7 @@ del _name
 
 # MPI-backed names: module that defines each, imported on first use (PEP 562)
 _LAZY = {
-    "ring_attention": "handle", "ring_attention_backward": "handle", "Ring": "handle", "Lse": "handle",
+    "ring_attention": "handle", "ring_attention_backward": "handle", "Ring": "handle", "Lse": "lse",
     "distributed_attention": "distributed", "distributed_attention_backward": "distributed",
     "CommTimeout": "comm", "decode_attention": "decode", "KVCache": "kvcache",
 }
