@@ -5,6 +5,7 @@ Everything here talks to MPI; what to send when comes from the plan
 """
 
 import contextlib
+import ctypes
 import functools
 import os
 import pickle
@@ -41,6 +42,18 @@ def shares_cores():
 
 # rings given up on an error path: (communicator, pending requests, datatypes), kept alive, never freed
 ABANDONED = []
+
+
+def abandon(entry):
+    """Keep ``entry`` (a communicator, its pending requests and their buffers, datatypes) alive for good.
+
+    In ``ABANDONED`` for the life of the interpreter, and one reference more
+    that nothing gives back: mpi4py finalizes MPI after the interpreter has
+    torn its objects down, and MPI may still move data into or out of these
+    buffers then (Open MPI's single-copy receive crashed on freed ones).
+    """
+    ABANDONED.append(entry)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(entry))
 
 _IN_USE = {}  # communicator handle -> the thread running a call on it
 _IN_USE_LOCK = threading.Lock()
@@ -230,7 +243,7 @@ class RingComm:
         never touch freed memory, and the caller's error propagates.
         """
         if self._requests and not _completed(self._requests):
-            ABANDONED.append((self.comm, self._requests, getattr(self, "_types", None)))
+            abandon((self.comm, self._requests, getattr(self, "_types", None)))
             self._requests = []
             return False
         self._requests = []
@@ -251,8 +264,14 @@ _vector_types = {}
 
 
 def mpi_view(a):
-    """``a`` as MPI can take it: bfloat16 (no buffer format) viewed as the same bytes of uint16."""
-    return a.view(np.uint16) if a.dtype.kind == "V" and a.dtype.itemsize == 2 else a
+    """``a`` as every MPI can take it: half floats viewed as the same bytes of uint16.
+
+    bfloat16 has no buffer format, and float16 no MPI type in MPIs without
+    MPI_C_FLOAT16 (Open MPI 4: mpi4py raises KeyError 'e'); the bytes travel alike.
+    """
+    if a is None or a.dtype.itemsize != 2 or a.dtype.kind not in "fV":
+        return a
+    return a.view(np.uint16)
 
 
 def _message(a, pad):
@@ -261,8 +280,9 @@ def _message(a, pad):
     For the ring's [k | 1]^T blocks: the D*n data values of every head are
     contiguous, so the message is one MPI vector of big contiguous pieces.
     """
+    a = mpi_view(a)
     if not pad:
-        return mpi_view(a)
+        return a
     count, width, n = a.size // (a.shape[-2] * a.shape[-1]), a.shape[-2], a.shape[-1]
     key = (a.dtype.char, count, (width - pad) * n, width * n)
     if key not in _vector_types:
