@@ -41,7 +41,8 @@ def main(which):
         outcome = "returned"
     except Exception as exc:  # noqa: BLE001 -- what each rank gets is the point
         outcome = type(exc).__name__
-    print(f"rank {rank}: {outcome}", flush=True)
+    sys.stdout.write(f"rank {rank}: {outcome}\n")  # one write: the launcher forwards it whole
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
