@@ -308,7 +308,7 @@ def setup(q, k, v, comm, scale, options, check_finite=False, expected_size=None,
     Positions given per rank (``positions``, ``kv_positions``) are all-gathered
     with the rest, so every rank checks that they partition the sequence.
     """
-    values = n_local = peaks = prepared = held = None
+    values = n_local = peak = prepared = held = None
     try:
         size = comm.Get_size()
         problem = (comm_problem(comm) or timeout_problem(timeout)
@@ -329,10 +329,10 @@ def setup(q, k, v, comm, scale, options, check_finite=False, expected_size=None,
                            "scale": _Shown(scale), **compared(options, timeout)})
             values.update({name: _Shown(val) for name, val in (compare or {}).items()})
             n_local = q.shape[-2]
-            peaks = (_peak(q), _peak(k))
+            peak = peaks(q, k)
     except Exception as exc:  # whatever goes wrong here is reported collectively, never raised alone
         problem, values = describe(exc), None
-    metas = allgather(comm, (problem, values, n_local, peaks, held, MPI.Get_processor_name()),
+    metas = allgather(comm, (problem, values, n_local, peak, held, MPI.Get_processor_name()),
                       agreement_timeout(timeout))
     message = verdict([m[0] for m in metas]) or verdict(differences([m[1] for m in metas], 0))
     if message:

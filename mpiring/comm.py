@@ -7,13 +7,14 @@ Everything here talks to MPI; what to send when comes from the plan
 import contextlib
 import ctypes
 import functools
-import os
 import pickle
 import threading
 import time
 
 import numpy as np
 from mpi4py import MPI
+
+from .threads import cores, launcher_local_ranks
 
 __all__ = ["RingComm", "HomeRing", "CommTimeout", "exclusive", "wait_until", "allgather", "gather", "Buffers",
            "KVBuffers", "CodedBuffers", "kv_slots", "mpi_view", "next_buffers", "shift", "flat_blocks", "allgathered",
@@ -32,12 +33,7 @@ def shares_cores():
     From the launcher's environment (MPICH's Hydra: MPI_LOCALNRANKS; Open MPI:
     OMPI_COMM_WORLD_LOCAL_SIZE); unknown counts as not shared.
     """
-    local = os.environ.get("MPI_LOCALNRANKS") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE") or "1"
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return int(local) > cores
+    return launcher_local_ranks() > cores()
 
 
 # rings given up on an error path: (communicator, pending requests, datatypes), kept alive, never freed

@@ -15,7 +15,7 @@ import functools
 import os
 from collections import Counter
 
-__all__ = ["threads_problem", "threads_for", "node_threads", "limited", "cores"]
+__all__ = ["threads_problem", "threads_for", "node_threads", "limited", "cores", "launcher_local_ranks"]
 
 
 def cores():
@@ -26,7 +26,7 @@ def cores():
         return os.cpu_count() or 1
 
 
-def _launcher_local_ranks():
+def launcher_local_ranks():
     """Ranks of this job on this node, as MPICH's Hydra or Open MPI's launcher tell them (1 if neither does)."""
     local = os.environ.get("MPI_LOCALNRANKS") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE") or "1"
     try:
@@ -56,7 +56,7 @@ def threads_for(threads, hosts, rank):
     """
     if not isinstance(threads, str):
         return threads
-    local = max(Counter(hosts)[hosts[rank]], _launcher_local_ranks())
+    local = max(Counter(hosts)[hosts[rank]], launcher_local_ranks())
     return None if local <= 1 else max(1, cores() // local)
 
 
