@@ -72,6 +72,7 @@ def _wait(rings, rec, step, data="K/V"):
 def double_ring_forward(q, k, v, plan, ring, scale, rec, timeout):
     """This rank's (out, lse); ``ring`` (a RingComm of the caller's) becomes the inner ring."""
     inner, outer = _rings(ring.comm, plan, timeout, inner=ring)
+    before = (inner.bytes_sent, inner.messages, inner.wait_time)  # the caller's ring may have served earlier calls
     try:
         rank = inner.rank
         acc = block.accumulators(q, v)
@@ -107,9 +108,9 @@ def double_ring_forward(q, k, v, plan, ring, scale, rec, timeout):
             elif o < m - 1:
                 first = held = nxt
             rec.step_done(step, plan.n_steps)
-        rec.bytes_sent = inner.bytes_sent + outer.bytes_sent
-        rec.messages = inner.messages + outer.messages
-        rec.wait_time = inner.wait_time + outer.wait_time
+        rec.bytes_sent = inner.bytes_sent - before[0] + outer.bytes_sent
+        rec.messages = inner.messages - before[1] + outer.messages
+        rec.wait_time = inner.wait_time - before[2] + outer.wait_time
     finally:
         outer.free()
     return acc[0].astype(q.dtype, copy=False), acc[1].astype(q.dtype, copy=False)

@@ -122,8 +122,6 @@ def run_forward(q, k, v, plan, ring, scale, rec, timeout, pr, options=None, rota
         from .double_ring import double_ring_forward
 
         out, lse = double_ring_forward(q, k, v, plan, ring, scale, rec, timeout)
-        rec.bytes_sent, rec.messages = rec.bytes_sent - sent, rec.messages - messages  # ``ring``'s counters run on
-        rec.wait_time -= waited
     elif rotate == "q":  # the queries travel, K/V stay; the partial results go home (mpiring.passq)
         out, lse = passq_loop(q, k, v, plan, ring, scale, rec, timeout)
         rec.bytes_sent += ring.bytes_sent - sent  # passq_loop counted the partials' bytes and messages home

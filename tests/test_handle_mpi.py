@@ -269,15 +269,19 @@ def test_handle_other_modes(comm, options):
         options = dict(options, ulysses_size=1)
     S = 4 * comm.size + 1
     mask = dense_mask(S, causal=True)
+    sent = []
     with Ring(comm, S, causal=True, **options) as ring:
         for call in range(2):
             Q, K, V, dOut = _problem(S, heads=12, kv_heads=12, seed=call)
             q, k, v, dout = (ring.shard(x) for x in (Q, K, V, dOut))
-            out, lse = ring.forward(q, k, v)
+            rec = mpiring.Record()
+            out, lse = ring.forward(q, k, v, record=rec)
+            sent.append(rec.bytes_sent)
             grads = ring.backward(dout, q, k, v, out, lse)
             want = [naive_attention(Q, K, V, mask)] + list(naive_attention_backward(dOut, Q, K, V, mask))
             for got, ref in zip((out, *grads), want):
                 assert np.max(np.abs(got - ring.shard(ref))) < TOL, (options, call)
+    assert sent[0] == sent[1], f"each call's Record counts that call's bytes: {sent}"
 
 
 @pytest.mark.parametrize("rotate", ["q", "auto"])
