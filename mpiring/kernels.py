@@ -32,6 +32,7 @@ import math
 
 import numpy as np
 
+from . import gemm
 from .tiles import (
     Progress,
     Shapes,
@@ -108,7 +109,9 @@ def attention_block(
     tq, tk = tile_q or dq_tile, tile_k or dk_tile
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     c2 = scale * LOG2E                        # scores in log2 units: exp2 is ~2x faster
-    limit = 2.0 ** _LIMIT_LOG2[dt]
+    limit_log2 = _LIMIT_LOG2[dt]
+    limit = 2.0 ** limit_log2
+    mm = gemm.product()
     floor = _FLOOR_LOG2[dt]
     lo, hi = mask_arrays(klo, khi, sq, sk)
     tiles = Tiles(lo, hi, sk, tk, dt)
@@ -156,14 +159,14 @@ def attention_block(
             first = np.zeros(e - a, np.int64) if lo is None else np.minimum(lo[a:e], sk - 1)
             m = np.einsum("bgtd,bdt->bgt", qa[..., :d], kt[:, :d, first])
             qa[..., d] = -m
-            m_top = m.max()
+            m_top, m_low = m.max(), m.min()
             acc = acc_buf[:b * rows * (dv + 1)].reshape(b, g, e - a, dv + 1)
             acc.fill(0)
             for c, dd, r0, r1, mask, t in [] if exact[it] else tiles.row_block(a, e):
                 n, cols = r1 - r0, dd - c
                 qt = qa[:, :, r0:r1].reshape(b, g * n, d + 1)   # a copy only if g > 1 and rows trimmed
                 s = s_buf[:b * g * n * cols].reshape(b, g * n, cols)
-                np.matmul(qt, kt[:, :, c:dd], out=s)
+                mm(qt, kt[:, :, c:dd], s)
                 s4 = s.reshape(b, g, n, cols)
                 if mask is not None:
                     s4 *= mask                    # masked scores -> 0: no overflow
@@ -172,15 +175,21 @@ def attention_block(
                 np.exp2(s, out=s)
                 if mask is not None:
                     s4 *= mask                    # masked probabilities -> exactly 0
+                vtt = vt[:, :, c:dd].transpose(0, 2, 1)
+                into_acc = _rows_view(acc, r0, r1)
+                if into_acc is not None and qn[it] * kn[t] - m_low + math.log2(cols) <= limit_log2:
+                    mm(s, vtt, into_acc, beta=1.0)    # row sums provably below the limit: add in place
+                    tick()
+                    continue
                 pv = pv_buf[:b * g * n * (dv + 1)].reshape(b, g * n, dv + 1)
-                np.matmul(s, vt[:, :, c:dd].transpose(0, 2, 1), out=pv)
+                mm(s, vtt, pv)
                 if pv[..., dv].max() <= limit:
                     acc[:, :, r0:r1] += pv.reshape(b, g, n, dv + 1)
                 else:                             # rare: some score far above m
                     _exact_tile(qt, kt[:, :, c:dd], vt[:, :, c:dd], mask, s4, pv,
                                 acc[:, :, r0:r1], m[:, :, r0:r1])
                     qa[..., d] = -m
-                    m_top = m.max()
+                    m_top, m_low = m.max(), m.min()
                 tick()
             rowsum = acc[..., dv]
             ok = rowsum > 0
@@ -208,6 +217,14 @@ def attention_block(
             if into is not None:
                 merge(out[:, :, a:e], lse[:, :, a:e], tile_out, tile_lse, inplace=True)
     return _unflatten(out, lse, sh) if into is None else into
+
+
+def _rows_view(acc, r0, r1):
+    """Rows r0:r1 of acc (b, g, n, w) as a (b, g * (r1 - r0), w) view, or None when that needs a copy."""
+    b, g, n, w = acc.shape
+    if g > 1 and (r0, r1) != (0, n):
+        return None
+    return as_view(acc[:, :, r0:r1], (b, g * (r1 - r0), w))
 
 
 def _exact_tile(qt, ktt, vtt, mask, s4, pv, acc, m):
@@ -319,11 +336,12 @@ def attention_block_backward(
     """
     sh = Shapes(q, k, v)
     dt, b, g, sq, sk, d, dv = sh.dtype, sh.b, sh.g, sh.sq, sh.sk, sh.d, sh.dv
-    dq_tile, dk_tile = default_tiles(d, dt)
+    dq_tile, dk_tile = default_tiles(d, dt, "bwd")
     tq, tk = tile_q or dq_tile, tile_k or dk_tile
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     c2 = scale * LOG2E
     floor = _FLOOR_LOG2[dt]
+    mm = gemm.product()
     lo, hi = mask_arrays(klo, khi, sq, sk)
     tiles = Tiles(lo, hi, sk, tk, dt)
     tick = Progress(progress)
@@ -357,8 +375,6 @@ def attention_block_backward(
     dp_buf = scratch("dp", b * g * nq * nk, dt)
     dqt_buf = scratch("pv", b * g * nq * d, dt)
     dqa_buf = scratch("acc", b * g * nq * d, dt)
-    dkt_buf = scratch("dkt", b * nk * d, dt)
-    dvt_buf = scratch("dvt", b * nk * dv, dt)
 
     with np.errstate(over="ignore", invalid="ignore"):
         for it, a in enumerate(range(0, sq, tq)):
@@ -392,7 +408,7 @@ def attention_block_backward(
                     p4[...] = _exact_probs(sh.q[:, :, a + r0:a + r1], sh.k[:, c:dd], lse3[:, :, a + r0:a + r1],
                                            scale, mask)
                 else:
-                    np.matmul(qt, ka[:, c:dd].transpose(0, 2, 1), out=p)
+                    mm(qt, ka[:, c:dd].transpose(0, 2, 1), p)
                     if mask is not None:
                         p4 *= mask
                     if -qn[it] * kn[t] - top < floor:
@@ -400,21 +416,21 @@ def attention_block_backward(
                     np.exp2(p, out=p)
                     if mask is not None:
                         p4 *= mask
-                # dv += p^T dout
-                dvt = dvt_buf[:b * cols * dv].reshape(b, cols, dv)
-                np.matmul(p.transpose(0, 2, 1), dot[..., :dv], out=dvt)
-                dvv[:, c:dd] += dvt
+                # dv += p^T dout   (the BLAS adds into dv: no temporary)
+                mm(p.transpose(0, 2, 1), dot[..., :dv], dvv[:, c:dd], beta=1.0)
                 # ds = p * (dout.v - delta)   (delta folded into the GEMM), into p
-                np.matmul(dot, va[:, c:dd].transpose(0, 2, 1), out=dp)
+                mm(dot, va[:, c:dd].transpose(0, 2, 1), dp)
                 np.multiply(p, dp, out=p)
                 tick()                            # a backward tile is long: poll mid-way too
                 # dq += ds k ; dk += ds^T (c2 q)   (scales applied at the end)
-                dqt = dqt_buf[:b * g * n * d].reshape(b, g * n, d)
-                np.matmul(p, ka[:, c:dd, :d], out=dqt)
-                dq_acc[:, :, r0:r1] += dqt.reshape(b, g, n, d)
-                dkt = dkt_buf[:b * cols * d].reshape(b, cols, d)
-                np.matmul(p.transpose(0, 2, 1), qt[..., :d], out=dkt)
-                dk[:, c:dd] += dkt
+                into_dq = _rows_view(dq_acc, r0, r1)
+                if into_dq is not None:
+                    mm(p, ka[:, c:dd, :d], into_dq, beta=1.0)
+                else:                             # GQA rows trimmed: not one strided batch
+                    dqt = dqt_buf[:b * g * n * d].reshape(b, g * n, d)
+                    mm(p, ka[:, c:dd, :d], dqt)
+                    dq_acc[:, :, r0:r1] += dqt.reshape(b, g, n, d)
+                mm(p.transpose(0, 2, 1), qt[..., :d], dk[:, c:dd], beta=1.0)
                 tick()
             dq[:, :, a:e] = dq_acc
     dq *= scale

@@ -15,7 +15,7 @@ import functools
 import os
 from collections import Counter
 
-__all__ = ["threads_problem", "threads_for", "node_threads", "limited", "cores", "launcher_local_ranks"]
+__all__ = ["threads_problem", "threads_for", "node_threads", "limited", "blas_threads", "cores", "launcher_local_ranks"]
 
 
 def cores():
@@ -80,3 +80,8 @@ def limited(threads):
         return
     with _controller().limit(limits=threads, user_api="blas"):
         yield
+
+
+def blas_threads():
+    """Threads NumPy's BLAS uses now (the largest count of the BLAS libraries loaded when first asked)."""
+    return max((lib.get_num_threads() for lib in _controller().select(user_api="blas").lib_controllers), default=1)

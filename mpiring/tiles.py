@@ -24,9 +24,15 @@ TILE_K = 256
 PROGRESS_INTERVAL = 0.002
 
 
-def default_tiles(d, dtype):
-    """Default (tile_q, tile_k) for head dim d and dtype (d did not matter: 64 and 128)."""
-    return TILE_BYTES // (TILE_K * np.dtype(dtype).itemsize), TILE_K
+def default_tiles(d, dtype, kind="fwd"):
+    """Default (tile_q, tile_k) of the ``kind`` ("fwd"/"bwd") kernel for head dim d and dtype.
+
+    What ``python -m mpiring tune`` found fastest on this machine, when it was
+    run; else the constants above (d did not matter there: 64 and 128).
+    """
+    from .tune import cached_tiles  # the tuning cache, read once per process
+
+    return cached_tiles(kind, d, dtype) or (TILE_BYTES // (TILE_K * np.dtype(dtype).itemsize), TILE_K)
 
 
 def default_scale(dim):

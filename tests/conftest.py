@@ -1,6 +1,12 @@
+import os
+
 import numpy as np
 import pytest
 
+# tiles and GEMM backend from the code's defaults, not from a tuning cache on this machine (mpiring.tune)
+os.environ.setdefault("MPIRING_TUNE_CACHE", "off")
+
+from mpiring.gemm import available as _gemm_available
 from mpiring.reference import definition_mask, dense_attention, dense_attention_backward
 from mpiring.testing import TOLERANCE
 
@@ -84,3 +90,23 @@ def local(x, comm, layout="contiguous"):
     from mpiring import shard
 
     return np.ascontiguousarray(shard(x, comm.size, comm.rank, layout))
+
+
+# The kernels' GEMM backends (mpiring.gemm): kernel test modules that say
+# ``pytestmark = pytest.mark.usefixtures("each_gemm")`` run once per backend installed here.
+# MKL's path is taken only while BLAS runs one thread per process, as under mpiexec: it gets that.
+GEMM_BACKENDS = _gemm_available()
+
+
+@pytest.fixture(params=GEMM_BACKENDS)
+def each_gemm(request):
+    from threadpoolctl import threadpool_limits
+
+    from mpiring import gemm
+
+    gemm.set_backend(request.param)
+    try:
+        with threadpool_limits(1 if request.param == "mkl" else None, user_api="blas"):
+            yield request.param
+    finally:
+        gemm.set_backend("auto")

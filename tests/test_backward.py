@@ -19,6 +19,8 @@ from mpiring.reference import reference_attention_backward
 from conftest import GRAD_TOL, SHAPES, dense_mask, naive_attention, qkv
 from launch import MPIEXEC, clean_env, mpiexec_argv
 
+pytestmark = pytest.mark.usefixtures("each_gemm")  # every kernel test once per GEMM backend
+
 
 def _masks(seq_len, causal=False, window=None, cu=None):
     pos = np.arange(seq_len)

@@ -11,6 +11,8 @@ from mpiring.reference import reference_attention
 
 from conftest import SHAPES, dense_mask, naive_attention, qkv, tol
 
+pytestmark = pytest.mark.usefixtures("each_gemm")  # every kernel test once per GEMM backend
+
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("shape_q,shape_kv", SHAPES)

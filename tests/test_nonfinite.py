@@ -20,6 +20,8 @@ from mpiring import attention_block, ring_attention
 
 from conftest import dense_mask, local, naive_attention
 
+pytestmark = pytest.mark.usefixtures("each_gemm")  # every kernel test once per GEMM backend
+
 S, D = 40, 8
 
 

@@ -61,9 +61,10 @@ def kernel_scratch(cfg, plan):
     """
     work = Precision(named_dtype(cfg.dtype)).compute  # tiles compute in float32 for half inputs
     e = work.itemsize
-    tq, tk = default_tiles(cfg.D, work)
     n = max(len(s) for s in plan.shards)
-    tiles = cfg.B * cfg.H * min(tq, n) * min(tk, n) * e * (4 if cfg.backward else 2)
+    tiles = max(cfg.B * cfg.H * min(tq, n) * min(tk, n) * e * (4 if kind == "bwd" else 2)
+                for kind in (("fwd", "bwd") if cfg.backward else ("fwd",))
+                for tq, tk in [default_tiles(cfg.D, work, kind)])
     return tiles + 2 * cfg.B * cfg.H * n * (cfg.D + 1) * e + 3 * cfg.B * cfg.H * n * cfg.D * e
 
 

@@ -1,0 +1,169 @@
+"""The kernels' matrix products: NumPy's BLAS, or Intel MKL's when it is installed and chosen. No MPI.
+
+    out = a @ b            gemm(a, b, out)
+    out += a @ b           gemm(a, b, out, beta=1.0)
+
+``a`` (B, m, k), ``b`` (B, k, n) and ``out`` (B, m, n) are batches of
+matrices, views of the kernels' tiles: each may be transposed (a unit stride
+on either of its last two axes), and ``out`` is written in place. With
+``beta=1.0`` the product is added into ``out`` by the BLAS itself, with no
+temporary and no second pass over it.
+
+Backends (``MPIRING_GEMM`` or ``set_backend``; ``"auto"``, the default, takes
+the tuning cache's choice, ``python -m mpiring tune``, else MKL when installed):
+
+- ``numpy``: ``np.matmul`` (OpenBLAS in NumPy's wheels). Always there.
+- ``mkl``: ``cblas_?gemm_batch_strided`` of Intel MKL's ``libmkl_rt``
+  (``pip install mpiring[mkl]``), called through ctypes, sequential: one
+  thread per rank. On the Xeon this was measured on, its GEMMs with the head
+  dim as inner size run 1.25-1.35x OpenBLAS's (docs/performance.md §10).
+  Used only while BLAS runs one thread per process (``mpiring.threads``);
+  other thread counts take NumPy's path.
+
+Whatever the backend, float32 and float64 give the same results up to the
+order of the sums (rounding); other dtypes and operands MKL cannot take as
+strided batches always go through NumPy.
+"""
+
+import ctypes
+import ctypes.util
+import functools
+import glob
+import os
+import sys
+
+import numpy as np
+
+__all__ = ["gemm", "product", "backend", "set_backend", "available", "mkl_library", "BACKENDS"]
+
+BACKENDS = ("numpy", "mkl")
+_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
+_state = {"choice": os.environ.get("MPIRING_GEMM", "auto")}
+
+
+def mkl_library():
+    """Path of MKL's ``libmkl_rt`` (the ``mkl`` wheel puts it in the environment's lib/), or None."""
+    for prefix in dict.fromkeys((sys.prefix, sys.base_prefix)):
+        found = sorted(glob.glob(os.path.join(prefix, "lib", "libmkl_rt.so*")))
+        if found:
+            return found[0]
+    return ctypes.util.find_library("mkl_rt")
+
+
+@functools.cache
+def _mkl():
+    """MKL's batched GEMMs as ctypes functions, sequential; None when MKL is not installed or unusable."""
+    path = mkl_library()
+    if path is None:
+        return None
+    try:
+        lib = ctypes.CDLL(path)
+        lib.MKL_Set_Threading_Layer(ctypes.c_int(1))  # MKL_THREADING_SEQUENTIAL: no thread pool of its own
+    except (OSError, AttributeError):
+        return None
+    p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+    fns = {}
+    for dtype, name, scalar in ((np.float32, "cblas_sgemm_batch_strided", ctypes.c_float),
+                                (np.float64, "cblas_dgemm_batch_strided", ctypes.c_double)):
+        fn = getattr(lib, name, None)
+        if fn is None:
+            return None
+        fn.argtypes = [i, i, i, i, i, i, scalar, p, i, ll, p, i, ll, scalar, p, i, ll, i]
+        fn.restype = None
+        fns[np.dtype(dtype)] = fn
+    return fns
+
+
+def available():
+    """The backends this process can use."""
+    return [name for name in BACKENDS if name == "numpy" or _mkl() is not None]
+
+
+def set_backend(name):
+    """Choose the backend for this process: "numpy", "mkl" or "auto" (the tuning cache's choice)."""
+    if name not in BACKENDS + ("auto",):
+        raise ValueError(f"gemm backend must be one of {BACKENDS + ('auto',)}, not {name!r}")
+    if name == "mkl" and _mkl() is None:
+        raise ValueError("gemm backend 'mkl' needs Intel MKL's libmkl_rt: pip install mpiring[mkl]")
+    _state["choice"] = name
+    backend.cache_clear()
+
+
+@functools.cache
+def backend():
+    """The backend in use: the chosen one, or for "auto" the tuning cache's pick for this CPU, else MKL if here."""
+    choice = _state["choice"]
+    if choice == "auto":
+        from .tune import cached_choice  # the tuning cache, read once
+
+        choice = cached_choice("gemm") or ("mkl" if _mkl() is not None else "numpy")
+    return choice if choice in available() else "numpy"
+
+
+def _operand(x, itemsize):
+    """(transpose flag, leading dimension, batch stride) of a (B, r, c) view for a row-major BLAS, or None."""
+    _, r, c = x.shape
+    s0, s1, s2 = (s // itemsize for s in x.strides)
+    if any(s % itemsize for s in x.strides):
+        return None
+    if s0 < 0:
+        return None
+    if s2 == 1 or c == 1:
+        ld = s1 if r > 1 else c
+        return (_NO_TRANS, ld, s0) if ld >= max(c, 1) else None
+    if s1 == 1 or r == 1:
+        ld = s2 if c > 1 else r
+        return (_TRANS, ld, s0) if ld >= max(r, 1) else None
+    return None
+
+
+def product():
+    """The ``gemm`` to use now: MKL's when it is the backend and BLAS runs one thread per process, else NumPy's.
+
+    Kernels ask once per call (the thread count is read from the BLAS, a few microseconds).
+    """
+    if backend() == "mkl":
+        from .threads import blas_threads
+
+        if blas_threads() == 1:
+            return gemm_mkl
+    return gemm
+
+
+def gemm(a, b, out, beta=0.0):
+    """``out = a @ b`` (``beta=0``) or ``out += a @ b`` (``beta=1``), batched over the first axis, in place."""
+    if beta == 0:
+        return np.matmul(a, b, out=out)
+    from .tiles import scratch  # the product lands in a reused buffer, then one add
+
+    out += np.matmul(a, b, out=scratch("gemm", out.shape, np.result_type(a, b)))
+    return out
+
+
+def gemm_mkl(a, b, out, beta=0.0):
+    """``gemm`` through MKL where the operands allow it (else NumPy's)."""
+    return out if _mkl_gemm(a, b, out, beta) else gemm(a, b, out, beta)
+
+
+def _mkl_gemm(a, b, out, beta):
+    """MKL's batched GEMM if the operands allow it; False (nothing done) otherwise."""
+    fn = _mkl().get(out.dtype)
+    if fn is None or a.dtype != out.dtype or b.dtype != out.dtype:
+        return False
+    nb, m, n = out.shape
+    k = a.shape[2]
+    if a.shape != (nb, m, k) or b.shape != (nb, k, n):
+        raise ValueError(f"gemm shapes differ: {a.shape} @ {b.shape} -> {out.shape}")
+    if m == 0 or n == 0 or nb == 0:
+        return True
+    if k == 0:
+        if beta == 0:
+            out.fill(0)
+        return True
+    size = out.itemsize
+    oa, ob, oc = _operand(a, size), _operand(b, size), _operand(out, size)
+    if oa is None or ob is None or oc is None or oc[0] != _NO_TRANS or (nb > 1 and 0 in (oa[2], ob[2], oc[2])):
+        return False
+    fn(_ROW_MAJOR, oa[0], ob[0], m, n, k, 1.0, a.ctypes.data, oa[1], oa[2], b.ctypes.data, ob[1], ob[2],
+       float(beta), out.ctypes.data, oc[1], oc[2], nb)
+    return True

@@ -1,0 +1,151 @@
+"""The kernels' GEMM backends (mpiring.gemm): MKL's strided batches against np.matmul, and the kernels on each.
+
+    python -m pytest -q tests/test_gemm.py
+
+MKL's tests skip where it is not installed (``pip install mpiring[mkl]``;
+run/test installs it on x86-64 Linux).
+"""
+
+import numpy as np
+import pytest
+from threadpoolctl import threadpool_limits
+
+from mpiring import gemm
+from mpiring.kernels import attention_block, attention_block_backward
+from mpiring.reference import reference_attention, reference_attention_backward
+
+from conftest import GEMM_BACKENDS
+
+needs_mkl = pytest.mark.skipif("mkl" not in GEMM_BACKENDS, reason="MKL not installed (pip install mpiring[mkl])")
+
+
+def _views(rng, dtype, nb, m, k, n):
+    """Operands as the kernels pass them: plain, transposed, sliced out of wider arrays, reversed."""
+    a = rng.standard_normal((nb, m, k)).astype(dtype)
+    b = rng.standard_normal((nb, k, n)).astype(dtype)
+    wide_b = rng.standard_normal((nb, k, n + 7)).astype(dtype)[:, :, 3:3 + n]   # columns of a wider block
+    bt = np.ascontiguousarray(rng.standard_normal((nb, n, k)).astype(dtype)).transpose(0, 2, 1)  # b given as b^T
+    at = np.ascontiguousarray(rng.standard_normal((nb, k, m)).astype(dtype)).transpose(0, 2, 1)
+    rev = rng.standard_normal((nb, m, k)).astype(dtype)[::-1]                    # negative batch stride
+    bcast = np.broadcast_to(rng.standard_normal((1, k, n)).astype(dtype), (nb, k, n))  # batch stride 0
+    return [(a, b), (a, wide_b), (a, bt), (at, b), (at, bt), (rev, b), (a, bcast)]
+
+
+@needs_mkl
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("nb, m, k, n", [(1, 1, 1, 1), (3, 5, 7, 2), (2, 17, 65, 33), (8, 64, 64, 65), (2, 1, 9, 4),
+                                          (2, 6, 1, 1), (1, 0, 3, 4), (2, 3, 0, 4)])
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_mkl_matches_matmul(dtype, nb, m, k, n, beta):
+    rng = np.random.default_rng(nb * 1000 + m * 100 + k * 10 + n)
+    for a, b in _views(rng, dtype, nb, m, k, n):
+        start = rng.standard_normal((nb, m, n)).astype(dtype)
+        out = start.copy()
+        gemm.gemm_mkl(a, b, out, beta)
+        want = np.matmul(a.astype(np.float64), b.astype(np.float64)) + (start if beta else 0)
+        assert np.allclose(out, want, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-4 if dtype == np.float32
+                           else 1e-11), (a.strides, b.strides)
+
+
+@needs_mkl
+def test_mkl_writes_into_views_and_leaves_the_rest():
+    """``out`` a view of rows of a bigger array (as the kernels' accumulators): only those rows change."""
+    rng = np.random.default_rng(5)
+    big = rng.standard_normal((2, 10, 9)).astype(np.float32)
+    keep = big.copy()
+    a, b = rng.standard_normal((2, 4, 3)).astype(np.float32), rng.standard_normal((2, 3, 9)).astype(np.float32)
+    gemm.gemm_mkl(a, b, big[:, 2:6], 1.0)
+    assert np.allclose(big[:, 2:6], keep[:, 2:6] + a @ b, rtol=1e-5, atol=1e-5)
+    assert np.array_equal(big[:, :2], keep[:, :2]) and np.array_equal(big[:, 6:], keep[:, 6:])
+
+
+@needs_mkl
+def test_mkl_falls_back_where_it_cannot():
+    """Half floats, mixed dtypes and a transposed output go through NumPy, with the same answer."""
+    rng = np.random.default_rng(6)
+    a, b = rng.standard_normal((2, 4, 3)), rng.standard_normal((2, 3, 5))
+    for a_, b_, out in [(a.astype(np.float16), b.astype(np.float16), np.zeros((2, 4, 5), np.float16)),
+                        (a.astype(np.float32), b, np.zeros((2, 4, 5))),
+                        (a, b, np.zeros((2, 5, 4)).transpose(0, 2, 1))]:
+        gemm.gemm_mkl(a_, b_, out, 0.0)
+        assert np.allclose(out, a_ @ b_, rtol=1e-3, atol=1e-3)
+
+
+def test_operand_strides():
+    """Which views a row-major BLAS takes, and as what (transpose flag, leading dim, batch stride)."""
+    x = np.zeros((3, 4, 5), np.float32)
+    assert gemm._operand(x, 4) == (gemm._NO_TRANS, 5, 20)
+    assert gemm._operand(x.transpose(0, 2, 1), 4) == (gemm._TRANS, 5, 20)
+    assert gemm._operand(x[:, :, 1:4], 4) == (gemm._NO_TRANS, 5, 20)
+    assert gemm._operand(x[:, ::2], 4) == (gemm._NO_TRANS, 10, 20)
+    assert gemm._operand(x[:, :, ::2], 4) is None            # no unit stride
+    assert gemm._operand(x[::-1], 4) is None                 # negative batch stride
+
+
+def test_backend_choice(monkeypatch):
+    assert "numpy" in gemm.available()
+    with pytest.raises(ValueError, match="gemm backend must be one of"):
+        gemm.set_backend("cublas")
+    gemm.set_backend("numpy")
+    try:
+        assert gemm.backend() == "numpy" and gemm.product() is gemm.gemm
+    finally:
+        gemm.set_backend("auto")
+
+
+@needs_mkl
+def test_mkl_only_with_one_blas_thread():
+    """MKL runs sequential: with more BLAS threads per process, the kernels keep NumPy's threaded GEMMs."""
+    gemm.set_backend("mkl")
+    try:
+        with threadpool_limits(1, user_api="blas"):
+            assert gemm.product() is gemm.gemm_mkl
+        with threadpool_limits(2, user_api="blas"):
+            assert gemm.product() is gemm.gemm
+    finally:
+        gemm.set_backend("auto")
+
+
+# The kernels on each backend, across tile edges: tokens from 1 past two tiles, masks, GQA, both dtypes.
+SIZES = [(1, 1), (5, 300), (255, 257), (513, 129), (700, 700)]
+MASKS = ["none", "causal", "window", "ragged"]
+
+
+def _mask(kind, sq, sk, rng):
+    if kind == "none":
+        return None, None
+    rows = np.arange(sq)
+    if kind == "causal":
+        return np.zeros(sq, np.int64), np.minimum(rows * sk // max(sq, 1) + 1, sk)
+    if kind == "window":
+        hi = np.minimum(rows * sk // max(sq, 1) + 1, sk)
+        return np.maximum(hi - 37, 0), hi
+    lo = rng.integers(0, sk, sq)
+    return lo, np.minimum(lo + rng.integers(0, sk, sq), sk)   # some rows see no key
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("sq, sk", SIZES)
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("tiles", [(None, None), (128, 64)])
+@pytest.mark.parametrize("hq, hk", [(2, 2), (4, 2)])
+def test_kernels_on_each_backend(each_gemm, dtype, sq, sk, mask, tiles, hq, hk):
+    rng = np.random.default_rng(sq * 7 + sk + len(mask))
+    d = 16
+    q = rng.standard_normal((hq, sq, d)).astype(dtype)
+    k = rng.standard_normal((hk, sk, d)).astype(dtype)
+    v = rng.standard_normal((hk, sk, d)).astype(dtype)
+    klo, khi = _mask(mask, sq, sk, rng)
+    out, lse = attention_block(q, k, v, None, klo, khi, tile_q=tiles[0], tile_k=tiles[1])
+    ref_out, ref_lse = reference_attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
+                                           None, klo, khi)
+    tol = 2e-5 if dtype == np.float32 else 1e-12
+    assert np.allclose(out, ref_out, rtol=tol, atol=tol)
+    assert np.allclose(lse, ref_lse, rtol=tol, atol=tol)
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    grads = attention_block_backward(dout, q, k, v, out, lse, None, klo, khi, tile_q=tiles[0], tile_k=tiles[1])
+    want = reference_attention_backward(dout.astype(np.float64), q.astype(np.float64), k.astype(np.float64),
+                                        v.astype(np.float64), None, klo, khi)
+    gtol = 1e-4 if dtype == np.float32 else 1e-10
+    for got, ref in zip(grads, want):
+        assert np.allclose(got, ref, rtol=gtol, atol=gtol)

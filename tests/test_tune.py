@@ -1,0 +1,76 @@
+"""The tuning cache (mpiring.tune, ``python -m mpiring tune``): written, read back, used by the kernels' defaults.
+
+    python -m pytest -q tests/test_tune.py
+"""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mpiring import gemm, tune
+from mpiring.tiles import default_tiles
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A cache file of this test's own; the module's memory of the cache forgotten before and after."""
+    path = tmp_path / "tune.json"
+    monkeypatch.setenv("MPIRING_TUNE_CACHE", str(path))
+    tune.cached.cache_clear()
+    gemm.backend.cache_clear()
+    yield path
+    tune.cached.cache_clear()
+    gemm.backend.cache_clear()
+
+
+def test_tune_writes_and_the_kernels_read(cache):
+    entry = tune.tune(dims=(8,), dtypes=("float32",), seq=64, heads=2, repeats=1, log=lambda *a: None)
+    assert entry["gemm"] in gemm.available()
+    fwd = tuple(entry["tiles"]["fwd"]["float32"]["8"])
+    bwd = tuple(entry["tiles"]["bwd"]["float32"]["8"])
+    assert fwd in tune.candidates(np.float32) and bwd in tune.candidates(np.float32)
+    data = json.loads(cache.read_text())
+    assert list(data) == [tune.machine_key()]
+    assert default_tiles(8, np.float32) == fwd and default_tiles(8, np.float32, "bwd") == bwd
+    assert default_tiles(64, np.float32) == fwd       # the nearest head dim tuned
+    assert default_tiles(8, np.float64) == (256, 256)  # not tuned: the constants
+    assert gemm.backend() == entry["gemm"]
+
+
+def test_cache_keeps_other_machines_and_ignores_theirs(cache):
+    cache.write_text(json.dumps({"another CPU": {"gemm": "numpy", "tiles": {"fwd": {"float32": {"64": [64, 64]}}}}}))
+    assert tune.cached() == {}
+    assert default_tiles(64, np.float32) == (512, 256)
+    tune._write({"gemm": "numpy", "tiles": {"fwd": {"float32": {"64": [1024, 128]}}}})
+    data = json.loads(cache.read_text())
+    assert set(data) == {"another CPU", tune.machine_key()}
+    assert default_tiles(64, np.float32) == (1024, 128)
+
+
+def test_cache_off_and_unreadable(cache, monkeypatch):
+    cache.write_text("not json")
+    assert tune.cached() == {} and default_tiles(64, np.float32) == (512, 256)
+    monkeypatch.setenv("MPIRING_TUNE_CACHE", "off")
+    tune.cached.cache_clear()
+    assert tune.cache_path() is None and tune.cached() == {}
+
+
+def test_candidates_fill_the_same_bytes():
+    for (q32, k32), (q64, k64) in zip(tune.candidates(np.float32), tune.candidates(np.float64)):
+        assert q32 * k32 * 4 == q64 * k64 * 8
+
+
+def test_command(cache):
+    run = subprocess.run([sys.executable, "-m", "mpiring", "tune", "--dims", "8", "--dtypes", "float32", "--seq",
+                          "64", "--heads", "1", "--repeats", "1"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "fastest backend:" in run.stdout and "cached" in run.stdout
+    show = subprocess.run([sys.executable, "-m", "mpiring", "tune", "--show"], capture_output=True, text=True,
+                          timeout=120)
+    assert show.returncode == 0 and '"gemm"' in show.stdout
+    bad = subprocess.run([sys.executable, "-m", "mpiring", "tune", "--seq", "0"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "--seq must be at least 1" in bad.stderr
