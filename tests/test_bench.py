@@ -3,10 +3,13 @@
 No timing assertions: speed targets live in the benchmark's output (docs/performance.md).
 """
 
+import contextlib
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -95,6 +98,53 @@ def test_quick_bench_under_load_leaves_no_spinner(tmp_path):
     _check_rows(rows, 2)
     assert all(r["load"] == 1 and r["wall_loaded_s"] > 0 for r in rows)
     assert "wall@L" in result.stdout and "x torch@L" in result.stdout and "1 busy background" in result.stdout
+
+
+@pytest.mark.skipif(MPIEXEC is None or not os.path.isdir("/proc"), reason="no mpiexec on PATH, or no /proc")
+def test_interrupted_under_load_leaves_no_spinner():
+    """Ctrl-C passed on by mpiexec while a row runs loaded: the ranks exit 130 (os._exit: no finally, no atexit),
+    and the spinner, orphaned, leaves by itself."""
+    before = set(spinner_pids())
+    cmd = mpiexec_argv(2, sys.executable, "-m", "mpiring", "bench", "--sizes", "2048", "--dims", "64", "--mask",
+                       "full", "--passes", "fwd", "--precisions", "fp32", "--repeats", "20", "--budget", "60",
+                       "--load", "1", "--no-torch", "--inference", "off")
+    job = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=clean_env(),
+                           start_new_session=True)
+    try:
+        end = time.perf_counter() + 120
+        while not set(spinner_pids()) - before and time.perf_counter() < end and job.poll() is None:
+            time.sleep(0.05)
+        assert set(spinner_pids()) - before, "the loaded row never started"
+        time.sleep(0.3)
+        os.kill(job.pid, signal.SIGINT)  # mpiexec alone, which passes it to the ranks
+        assert job.wait(timeout=60) == 130, job.stderr.read()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+        job.communicate()
+    end = time.perf_counter() + 5
+    while set(spinner_pids()) - before and time.perf_counter() < end:
+        time.sleep(0.05)
+    assert not set(spinner_pids()) - before
+
+
+def test_torch_is_timed_again_under_the_same_load(monkeypatch):
+    started = []
+
+    @contextlib.contextmanager
+    def fake_load(n):
+        started.append(n)
+        yield []
+
+    monkeypatch.setattr(bench, "busy_load", fake_load)
+    monkeypatch.setattr(bench, "torch_times", lambda configs, **kw: [3.0] * len(configs))
+    rows = [{"wall_s": 2.0, "vs_torch": 1.2, "wall_loaded_s": 2.5}, {"wall_s": 2.0}]
+    todo = [(0, Config(256, 16)), (1, Config(256, 16, causal=True))]
+    args = bench.bench_parser().parse_args(["--load", "1"])
+    bench._torch_loaded(rows, todo, args, threads=2)
+    assert started == [1]
+    assert rows[0]["torch_loaded_s"] == 3.0 and rows[0]["vs_torch_loaded"] == 1.2
+    assert rows[0]["load_drop"] == pytest.approx(0.0) and "torch_loaded_s" not in rows[1]
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
