@@ -33,8 +33,11 @@ MARKER = "mpiring-bench-load"
 
 # spins about a millisecond between looks at its parent; leaves once orphaned (reparented). The parent's
 # pid comes in argv: read with getppid() at start, it would be init's if the parent died before that.
+# One line on stdout says it is running, so that the load is on when the block starts.
 SPINNER = ("import os, sys\n"
            "parent = int(sys.argv[1])\n"
+           "print('spinning', flush=True)\n"
+           "sys.stdout.close()\n"
            "while os.getppid() == parent:\n"
            "    for _ in range(20000):\n"
            "        pass\n"
@@ -68,9 +71,12 @@ def busy_load(n):
     try:
         for _ in range(n):
             proc = subprocess.Popen([sys.executable, "-c", SPINNER, str(os.getpid())], stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env())
+                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=child_env())
             procs.append(proc)
             _live.add(proc)
+        for proc in procs:  # each says it runs (or ends: EOF); no block starts before its load is there
+            proc.stdout.readline()
+            proc.stdout.close()
         yield [proc.pid for proc in procs]
     finally:
         _stop(procs)
