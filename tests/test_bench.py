@@ -3,16 +3,20 @@
 No timing assertions: speed targets live in the benchmark's output (docs/performance.md).
 """
 
+import contextlib
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from mpiring.tools import bench
 from mpiring.tools.bench import Config
-from mpiring.tools.benchtable import COLUMNS, format_table, read_csv, write_csv
+from mpiring.tools.benchtable import COLUMNS, format_table, format_targets, read_csv, write_csv
+from mpiring.tools.loadgen import spinner_pids
 from mpiring.tools.memory import memory_model
 from mpiring.tools.torchref import torch_available, torch_times
 
@@ -78,6 +82,137 @@ def test_quick_bench_two_ranks_against_baseline(tmp_path):
         if row["P"] == 2 and row["status"] == "ok":
             assert row["efficiency"] > 0
     assert result.stdout.count("wrote ") == 1  # only rank 0 reports
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
+def test_quick_bench_under_load_leaves_no_spinner(tmp_path):
+    """--load 1: every row timed again with a busy process beside it, which is gone when the job ends."""
+    before = set(spinner_pids())
+    path = tmp_path / "loaded.csv"
+    cmd = mpiexec_argv(2, sys.executable, "-m", "mpiring", "bench", *TINY, "--no-torch", "--precisions", "fp32",
+                       "--load", "1", "--csv", path)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=clean_env())
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert not set(spinner_pids()) - before  # killed and reaped by rank 0, not left spinning
+    rows = read_csv(path)
+    _check_rows(rows, 2)
+    assert all(r["load"] == 1 and r["wall_loaded_s"] > 0 for r in rows)
+    assert "wall@L" in result.stdout and "x torch@L" in result.stdout and "1 busy background" in result.stdout
+
+
+@pytest.mark.skipif(MPIEXEC is None or not os.path.isdir("/proc"), reason="no mpiexec on PATH, or no /proc")
+def test_interrupted_under_load_leaves_no_spinner():
+    """Ctrl-C passed on by mpiexec while a row runs loaded: the ranks exit 130 (os._exit: no finally, no atexit),
+    and the spinner, orphaned, leaves by itself."""
+    before = set(spinner_pids())
+    cmd = mpiexec_argv(2, sys.executable, "-m", "mpiring", "bench", "--sizes", "2048", "--dims", "64", "--mask",
+                       "full", "--passes", "fwd", "--precisions", "fp32", "--repeats", "20", "--budget", "60",
+                       "--load", "1", "--no-torch", "--inference", "off")
+    job = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=clean_env(),
+                           start_new_session=True)
+    try:
+        end = time.perf_counter() + 120
+        while not set(spinner_pids()) - before and time.perf_counter() < end and job.poll() is None:
+            time.sleep(0.05)
+        assert set(spinner_pids()) - before, "the loaded row never started"
+        time.sleep(0.3)
+        os.kill(job.pid, signal.SIGINT)  # mpiexec alone, which passes it to the ranks
+        assert job.wait(timeout=60) == 130, job.stderr.read()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+        job.communicate()
+    end = time.perf_counter() + 5
+    while set(spinner_pids()) - before and time.perf_counter() < end:
+        time.sleep(0.05)
+    assert not set(spinner_pids()) - before
+
+
+def test_torch_is_timed_again_under_the_same_load(monkeypatch):
+    started = []
+
+    @contextlib.contextmanager
+    def fake_load(n):
+        started.append(n)
+        yield []
+
+    monkeypatch.setattr(bench, "busy_load", fake_load)
+    monkeypatch.setattr(bench, "torch_times", lambda configs, **kw: [3.0] * len(configs))
+    rows = [{"wall_s": 2.0, "vs_torch": 1.2, "wall_loaded_s": 2.5}, {"wall_s": 2.0}]
+    todo = [(0, Config(256, 16)), (1, Config(256, 16, causal=True))]
+    args = bench.bench_parser().parse_args(["--load", "1"])
+    bench._torch_loaded(rows, todo, args, threads=2)
+    assert started == [1]
+    assert rows[0]["torch_loaded_s"] == 3.0 and rows[0]["vs_torch_loaded"] == 1.2
+    assert rows[0]["load_drop"] == pytest.approx(0.0) and "torch_loaded_s" not in rows[1]
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
+def test_negative_load_is_refused_on_every_rank():
+    cmd = mpiexec_argv(2, sys.executable, "-m", "mpiring", "bench", "--quick", "--load", "-1")
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=clean_env())
+    assert result.returncode == 2 and result.stderr.count("--load must be at least 0, got -1") == 1, result.stderr
+
+
+def test_negative_load_is_refused_in_process(capsys):
+    from mpi4py import MPI
+
+    with pytest.raises(SystemExit) as exc:
+        bench.bench(MPI.COMM_SELF, ["--quick", "--load", "-1"])
+    assert exc.value.code == 2 and "--load must be at least 0, got -1" in capsys.readouterr().err
+
+
+def _target_row(name, causal, **values):
+    row = {"P": 2, "S": 16384, "D": 64, "H": 8, "B": 1, "causal": causal, "pass": name, "precision": "fp32",
+           "status": "ok", "wall_s": 2.0, "torch_gflops": 150.0}
+    row.update(values)
+    return row
+
+
+def _target_line(text, name, mask):
+    return next(line for line in text.splitlines() if line.split(":")[0].split() == [name, mask])
+
+
+def test_targets_against_the_goals():
+    """x torch 1.15 forward, 1.1 fwd+bwd; kern% 0.95; eff 0.97; comm 1 %; RSS 1.5; loaded drop 0.1."""
+    good = dict(kernel_of_limit=0.96, efficiency=0.98, exposed_comm=0.005, rss_vs_model=1.2)
+    rows = [_target_row("fwd", 0, vs_torch=1.16, **good),
+            _target_row("fwd", 1, vs_torch=1.12, kernel_of_limit=0.94, efficiency=0.96, exposed_comm=0.015,
+                        rss_vs_model=1.6),
+            _target_row("fwd+bwd", 0, vs_torch=1.12, **good),
+            _target_row("fwd+bwd", 1, vs_torch=1.05, **good),
+            _target_row("fwd", 0, vs_torch=0.5, **dict(good, S=8192)),  # not a target row
+            dict(_target_row("fwd", 0, vs_torch=0.5, **good), P=1)]
+    text = format_targets(rows, {64: {"peak_flops": 100e9}})
+    assert text.startswith("targets at S=16384, D=64, H=8, P=2, fp32:")
+    assert "MISSED" not in _target_line(text, "fwd", "full")
+    assert "x torch 1.160 (>=1.15 met)" in _target_line(text, "fwd", "full")
+    assert "exposed comm 0.50% (<=1% met)" in _target_line(text, "fwd", "full")
+    line = _target_line(text, "fwd", "causal")
+    for missed in ("x torch 1.120 (>=1.15 MISSED)", "kernel of limit 0.940 (>=0.95 MISSED)",
+                   "efficiency 0.960 (>=0.97 MISSED)", "exposed comm 1.50% (<=1% MISSED)",
+                   "RSS/model 1.60 (<=1.5 MISSED)"):
+        assert missed in line
+    assert "x torch 1.120 (>=1.1 met)" in _target_line(text, "fwd+bwd", "full")
+    assert "x torch 1.050 (>=1.1 MISSED)" in _target_line(text, "fwd+bwd", "causal")
+    assert text.count("ceiling: 2 cores of square GEMM") == 4 and "loaded" not in text
+    assert "CORETYPE" not in text and ">=1.5 " not in text and ">=1 " not in text  # the old goals are gone
+
+
+def test_targets_under_load():
+    good = dict(kernel_of_limit=0.96, efficiency=0.98, exposed_comm=0.005, rss_vs_model=1.2, load=1,
+                wall_loaded_s=2.5)
+    rows = [_target_row("fwd", 0, vs_torch=1.20, vs_torch_loaded=1.15, load_drop=0.05, **good),
+            _target_row("fwd", 1, vs_torch=1.20, vs_torch_loaded=1.00, load_drop=0.20, **good),
+            _target_row("fwd+bwd", 0, **good)]  # --no-torch: no ratio to compare
+    text = format_targets(rows)
+    assert "loaded: x torch 1.15 under load 1 (idle 1.20, drop 0.050 <= 0.1 met)" in text
+    assert "loaded: x torch 1.00 under load 1 (idle 1.20, drop 0.200 <= 0.1 MISSED)" in text
+    assert "loaded: wall 2.500 s under load 1 (idle 2.000 s), no torch column" in text
+    loaded = format_table(rows, loaded=True).splitlines()
+    assert loaded[0].split()[-5:] == ["wall@L", "torch@L", "x", "torch@L", "drop"]
+    assert loaded[1].split()[-4:] == ["2.500", "-", "1.15", "0.05"]
+    assert "wall@L" not in format_table(rows)
 
 
 @pytest.mark.skipif(not torch_available(), reason="torch not installed")

@@ -82,6 +82,7 @@ def _run(n, *args, **kw):
     (["run", "--timeout", "-1"], "argument --timeout"),
     (["schedule", "-P", "0"], "-P/--ranks must be at least 1, got 0"),
     (["cost", "--seq-len", "1024", "-P", "0", "--hidden", "64", "--heads", "8"], "-P/--ranks must be at least 1"),
+    (["bench", "--load", "-1"], "--load must be at least 0, got -1"),
 ])
 def test_option_checks_name_the_option(capsys, argv, message):
     """Checked before anything runs (run starts no MPI for them): exit 2, the option named."""

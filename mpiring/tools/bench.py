@@ -30,6 +30,9 @@ the kernel's scratch. Columns (see docs/performance.md):
 - torch: ``torch.nn.functional.scaled_dot_product_attention`` on the whole
   sequence with P threads, in a child process while the ranks idle.
 - bg: cores kept busy by other processes while the row ran (0 on an idle machine).
+- with ``--load N``: every row is timed again while rank 0 keeps N extra processes
+  spinning (``tools.loadgen``), and so is the torch column: wall@L, torch@L,
+  x torch@L, and the drop of "x torch" from idle to loaded.
 """
 
 import importlib.util
@@ -54,8 +57,9 @@ from mpiring.precision import Precision, named_dtype
 
 from .benchinfer import inference_rows
 from .benchtable import add_efficiency, format_header, format_long, format_table, format_targets, read_csv, write_csv
-from .cli import command_parser
+from .cli import at_least, command_parser
 from .limits import blas_report, limit_seconds, measure_limits
+from .loadgen import busy_load
 from .memory import MB, kernel_scratch, memory_model
 from .probes import available_mb, busy_cpu_seconds, own_cpu_seconds, peak_rss_mb, reset_peak_rss, rss_mb
 from .torchref import torch_available, torch_times
@@ -200,6 +204,21 @@ def run_config(comm, cfg, *, repeats=3, budget=30.0, seed=0, limits=None, baseli
     return row
 
 
+def _torch_loaded(rows, todo, args, threads):
+    """Rank 0: torch again on the rows timed under load, with the same ``--load`` spinning; fills the loaded ratio."""
+    todo = [(i, c) for i, c in todo if "wall_loaded_s" in rows[i]]
+    if not todo:
+        return
+    with busy_load(args.load):
+        times = torch_times([c for _, c in todo], threads=threads, repeats=args.repeats, budget=args.budget)
+    for (i, _), t in zip(todo, times, strict=True):
+        row = rows[i]
+        if t:
+            row.update(torch_loaded_s=t, vs_torch_loaded=t / row["wall_loaded_s"])
+            if "vs_torch" in row:
+                row["load_drop"] = row["vs_torch"] - row["vs_torch_loaded"]
+
+
 def _background_load(comm, clock):
     """Cores kept busy by processes other than the ranks (and their children) since ``clock``."""
     start, busy, own = clock
@@ -244,6 +263,10 @@ def bench_parser():
     p.add_argument("--inference", choices=["auto", "on", "off", "only"], default="auto",
                    help="the inference rows (decode tree vs ring over a 64k cache, prefill pass-KV vs pass-Q; "
                         "tools.benchinfer): auto = with the full table, not with --quick or --long")
+    p.add_argument("--load", type=int, default=0, metavar="N",
+                   help="also time every row (and its torch column) with N busy background processes "
+                        "started by rank 0 (0: idle only)")
+    p.checks.append(at_least(0, **{"--load": "load"}))
     return p
 
 
@@ -298,18 +321,25 @@ def bench(comm, args=None):
     guard = comm.bcast(available_mb() if rank == 0 else None, root=0)
     if rank == 0:
         print(format_header(size=size, threads=args.threads, long=args.long, rows=len(configs), report=report,
-                            limits=limits, baseline_mb=baseline_mb, use_torch=use_torch))
+                            limits=limits, baseline_mb=baseline_mb, use_torch=use_torch, load=args.load))
     rows = []
     for cfg in configs:
         start = (time.perf_counter(), busy_cpu_seconds(), comm.allreduce(own_cpu_seconds()))
         row = run_config(comm, cfg, repeats=args.repeats, budget=args.budget, seed=args.seed, limits=limits,
                          baseline_mb=baseline_mb, guard_mb=guard, local_ranks=local_ranks)
-        load = _background_load(comm, start)  # other processes' cores while this row ran
+        load = _background_load(comm, start)  # other processes' cores while this row ran (idle part)
+        # rank 0 decides whether the row runs again under load: every rank must take the same branch
+        if comm.bcast(args.load > 0 and row.get("status") == "ok" if rank == 0 else None, root=0):
+            with busy_load(args.load if rank == 0 else 0):
+                again = run_config(comm, cfg, repeats=args.repeats, budget=args.budget, seed=args.seed,
+                                   baseline_mb=baseline_mb)
+            if rank == 0:
+                row.update(load=args.load, wall_loaded_s=again["wall_s"])
         if rank == 0:
             row.update(blas=report["blas"], blas_arch=report["blas_arch"], blas_threads=args.threads,
                        background_cores="" if load is None else load)
             rows.append(row)
-            print(format_table([row]).splitlines()[1], flush=True)
+            print(format_table([row], loaded=args.load > 0).splitlines()[1], flush=True)
     if use_torch:  # rank 0 runs torch with P threads while the other ranks sleep
         if rank == 0:
             todo = [(i, c) for i, c in enumerate(configs)  # torch at fp32: the bf16 and int8 rows compare to fp32
@@ -320,6 +350,7 @@ def bench(comm, args=None):
                 if t:
                     flops = rows[i]["gflops"] * rows[i]["wall_s"]
                     rows[i].update(torch_s=t, torch_gflops=flops / t, vs_torch=t / rows[i]["wall_s"])
+            _torch_loaded(rows, todo, args, threads=size * args.threads)
         _idle_barrier(comm)
     if args.inference == "on" or (args.inference == "auto" and not (args.quick or args.long or args.sizes)):
         if rank == 0:
@@ -332,8 +363,8 @@ def bench(comm, args=None):
     add_efficiency(rows, baseline_rows)
     everything = [r for r in baseline_rows if r.get("P") != size] + rows
     print()
-    print(format_table(everything))
-    summary = format_long(rows) if args.long else format_targets(everything, report, limits)
+    print(format_table(everything, loaded=args.load > 0))
+    summary = format_long(rows) if args.long else format_targets(everything, limits)
     if summary:
         print("\n" + summary)
     if not args.long and len({c.precision for c in configs}) > 1:  # where the bf16 and int8 wires pay
