@@ -13,9 +13,10 @@ the kernel's scratch. Columns (see docs/performance.md):
   (forward+backward: the forward and the backward ring back to back).
 - GFLOP/s: forward 4*B*H*D*visible pairs; forward+backward 3.5x that
   (FlashAttention's count: 2 GEMMs forward, 5 backward).
-- limit: the same work at the single-core rate of ``np.matmul`` on the GEMM
-  shapes of a tile, plus the faster of ``np.exp``/``np.exp2`` on one exponential
-  per visible pair (two for forward+backward), measured at the start of the run;
+- limit: the same work at the single-core rate of the kernels' GEMMs
+  (``mpiring.gemm``: ``np.matmul``, or MKL's) on the GEMM shapes of a tile,
+  plus the faster of ``np.exp``/``np.exp2`` on one exponential per visible
+  pair (two for forward+backward), measured at the start of the run;
   the busiest rank's share of the pairs. ``%lim`` = limit / wall,
   ``kern%`` = limit / time inside the kernels and merges.
 - eff: parallel efficiency T(P=1) / (P * T(P)) against a baseline CSV of P=1.

@@ -137,11 +137,13 @@ def format_header(*, size, threads, long, rows, report, limits, baseline_mb, use
     if report["warning"]:
         lines.append(f"{'WARNING' if 'below' in report['warning'] else 'NOTE'}: {report['warning']}")
     for d, lim in limits.items():
-        lines.append(f"limit, one core: D={d}: np.matmul {lim['gemm_flops'] / 1e9:.1f} GFLOP/s, "
-                     f"np.{lim['exp_fn']} {lim['exp_per_s'] / 1e9:.2f} G/s")
+        lines.append(f"limit, one core: D={d}: {lim.get('gemm_name', 'np.matmul')} {lim['gemm_flops'] / 1e9:.1f} "
+                     f"GFLOP/s, np.{lim['exp_fn']} {lim['exp_per_s'] / 1e9:.2f} G/s")
     if limits:
-        peak = next(iter(limits.values()))["peak_flops"]
-        lines.append(f"ceiling: np.matmul 2048x2048x2048 on one core {peak / 1e9:.1f} GFLOP/s; no attention kernel "
+        first = next(iter(limits.values()))
+        peak = first["peak_flops"]
+        lines.append(f"ceiling: {first.get('gemm_name', 'np.matmul')} 2048x2048x2048 on one core {peak / 1e9:.1f} "
+                     f"GFLOP/s; no attention kernel "
                      f"on {size} rank(s) x {threads} thread(s) can pass {size * threads * peak / 1e9:.0f} GFLOP/s")
     lines.append(f"interpreter baseline RSS {baseline_mb:.0f} MiB per rank; "
                  f"torch SDPA column: {'yes, ' + str(size * threads) + ' threads' if use_torch else 'no'}")

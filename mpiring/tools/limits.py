@@ -1,4 +1,4 @@
-"""What one core of this machine can do: its BLAS, and np.matmul and np.exp rates on attention tiles.
+"""What one core of this machine can do: its BLAS, and the kernels' GEMM and np.exp rates on attention tiles.
 
     python mpiring/tools/limits.py --gemm-probe     # what the benchmark runs in a child process
 
@@ -32,15 +32,22 @@ def _blas_pools():
     return [p for p in threadpool_info() if p.get("user_api") == "blas"]
 
 
-def _tile_gemms(rng, n, d, dtype):
-    """The two forward GEMMs of one (n x n) attention tile with head dim ``d``, as a function to time."""
+def _tile_gemms(rng, n, d, dtype, mm=None):
+    """The two forward GEMMs of one (n x n) attention tile with head dim ``d``, as a function to time.
+
+    ``mm``: a ``mpiring.gemm`` product (the kernels' backend); None: ``np.matmul``.
+    """
     q = rng.standard_normal((n, d), dtype=np.float32).astype(dtype)
     k = rng.standard_normal((n, d), dtype=np.float32).astype(dtype)
     s, o = np.empty((n, n), dtype), np.empty((n, d), dtype)
 
     def gemms():
-        np.matmul(q, k.T, out=s)
-        np.matmul(s, k, out=o)
+        if mm is None:
+            np.matmul(q, k.T, out=s)
+            np.matmul(s, k, out=o)
+        else:
+            mm(q[None], k.T[None], s[None])
+            mm(s[None], k[None], o[None])
 
     return gemms
 
@@ -96,12 +103,12 @@ def blas_report(check_free=True):
 
 
 def measure_limits(dims, n=1024, repeats=5, dtype=np.float32):
-    """Single-core ``np.matmul`` FLOP/s and exponentials/s on one attention tile of ``n`` x ``n``.
+    """Single-core GEMM FLOP/s (the kernels' backend, ``mpiring.gemm``) and exponentials/s on one ``n`` x ``n`` tile.
 
     For each head dim d: the two forward GEMMs of a tile, ``(n, d) @ (d, n)``
     and ``(n, n) @ (n, d)``, timed together (best of ``repeats``), and the faster
     of ``np.exp`` and ``np.exp2`` on n*n scores in [-16, 0) written to a second
-    buffer. Also the machine's ceiling: one core's ``np.matmul`` on a square
+    buffer. Also the machine's ceiling: one core's GEMM on a square
     2048 x 2048 fp32 product, the fastest GEMM this BLAS runs (no attention
     kernel can beat it, since every score costs 4*d GEMM FLOPs).
     Returns ``{d: {"gemm_flops": .., "exp_per_s": .., "exp_fn": .., "peak_flops": ..}}``.
@@ -110,17 +117,23 @@ def measure_limits(dims, n=1024, repeats=5, dtype=np.float32):
     src = (rng.random((n, n), dtype=np.float32) * -16).astype(dtype)
     dst = np.empty_like(src)
     exp_rate, exp_fn = 0.0, "exp"
+    from mpiring import gemm  # here, not at the top: this file also runs as a script
+
     with threadpool_limits(1, user_api="blas"):
+        mm = gemm.product()  # the GEMMs the kernels use with one thread: NumPy's or MKL's
+        gemm_name = "MKL" if mm is gemm.gemm_mkl else "np.matmul"
         for name, fn in (("exp", np.exp), ("exp2", np.exp2)):
             rate = n * n / best_seconds(lambda fn=fn: fn(src, out=dst), repeats)
             if rate > exp_rate:
                 exp_rate, exp_fn = rate, name
         big = rng.standard_normal((2048, 2048), dtype=np.float32)
-        peak = 2 * 2048 ** 3 / best_seconds(lambda: np.matmul(big, big), max(2, repeats // 2))
+        square = np.empty_like(big)
+        peak = 2 * 2048 ** 3 / best_seconds(lambda: mm(big[None], big[None], square[None]), max(2, repeats // 2))
         limits = {}
         for d in dims:
-            gemm_flops = 4 * n * n * d / best_seconds(_tile_gemms(rng, n, d, dtype), repeats)
-            limits[d] = {"gemm_flops": gemm_flops, "exp_per_s": exp_rate, "exp_fn": exp_fn, "peak_flops": peak}
+            gemm_flops = 4 * n * n * d / best_seconds(_tile_gemms(rng, n, d, dtype, mm), repeats)
+            limits[d] = {"gemm_flops": gemm_flops, "exp_per_s": exp_rate, "exp_fn": exp_fn, "peak_flops": peak,
+                         "gemm_name": gemm_name}
     return limits
 
 
