@@ -50,6 +50,15 @@ def mkl_library():
     return ctypes.util.find_library("mkl_rt")
 
 
+_errors = []  # what MKL's error handler reported during the last call
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.POINTER(ctypes.c_int), ctypes.c_int)
+def _xerbla(name, number, length):
+    """MKL's parameter-error handler: recorded here and raised by the caller, instead of printed and ignored."""
+    _errors.append(f"parameter {number[0]} of {name[:length].decode(errors='replace')}")
+
+
 @functools.cache
 def _mkl():
     """MKL's batched GEMMs as ctypes functions, sequential; None when MKL is not installed or unusable."""
@@ -59,6 +68,7 @@ def _mkl():
     try:
         lib = ctypes.CDLL(path)
         lib.MKL_Set_Threading_Layer(ctypes.c_int(1))  # MKL_THREADING_SEQUENTIAL: no thread pool of its own
+        lib.mkl_set_xerbla(_xerbla)
     except (OSError, AttributeError):
         return None
     p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
@@ -161,9 +171,18 @@ def _mkl_gemm(a, b, out, beta):
             out.fill(0)
         return True
     size = out.itemsize
-    oa, ob, oc = _operand(a, size), _operand(b, size), _operand(out, size)
-    if oa is None or ob is None or oc is None or oc[0] != _NO_TRANS or (nb > 1 and 0 in (oa[2], ob[2], oc[2])):
+    ops = [_operand(x, size) for x in (a, b, out)]
+    if None in ops or ops[2][0] != _NO_TRANS:
         return False
-    fn(_ROW_MAJOR, oa[0], ob[0], m, n, k, 1.0, a.ctypes.data, oa[1], oa[2], b.ctypes.data, ob[1], ob[2],
-       float(beta), out.ctypes.data, oc[1], oc[2], nb)
+    strides = []
+    for x, (trans, ld, stride) in zip((a, b, out), ops):
+        extent = ld * (x.shape[1] if trans == _NO_TRANS else x.shape[2])  # one stored matrix, as MKL checks it
+        if nb > 1 and stride < extent:  # batches that overlap (a broadcast one): MKL refuses them
+            return False
+        strides.append(stride if nb > 1 else extent)
+    (ta, lda, _), (tb, ldb, _), (_, ldc, _) = ops
+    fn(_ROW_MAJOR, ta, tb, m, n, k, 1.0, a.ctypes.data, lda, strides[0], b.ctypes.data, ldb, strides[1],
+       float(beta), out.ctypes.data, ldc, strides[2], nb)
+    if _errors:  # MKL refused a parameter (its xerbla): nothing was computed, never a silent wrong result
+        raise RuntimeError(f"MKL's GEMM refused its parameters: {_errors.pop()}; shapes {a.shape} @ {b.shape}")
     return True

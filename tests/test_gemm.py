@@ -149,3 +149,22 @@ def test_kernels_on_each_backend(each_gemm, dtype, sq, sk, mask, tiles, hq, hk):
     gtol = 1e-4 if dtype == np.float32 else 1e-10
     for got, ref in zip(grads, want):
         assert np.allclose(got, ref, rtol=gtol, atol=gtol)
+
+
+@needs_mkl
+def test_single_matrices_with_any_batch_stride():
+    """A batch of one whose batch stride NumPy leaves at 0 (``x[None]``), as the benchmark's limits pass them."""
+    rng = np.random.default_rng(8)
+    q, k = rng.standard_normal((64, 16)).astype(np.float32), rng.standard_normal((48, 16)).astype(np.float32)
+    s = np.empty((64, 48), np.float32)
+    gemm.gemm_mkl(q[None], k.T[None], s[None])
+    assert np.allclose(s, q @ k.T, rtol=1e-5, atol=1e-5)
+
+
+@needs_mkl
+def test_a_refused_call_raises(monkeypatch):
+    """Should MKL refuse its parameters, the call raises: never a result that was not computed."""
+    monkeypatch.setattr(gemm, "_operand", lambda x, size: (gemm._NO_TRANS, 0, 0))  # lda 0: invalid
+    a = np.ones((1, 2, 2), np.float32)
+    with pytest.raises(RuntimeError, match="MKL's GEMM refused its parameters"):
+        gemm.gemm_mkl(a, a, np.empty_like(a))
