@@ -109,7 +109,7 @@ def _time(fn, repeats):
     return best
 
 
-def tune(dims=(64, 128), dtypes=("float32", "float64"), seq=2048, heads=8, repeats=2, backends=None, write=True,
+def tune(dims=(64, 128), dtypes=("float32",), seq=4096, heads=8, repeats=2, backends=None, write=True,
          log=print):
     """Time every (backend, tiles) candidate on one core; cache and return the choice for this machine.
 

@@ -22,9 +22,9 @@ __all__ = ["tune", "tune_parser"]
 def tune_parser():
     p = command_parser("tune", tune)
     p.add_argument("--dims", type=int, nargs="+", default=[64, 128], metavar="D", help="head dims")
-    p.add_argument("--dtypes", nargs="+", default=["float32", "float64"], choices=["float32", "float64"],
+    p.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "float64"],
                    help="compute dtypes (half inputs compute in float32)")
-    p.add_argument("--seq", type=int, default=2048, help="tokens of the timed block (queries = keys)")
+    p.add_argument("--seq", type=int, default=4096, help="tokens of the timed block (queries = keys)")
     p.add_argument("--heads", type=int, default=8, help="heads of the timed block")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per candidate (the fastest counts)")
     p.add_argument("--backends", nargs="+", choices=gemm.BACKENDS, help="GEMM backends to try "
