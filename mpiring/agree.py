@@ -526,7 +526,8 @@ def check_call(comm, problem, values, peaks, timeout):
     digest = _digest(values)
     mine = np.array([1.0 if problem else 0.0, digest, -digest, *peaks])
     every = np.empty_like(mine)
-    wait_until([comm.Iallreduce(mine, every, op=MPI.MAX)], agreement_timeout(timeout), comm.Get_rank(), "agreement")
+    wait_until([comm.Iallreduce(mine, every, op=MPI.MAX)], agreement_timeout(timeout), comm.Get_rank(), "agreement",
+               sync=True)
     if every[0] or every[1] != -every[2]:
         gathered = allgather(comm, (problem, values), agreement_timeout(timeout))
         raise ValueError(verdict([g[0] for g in gathered]) or verdict(differences([g[1] for g in gathered], 0))

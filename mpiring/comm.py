@@ -23,7 +23,15 @@ __all__ = ["RingComm", "HomeRing", "CommTimeout", "exclusive", "wait_until", "al
 
 # what a timed-out wait says when it knows no better
 CAUSES = "another rank may have failed or stalled, or its compute step outlasted the timeout"
-SPIN_SECONDS = 2.0  # a wait polls MPI without pause this long, then every millisecond
+# A wait for data polls MPI without pause for SPIN_SECONDS, as MPI_Waitall would: a large transfer
+# moves only while someone polls (sleeping 0.1 ms between polls left 1.5 s of the backward's 8 s
+# blocked on the hop home, against 0.03 s). A wait that carries no data (a barrier, an agreement, the
+# end-of-ring check: ``sync=True``) spins SYNC_SPIN_SECONDS; past its spin a wait sleeps between polls,
+# 50 us doubling to 1 ms, leaving its core to the slower ranks it waits for: a rank that spun there
+# took a core from them on a shared machine (docs/performance.md §10).
+SPIN_SECONDS = 2.0
+SYNC_SPIN_SECONDS = 0.02
+NAP_SECONDS = (5e-5, 1e-3)
 
 
 @functools.cache
@@ -98,26 +106,24 @@ def test_all(requests, rank, what):
                           f"has likely failed") from None
 
 
-def wait_until(requests, timeout, rank, what, start=None, note=None):
+def wait_until(requests, timeout, rank, what, start=None, note=None, sync=False):
     """Complete ``requests``, or raise CommTimeout ``timeout`` seconds after ``start`` (None: wait forever).
 
-    ``note`` replaces the message's guess at the cause when the caller knows better.
+    ``note`` replaces the message's guess at the cause when the caller knows better. ``sync``: the
+    requests carry no bulk data, so the polls start sleeping sooner (SYNC_SPIN_SECONDS).
     """
-    if timeout is None:
-        MPI.Request.Waitall(requests)
-        return
     start = time.perf_counter() if start is None else start
-    polled = time.perf_counter()
+    spin = SYNC_SPIN_SECONDS if sync else SPIN_SECONDS
+    polled, nap = time.perf_counter(), NAP_SECONDS[0]
     while not test_all(requests, rank, what):
         now = time.perf_counter()
-        if now - start > timeout:
+        if timeout is not None and now - start > timeout:
             raise CommTimeout(f"rank {rank}: {what} not complete after {timeout:g} s ({note or CAUSES})")
         if shares_cores():  # more ranks than cores here: a spinning rank would slow the one computing
             time.sleep(1e-4)
-        elif now - polled > SPIN_SECONDS:  # a long wait: poll every millisecond, leave the core to others
-            time.sleep(1e-3)
-        # else spin, as MPI_Waitall does: large transfers move only while someone polls (sleeping 0.1 ms
-        # between polls left 1.5 s of the backward's 8 s blocked on the hop home, against 0.03 s)
+        elif now - polled > spin:  # the others are still computing: leave the core to them
+            time.sleep(nap)
+            nap = min(2 * nap, NAP_SECONDS[1])
 
 
 def allgather(comm, obj, timeout=None):
@@ -129,9 +135,10 @@ def allgather(comm, obj, timeout=None):
     start, rank = time.perf_counter(), comm.Get_rank()
     data = _pickled(obj)
     sizes = np.empty(comm.Get_size(), np.int64)
-    wait_until([comm.Iallgather(np.array([data.size], np.int64), sizes)], timeout, rank, "agreement", start)
+    wait_until([comm.Iallgather(np.array([data.size], np.int64), sizes)], timeout, rank, "agreement", start,
+               sync=True)
     flat = np.empty(int(sizes.sum()), np.uint8)
-    wait_until([comm.Iallgatherv(data, [flat, sizes])], timeout, rank, "agreement", start)
+    wait_until([comm.Iallgatherv(data, [flat, sizes])], timeout, rank, "agreement", start, sync=True)
     return _unpickled(flat, sizes)
 
 
@@ -140,7 +147,8 @@ def gather(comm, obj, root, timeout=None):
     start, rank = time.perf_counter(), comm.Get_rank()
     data = _pickled(obj)
     sizes = np.empty(comm.Get_size(), np.int64) if rank == root else None
-    wait_until([comm.Igather(np.array([data.size], np.int64), sizes, root=root)], timeout, rank, "gather", start)
+    wait_until([comm.Igather(np.array([data.size], np.int64), sizes, root=root)], timeout, rank, "gather", start,
+               sync=True)
     flat = np.empty(int(sizes.sum()), np.uint8) if rank == root else None
     wait_until([comm.Igatherv(data, [flat, sizes] if rank == root else None, root=root)], timeout, rank, "gather",
                start)
@@ -176,7 +184,7 @@ class RingComm:
         self.comm, request = comm.Idup()
         self._requests = [request]
         try:
-            wait_until(self._requests, timeout, self.rank, "communicator duplicate")
+            wait_until(self._requests, timeout, self.rank, "communicator duplicate", sync=True)
         except BaseException:
             self.free()
             raise

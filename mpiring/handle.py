@@ -270,7 +270,7 @@ class Ring:
 
     def _start_barrier(self, timeout):
         """The common start of a call whose arguments were agreed by ``setup`` (a handle's all-reduce is one)."""
-        wait_until([self._rings[0].comm.Ibarrier()], timeout, self.rank, "start barrier")
+        wait_until([self._rings[0].comm.Ibarrier()], timeout, self.rank, "start barrier", sync=True)
 
     def _forward(self, q, k, v, scale, record, checked):
         timeout = self._timeout_for(q)

@@ -90,7 +90,8 @@ def agree_outcome(comm, timeout, t0):
     times = np.array([arrived, -arrived])
     spread = np.empty(2)
     rank = comm.Get_rank()
-    wait_until([comm.Iallreduce(times, spread, op=MPI.MAX)], round(timeout * 1.5 + 0.5, 2), rank, "end-of-ring check")
+    wait_until([comm.Iallreduce(times, spread, op=MPI.MAX)], round(timeout * 1.5 + 0.5, 2), rank, "end-of-ring check",
+               sync=True)
     latest, earliest = spread[0], -spread[1]
     if latest - earliest > timeout:
         raise CommTimeout(f"rank {rank}: the ranks finished the ring {latest - earliest:.3g} s apart, more than "
