@@ -23,13 +23,16 @@ __all__ = ["RingComm", "HomeRing", "CommTimeout", "exclusive", "wait_until", "al
 
 # what a timed-out wait says when it knows no better
 CAUSES = "another rank may have failed or stalled, or its compute step outlasted the timeout"
-# A wait for data polls MPI without pause for SPIN_SECONDS, as MPI_Waitall would: a large transfer
-# moves only while someone polls (sleeping 0.1 ms between polls left 1.5 s of the backward's 8 s
-# blocked on the hop home, against 0.03 s). A wait that carries no data (a barrier, an agreement, the
-# end-of-ring check: ``sync=True``) spins SYNC_SPIN_SECONDS; past its spin a wait sleeps between polls,
-# 50 us doubling to 1 ms, leaving its core to the slower ranks it waits for: a rank that spun there
-# took a core from them on a shared machine (docs/performance.md §10).
-SPIN_SECONDS = 2.0
+# How a rank waits (docs/performance.md §10). It polls MPI without pause for SPIN_SECONDS, as
+# MPI_Waitall would: a large transfer moves only while someone polls, and in a balanced ring the
+# others finish about when this rank did. Past that they are still computing, and a rank that kept
+# spinning took a core from the slower rank it waited for on a shared machine (the backward under
+# one busy process: 11.3 s against 5.4 s): the wait sleeps between polls, 50 us doubling to 1 ms,
+# and after each nap polls for BURST_SECONDS, so data that starts to move keeps moving (naps alone
+# slowed the idle backward by 10-20 %). A wait that carries no data (a barrier, an agreement, the
+# end-of-ring check: ``sync=True``) spins SYNC_SPIN_SECONDS and needs no bursts.
+SPIN_SECONDS = 0.1
+BURST_SECONDS = 1e-3
 SYNC_SPIN_SECONDS = 0.02
 NAP_SECONDS = (5e-5, 1e-3)
 
@@ -113,7 +116,7 @@ def wait_until(requests, timeout, rank, what, start=None, note=None, sync=False)
     requests carry no bulk data, so the polls start sleeping sooner (SYNC_SPIN_SECONDS).
     """
     start = time.perf_counter() if start is None else start
-    spin = SYNC_SPIN_SECONDS if sync else SPIN_SECONDS
+    spin, burst = (SYNC_SPIN_SECONDS, 0.0) if sync else (SPIN_SECONDS, BURST_SECONDS)
     polled, nap = time.perf_counter(), NAP_SECONDS[0]
     while not test_all(requests, rank, what):
         now = time.perf_counter()
@@ -124,6 +127,9 @@ def wait_until(requests, timeout, rank, what, start=None, note=None, sync=False)
         elif now - polled > spin:  # the others are still computing: leave the core to them
             time.sleep(nap)
             nap = min(2 * nap, NAP_SECONDS[1])
+            until = time.perf_counter() + burst  # data: a burst of polls after each nap keeps it moving
+            while time.perf_counter() < until and not test_all(requests, rank, what):
+                pass
 
 
 def allgather(comm, obj, timeout=None):

@@ -47,6 +47,7 @@ from threadpoolctl import threadpool_limits
 
 from mpiring import (
     Record,
+    gemm,
     make_plan,
     predicted_backward_bytes,
     predicted_bytes_sent,
@@ -304,7 +305,8 @@ def bench(comm, args=None):
     if args.inference == "only":
         inference_rows(comm, quick=args.quick)
         return 0
-    baseline_mb = comm.allreduce(rss_mb(), op=MPI.MAX)  # interpreter + numpy + mpi4py, before any array
+    gemm.product()  # the kernels' GEMM library (MKL, when used) loaded: its code is baseline, not data
+    baseline_mb = comm.allreduce(rss_mb(), op=MPI.MAX)  # interpreter + libraries, before any array
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
     local_ranks = local.Get_size()
     local.Free()
