@@ -16,7 +16,7 @@ the tuning cache's choice, ``python -m mpiring tune``, else MKL when installed):
 - ``mkl``: ``cblas_?gemm_batch_strided`` of Intel MKL's ``libmkl_rt``
   (``pip install mpiring[mkl]``), called through ctypes, sequential: one
   thread per rank. On the Xeon this was measured on, its GEMMs with the head
-  dim as inner size run 1.25-1.35x OpenBLAS's (docs/performance.md §10).
+  dim as inner size run 1.2-1.35x OpenBLAS's (docs/performance.md §10).
   Used only while BLAS runs one thread per process (``mpiring.threads``);
   other thread counts take NumPy's path.
 
