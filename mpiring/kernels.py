@@ -157,7 +157,10 @@ def attention_block(
             # Offset m = score of each row's first visible key (any visible key
             # works: it makes every row sum >= 1).
             first = np.zeros(e - a, np.int64) if lo is None else np.minimum(lo[a:e], sk - 1)
-            m = np.einsum("bgtd,bdt->bgt", qa[..., :d], kt[:, :d, first])
+            if first.min() == first.max():    # one key for all rows (full, causal): a matrix-vector product
+                m = np.matmul(qa[..., :d], kt[:, None, :d, first[0]:first[0] + 1])[..., 0]
+            else:
+                m = np.einsum("bgtd,bdt->bgt", qa[..., :d], kt[:, :d, first])
             qa[..., d] = -m
             m_top, m_low = m.max(), m.min()
             acc = acc_buf[:b * rows * (dv + 1)].reshape(b, g, e - a, dv + 1)
