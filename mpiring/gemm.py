@@ -34,6 +34,9 @@ import sys
 
 import numpy as np
 
+from .threads import blas_threads
+from .tiles import scratch
+
 __all__ = ["gemm", "product", "backend", "set_backend", "available", "mkl_library", "BACKENDS"]
 
 BACKENDS = ("numpy", "mkl")
@@ -114,9 +117,7 @@ def _operand(x, itemsize):
     """(transpose flag, leading dimension, batch stride) of a (B, r, c) view for a row-major BLAS, or None."""
     _, r, c = x.shape
     s0, s1, s2 = (s // itemsize for s in x.strides)
-    if any(s % itemsize for s in x.strides):
-        return None
-    if s0 < 0:
+    if s0 < 0 or any(s % itemsize for s in x.strides):
         return None
     if s2 == 1 or c == 1:
         ld = s1 if r > 1 else c
@@ -132,11 +133,8 @@ def product():
 
     Kernels ask once per call (the thread count is read from the BLAS, a few microseconds).
     """
-    if backend() == "mkl":
-        from .threads import blas_threads
-
-        if blas_threads() == 1:
-            return gemm_mkl
+    if backend() == "mkl" and blas_threads() == 1:
+        return gemm_mkl
     return gemm
 
 
@@ -144,9 +142,7 @@ def gemm(a, b, out, beta=0.0):
     """``out = a @ b`` (``beta=0``) or ``out += a @ b`` (``beta=1``), batched over the first axis, in place."""
     if beta == 0:
         return np.matmul(a, b, out=out)
-    from .tiles import scratch  # the product lands in a reused buffer, then one add
-
-    out += np.matmul(a, b, out=scratch("gemm", out.shape, np.result_type(a, b)))
+    out += np.matmul(a, b, out=scratch("gemm", out.shape, np.result_type(a, b)))  # a reused buffer, one add
     return out
 
 

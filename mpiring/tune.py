@@ -180,3 +180,6 @@ def _write(entry):
         json.dump(data, f, indent=1, sort_keys=True)
     os.replace(tmp, path)
     cached.cache_clear()
+    from .gemm import backend  # its choice for "auto" came from the cache too
+
+    backend.cache_clear()

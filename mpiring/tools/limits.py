@@ -40,14 +40,11 @@ def _tile_gemms(rng, n, d, dtype, mm=None):
     q = rng.standard_normal((n, d), dtype=np.float32).astype(dtype)
     k = rng.standard_normal((n, d), dtype=np.float32).astype(dtype)
     s, o = np.empty((n, n), dtype), np.empty((n, d), dtype)
+    mm = mm or (lambda a, b, out: np.matmul(a, b, out=out))
 
     def gemms():
-        if mm is None:
-            np.matmul(q, k.T, out=s)
-            np.matmul(s, k, out=o)
-        else:
-            mm(q[None], k.T[None], s[None])
-            mm(s[None], k[None], o[None])
+        mm(q[None], k.T[None], s[None])
+        mm(s[None], k[None], o[None])
 
     return gemms
 
