@@ -23,6 +23,7 @@ from .heads import HybridPlan
 from .plan import chunks_in_order, home_chunks, key_chunks
 from .precision import Precision
 from .ring import agree_outcome
+from .tiles import filled
 
 __all__ = ["run_backward"]
 
@@ -39,22 +40,25 @@ def _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec,
     rank, wire = kv_ring.rank, pr.wire
     queries = (dout, q, out, lse, delta)
     chunks = home_chunks(plan)
-    dq = np.zeros(q.shape, GRAD_DTYPE)
-    own = [np.zeros(k.shape, GRAD_DTYPE), np.zeros(v.shape, GRAD_DTYPE)]  # step 0: this rank's own block
+    # the sums are kept buffers (no page faults: docs/performance.md §11) when the caller converts them to a copy
+    keep = pr.input != GRAD_DTYPE
+    dq, dk, dv = (filled(f"bwd.{name}", a.shape, GRAD_DTYPE, 0) if keep else np.zeros(a.shape, GRAD_DTYPE)
+                  for name, a in (("dq", q), ("dk", k), ("dv", v)))
+    own = [dk, dv]  # step 0: this rank's own block
     mine = (pr.widen(k), pr.widen(v))  # the own block, computed on exactly
     coded = (wire.encode(k), wire.encode(v))  # as the wire carries it: coded once, here
     held = {stream: coded for stream in plan.rounds or [+1]}  # the K/V block each stream holds now
     arriving = {}  # stream -> the dK/dV partial of the held block, sent by its previous visitor
     longest = max(len(s) for s in plan.kv_shards)
     empty = tuple(np.empty(a.shape[:-2] + (0, a.shape[-1]), pr.grad) for a in (k, v))
-    kv_buffers = {stream: Buffers(coded, longest) for stream in plan.rounds}
-    grad_buffers = {stream: Buffers(empty, longest) for stream in plan.rounds}
+    kv_buffers = {stream: Buffers(coded, longest, f"bwd.kv{stream}") for stream in plan.rounds}
+    grad_buffers = {stream: Buffers(empty, longest, f"bwd.grad{stream}") for stream in plan.rounds}
     homecoming = {}  # stream -> this rank's block's partial, from its last visitor on that stream
     for stream, rounds in plan.rounds.items():
         if rounds > 0:  # its receives, one per key chunk (dK and dV), are posted now
-            # written now (np.full, not np.empty or calloc'd np.zeros), so the pages are mapped before
-            # the last chunk lands: a first touch costs ~2 ms per MiB on the development VM
-            homecoming[stream] = (np.full(k.shape, 0, pr.grad), np.full(v.shape, 0, pr.grad))
+            # written now, so the pages are mapped before the last chunk lands
+            homecoming[stream] = (filled(f"bwd.home{stream}k", k.shape, pr.grad, 0),
+                                  filled(f"bwd.home{stream}v", v.shape, pr.grad, 0))
             home_ring.expect(stream, homecoming[stream], key_chunks(k.shape[-2], chunks))
 
     def progress():
@@ -86,7 +90,8 @@ def _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec,
             if step == 0:
                 total = own  # the own block's share stays here
             elif step == 1:  # the first visitor starts the partial
-                total = tuple(np.zeros(a.shape[:-2] + (n, a.shape[-1]), pr.grad) for a in (k, v))
+                total = tuple(filled(f"bwd.start{stream}{name}", a.shape[:-2] + (n, a.shape[-1]), pr.grad, 0)
+                              for name, a in (("k", k), ("v", v)))
             else:
                 total = arriving[stream]  # added to only after the wait below
             going_home = step > 0 and step == plan.rounds[stream]

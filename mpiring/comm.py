@@ -15,6 +15,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .threads import cores, launcher_local_ranks
+from .tiles import scratch
 
 __all__ = ["RingComm", "HomeRing", "CommTimeout", "exclusive", "wait_until", "allgather", "gather", "Buffers",
            "KVBuffers", "CodedBuffers", "kv_slots", "mpi_view", "next_buffers", "shift", "flat_blocks", "allgathered",
@@ -308,9 +309,12 @@ def payload_bytes(a, pad=0):
 class Buffers:
     """Two flat receive buffers per array, so a block can arrive while another is used."""
 
-    def __init__(self, templates, max_len):
-        # one (2, n_elements) buffer per template array (K, V), sized for the longest shard
-        self._flat = [np.empty((2, int(np.prod(self._shape(t, max_len)))), t.dtype) for t in templates]
+    def __init__(self, templates, max_len, name=None):
+        # one (2, n_elements) buffer per template array (K, V), sized for the longest shard; with a name,
+        # this thread's kept buffers of that name (``tiles.scratch``): no fresh memory, no page faults
+        shapes = [(2, int(np.prod(self._shape(t, max_len)))) for t in templates]
+        self._flat = [np.empty(shape, t.dtype) if name is None else scratch(f"{name}.{i}", shape, t.dtype)
+                      for i, (shape, t) in enumerate(zip(shapes, templates))]
         self._templates = templates
         self._next = 0
 
@@ -360,8 +364,8 @@ class KVBuffers(Buffers):
 class CodedBuffers(Buffers):
     """The forward ring's K/V slots when blocks travel coded (``precision.Wire``): two slots of the wire form."""
 
-    def __init__(self, wire, arrays, max_len):
-        super().__init__(tuple(wire.template(a) for a in arrays), max_len)
+    def __init__(self, wire, arrays, max_len, name=None):
+        super().__init__(tuple(wire.template(a) for a in arrays), max_len, name)
         self._wire = wire
 
     def hold(self, arrays):
@@ -372,9 +376,11 @@ class CodedBuffers(Buffers):
         return views
 
 
-def kv_slots(wire, arrays, max_len):
-    """The forward ring's receive slots for ``wire``: the kernel's own form (``KVBuffers``) unless it codes blocks."""
-    return CodedBuffers(wire, arrays, max_len) if wire.coded else KVBuffers(arrays, max_len)
+def kv_slots(wire, arrays, max_len, name=None):
+    """The forward ring's receive slots for ``wire``: the kernel's own form (``KVBuffers``) unless it codes blocks.
+
+    ``name``: in this thread's kept buffers of that name (``Buffers``)."""
+    return CodedBuffers(wire, arrays, max_len, name) if wire.coded else KVBuffers(arrays, max_len, name)
 
 
 class HomeRing(RingComm):

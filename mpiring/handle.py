@@ -46,6 +46,7 @@ from .precision import Precision, compute_dtype, without_precision
 from .record import Record
 from .ring import run_forward
 from .threads import limited, threads_for, threads_problem
+from .tiles import release_workspace
 
 __all__ = ["Ring", "Lse", "ring_attention", "ring_attention_backward"]
 
@@ -187,6 +188,7 @@ class Ring:
             for ring in self._rings:
                 ring.free()
             self._rings = []
+            release_workspace()  # an abandoned receive may still land in a kept buffer: none is used again
             raise
 
     # ------------------------------------------------------------------ calls
@@ -289,7 +291,7 @@ class Ring:
     def _backward(self, moved, lses, scale, record, checked):
         dout, q, k, v, out = moved
         pr = Precision.of(k.dtype, self._precision)
-        delta = np.sum(dout.astype(GRAD_DTYPE) * out, axis=-1)
+        delta = np.einsum("...d,...d->...", dout, out, dtype=GRAD_DTYPE)  # no float64 copies of dout and out
         if len(lses) > 1:  # d lse / d score = p: the dlse term joins delta (ds = p * (dp - delta + dlse))
             delta -= lses[1]
         timeout = self._timeout_for(q, factor=2.5)

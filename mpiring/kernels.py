@@ -322,6 +322,7 @@ def attention_block_backward(
     out: np.ndarray, lse: np.ndarray,  # the final (merged) out (..., Hq, Sq, Dv) and lse (..., Hq, Sq)
     scale: float | None = None, klo: np.ndarray | None = None, khi: np.ndarray | None = None, *,
     delta: np.ndarray | None = None, tile_q: int | None = None, tile_k: int | None = None, progress=None,
+    buffers: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # dq, dk, dv: the shapes of q, k, v
     """FlashAttention-2 backward of one key block: returns (dq, dk, dv).
 
@@ -336,6 +337,9 @@ def attention_block_backward(
         q, k, v, scale, klo, khi, tile_q, tile_k, progress: as attention_block.
         out, lse: final attention output and log-sum-exp.
         delta: optional precomputed rowsum(dout * out), shape of lse.
+        buffers: optional (dq, dk, dv) arrays, shaped as q, k, v in the compute dtype
+            (``tiles.kernel_dtype``), to write the gradients into (overwritten);
+            then those are returned, else new arrays.
     """
     sh = Shapes(q, k, v)
     dt, b, g, sq, sk, d, dv = sh.dtype, sh.b, sh.g, sh.sq, sh.sk, sh.d, sh.dv
@@ -359,9 +363,14 @@ def attention_block_backward(
     if peak > LSE_LIMIT[dt]:
         raise FloatingPointError(f"|lse| reaches {peak:.3g}, beyond {LSE_LIMIT[dt]:g} for {dt}: the recomputed "
                                  "probabilities exp(scale q.k - lse) would be wrong; rescale q, k or the scale")
-    dq = np.zeros((b, g, sq, d), dt)
-    dk = np.zeros((b, sk, d), dt)
-    dvv = np.zeros((b, sk, dv), dt)
+    if buffers is None:
+        dq, dk, dvv = np.zeros((b, g, sq, d), dt), np.zeros((b, sk, d), dt), np.zeros((b, sk, dv), dt)
+    else:  # dq is written tile by tile; dk, dv are added into
+        dq, dk, dvv = (as_view(a, shape) for a, shape in zip(buffers, ((b, g, sq, d), (b, sk, d), (b, sk, dv))))
+        if dq.dtype != dt or dk.dtype != dt or dvv.dtype != dt:
+            raise ValueError(f"buffers must be in the compute dtype {dt}")
+        for a in (dq, dk, dvv):
+            a.fill(0)
     if sk == 0 or sq == 0:
         return _unflatten_grads(dq, dk, dvv, sh)
 

@@ -28,13 +28,14 @@ def _ring_loop(q, k, v, plan, ring, scale, rec, timeout, pr=None):
     """The ring: start passing the held blocks on, compute on them, wait, swap. ``pr``: the call's ``Precision``."""
     pr = pr or Precision(k.dtype)
     rank, wire = ring.rank, pr.wire
-    acc = block.accumulators(q, v, pr.out, pr.lse)
+    # out is returned converted to the input dtype: a copy, so its accumulator can be a kept buffer
+    acc = block.accumulators(q, v, pr.out, pr.lse, keep=pr.out != pr.input)
     q = pr.widen(q)  # half inputs: tiles compute in float32
     longest = max(len(s) for s in plan.kv_shards)
     # K/V blocks are kept as the kernel takes them, [k | 1]^T and [v | 1]^T (or as the wire codes them,
-    # ``precision.Wire``), in two slots per stream; the first slot of the first stream starts with this
-    # rank's own block.
-    buffers = {stream: kv_slots(wire, (k, v), longest) for stream in plan.rounds or [+1]}  # +1: plan.NEXT
+    # ``precision.Wire``), in two slots per stream, kept buffers of this thread; the first slot of the
+    # first stream starts with this rank's own block.
+    buffers = {stream: kv_slots(wire, (k, v), longest, f"ring.kv{stream}") for stream in plan.rounds or [+1]}
     own = next(iter(buffers.values())).hold((k, v))
     mine = own if not wire.coded else tuple(pad_ones(pr.widen(a)) for a in (k, v))  # computed on exactly
     held = {stream: own for stream in buffers}  # the block each stream holds now

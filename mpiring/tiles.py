@@ -10,9 +10,9 @@ import time
 
 import numpy as np
 
-__all__ = ["TILE_BYTES", "TILE_K", "PROGRESS_INTERVAL", "default_tiles", "default_scale", "Shapes", "mask_arrays",
-           "scratch", "release_workspace", "pad_ones", "as_view", "with_ones", "tile_max_norm", "tile_max_norm_t",
-           "Tiles", "Progress"]
+__all__ = ["TILE_BYTES", "TILE_K", "PROGRESS_INTERVAL", "default_tiles", "default_scale", "kernel_dtype", "Shapes",
+           "mask_arrays", "scratch", "filled", "release_workspace", "pad_ones", "as_view", "with_ones", "tile_max_norm",
+           "tile_max_norm_t", "Tiles", "Progress"]
 
 # Default tiles, measured on a 2-core AMD EPYC (Zen 4), 1 BLAS thread, H=8,
 # S=4096: 512 x 256 for float32, 256 x 256 for float64, i.e. the
@@ -41,6 +41,14 @@ def default_scale(dim):
 
 
 
+def kernel_dtype(dtype):
+    """The dtype the kernels compute in for inputs of ``dtype``: float32 and float64 are kept;
+    float16 and bfloat16 compute in float32, ints in float64."""
+    dtype = np.dtype(dtype)
+    half = dtype.kind == "f" or dtype.name == "bfloat16"
+    return np.result_type(dtype, np.float32) if half else np.dtype(np.float64)
+
+
 class Shapes:
     """Views of q, k, v as (B, g, Sq, D), (B, Sk, D), (B, Sk, Dv), B = batch*Hk."""
 
@@ -66,9 +74,7 @@ class Shapes:
         self.g = hq // hk
         self.dv = v.shape[-1]
         self.b = int(np.prod(batch, dtype=np.int64)) * hk
-        # float32 and float64 are kept; float16 and bfloat16 compute in float32, ints in float64
-        half = q.dtype.kind == "f" or q.dtype.name == "bfloat16"
-        self.dtype = np.result_type(q.dtype, np.float32) if half else np.dtype(np.float64)
+        self.dtype = kernel_dtype(q.dtype)
         if q.dtype != self.dtype:  # widened once: a product with a Python float would stay in a half dtype
             q = q.astype(self.dtype)
             k, v = (k, v) if padded else (k.astype(self.dtype), v.astype(self.dtype))
@@ -103,6 +109,19 @@ def scratch(name, shape, dtype):
     if buf is None or buf.size < n:
         buf = bufs[(name, dtype)] = np.empty(n, dtype)
     return buf[:n].reshape(shape)
+
+
+def filled(name, shape, dtype, value):
+    """``scratch(name, shape, dtype)`` set to ``value``: a kept buffer rather than fresh memory.
+
+    For the ring's accumulators and receive slots (tens of MiB per call): fresh
+    memory is paid for in page faults at its first touch, 1.4-2.4 ms per MiB on
+    the development VM (docs/performance.md §11), a kept buffer only in the fill.
+    Whoever returns such a buffer's contents returns a copy.
+    """
+    out = scratch(name, shape, dtype)
+    out.fill(value)
+    return out
 
 
 def release_workspace():
