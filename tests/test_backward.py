@@ -127,6 +127,26 @@ def test_delta_may_be_given(rng):
         np.testing.assert_allclose(a, b, atol=1e-14, rtol=0)  # the kernel sums delta in its own order
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradients_into_given_buffers(rng, dtype, causal):
+    """``buffers=``: the gradients overwrite the given arrays (dirty ones too), and equal the kernel's own."""
+    q = rng.standard_normal((2, 4, 37, 8)).astype(dtype)
+    k, v = (rng.standard_normal((2, 2, 37, 8)).astype(dtype) for _ in range(2))
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    lo, hi = (np.zeros(37, int), np.arange(1, 38)) if causal else (None, None)
+    out, lse = attention_block(q, k, v, None, lo, hi)
+    want = attention_block_backward(dout, q, k, v, out, lse, None, lo, hi, tile_q=16, tile_k=8)
+    buffers = tuple(np.full(a.shape, np.nan, dtype) for a in (q, k, v))
+    got = attention_block_backward(dout, q, k, v, out, lse, None, lo, hi, tile_q=16, tile_k=8, buffers=buffers)
+    for a, b, buf in zip(got, want, buffers):
+        assert np.shares_memory(a, buf)
+        np.testing.assert_array_equal(a, b)
+    wrong = tuple(np.empty(a.shape, np.float16) for a in (q, k, v))
+    with pytest.raises(ValueError, match="compute dtype"):
+        attention_block_backward(dout, q, k, v, out, lse, buffers=wrong)
+
+
 @pytest.mark.parametrize("P", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
 @pytest.mark.parametrize("mode", ["ring", "bidirectional", "allgather"])

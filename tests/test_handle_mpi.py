@@ -238,6 +238,67 @@ def test_forward_only_handle_refuses_backward_after_failure(comm):
     MPI.COMM_WORLD.Barrier()
 
 
+def _kept():
+    """Names of the ring's buffers this thread keeps between calls."""
+    from mpiring import tiles
+
+    return {name for name, _ in getattr(tiles._workspace, "bufs", {}) if name.startswith(("ring.", "bwd."))}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("causal, layout", [(False, "contiguous"), (True, "zigzag")])
+def test_results_do_not_share_the_kept_buffers(comm, dtype, causal, layout):
+    """The ring keeps its accumulators and receive slots between calls: what a call returned stays as it was."""
+    S = 24 * comm.size + 1
+    first, second = _problem(S, dtype=dtype), _problem(S, seed=1, dtype=dtype)
+    mask = dense_mask(S, causal=causal)
+    tol = TOL if dtype == np.float64 else 2e-5
+    with Ring(comm, S, causal=causal, layout=layout) as ring:
+        kept = []
+        for Q, K, V, dOut in (first, second, first):
+            q, k, v, dout = (ring.shard(x) for x in (Q, K, V, dOut))
+            out, lse = ring.forward(q, k, v)
+            grads = ring.backward(dout, q, k, v, out, lse)
+            kept.append((out, *grads, (out.copy(), *(g.copy() for g in grads))))
+        for (out, *grads, copies), (Q, K, V, dOut) in zip(kept, (first, second, first)):
+            for now, then in zip((out, *grads), copies):  # not overwritten by the calls after it
+                assert np.array_equal(now, then)
+            ref = naive_attention_backward(*(x.astype(np.float64) for x in (dOut, Q, K, V)), mask)
+            for got, want in zip(grads, ref):
+                assert np.max(np.abs(got - ring.shard(want))) < tol
+            want = naive_attention(*(x.astype(np.float64) for x in (Q, K, V)), mask)
+            assert np.max(np.abs(out - ring.shard(want))) < tol
+        assert np.array_equal(kept[0][0], kept[2][0])  # the same inputs give the same bits, whatever was kept
+    if dtype == np.float32:  # converted copies are returned: the float64 sums and the slots were kept
+        assert {"ring.out", "bwd.dq", "bwd.dk", "bwd.dv"} <= _kept()
+
+
+def test_failed_call_drops_the_kept_buffers(comm):
+    """After a call fails in the ring, an abandoned receive may still land in a kept buffer: none is kept."""
+    S = 8 * comm.size
+    Q, K, V, _ = _problem(S, dtype=np.float32)
+    from mpiring import block
+
+    with Ring(comm, S) as ring:
+        ring.forward(*(ring.shard(x) for x in (Q, K, V)))
+        assert "ring.out" in _kept()
+    ring = Ring(comm, S)
+    original = block.attend
+
+    def boom(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    block.attend = boom
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ring.forward(*(ring.shard(x) for x in (Q, K, V)))
+    finally:
+        block.attend = original
+    assert not _kept()
+    ring.close()
+    MPI.COMM_WORLD.Barrier()
+
+
 @pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])
 def test_handle_half_inputs_and_wires_equal_functions(comm, dtype):
     """Half inputs and coded wires through the handle: bit for bit the functions'; the wire is part of the lse's
