@@ -17,6 +17,7 @@ from .plan import MODES, Schedule, Task, make_plan
 from .record import Record
 from .reference import reference_attention, reference_attention_backward
 from .simulate import ring_attention_simulate, simulate
+from .tiles import release_workspace
 
 # Over TCP, UCX (the mpich wheel's transport) sends a non-contiguous message, as the ring's K/V blocks are
 # (an MPI vector that leaves out the kernel's row of ones), as copied fragments of UCX_TCP_TX_SEG_SIZE,
@@ -42,7 +43,7 @@ __all__ = [
     "ring_attention_context_parallel", "predicted_bytes_sent",
     "attention_block", "merge", "reference_attention", "visible_keys",
     "LAYOUTS", "shard", "shard_indices", "unshard",
-    "MODES", "Schedule", "Task", "make_plan", "balance",
+    "MODES", "Schedule", "Task", "make_plan", "balance", "release_workspace",
 ]
 __version__ = "0.1.0"
 
