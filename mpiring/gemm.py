@@ -25,6 +25,7 @@ order of the sums (rounding); other dtypes and operands MKL cannot take as
 strided batches always go through NumPy.
 """
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
@@ -37,7 +38,7 @@ import numpy as np
 from .threads import blas_threads
 from .tiles import scratch
 
-__all__ = ["gemm", "product", "backend", "set_backend", "available", "mkl_library", "BACKENDS"]
+__all__ = ["gemm", "product", "backend", "set_backend", "using", "available", "mkl_library", "BACKENDS"]
 
 BACKENDS = ("numpy", "mkl")
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
@@ -100,6 +101,17 @@ def set_backend(name):
         raise ValueError("gemm backend 'mkl' needs Intel MKL's libmkl_rt: pip install mpiring[mkl]")
     _state["choice"] = name
     backend.cache_clear()
+
+
+@contextlib.contextmanager
+def using(name):
+    """``set_backend(name)`` inside a ``with`` block; the choice before it is restored after."""
+    saved = _state["choice"]
+    set_backend(name)
+    try:
+        yield
+    finally:
+        set_backend(saved)
 
 
 @functools.cache

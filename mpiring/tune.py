@@ -125,11 +125,9 @@ def tune(dims=(64, 128), dtypes=("float32",), seq=4096, heads=8, repeats=2, back
     backends = backends or gemm.available()
     rng = np.random.default_rng(0)
     seconds = {}
-    saved = gemm._state["choice"]
-    try:
-        with threadpool_limits(1, user_api="blas"):
-            for name in backends:
-                gemm.set_backend(name)
+    with threadpool_limits(1, user_api="blas"):
+        for name in backends:
+            with gemm.using(name):
                 for dtype in dtypes:
                     for d in dims:
                         q, k, v = (rng.standard_normal((heads, seq, d)).astype(dtype) for _ in range(3))
@@ -145,8 +143,6 @@ def tune(dims=(64, 128), dtypes=("float32",), seq=4096, heads=8, repeats=2, back
                             log(f"{name:>5} {dtype:>7} D={d:<4} tiles {tq:>4} x {tk:<4}  fwd {fwd * 1e3:7.1f} ms "
                                 f"({flops / fwd / 1e9:5.1f} GFLOP/s)  bwd {bwd * 1e3:7.1f} ms "
                                 f"({2.5 * flops / bwd / 1e9:5.1f} GFLOP/s)")
-    finally:
-        gemm.set_backend(saved)
 
     def best(name, dtype, d, kind):
         rows = {key[3:]: t[kind] for key, t in seconds.items() if key[:3] == (name, dtype, d)}

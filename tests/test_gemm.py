@@ -93,6 +93,17 @@ def test_backend_choice(monkeypatch):
         gemm.set_backend("auto")
 
 
+def test_using_restores_the_choice():
+    """``gemm.using`` chooses a backend for a block and gives back the one before it, after an error too."""
+    before = gemm.backend()
+    with gemm.using("numpy"):
+        assert gemm.backend() == "numpy" and gemm.product() is gemm.gemm
+    assert gemm.backend() == before
+    with pytest.raises(KeyError), gemm.using("numpy"):
+        raise KeyError
+    assert gemm.backend() == before
+
+
 @needs_mkl
 def test_mkl_only_with_one_blas_thread():
     """MKL runs sequential: with more BLAS threads per process, the kernels keep NumPy's threaded GEMMs."""
