@@ -40,10 +40,11 @@ def _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec,
     rank, wire = kv_ring.rank, pr.wire
     queries = (dout, q, out, lse, delta)
     chunks = home_chunks(plan)
-    # the sums are kept buffers (no page faults: docs/performance.md §11) when the caller converts them to a copy
+    # the sums are kept buffers (no page faults: docs/performance.md §11) when the caller converts them to a copy;
+    # dq and the K/V slots take the forward ring's names, whose buffers are free while a backward runs
     keep = pr.input != GRAD_DTYPE
-    dq, dk, dv = (filled(f"bwd.{name}", a.shape, GRAD_DTYPE, 0) if keep else np.zeros(a.shape, GRAD_DTYPE)
-                  for name, a in (("dq", q), ("dk", k), ("dv", v)))
+    dq, dk, dv = (filled(name, a.shape, GRAD_DTYPE, 0) if keep else np.zeros(a.shape, GRAD_DTYPE)
+                  for name, a in (("ring.out", q), ("bwd.dk", k), ("bwd.dv", v)))
     own = [dk, dv]  # step 0: this rank's own block
     mine = (pr.widen(k), pr.widen(v))  # the own block, computed on exactly
     coded = (wire.encode(k), wire.encode(v))  # as the wire carries it: coded once, here
@@ -51,7 +52,7 @@ def _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec,
     arriving = {}  # stream -> the dK/dV partial of the held block, sent by its previous visitor
     longest = max(len(s) for s in plan.kv_shards)
     empty = tuple(np.empty(a.shape[:-2] + (0, a.shape[-1]), pr.grad) for a in (k, v))
-    kv_buffers = {stream: Buffers(coded, longest, f"bwd.kv{stream}") for stream in plan.rounds}
+    kv_buffers = {stream: Buffers(coded, longest, f"ring.kv{stream}") for stream in plan.rounds}
     grad_buffers = {stream: Buffers(empty, longest, f"bwd.grad{stream}") for stream in plan.rounds}
     homecoming = {}  # stream -> this rank's block's partial, from its last visitor on that stream
     for stream, rounds in plan.rounds.items():

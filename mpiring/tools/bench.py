@@ -51,6 +51,7 @@ from mpiring import (
     make_plan,
     predicted_backward_bytes,
     predicted_bytes_sent,
+    release_workspace,
     ring_attention,
     ring_attention_backward,
 )
@@ -167,6 +168,7 @@ def run_config(comm, cfg, *, repeats=3, budget=30.0, seed=0, limits=None, baseli
                          f"{guard_mb:.0f} MiB available")
         return row
 
+    release_workspace()  # a row's peak counts its own kept buffers, not those of the rows before it
     reset_peak_rss()
     q, k, v, *rest = _local_inputs(cfg, plan, rank, seed)
     dout = rest[0] if rest else None
