@@ -129,23 +129,46 @@ def test_interrupted_under_load_leaves_no_spinner():
     assert not set(spinner_pids()) - before
 
 
-def test_torch_is_timed_again_under_the_same_load(monkeypatch):
-    started = []
+def test_torch_is_timed_beside_each_row_idle_and_under_the_same_load(monkeypatch, tmp_path):
+    """torch runs right after each fp32 row (the machine's speed drifts), then again beside the same busy load."""
+    from mpi4py import MPI
+
+    events, loaded = [], []
 
     @contextlib.contextmanager
     def fake_load(n):
-        started.append(n)
+        loaded.append(n)
         yield []
+        loaded.pop()
+
+    real_run = bench.run_config
+
+    def run_config(comm, cfg, **kw):
+        events.append(("ring", cfg.name, cfg.causal, cfg.precision, bool(loaded)))
+        return real_run(comm, cfg, **kw)
+
+    def torch_times(configs, **kw):
+        (cfg,) = configs
+        events.append(("torch", cfg.name, cfg.causal, cfg.precision, bool(loaded)))
+        return [7.0 if loaded else 3.0]
 
     monkeypatch.setattr(bench, "busy_load", fake_load)
-    monkeypatch.setattr(bench, "torch_times", lambda configs, **kw: [3.0] * len(configs))
-    rows = [{"wall_s": 2.0, "vs_torch": 1.2, "wall_loaded_s": 2.5}, {"wall_s": 2.0}]
-    todo = [(0, Config(256, 16)), (1, Config(256, 16, causal=True))]
-    args = bench.bench_parser().parse_args(["--load", "1"])
-    bench._torch_loaded(rows, todo, args, threads=2)
-    assert started == [1]
-    assert rows[0]["torch_loaded_s"] == 3.0 and rows[0]["vs_torch_loaded"] == 1.2
-    assert rows[0]["load_drop"] == pytest.approx(0.0) and "torch_loaded_s" not in rows[1]
+    monkeypatch.setattr(bench, "run_config", run_config)
+    monkeypatch.setattr(bench, "torch_times", torch_times)
+    monkeypatch.setattr(bench, "torch_available", lambda: True)
+    path = tmp_path / "rows.csv"
+    assert bench.bench(MPI.COMM_SELF, TINY + ["--load", "1", "--precisions", "fp32", "--csv", str(path)]) == 0
+    assert len(events) == 4 * 4  # each row: ring, torch, ring under load, torch under load
+    for i in range(0, len(events), 4):
+        ring, torch, ring_l, torch_l = events[i:i + 4]
+        assert ring[0] == "ring" and torch[0] == "torch" and ring_l[0] == "ring" and torch_l[0] == "torch"
+        assert ring[1:4] == torch[1:4] == ring_l[1:4] == torch_l[1:4]
+        assert (ring[4], torch[4], ring_l[4], torch_l[4]) == (False, False, True, True)
+    for row in read_csv(path):  # the CSV keeps a few significant digits
+        assert row["torch_s"] == 3.0 and row["vs_torch"] == pytest.approx(3.0 / row["wall_s"], rel=1e-3)
+        assert row["torch_loaded_s"] == 7.0
+        assert row["vs_torch_loaded"] == pytest.approx(7.0 / row["wall_loaded_s"], rel=1e-3)
+        assert row["load_drop"] == pytest.approx(row["vs_torch"] - row["vs_torch_loaded"], rel=1e-3, abs=1e-3)
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")

@@ -29,7 +29,8 @@ the kernel's scratch. Columns (see docs/performance.md):
 - RSS: peak resident memory per rank (VmHWM, reset before each row) against
   ``memory_model`` plus the interpreter baseline measured at start.
 - torch: ``torch.nn.functional.scaled_dot_product_attention`` on the whole
-  sequence with P threads, in a child process while the ranks idle.
+  sequence with P threads, in a child process while the ranks idle, right
+  after the row (the machine's speed drifts over minutes).
 - bg: cores kept busy by other processes while the row ran (0 on an idle machine).
 - with ``--load N``: every row is timed again while rank 0 keeps N extra processes
   spinning (``tools.loadgen``), and so is the torch column: wall@L, torch@L,
@@ -208,19 +209,13 @@ def run_config(comm, cfg, *, repeats=3, budget=30.0, seed=0, limits=None, baseli
     return row
 
 
-def _torch_loaded(rows, todo, args, threads):
-    """Rank 0: torch again on the rows timed under load, with the same ``--load`` spinning; fills the loaded ratio."""
-    todo = [(i, c) for i, c in todo if "wall_loaded_s" in rows[i]]
-    if not todo:
-        return
-    with busy_load(args.load):
-        times = torch_times([c for _, c in todo], threads=threads, repeats=args.repeats, budget=args.budget)
-    for (i, _), t in zip(todo, times, strict=True):
-        row = rows[i]
-        if t:
-            row.update(torch_loaded_s=t, vs_torch_loaded=t / row["wall_loaded_s"])
-            if "vs_torch" in row:
-                row["load_drop"] = row["vs_torch"] - row["vs_torch_loaded"]
+def _torch_seconds(comm, cfg, args):
+    """Rank 0: torch SDPA's seconds on row ``cfg`` (None if it failed; None on the other ranks, which sleep)."""
+    t = None
+    if comm.Get_rank() == 0:
+        t = torch_times([cfg], threads=comm.Get_size() * args.threads, repeats=args.repeats, budget=args.budget)[0]
+    _idle_barrier(comm)
+    return t
 
 
 def _background_load(comm, clock):
@@ -333,30 +328,28 @@ def bench(comm, args=None):
         row = run_config(comm, cfg, repeats=args.repeats, budget=args.budget, seed=args.seed, limits=limits,
                          baseline_mb=baseline_mb, guard_mb=guard, local_ranks=local_ranks)
         load = _background_load(comm, start)  # other processes' cores while this row ran (idle part)
-        # rank 0 decides whether the row runs again under load: every rank must take the same branch
-        if comm.bcast(args.load > 0 and row.get("status") == "ok" if rank == 0 else None, root=0):
+        # rank 0 decides what runs next: every rank must take the same branches
+        ok = comm.bcast(row.get("status") == "ok" if rank == 0 else None, root=0)
+        # torch right after the row, not after all rows: the machine's speed drifts over minutes
+        with_torch = ok and use_torch and cfg.precision == "fp32"  # the bf16 and int8 rows compare to fp32
+        if with_torch and (t := _torch_seconds(comm, cfg, args)):
+            row.update(torch_s=t, torch_gflops=row["gflops"] * row["wall_s"] / t, vs_torch=t / row["wall_s"])
+        if ok and args.load > 0:
             with busy_load(args.load if rank == 0 else 0):
                 again = run_config(comm, cfg, repeats=args.repeats, budget=args.budget, seed=args.seed,
                                    baseline_mb=baseline_mb)
+                t = _torch_seconds(comm, cfg, args) if with_torch else None  # beside the same busy processes
             if rank == 0:
                 row.update(load=args.load, wall_loaded_s=again["wall_s"])
+                if t:
+                    row.update(torch_loaded_s=t, vs_torch_loaded=t / row["wall_loaded_s"])
+                    if "vs_torch" in row:
+                        row["load_drop"] = row["vs_torch"] - row["vs_torch_loaded"]
         if rank == 0:
             row.update(blas=report["blas"], blas_arch=report["blas_arch"], blas_threads=args.threads,
                        background_cores="" if load is None else load)
             rows.append(row)
             print(format_table([row], loaded=args.load > 0).splitlines()[1], flush=True)
-    if use_torch:  # rank 0 runs torch with P threads while the other ranks sleep
-        if rank == 0:
-            todo = [(i, c) for i, c in enumerate(configs)  # torch at fp32: the bf16 and int8 rows compare to fp32
-                    if rows[i].get("status") == "ok" and c.precision == "fp32"]
-            times = torch_times([c for _, c in todo], threads=size * args.threads, repeats=args.repeats,
-                                budget=args.budget)
-            for (i, _), t in zip(todo, times, strict=True):
-                if t:
-                    flops = rows[i]["gflops"] * rows[i]["wall_s"]
-                    rows[i].update(torch_s=t, torch_gflops=flops / t, vs_torch=t / rows[i]["wall_s"])
-            _torch_loaded(rows, todo, args, threads=size * args.threads)
-        _idle_barrier(comm)
     if args.inference == "on" or (args.inference == "auto" and not (args.quick or args.long or args.sizes)):
         if rank == 0:
             print("\ninference rows (mpiring.tools.benchinfer):", flush=True)
