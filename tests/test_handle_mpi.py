@@ -213,25 +213,26 @@ def test_blas_threads_limited_inside_calls_and_restored(comm, monkeypatch):
     assert blas_threads() == before
 
 
-def test_forward_only_handle_refuses_backward_after_failure(comm):
+def _fail_inside(ring, q, k, v, monkeypatch):
+    """A forward call that raises KeyboardInterrupt inside the ring, from ``block.attend``."""
+    from mpiring import block
+
+    def boom(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(block, "attend", boom)
+    with pytest.raises(KeyboardInterrupt):
+        ring.forward(q, k, v)
+    monkeypatch.undo()
+
+
+def test_forward_only_handle_refuses_backward_after_failure(comm, monkeypatch):
     """A call that fails inside the ring closes the handle: later calls say why instead of hanging."""
     S = 4 * comm.size
     Q, K, V, dOut = _problem(S)
     q, k, v = (local(x, comm) for x in (Q, K, V))
     ring = Ring(comm, S)
-    from mpiring import block
-
-    original = block.attend
-
-    def boom(*args, **kwargs):
-        raise KeyboardInterrupt
-
-    block.attend = boom
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            ring.forward(q, k, v)
-    finally:
-        block.attend = original
+    _fail_inside(ring, q, k, v, monkeypatch)
     with pytest.raises(RuntimeError, match="a call failed in the ring"):
         ring.forward(q, k, v)
     ring.close()
@@ -275,27 +276,15 @@ def test_results_do_not_share_the_kept_buffers(comm, dtype, causal, layout):
     assert not _kept()
 
 
-def test_failed_call_drops_the_kept_buffers(comm):
+def test_failed_call_drops_the_kept_buffers(comm, monkeypatch):
     """After a call fails in the ring, an abandoned receive may still land in a kept buffer: none is kept."""
     S = 8 * comm.size
     Q, K, V, _ = _problem(S, dtype=np.float32)
-    from mpiring import block
-
     with Ring(comm, S) as ring:
         ring.forward(*(ring.shard(x) for x in (Q, K, V)))
         assert "ring.out" in _kept()
     ring = Ring(comm, S)
-    original = block.attend
-
-    def boom(*args, **kwargs):
-        raise KeyboardInterrupt
-
-    block.attend = boom
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            ring.forward(*(ring.shard(x) for x in (Q, K, V)))
-    finally:
-        block.attend = original
+    _fail_inside(ring, *(ring.shard(x) for x in (Q, K, V)), monkeypatch)
     assert not _kept()
     ring.close()
     MPI.COMM_WORLD.Barrier()
