@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from . import block
-from .block import GRAD_DTYPE, add_grads, count_pairs
+from .block import GRAD_DTYPE, KEPT_OUT, add_grads, count_pairs
 from .comm import Buffers, allgathered, flat_blocks, next_buffers, shift, wait_until
 from .heads import HybridPlan
 from .plan import chunks_in_order, home_chunks, key_chunks
@@ -44,7 +44,7 @@ def _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec,
     # dq and the K/V slots take the forward ring's names, whose buffers are free while a backward runs
     keep = pr.input != GRAD_DTYPE
     dq, dk, dv = (filled(name, a.shape, GRAD_DTYPE, 0) if keep else np.zeros(a.shape, GRAD_DTYPE)
-                  for name, a in (("ring.out", q), ("bwd.dk", k), ("bwd.dv", v)))
+                  for name, a in ((KEPT_OUT, q), ("bwd.dk", k), ("bwd.dv", v)))
     own = [dk, dv]  # step 0: this rank's own block
     mine = (pr.widen(k), pr.widen(v))  # the own block, computed on exactly
     coded = (wire.encode(k), wire.encode(v))  # as the wire carries it: coded once, here

@@ -12,9 +12,10 @@ import numpy as np
 from .kernels import attention_block, attention_block_backward
 from .tiles import filled, kernel_dtype, scratch
 
-__all__ = ["GRAD_DTYPE", "accumulators", "count_pairs", "attend", "block_grads", "add_grads", "grads_of"]
+__all__ = ["GRAD_DTYPE", "KEPT_OUT", "accumulators", "count_pairs", "attend", "block_grads", "add_grads", "grads_of"]
 
 GRAD_DTYPE = np.dtype(np.float64)  # each rank's own gradients (dq, its block's dk, dv) are summed in this
+KEPT_OUT = "ring.out"  # the kept buffer of the forward's running out; the backward sums dq in it
 
 
 def accumulators(q, v, out_dtype=np.float64, lse_dtype=None, keep=False):
@@ -23,7 +24,7 @@ def accumulators(q, v, out_dtype=np.float64, lse_dtype=None, keep=False):
     that of out unless given (``precision.Precision`` keeps lse in float32 when out is in a half dtype).
     ``keep``: out in this thread's kept buffer (``tiles.filled``), for a caller that returns a converted copy."""
     shape, lse_dtype = q.shape[:-1] + v.shape[-1:], lse_dtype or out_dtype
-    out = filled("ring.out", shape, np.dtype(out_dtype), 0) if keep else np.zeros(shape, out_dtype)
+    out = filled(KEPT_OUT, shape, np.dtype(out_dtype), 0) if keep else np.zeros(shape, out_dtype)
     return [out, np.full(q.shape[:-1], -np.inf, lse_dtype)]
 
 
@@ -64,8 +65,8 @@ def block_grads(queries, kv, pieces, scale, dq, progress):
     dout, q, out, lse, delta = queries
     k, v = kv
     grads = []
+    dt = kernel_dtype(q.dtype)
     for i, (a, b, c, d, klo, khi) in enumerate(pieces):  # the kernel writes into kept buffers, one set per piece
-        dt = kernel_dtype(q.dtype)
         kept = (scratch("grads.q", q[..., a:b, :].shape, dt), scratch(f"grads.k{i}", k[..., c:d, :].shape, dt),
                 scratch(f"grads.v{i}", v[..., c:d, :].shape, dt))
         bq, bk, bv = attention_block_backward(dout[..., a:b, :], q[..., a:b, :], k[..., c:d, :], v[..., c:d, :],

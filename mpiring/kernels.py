@@ -365,13 +365,14 @@ def attention_block_backward(
                                  "probabilities exp(scale q.k - lse) would be wrong; rescale q, k or the scale")
     if buffers is None:
         dq, dk, dvv = np.zeros((b, g, sq, d), dt), np.zeros((b, sk, d), dt), np.zeros((b, sk, dv), dt)
-    else:  # dq is written tile by tile; dk, dv are added into
+    else:  # dk, dv are added into; dq is written tile by tile below
         dq, dk, dvv = (as_view(a, shape) for a, shape in zip(buffers, ((b, g, sq, d), (b, sk, d), (b, sk, dv))))
         if dq.dtype != dt or dk.dtype != dt or dvv.dtype != dt:
             raise ValueError(f"buffers must be in the compute dtype {dt}")
-        for a in (dq, dk, dvv):
-            a.fill(0)
+        dk.fill(0)
+        dvv.fill(0)
     if sk == 0 or sq == 0:
+        dq.fill(0)
         return _unflatten_grads(dq, dk, dvv, sh)
 
     ka = with_ones(sh.k, dt, "ka")           # [k | 1] meets -lse

@@ -5,7 +5,7 @@
 
 The kernels' defaults were measured on one CPU; another CPU, or another
 BLAS, may prefer other tiles. ``tune`` times the forward and the backward
-kernel of a block (8 heads, 2048 x 2048 tokens, no mask) for each candidate
+kernel of a block (8 heads, 4096 x 4096 tokens, no mask) for each candidate
 (backend, tile_q, tile_k) on one core with one BLAS thread, as a rank runs
 under ``mpiexec`` with one rank per core, and keeps the fastest. The cache is
 a JSON file keyed by what decides the speed (CPU model, NumPy, BLAS, MKL
@@ -113,7 +113,7 @@ def tune(dims=(64, 128), dtypes=("float32",), seq=4096, heads=8, repeats=2, back
          log=print):
     """Time every (backend, tiles) candidate on one core; cache and return the choice for this machine.
 
-    Returns ``{"gemm": backend, "tiles": {kind: {dtype: {d: [tq, tk]}}}, "seconds": {...}}``:
+    Returns ``{"gemm": backend, "tiles": {kind: {dtype: {d: [tq, tk]}}}, "backend_seconds": {...}, ...}``:
     the backend with the least total time over all its best rows, and for it the fastest tiles
     of each kernel, head dim and dtype.
     """
