@@ -7,6 +7,7 @@
     mpiexec -n 4 python -m mpiring generate --prompt-len 4096 --new-tokens 16 --heads 8 --kv-heads 2
     mpiexec -n 2 python -m mpiring bench --quick        # the benchmark table (run/bench runs -n 1 and -n 2)
     python -m mpiring tune                              # fastest GEMM backend and tiles here, cached
+    python -m mpiring percore                           # one core: the kernel, its parts, the limit, torch
     mpiexec -n 4 python -m mpiring grade student.py     # grade a student's ring (docs/exercises.md)
     mpiexec -n 2 python -m mpiring demo deadlock        # a blocking ring deadlocks; the two fixes
 
@@ -47,6 +48,8 @@ COMMANDS = {
     "cost": ("cli_plan", False, "the analytical cost report, then the time model (no MPI needed)"),
     "bench": ("bench", True, "benchmark table under mpiexec -n 1 / -n 2 (see run/bench)"),
     "tune": ("cli_tune", False, "time GEMM backends and tile sizes on this CPU, cache the fastest (no MPI)"),
+    "percore": ("percore", False, "one core, one block: the kernel against its own GEMMs and exp2, the limit, "
+                "and torch (no MPI)"),
     "accuracy": ("cli_accuracy", False, "error against float64 as P grows, per dtype and accumulation (no MPI)"),
     "grade": ("cli_teach", True, "grade a student's ring attention (docs/exercises.md)"),
     "demo": ("cli_teach", True, "demonstrations: 'demo deadlock' shows a blocking ring deadlock and its fixes"),

@@ -223,6 +223,20 @@ def test_targets_against_the_goals():
     assert "CORETYPE" not in text and ">=1.5 " not in text and ">=1 " not in text  # the old goals are gone
 
 
+def test_targets_give_the_bound_at_the_limit():
+    """torch's time over the limit's: x torch of a ring whose kernels ran at the matmul+exp limit."""
+    rows = [_target_row("fwd", 0, vs_torch=0.95, of_limit=0.8),    # torch 2.1 s, wall 2.0 s, limit 1.6 s
+            _target_row("fwd", 1, vs_torch=0.9)]                   # no limit measured: no bound
+    text = format_targets(rows, {64: {"peak_flops": 100e9}})
+    lines = text.splitlines()
+    full = lines.index(_target_line(text, "fwd", "full"))
+    assert lines[full + 1].strip() == ("(at the matmul+exp limit = 1.19x torch; "
+                                       "ceiling: 2 cores of square GEMM = 1.33x torch)")
+    causal = lines.index(_target_line(text, "fwd", "causal"))
+    assert lines[causal + 1].strip() == "(ceiling: 2 cores of square GEMM = 1.33x torch)"
+    assert "limit =" not in format_targets(rows[1:])
+
+
 def test_targets_under_load():
     good = dict(kernel_of_limit=0.96, efficiency=0.98, exposed_comm=0.005, rss_vs_model=1.2, load=1,
                 wall_loaded_s=2.5)

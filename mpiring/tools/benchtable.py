@@ -211,7 +211,11 @@ def _loaded_line(r):
 def format_targets(rows, limits=None):
     """The performance targets at S=16384, D=64, P=2 (whichever rows this run has; "" if none).
 
-    With ``limits``, also the ceiling of "x torch": two cores' square-GEMM
+    Under each row, two bounds of "x torch": the ratio a ring would reach
+    with every rank's kernel at the matmul+exp limit and nothing else in its
+    wall time (torch's time / the row's ``limit_s``: the most this design of
+    kernel can give, since its every score costs those GEMMs and one
+    exponential), and with ``limits`` the ceiling, two cores' square-GEMM
     speed over torch's, the most any kernel could reach on this machine. Rows
     timed under ``--load`` add a line: "x torch" under the load, and its drop
     from the idle ratio against ``LOAD_DROP``.
@@ -227,9 +231,14 @@ def format_targets(rows, limits=None):
         parts = [_check(label, r.get(key), goal[name] if isinstance(goal, dict) else goal, op, spec)
                  for label, key, goal, op, spec in TARGETS]
         lines.append(f"  {name:>7} {mask:>6}: " + "; ".join(parts))
+        bounds = []
+        if _num(r.get("vs_torch")) and _num(r.get("of_limit")):
+            bounds.append(f"at the matmul+exp limit = {r['vs_torch'] / r['of_limit']:.2f}x torch")
         if limits and _num(r.get("torch_gflops")) and r["D"] in limits:
             ceiling = r["P"] * limits[r["D"]]["peak_flops"] / 1e9 / r["torch_gflops"]
-            lines.append(f"  {'':>7} {'':>6}  (ceiling: {r['P']} cores of square GEMM = {ceiling:.2f}x torch)")
+            bounds.append(f"ceiling: {r['P']} cores of square GEMM = {ceiling:.2f}x torch")
+        if bounds:
+            lines.append(f"  {'':>7} {'':>6}  ({'; '.join(bounds)})")
         loaded = _loaded_line(r)
         if loaded:
             lines.append(f"  {'':>7} {'':>6}  {loaded}")
