@@ -133,9 +133,17 @@ def _on_interrupt(rank):
     the process anyway if finalizing takes longer than ``FINALIZE_WAIT``
     (a rank that never got the signal). Handlers run between Python bytecodes:
     the ring and the verifier wait in polling loops, so a rank gets here
-    within one block's compute.
+    within one block's compute. A second SIGINT while the first is handled
+    (a terminal's Ctrl-C reaches a rank twice: directly, and forwarded by
+    mpiexec) returns at once: the first one's wait goes on, and the rank
+    does not leave before the others.
     """
+    busy = []
+
     def handler(signum, frame):
+        if busy:
+            return
+        busy.append(signum)
         with contextlib.suppress(Exception):  # the interrupted code may be in the middle of a write
             sys.stdout.flush()
         if rank[0] == 0:

@@ -156,6 +156,46 @@ def test_a_ring_of_one_or_two_ranks_verifies(n):
     assert out.count("of 300" if n == 1 else "of 150") == n  # every rank checked all its rows
 
 
+class _Exited(Exception):
+    pass
+
+
+def test_a_second_sigint_during_the_first_does_not_cut_the_wait_short(monkeypatch):
+    """Ctrl-C reaches a rank twice (the terminal's group, and mpiexec forwarding it): the second must not
+    exit early. It arrives inside MPI_Finalize here; the rank still waits its grace, then exits once.
+    """
+    import mpiring.__main__ as cli
+
+    events = []
+    handler = cli._on_interrupt([1])
+
+    class FakeMPI:
+        finalized = False
+
+        def Is_initialized(self):  # noqa: N802 (mpi4py's names)
+            return True
+
+        def Is_finalized(self):  # noqa: N802
+            return self.finalized
+
+        def Finalize(self):  # noqa: N802
+            self.finalized = True
+            events.append("finalize")
+            handler(signal.SIGINT, None)   # the forwarded SIGINT, handled when Finalize returns
+
+    def fake_exit(code):
+        events.append(("exit", code))
+        raise _Exited
+
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", FakeMPI())
+    monkeypatch.setattr(cli.threading, "Thread", lambda **kw: type("T", (), {"start": lambda self: None})())
+    monkeypatch.setattr(cli.time, "sleep", lambda seconds: events.append(("sleep", seconds)))
+    monkeypatch.setattr(cli.os, "_exit", fake_exit)
+    with pytest.raises(_Exited):
+        handler(signal.SIGINT, None)
+    assert events == ["finalize", ("sleep", cli.EXIT_GRACE), ("exit", cli.INTERRUPTED)]
+
+
 @needs_mpiexec
 @pytest.mark.parametrize("attempt", range(2))
 def test_ctrl_c_ends_every_rank_with_130(attempt):
