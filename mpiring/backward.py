@@ -43,7 +43,7 @@ def _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec,
     # the sums are kept buffers (no page faults: docs/performance.md §11) when the caller converts them to a copy;
     # dq and the K/V slots take the forward ring's names, whose buffers are free while a backward runs
     keep = pr.input != GRAD_DTYPE
-    dq, dk, dv = (filled(name, a.shape, GRAD_DTYPE, 0) if keep else np.zeros(a.shape, GRAD_DTYPE)
+    dq, dk, dv = (filled(name if keep else None, a.shape, GRAD_DTYPE, 0)
                   for name, a in ((KEPT_OUT, q), ("bwd.dk", k), ("bwd.dv", v)))
     own = [dk, dv]  # step 0: this rank's own block
     mine = (pr.widen(k), pr.widen(v))  # the own block, computed on exactly

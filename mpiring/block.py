@@ -24,7 +24,7 @@ def accumulators(q, v, out_dtype=np.float64, lse_dtype=None, keep=False):
     that of out unless given (``precision.Precision`` keeps lse in float32 when out is in a half dtype).
     ``keep``: out in this thread's kept buffer (``tiles.filled``), for a caller that returns a converted copy."""
     shape, lse_dtype = q.shape[:-1] + v.shape[-1:], lse_dtype or out_dtype
-    out = filled(KEPT_OUT, shape, np.dtype(out_dtype), 0) if keep else np.zeros(shape, out_dtype)
+    out = filled(KEPT_OUT if keep else None, shape, np.dtype(out_dtype), 0)
     return [out, np.full(q.shape[:-1], -np.inf, lse_dtype)]
 
 

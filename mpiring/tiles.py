@@ -117,8 +117,11 @@ def filled(name, shape, dtype, value):
     For the ring's accumulators and receive slots (tens of MiB per call): fresh
     memory is paid for in page faults at its first touch, 1.4-2.4 ms per MiB on
     the development VM (docs/performance.md §11), a kept buffer only in the fill.
-    Whoever returns such a buffer's contents returns a copy.
+    Whoever returns such a buffer's contents returns a copy. ``name`` None: a
+    new array instead (``np.zeros`` for 0: its pages are mapped as they are written).
     """
+    if name is None:
+        return np.zeros(shape, dtype) if value == 0 else np.full(shape, value, dtype)
     out = scratch(name, shape, dtype)
     out.fill(value)
     return out

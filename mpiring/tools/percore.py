@@ -31,7 +31,7 @@ from mpiring.kernels import LOG2E, attention_block
 from mpiring.tiles import default_tiles, pad_ones
 
 from .cli import at_least, command_parser
-from .limits import best_seconds, measure_limits
+from .limits import best_seconds, limit_seconds, measure_limits
 from .torchref import torch_available, torch_times
 
 __all__ = ["percore", "percore_parser", "kernel_steps"]
@@ -89,12 +89,13 @@ def percore(comm=None, args=None):
     kt, vt = pad_ones(k), pad_ones(v)
     scale = 1.0 / math.sqrt(d)
     flops = 4 * h * seq * seq * d
+    # the block as a benchmark row: what limit_seconds and torch_times take
+    cfg = types.SimpleNamespace(S=seq, D=d, H=h, B=1, causal=False, backward=False, dtype=args.dtype)
     rows = {}
     with threadpool_limits(1, user_api="blas"):
         tq, tk = default_tiles(d, dt)
-        gemm_name = "MKL" if gemm.product() is gemm.gemm_mkl else "np.matmul"
-        lim = measure_limits([d], dtype=dt)[d]
-        rows["the matmul+exp limit"] = h * seq * seq * (4 * d / lim["gemm_flops"] + 1 / lim["exp_per_s"])
+        limits = measure_limits([d], dtype=dt)
+        rows["the matmul+exp limit"] = limit_seconds(limits, cfg, seq * seq)
         run, _ = kernel_steps(q, kt, vt, scale, tq, tk)
         rows["the kernel's three steps on its tiles"] = best_seconds(run, args.repeats)
         out, lse = np.zeros((h, seq, d)), np.full((h, seq), -np.inf)
@@ -102,13 +103,12 @@ def percore(comm=None, args=None):
             lambda: attention_block(q, kt, vt, scale, padded=True, into=(out, lse)), args.repeats)
     torch_p = None
     if not args.no_torch and torch_available():
-        cfg = types.SimpleNamespace(S=seq, D=d, H=h, B=1, causal=False, backward=False, dtype=args.dtype)
         one = torch_times([cfg], 1, repeats=args.repeats)[0]
         torch_p = torch_times([cfg], args.threads, repeats=args.repeats)[0]
         if one:
             rows["torch SDPA, 1 thread"] = one
     print(f"one core: {h} heads x {seq} queries x {seq} keys, D={d}, {dt.name}, full mask; "
-          f"GEMMs: {gemm_name}; kernel tiles {tq} x {tk}")
+          f"GEMMs: {limits[d]['gemm_name']}; kernel tiles {tq} x {tk}")
     print(f"  {'':<40} {'ms':>9} {'GFLOP/s':>8} {'of limit':>9}")
     limit = rows["the matmul+exp limit"]
     for name, sec in rows.items():
