@@ -76,7 +76,7 @@ def double_ring_forward(q, k, v, plan, ring, scale, rec, timeout):
     try:
         rank = inner.rank
         acc = block.accumulators(q, v)
-        longest = max(len(s) for s in plan.shards)
+        longest = max(len(s) for s in plan.kv_shards)
         inner_slots, outer_slots = KVBuffers((k, v), longest), KVBuffers((k, v), longest)
         first = outer_slots.hold((k, v))  # a round's first block: this rank's own, then what the outer ring brings
         held = first
@@ -90,10 +90,10 @@ def double_ring_forward(q, k, v, plan, ring, scale, rec, timeout):
             o, i = plan.round_step(step)
             waiting = []
             if i == 0 and o < m - 1:  # the next round's first block, behind this whole round
-                nxt = outer_slots.take(len(plan.shards[plan.source_at(rank, step + n)]))
+                nxt = outer_slots.take(len(plan.kv_shards[plan.source_at(rank, step + n)]))
                 _shift(outer, first, nxt, rec, step, OUTER, pad=1)
             if i < n - 1:
-                incoming = inner_slots.take(len(plan.shards[plan.source_at(rank, step + 1)]))
+                incoming = inner_slots.take(len(plan.kv_shards[plan.source_at(rank, step + 1)]))
                 _shift(inner, held, incoming, rec, step, INNER, pad=1)
                 waiting.append(inner)
             for task in plan.tasks(step, rank):
@@ -144,7 +144,7 @@ def double_ring_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec,
                 ring.progress()
 
         def block_of(source, dtype=None, make=np.zeros):
-            return tuple(make(a.shape[:-2] + (len(plan.shards[source]), a.shape[-1]), dtype or a.dtype)
+            return tuple(make(a.shape[:-2] + (len(plan.kv_shards[source]), a.shape[-1]), dtype or a.dtype)
                          for a in (k, v))
 
         for step in range(plan.n_steps):

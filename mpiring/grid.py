@@ -4,11 +4,12 @@
 
 Ranks form a u x (P/u) grid with two communicators (``Split``): the group,
 u consecutive ranks, and the cross ring, the ranks at the same place of
-every group. The group's all-to-all gives each rank the group's tokens for
-Hq/u heads (``ulysses.heads_out``); those are the tokens rank g of a P/u-rank
-ring holds under the layout (``heads.HybridPlan``), so the ring across
-groups is ``ring_attention`` (``ring_attention_backward``) itself on the
-cross communicator; a second all-to-all brings every rank its tokens back.
+every group. Every rank holds the tokens its layout gives it, as in every
+mode (``shard_indices``). The group's all-to-all gives each rank the
+group's tokens for Hq/u heads (``ulysses.heads_out``), member after member;
+the ring across groups is ``ring_attention`` (``ring_attention_backward``)
+itself on the cross communicator, with those tokens as its ``positions``
+(``heads.HybridPlan``); a second all-to-all brings every rank its tokens back.
 The inner call's events, tasks and counters join this call's record.
 """
 
@@ -42,10 +43,22 @@ def _heads(plan, hq, hk):
     return [query_heads(j, u, hq) for j in range(u)], [kv_heads(j, u, hk) for j in range(u)]
 
 
-def _lengths(plan, rank):
+def _lengths(plan, rank, kv=False):
+    """Tokens of each member of ``rank``'s group: its queries (``kv``: its keys)."""
+    shards = plan.kv_shards if kv else plan.shards
+    return [len(shards[r]) for r in plan.members(plan.group(rank)[0])]
+
+
+def _inner(plan, rank, options):
+    """The options of the ring across groups: the group's tokens as positions, the plan's mask."""
     g, _ = plan.group(rank)
-    u = plan.ulysses_size
-    return [len(plan.shards[g * u + j]) for j in range(u)]
+    ring = plan.ring_plan
+    separate_kv = plan.kv_shards is not plan.shards
+    inner = {name: value for name, value in options.items() if name not in ("layout", "mode", "causal", "window",
+                                                                              "cu_seqlens")}
+    return dict(inner, mode=ring.mode, causal=ring.causal, window=ring.window, cu_seqlens=ring.cu_seqlens,
+                causal_block=ring.causal_block, positions=plan.group_positions(g),
+                kv_positions=plan.group_positions(g, kv=True) if separate_kv else None)
 
 
 def hybrid_forward(q, k, v, plan, comm, options, scale, rec, timeout):
@@ -55,16 +68,18 @@ def hybrid_forward(q, k, v, plan, comm, options, scale, rec, timeout):
 
     rank = comm.Get_rank()
     qs, ks = _heads(plan, q.shape[-3], k.shape[-3])
-    lengths = _lengths(plan, rank)
+    lengths, kv_lengths = _lengths(plan, rank), _lengths(plan, rank, kv=True)
     group, cross = grid_comms(comm, plan)
     try:
-        Q, K, V = heads_out(group, [q, k, v], [qs, ks, ks], lengths, q.dtype, rec, timeout, 0)
+        Q, K, V = heads_out(group, [q, k, v], [qs, ks, ks], [lengths, kv_lengths, kv_lengths], q.dtype, rec,
+                            timeout, 0)
         inner = Record(rank)
-        out, lse = ring_attention(Q, K, V, cross, scale=scale, timeout=timeout, record=inner, **options)
+        out, lse = ring_attention(Q, K, V, cross, scale=scale, timeout=timeout, record=inner,
+                                  **_inner(plan, rank, options))
         _join(rec, inner)
         h = Q.shape[-3]
-        got = tokens_back(group, [out, lse[..., None]], [[h] * len(lengths)] * 2, lengths, q.dtype, rec, timeout,
-                          plan.n_steps - 1)
+        got = tokens_back(group, [out, lse[..., None]], [[h] * len(lengths)] * 2, [lengths] * 2, q.dtype, rec,
+                          timeout, plan.n_steps - 1)
     finally:
         group.Free()
         cross.Free()
@@ -79,18 +94,18 @@ def hybrid_backward(dout, q, k, v, out, lse, plan, comm, options, scale, rec, ti
 
     rank = comm.Get_rank()
     qs, ks = _heads(plan, q.shape[-3], k.shape[-3])
-    lengths = _lengths(plan, rank)
+    lengths, kv_lengths = _lengths(plan, rank), _lengths(plan, rank, kv=True)
     group, cross = grid_comms(comm, plan)
     try:
-        Q, dO, Out, L, K, V = heads_out(group, [q, dout, out, lse[..., None], k, v], [qs] * 4 + [ks] * 2, lengths,
-                                      q.dtype, rec, timeout, 0)
+        Q, dO, Out, L, K, V = heads_out(group, [q, dout, out, lse[..., None], k, v], [qs] * 4 + [ks] * 2,
+                                      [lengths] * 4 + [kv_lengths] * 2, q.dtype, rec, timeout, 0)
         inner = Record(rank)
         dq, dk, dv = ring_attention_backward(dO, Q, K, V, Out, L[..., 0], cross, scale=scale, timeout=timeout,
-                                             record=inner, **options)
+                                             record=inner, **_inner(plan, rank, options))
         _join(rec, inner)
         kv = [len(range(k.shape[-3])[s]) for s in ks]
-        got = tokens_back(group, [dq, dk, dv], [[Q.shape[-3]] * len(lengths), kv, kv], lengths, q.dtype, rec,
-                          timeout, plan.n_steps - 1)
+        got = tokens_back(group, [dq, dk, dv], [[Q.shape[-3]] * len(lengths), kv, kv],
+                          [lengths, kv_lengths, kv_lengths], q.dtype, rec, timeout, plan.n_steps - 1)
     finally:
         group.Free()
         cross.Free()

@@ -167,7 +167,7 @@ class Ring:
         A view for the contiguous and striped layouts, a copy otherwise (``mpiring.shard``).
         """
         axis = self.seq_axis if axis is None else axis
-        if self.plan.layout in LAYOUTS and not isinstance(self.plan, HybridPlan):  # a grid deals its own shards
+        if self.plan.layout in LAYOUTS:  # the layout's tokens, in every mode
             return shard(x, self.size, self.rank, self.plan.layout, axis)
         return np.take(x, self.positions, axis=0 if np.ndim(x) == 1 else axis)
 
@@ -346,7 +346,8 @@ def ring_attention(
             j // causal_block <= i // causal_block (frame-causal video masks).
         node_size: ranks per node for the double ring; None: as MPI places them (``COMM_TYPE_SHARED``).
         ulysses_size: u: Ulysses inside groups of u consecutive ranks, the ring ``mode`` across the P/u
-            groups; shards follow the grid (``mpiring.heads.HybridPlan``).
+            groups (``mpiring.heads.HybridPlan``); every rank holds the tokens ``layout`` gives it, as in
+            every mode.
         rotate: what travels the ring: "kv" (K/V blocks), "q" (query blocks; K/V
             stay and the partial results go home, ``mpiring.passq``; mode "ring"
             only), or "auto": whichever sends fewer bytes under the plan

@@ -24,8 +24,9 @@ dV (each from a subset of the group's query heads) are summed at the owner.
 
 from dataclasses import dataclass
 
-from .layouts import block_range
-from .plan import Piece, Plan, Schedule, Task
+import numpy as np
+
+from .plan import Piece, Plan, Schedule, Task, problem_fields
 
 __all__ = ["HEAD_MODES", "UlyssesPlan", "ulysses_plan", "heads_problem", "query_heads", "kv_heads",
            "ulysses_pair_bytes", "predicted_ulysses_bytes", "HybridPlan", "hybrid_plan", "grid_problem",
@@ -82,13 +83,9 @@ class UlyssesPlan(Plan):
         return [Piece(a + starts[i], b + starts[i], c, d, klo, khi)
                 for i in range(self.size) for a, b, c, d, klo, khi in self.pieces(i, source)]
 
-    def offsets(self):
-        """Where each rank's tokens start in the gathered (shard-ordered) sequence."""
-        starts, total = [], 0
-        for s in self.shards:
-            starts.append(total)
-            total += len(s)
-        return starts
+    def offsets(self, kv=False):
+        """Where each rank's query (``kv``: key) tokens start in the gathered (shard-ordered) sequence."""
+        return _starts(self.kv_shards if kv else self.shards)
 
     def visible_pairs(self):
         """Per rank: (query, key) pairs its kernel is given the mask of, for its heads: the whole sequence's."""
@@ -106,6 +103,11 @@ class UlyssesPlan(Plan):
         return 2 * (self.size - 1)
 
 
+def _starts(shards):
+    """Where each shard starts when the shards are laid one after the other."""
+    return [sum(len(s) for s in shards[:i]) for i in range(len(shards))]
+
+
 def _column_kind(kinds, source):
     column = {row[source] for row in kinds}
     if column == {"skip"}:
@@ -115,9 +117,7 @@ def _column_kind(kinds, source):
 
 def ulysses_plan(base):
     """The Ulysses plan over the shards and masks of ``base`` (a ring plan of the same options)."""
-    fields = {name: getattr(base, name) for name in ("seq_len", "size", "layout", "causal", "window", "cu_seqlens",
-                                                     "shards", "kv_shards", "orders", "kv_orders", "runs", "kinds",
-                                                     "pairs")}
+    fields = problem_fields(base)
     plan = UlyssesPlan(**fields, mode="ulysses", rounds={})
     tasks = tuple(Task(j, _column_kind(base.kinds, j), 0) for j in range(base.size))
     plan.schedule = Schedule([[tasks] * base.size])
@@ -138,11 +138,12 @@ def ulysses_pair_bytes(plan, r, d, *, batch, hq, hk, dim, dim_v, itemsize, backw
         return 0
     P = plan.size
     hq_l, n_r, n_d = hq // P, len(plan.shards[r]), len(plan.shards[d])
+    kv_n_r, kv_n_d = len(plan.kv_shards[r]), len(plan.kv_shards[d])  # key tokens (kv_positions: other than q's)
     kv_r, kv_d = (len(range(hk)[kv_heads(x, P, hk)]) for x in (r, d))  # K/V heads each rank gets
     if backward:
-        return batch * (n_r * (hq_l * (dim + dim_v + 2) + kv_d * (dim + dim_v)) * itemsize
-                        + n_d * (hq_l * dim + kv_r * (dim + dim_v)) * grad_itemsize)
-    return batch * (n_r * (hq_l * dim + kv_d * (dim + dim_v)) + n_d * hq_l * (dim_v + 1)) * itemsize
+        return batch * ((n_r * hq_l * (dim + dim_v + 2) + kv_n_r * kv_d * (dim + dim_v)) * itemsize
+                        + (n_d * hq_l * dim + kv_n_d * kv_r * (dim + dim_v)) * grad_itemsize)
+    return batch * (n_r * hq_l * dim + kv_n_r * kv_d * (dim + dim_v) + n_d * hq_l * (dim_v + 1)) * itemsize
 
 
 def predicted_ulysses_bytes(plan, **shape):
@@ -157,12 +158,13 @@ def predicted_ulysses_bytes(plan, **shape):
 class HybridPlan(Plan):
     """``ulysses_size=u``: Ulysses inside each group of u consecutive ranks, a ring plan across the P/u groups.
 
-    The layout applies to the ring dimension: group g holds the tokens that
-    rank g of a P/u-rank ring would hold (zigzag balance is the groups'), and
-    its u ranks hold consecutive pieces of them (``block_range``). After the
-    group's all-to-all, each rank holds the group's tokens, in order, for
-    Hq/u heads; ``ring_plan`` (over the P/u groups) then moves K/V between the
-    ranks of the same place in every group.
+    Every rank holds the tokens the layout (or ``positions``) gives it, as in
+    every other mode (``shard_indices``); a group's tokens are its members'
+    together, in member order. After the group's all-to-all, each rank holds
+    the group's tokens for Hq/u heads; ``ring_plan`` (over the P/u groups,
+    their tokens as ``positions``) then moves K/V between the ranks of the same
+    place in every group. With zigzag or striped, the groups' causal work is as
+    balanced as the ranks'.
     """
 
     ulysses_size: int = 1
@@ -171,6 +173,14 @@ class HybridPlan(Plan):
     def group(self, rank):
         """``(group, place in the group)`` of ``rank``."""
         return divmod(rank, self.ulysses_size)
+
+    def members(self, group):
+        return range(group * self.ulysses_size, (group + 1) * self.ulysses_size)
+
+    def group_positions(self, group, kv=False):
+        """The group's query (``kv``: key) positions in the order its all-to-all lays them: member by member."""
+        shards = self.kv_shards if kv else self.shards
+        return np.concatenate([shards[r] for r in self.members(group)])
 
     def visible_pairs(self):
         """Per rank: its group's visible pairs, which it computes for its Hq/u heads."""
@@ -192,24 +202,23 @@ def sequence_pairs(plan):
     return sum(map(sum, (plan.ring_plan if isinstance(plan, HybridPlan) else plan).pairs))
 
 
-def hybrid_plan(seq_len, size, ulysses_size, ring_plan):
-    """The u x (P/u) grid over ``ring_plan`` (a plan of the P/u groups); shards as ``HybridPlan`` says."""
-    u = ulysses_size
-    shards = []
-    for group_shard in ring_plan.shards:
-        for j in range(u):
-            count, start = block_range(len(group_shard), u, j)
-            shards.append(group_shard[start:start + count])
-    if min(map(len, shards)) < 1:
-        raise ValueError(f"ulysses_size {u}: a group's {min(map(len, ring_plan.shards))} tokens do not give each "
-                         f"of its {u} ranks one")
-    table = [[ring_plan.tasks(step, r // u) for r in range(size)] for step in range(ring_plan.n_steps)]
-    return HybridPlan(seq_len, size, ring_plan.layout, ring_plan.mode, ring_plan.causal, ring_plan.window,
-                      ring_plan.cu_seqlens, shards=shards, kv_shards=shards, orders=[None] * size,
-                      kv_orders=[None] * size, runs=[[(0, len(s))] for s in shards],
-                      kinds=[ring_plan.kinds[r // u] for r in range(size)],
-                      pairs=[ring_plan.pairs[r // u] for r in range(size)], rounds=ring_plan.rounds,
-                      schedule=Schedule(table), ulysses_size=u, ring_plan=ring_plan)
+def hybrid_plan(base, ulysses_size, mode):
+    """The u x (P/u) grid over the tokens and masks of ``base`` (a plan of the P ranks): a ``mode`` ring of groups."""
+    from .plan import make_plan
+
+    u, P = ulysses_size, base.size
+    grid = HybridPlan(**problem_fields(base), mode=mode, ulysses_size=u)
+    groups = range(P // u)
+    separate_kv = base.kv_shards is not base.shards
+    grid.ring_plan = ring = make_plan(
+        base.seq_len, P // u, mode=mode, causal=base.causal, window=base.window, cu_seqlens=base.cu_seqlens,
+        causal_block=base.causal_block, positions=[grid.group_positions(g) for g in groups],
+        kv_positions=[grid.group_positions(g, kv=True) for g in groups] if separate_kv else None)
+    grid.kinds = [ring.kinds[r // u] for r in range(P)]
+    grid.pairs = [ring.pairs[r // u] for r in range(P)]
+    grid.rounds = ring.rounds
+    grid.schedule = Schedule([[ring.tasks(step, r // u) for r in range(P)] for step in range(ring.n_steps)])
+    return grid
 
 
 def grid_problem(q, k, size, mode, ulysses_size):

@@ -22,7 +22,7 @@ adds up m partials, one per node (its own node's too).
 
 from dataclasses import dataclass
 
-from .plan import NEXT, Plan, Schedule, Task
+from .plan import NEXT, Plan, Schedule, Task, problem_fields
 
 __all__ = ["DoubleRingPlan", "double_ring_plan", "INNER", "OUTER"]
 
@@ -102,9 +102,7 @@ def double_ring_plan(base, node_size):
         raise ValueError(f"node_size must be a positive integer (ranks per node), got {node_size!r}")
     if base.size % node_size:
         raise ValueError(f"node_size {node_size} does not divide the {base.size} ranks into whole nodes")
-    fields = {name: getattr(base, name) for name in ("seq_len", "size", "layout", "causal", "window", "cu_seqlens",
-                                                     "shards", "kv_shards", "orders", "kv_orders", "runs", "kinds",
-                                                     "pairs")}
+    fields = problem_fields(base)
     plan = DoubleRingPlan(**fields, mode="double_ring", rounds={NEXT: base.size - 1}, node_size=node_size)
     plan.schedule = Schedule([[(Task(j, plan.kinds[r][j]),) for r in range(plan.size)
                                for j in [plan.source_at(r, step)]] for step in range(plan.size)])

@@ -19,22 +19,27 @@ def _add(matrix, r, d, nbytes):
         matrix[r][d] += nbytes
 
 
-def traffic(plan, *, batch, hq, hk, dim, dim_v, itemsize, backward=False, grad_itemsize=8):
+def traffic(plan, *, batch, hq, hk, dim, dim_v, itemsize, backward=False, grad_itemsize=None):
     """``matrix[r][d]``: bytes rank r sends rank d under ``plan``; None for the all-gather (MPI picks its pattern).
 
     Ring modes: K/V blocks to the next rank of each stream; backward also the
     dK/dV partial onward (steps 1 .. R-1) and home, R ranks back. Ulysses: each
     all-to-all's share for each other rank (``heads.ulysses_pair_bytes``).
-    Double ring: what ``DoubleRingPlan.sends`` lists.
+    Double ring: what ``DoubleRingPlan.sends`` lists. ``grad_itemsize``: bytes
+    per element of the gradients that travel; by default what each strategy
+    sends: Ulysses and the double ring float64, the ring modes their
+    ``grad_wire_dtype`` default (float64 for 8-byte inputs, else float32).
     """
     P = plan.size
-    n = [len(s) for s in plan.shards]
+    n = [len(s) for s in plan.kv_shards]  # K/V blocks (and their dK/dV partials) are the keys' tokens
     matrix = [[0] * P for _ in range(P)]
     if isinstance(plan, HybridPlan):
         return _grid_traffic(plan, matrix, batch=batch, hq=hq, hk=hk, dim=dim, dim_v=dim_v, itemsize=itemsize,
-                             backward=backward)
+                             backward=backward, grad_itemsize=grad_itemsize)
     if plan.mode == "allgather":
         return None
+    if grad_itemsize is None:
+        grad_itemsize = 8 if plan.mode in HEAD_MODES + ("double_ring",) or itemsize == 8 else 4
     if plan.mode in HEAD_MODES:
         shape = dict(batch=batch, hq=hq, hk=hk, dim=dim, dim_v=dim_v, itemsize=itemsize, backward=backward,
                      grad_itemsize=grad_itemsize)
@@ -58,34 +63,42 @@ def traffic(plan, *, batch, hq, hk, dim, dim_v, itemsize, backward=False, grad_i
     return matrix
 
 
-def _group_pair(plan, r, d, *, batch, hq, hk, dim, dim_v, itemsize, backward):
+def _group_pair(plan, r, d, *, batch, hq, hk, dim, dim_v, itemsize, backward, **_):
     """Bytes member r sends member d of its group in the grid's two all-to-alls (all in the input dtype).
 
     Out: d's Hq/u query heads of r's tokens (backward also dout, out and lse:
-    the inner ring's backward takes out) and d's K/V heads; back: r's heads
-    of d's tokens (out, lse; backward dq, and dK, dV of r's K/V heads).
+    the inner ring's backward takes out) and d's K/V heads of r's keys; back:
+    r's heads of d's tokens (out, lse; backward dq, and dK, dV of r's K/V heads
+    of d's keys).
     """
     u = plan.ulysses_size
     hq_l, n_r, n_d = hq // u, len(plan.shards[r]), len(plan.shards[d])
+    m_r, m_d = len(plan.kv_shards[r]), len(plan.kv_shards[d])
     kv_r, kv_d = (len(range(hk)[kv_heads(x % u, u, hk)]) for x in (r, d))
     if backward:
-        out = n_r * (hq_l * (dim + 2 * dim_v + 1) + kv_d * (dim + dim_v))
-        back = n_d * (hq_l * dim + kv_r * (dim + dim_v))
+        out = n_r * hq_l * (dim + 2 * dim_v + 1) + m_r * kv_d * (dim + dim_v)
+        back = n_d * hq_l * dim + m_d * kv_r * (dim + dim_v)
     else:
-        out = n_r * (hq_l * dim + kv_d * (dim + dim_v))
+        out = n_r * hq_l * dim + m_r * kv_d * (dim + dim_v)
         back = n_d * hq_l * (dim_v + 1)
     return batch * (out + back) * itemsize
 
 
 def _grid_traffic(plan, matrix, *, backward, **shape):
-    """The grid: the group all-to-alls, and each place's ring across the groups (None if that is an all-gather)."""
+    """The grid: the group all-to-alls, and each place's ring across the groups (None if that is an all-gather).
+
+    The ring across groups gets its inputs in the dtype the all-to-all carried
+    (``itemsize``), so its dK/dV partials travel as its default grad wire for
+    that dtype: float64 for 8-byte inputs, else float32.
+    """
     u, P = plan.ulysses_size, plan.size
     for r in range(P):
         for d in range(P):
             if r // u == d // u and r != d:
                 matrix[r][d] += _group_pair(plan, r, d, backward=backward, **shape)
     for j in range(u):  # the ring of place j: Hq/u heads, its K/V heads, the groups' tokens
-        inner = dict(shape, hq=shape["hq"] // u, hk=len(range(shape["hk"])[kv_heads(j, u, shape["hk"])]))
+        inner = dict(shape, hq=shape["hq"] // u, hk=len(range(shape["hk"])[kv_heads(j, u, shape["hk"])]),
+                     grad_itemsize=8 if shape["itemsize"] == 8 else 4)
         ring = traffic(plan.ring_plan, **inner, backward=backward)
         if ring is None:
             return None
@@ -95,10 +108,10 @@ def _grid_traffic(plan, matrix, *, backward, **shape):
     return matrix
 
 
-def predicted_bytes(plan, *, batch, hq, hk, dim, dim_v, itemsize, backward=False):
+def predicted_bytes(plan, *, batch, hq, hk, dim, dim_v, itemsize, backward=False, grad_itemsize=None):
     """Bytes each rank sends under any plan: the row sums of ``traffic`` (all-gather: as a ring all-gather)."""
     shape = dict(batch=batch, hq=hq, hk=hk, dim=dim, dim_v=dim_v, itemsize=itemsize, backward=backward)
-    matrix = traffic(plan, **shape)
+    matrix = traffic(plan, **shape, grad_itemsize=grad_itemsize)
     if matrix is not None:
         return [sum(row) for row in matrix]
     if isinstance(plan, HybridPlan):  # all-gather across the groups: its bytes, plus the group all-to-alls
@@ -109,7 +122,9 @@ def predicted_bytes(plan, *, batch, hq, hk, dim, dim_v, itemsize, backward=False
         return [across[r % u][r // u] + sum(_group_pair(plan, r, d, **shape) for d in range(plan.size)
                                             if d // u == r // u and d != r) for r in range(plan.size)]
     kv_width = batch * hk * (dim + dim_v)
-    return (predicted_backward_bytes if backward else predicted_bytes_sent)(plan, kv_width, itemsize)
+    if backward:
+        return predicted_backward_bytes(plan, kv_width, itemsize, grad_itemsize)
+    return predicted_bytes_sent(plan, kv_width, itemsize)
 
 
 def inter_node_bytes(matrix, node_of):

@@ -34,7 +34,7 @@ from .layouts import check_layout, layout_positions, position_runs, positions_pr
 from .masks import block_kind, check_causal_block, check_cu_seqlens, check_window, visible_keys
 
 __all__ = ["MODES", "ALL_MODES", "NEXT", "PREV", "HOME_CHUNKS", "Task", "Piece", "Schedule", "Plan", "make_plan",
-           "home_chunks", "key_chunks", "cut_to_keys", "chunks_in_order"]
+           "home_chunks", "key_chunks", "cut_to_keys", "chunks_in_order", "problem_fields"]
 
 MODES = ("ring", "bidirectional", "allgather")  # the ring modes: K/V blocks travel (the simulator's too)
 ALL_MODES = MODES + ("ulysses", "double_ring")  # and Ulysses (mpiring.heads), the double ring (mpiring.hierarchy)
@@ -199,6 +199,15 @@ class Plan:
         return sum(2 * rounds + 2 * (rounds - 1) + 2 * chunks for rounds in self.rounds.values() if rounds > 0)
 
 
+PROBLEM_FIELDS = ("seq_len", "size", "layout", "causal", "window", "cu_seqlens", "causal_block", "shards", "kv_shards",
+                  "orders", "kv_orders", "runs", "kinds", "pairs")  # what a call computes; the rest is how
+
+
+def problem_fields(plan):
+    """``plan``'s tokens, masks and blocks, by field name: a strategy's plan over the same problem starts from them."""
+    return {name: getattr(plan, name) for name in PROBLEM_FIELDS}
+
+
 def _last_needed(kinds, size, stream, max_step):
     """Last step at which some rank needs the block that ``stream`` brings."""
     last = 0
@@ -242,10 +251,6 @@ def make_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str 
     """
     if mode not in ALL_MODES:
         raise ValueError(f"mode must be one of {', '.join(ALL_MODES)}; got {mode!r}")
-    if (mode not in MODES or ulysses_size is not None) and (positions is not None or kv_positions is not None
-                                                            or causal_block is not None):
-        raise ValueError(f"positions, kv_positions and causal_block work with modes {', '.join(MODES)} "
-                         f"(not with mode {mode!r} or ulysses_size)")
     if ulysses_size is not None:  # a u x (P/u) grid: the ring plan of the groups (mpiring.heads.HybridPlan)
         from .heads import hybrid_plan
 
@@ -255,15 +260,16 @@ def make_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str 
             raise ValueError(f"ulysses_size must be a positive integer, got {ulysses_size!r}")
         if size % ulysses_size:
             raise ValueError(f"ulysses_size {ulysses_size} does not divide the {size} ranks")
-        groups = make_plan(seq_len, size // ulysses_size, layout=layout, mode=mode, causal=causal, window=window,
-                           cu_seqlens=cu_seqlens)
-        return hybrid_plan(seq_len, size, ulysses_size, groups)
-    if mode in ("ulysses", "double_ring"):  # the ring plan's shards and masks, visited in their own order
+    if mode in ("ulysses", "double_ring") or ulysses_size is not None:
+        # the tokens every rank holds and their masks, as the flat ring's; visited in the strategy's own order
         from .heads import ulysses_plan
         from .hierarchy import double_ring_plan
 
         base = make_plan(seq_len, size, layout=layout, mode="allgather", causal=causal, window=window,
-                         cu_seqlens=cu_seqlens)
+                         cu_seqlens=cu_seqlens, causal_block=causal_block, positions=positions,
+                         kv_positions=kv_positions)
+        if ulysses_size is not None:
+            return hybrid_plan(base, ulysses_size, mode)
         if mode == "ulysses":
             return ulysses_plan(base)
         return double_ring_plan(base, size if node_size is None else node_size)

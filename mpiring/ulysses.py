@@ -66,14 +66,16 @@ def _no_progress():
 def heads_out(comm, arrays, heads, lengths, dtype, rec, timeout, step, data="heads out"):
     """Every member's tokens of member d's heads to member d: one all-to-all; returns each array's result.
 
-    ``arrays[i]``: this rank's (..., H_i, n, D_i); ``heads[i][d]``: the slice of
-    heads member d gets; ``lengths[s]``: member s's tokens. Each result is
-    (..., h_i, sum(lengths), D_i): the members' tokens one after the other.
+    ``arrays[i]``: this rank's (..., H_i, n_i, D_i); ``heads[i][d]``: the slice of
+    heads member d gets; ``lengths[i][s]``: member s's tokens of array i (queries
+    and keys differ with ``kv_positions``). Each result is
+    (..., h_i, sum(lengths[i]), D_i): the members' tokens one after the other.
     """
     rank = comm.Get_rank()
-    sends = [[a[..., h[d], :, :] for a, h in zip(arrays, heads)] for d in range(len(lengths))]
+    sends = [[a[..., h[d], :, :] for a, h in zip(arrays, heads)] for d in range(len(lengths[0]))]
     mine = [len(range(a.shape[-3])[h[rank]]) for a, h in zip(arrays, heads)]
-    shapes = [[a.shape[:-3] + (m, n, a.shape[-1]) for a, m in zip(arrays, mine)] for n in lengths]
+    shapes = [[a.shape[:-3] + (m, n[s], a.shape[-1]) for a, m, n in zip(arrays, mine, lengths)]
+              for s in range(len(lengths[0]))]
     got = exchange(comm, sends, shapes, dtype, rec, timeout, step, data)
     return [np.concatenate([g[i] for g in got], axis=-2) for i in range(len(arrays))]
 
@@ -81,14 +83,14 @@ def heads_out(comm, arrays, heads, lengths, dtype, rec, timeout, step, data="hea
 def tokens_back(comm, arrays, counts, lengths, dtype, rec, timeout, step, data="results back"):
     """The inverse movement: member d gets its tokens of this rank's heads; returns ``got[s][i]`` from member s.
 
-    ``arrays[i]``: (..., h_i, sum(lengths), D_i) in member order; ``counts[i][s]``:
-    the heads of array i that member s holds. ``got[s][i]`` is (..., counts[i][s], n_me, D_i).
+    ``arrays[i]``: (..., h_i, sum(lengths[i]), D_i) in member order; ``counts[i][s]``:
+    the heads of array i that member s holds. ``got[s][i]`` is (..., counts[i][s], lengths[i][me], D_i).
     """
     rank = comm.Get_rank()
-    starts = np.cumsum([0] + list(lengths))
-    sends = [[a[..., starts[d]:starts[d + 1], :] for a in arrays] for d in range(len(lengths))]
-    shapes = [[a.shape[:-3] + (c[s], lengths[rank], a.shape[-1]) for a, c in zip(arrays, counts)]
-              for s in range(len(lengths))]
+    starts = [np.cumsum([0] + list(n)) for n in lengths]
+    sends = [[a[..., at[d]:at[d + 1], :] for a, at in zip(arrays, starts)] for d in range(len(lengths[0]))]
+    shapes = [[a.shape[:-3] + (c[s], n[rank], a.shape[-1]) for a, c, n in zip(arrays, counts, lengths)]
+              for s in range(len(lengths[0]))]
     return exchange(comm, sends, shapes, dtype, rec, timeout, step, data)
 
 
@@ -98,21 +100,27 @@ def ulysses_forward(q, k, v, plan, comm, scale, rec, timeout):
     if flat:
         q, k, v = _with_heads(q, k, v)
     rank, size = plan_rank(comm, plan)
-    n, starts = [len(s) for s in plan.shards], plan.offsets()
+    n, m = [len(s) for s in plan.shards], [len(s) for s in plan.kv_shards]
     qs = [query_heads(d, size, q.shape[-3]) for d in range(size)]
     ks = [kv_heads(d, size, k.shape[-3]) for d in range(size)]
-    queries, keys, values = heads_out(comm, [q, k, v], [qs, ks, ks], n, q.dtype, rec, timeout, 0)
+    queries, keys, values = heads_out(comm, [q, k, v], [qs, ks, ks], [n, m, m], q.dtype, rec, timeout, 0)
     acc = block.accumulators(queries, values)
     for task in plan.tasks(0, rank):  # key block j: the tokens rank j held
-        j = slice(starts[task.source], starts[task.source] + n[task.source])
+        j = _block(plan, task.source)
         block.attend(queries, (keys[..., j, :], values[..., j, :]), task, plan.block_pieces(task.source), scale,
                      acc, rec, _no_progress, 0)
     rec.step_done(0, plan.n_steps)
     h = queries.shape[-3]
-    got = tokens_back(comm, [acc[0], acc[1][..., None]], [[h] * size] * 2, n, q.dtype, rec, timeout, 0)
+    got = tokens_back(comm, [acc[0], acc[1][..., None]], [[h] * size] * 2, [n, n], q.dtype, rec, timeout, 0)
     out = np.concatenate([g[0] for g in got], axis=-3)
     lse = np.concatenate([g[1][..., 0] for g in got], axis=-2)
     return (out[0], lse[0]) if flat else (out, lse)
+
+
+def _block(plan, source):
+    """Where rank ``source``'s keys sit in the gathered keys."""
+    start = plan.offsets(kv=True)[source]
+    return slice(start, start + len(plan.kv_shards[source]))
 
 
 def plan_rank(comm, plan):
@@ -135,17 +143,17 @@ def ulysses_backward(dout, q, k, v, lse, delta, plan, comm, scale, rec, timeout)
         dout, q, k, v = _with_heads(dout, q, k, v)
         lse, delta = lse[None], delta[None]
     rank, size = plan_rank(comm, plan)
-    n, starts = [len(s) for s in plan.shards], plan.offsets()
+    n, m = [len(s) for s in plan.shards], [len(s) for s in plan.kv_shards]
     qs = [query_heads(d, size, q.shape[-3]) for d in range(size)]
     ks = [kv_heads(d, size, k.shape[-3]) for d in range(size)]
     Q, dO, L, De, K, V = heads_out(comm, [q, dout, lse[..., None], delta[..., None], k, v], [qs] * 4 + [ks] * 2,
-                                   n, q.dtype, rec, timeout, 0)
+                                   [n] * 4 + [m] * 2, q.dtype, rec, timeout, 0)
     # out is read only to compute delta, which is given: a zero-size stand-in of its shape
     queries = (dO, Q, np.broadcast_to(np.zeros((), q.dtype), dO.shape), L[..., 0], De[..., 0])
     dq = np.zeros(Q.shape, GRAD_DTYPE)
     dK, dV = np.zeros(K.shape, GRAD_DTYPE), np.zeros(V.shape, GRAD_DTYPE)
     for task in plan.tasks(0, rank):
-        j = slice(starts[task.source], starts[task.source] + n[task.source])
+        j = _block(plan, task.source)
         pieces = plan.block_pieces(task.source)
         count_pairs(rec, pieces)
         grads = block.grads_of(queries, (K[..., j, :], V[..., j, :]), task, pieces, scale, dq, rec, _no_progress, 0)
@@ -153,7 +161,7 @@ def ulysses_backward(dout, q, k, v, lse, delta, plan, comm, scale, rec, timeout)
         rec.tasks.append((0, task))
     rec.step_done(0, plan.n_steps)
     kv = [len(range(k.shape[-3])[s]) for s in ks]
-    got = tokens_back(comm, [dq, dK, dV], [[Q.shape[-3]] * size, kv, kv], n, GRAD_DTYPE, rec, timeout, 0,
+    got = tokens_back(comm, [dq, dK, dV], [[Q.shape[-3]] * size, kv, kv], [n, m, m], GRAD_DTYPE, rec, timeout, 0,
                       "gradients back")
     dq = np.concatenate([g[0] for g in got], axis=-3)
     dk, dv = np.zeros(k.shape, GRAD_DTYPE), np.zeros(v.shape, GRAD_DTYPE)

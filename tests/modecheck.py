@@ -2,20 +2,22 @@
 
     from modecheck import check_mode
 
-Every rank takes its shard of the full arrays (the plan's positions, so any
-layout or grid), runs ``ring_attention`` and ``ring_attention_backward``, and
-checks its own out, lse, dq, dk, dv against the dense float64 reference, its
-bytes against ``nodes.predicted_bytes``, its messages and its recorded tasks
-against the plan. Returns the forward and backward records.
+Every rank takes its shard of the full arrays from the public helper
+(``shard_indices`` for a layout, the ``positions`` it passes otherwise; never
+from the plan under test, so a plan that deals other tokens fails), runs
+``ring_attention`` and ``ring_attention_backward``, and checks its own out,
+lse, dq, dk, dv against the dense float64 reference, its bytes against
+``nodes.predicted_bytes``, its messages and its recorded tasks against the
+plan. Returns the forward and backward records.
 """
 
 import numpy as np
 
-from mpiring import Record, make_plan, ring_attention, ring_attention_backward
+from mpiring import Record, ring_attention, ring_attention_backward, shard_indices
 from mpiring.nodes import predicted_bytes
-from mpiring.reference import dense_attention
+from mpiring.reference import definition_mask, dense_attention
 
-from conftest import GRAD_TOL, dense_mask, naive_attention_backward
+from conftest import GRAD_TOL, naive_attention_backward
 
 
 def problem(rng, S, hq, hk, dtype=np.float64, dim=8, dim_v=6):
@@ -24,9 +26,17 @@ def problem(rng, S, hq, hk, dtype=np.float64, dim=8, dim_v=6):
     return [rng.standard_normal(s).astype(dtype) for s in shapes]
 
 
-def local(x, plan, rank, axis=-2):
-    """This rank's shard of a full array under ``plan``."""
-    return np.ascontiguousarray(np.take(x, plan.shards[rank], axis=axis))
+def local(x, rows, axis=-2):
+    """This rank's shard of a full array: the rows at ``rows`` (global positions) on ``axis``."""
+    return np.ascontiguousarray(np.take(x, rows, axis=axis))
+
+
+def rows_of(comm, S, options, kv=False):
+    """This rank's query (``kv``: key) positions as the caller knows them: its ``positions``, or the layout's."""
+    given = options.get("kv_positions" if kv and options.get("kv_positions") is not None else "positions")
+    if given is not None:
+        return np.asarray(given)
+    return shard_indices(S, comm.size, comm.rank, options.get("layout", "contiguous"))
 
 
 def check_mode(comm, Q, K, V, dOut, options, note=""):
@@ -37,18 +47,25 @@ def check_mode(comm, Q, K, V, dOut, options, note=""):
     S, r = Q.shape[-2], comm.rank
     if isinstance(options.get("cu_seqlens"), str):
         options = dict(options, cu_seqlens=[0, 2, 2, S - 4, S])
-    mask = dense_mask(S, options.get("causal", False), options.get("window"), options.get("cu_seqlens"))
-    plan = make_plan(S, comm.size, **options)
-    q, k, v, dout = (local(x, plan, r) for x in (Q, K, V, dOut))
+    pos = np.arange(S)
+    mask = definition_mask(pos, pos, causal=options.get("causal", False), window=options.get("window"),
+                           cu_seqlens=options.get("cu_seqlens"), causal_block=options.get("causal_block"))
+    rows, kv_rows = rows_of(comm, S, options), rows_of(comm, S, options, kv=True)
+    q, dout = (local(x, rows) for x in (Q, dOut))
+    k, v = (local(x, kv_rows) for x in (K, V))
     fwd, bwd = Record(), Record()
     out, lse = ring_attention(q, k, v, comm, record=fwd, **options)
     want_out, want_lse = dense_attention(Q, K, V, None, lambda a, b: mask[a:b])
-    np.testing.assert_allclose(out, local(want_out, plan, r), atol=1e-12, rtol=0, err_msg=f"out {note}")
-    np.testing.assert_allclose(lse, local(want_lse, plan, r, axis=-1), atol=1e-12, rtol=0, err_msg=f"lse {note}")
+    np.testing.assert_allclose(out, local(want_out, rows), atol=1e-12, rtol=0, err_msg=f"out {note}")
+    np.testing.assert_allclose(lse, local(want_lse, rows, axis=-1), atol=1e-12, rtol=0, err_msg=f"lse {note}")
     grads = ring_attention_backward(dout, q, k, v, out, lse, comm, record=bwd, **options)
-    for name, got, want in zip(("dq", "dk", "dv"), grads, naive_attention_backward(dOut, Q, K, V, mask)):
-        np.testing.assert_allclose(got, local(want, plan, r), atol=GRAD_TOL[np.float64], rtol=0,
-                                   err_msg=f"{name} {note}")
+    # the gradients of the queries this rank holds (the rest of dOut is zero: keys nobody queries get no dK)
+    held = np.zeros(S, bool)
+    held[np.concatenate(comm.allgather(rows))] = True
+    dOut = np.where(held[:, None], dOut, 0)
+    for name, got, want, at in zip(("dq", "dk", "dv"), grads, naive_attention_backward(dOut, Q, K, V, mask),
+                                   (rows, kv_rows, kv_rows)):
+        np.testing.assert_allclose(got, local(want, at), atol=GRAD_TOL[np.float64], rtol=0, err_msg=f"{name} {note}")
     plan = fwd.plan  # as the call resolved it (the double ring's nodes)
     shape = dict(batch=Q.shape[0], hq=Q.shape[-3], hk=K.shape[-3], dim=Q.shape[-1], dim_v=V.shape[-1],
                  itemsize=Q.dtype.itemsize)

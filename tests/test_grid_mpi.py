@@ -2,8 +2,8 @@
 
     mpiexec -n 4 python -m pytest --with-mpi -m mpi -q tests/test_grid_mpi.py
 
-Every u dividing P, with each ring mode; shards follow the grid (``heads.HybridPlan``):
-the layout over the P/u groups, each group's tokens cut in u consecutive pieces.
+Every u dividing P, with each ring mode; every rank holds the tokens ``shard_indices``
+gives it under the layout, as in every other mode (a group's tokens are its members').
 """
 
 import numpy as np
@@ -11,7 +11,7 @@ import pytest
 from modecheck import check_mode, local
 from modecheck import problem as _problem
 
-from mpiring import LAYOUTS, make_plan, ring_attention, ring_attention_backward
+from mpiring import LAYOUTS, ring_attention, ring_attention_backward, shard_indices
 from mpiring.reference import dense_attention
 
 from conftest import GRAD_TOL, dense_mask, naive_attention_backward, tol
@@ -39,23 +39,23 @@ def test_float32(comm, rng):
     u = 2 if P % 2 == 0 else 1
     S = 24 * P
     options = dict(layout="zigzag", causal=True, ulysses_size=u)
-    plan = make_plan(S, P, **options)
+    rows = shard_indices(S, P, comm.rank, "zigzag")
     Q, K, V, dOut = _problem(rng, S, 4, 2, np.float32, dim=16, dim_v=16)
-    q, k, v, dout = (local(x, plan, comm.rank) for x in (Q, K, V, dOut))
+    q, k, v, dout = (local(x, rows) for x in (Q, K, V, dOut))
     out, lse = ring_attention(q, k, v, comm, **options)
     grads = ring_attention_backward(dout, q, k, v, out, lse, comm, **options)
     mask = dense_mask(S, causal=True)
     want = dense_attention(Q, K, V, None, lambda a, b: mask[a:b])[0]
-    np.testing.assert_allclose(out, local(want, plan, comm.rank), atol=tol(np.float32), rtol=0)
+    np.testing.assert_allclose(out, local(want, rows), atol=tol(np.float32), rtol=0)
     for got, want in zip(grads, naive_attention_backward(dOut, Q, K, V, mask)):
         assert got.dtype == np.float32
-        np.testing.assert_allclose(got, local(want, plan, comm.rank), atol=GRAD_TOL[np.float32], rtol=0)
+        np.testing.assert_allclose(got, local(want, rows), atol=GRAD_TOL[np.float32], rtol=0)
 
 
 def test_bad_grids_raise_on_every_rank(comm, rng):
     P = comm.size
-    plan = make_plan(8 * P, P)
-    q, k, v, _ = (local(x, plan, comm.rank) for x in _problem(rng, 8 * P, 3, 1))
+    rows = shard_indices(8 * P, P, comm.rank)
+    q, k, v, _ = (local(x, rows) for x in _problem(rng, 8 * P, 3, 1))
     if P > 1:
         with pytest.raises(ValueError, match=f"ulysses_size {P + 1} does not divide the {P} ranks"):
             ring_attention(q, k, v, comm, ulysses_size=P + 1)
