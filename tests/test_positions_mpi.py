@@ -6,19 +6,37 @@ Every rank holds a random, uneven, unsorted share of the positions (whole
 random chunks, or single tokens dealt anywhere); each result is checked in
 the caller's row order against the dense float64 reference
 (``mpiring.testing``, masks written from their definitions), forward and
-backward, in every mode, and the bytes each rank sent against the cost model.
+backward, under every strategy (the ring modes, Ulysses, the double ring and
+ring x Ulysses), and the bytes each rank sent against the byte model.
 """
 
 import numpy as np
 import pytest
 
-from mpiring import MODES, predicted_backward_bytes, predicted_bytes_sent, ring_attention, ring_attention_backward
+from mpiring import MODES, ring_attention, ring_attention_backward
+from mpiring.nodes import predicted_bytes
 from mpiring.record import Record
 from mpiring.testing import assert_attention_close, reference, reference_backward
 
 from conftest import GRAD_TOL
 
 pytestmark = pytest.mark.mpi
+
+STRATEGIES = MODES + ("ulysses", "double_ring", "grid")
+
+
+def strategy(name, P):
+    """The options of a strategy on P ranks: double ring nodes of 2 and a grid of 2 where P is even."""
+    if name == "double_ring":
+        return dict(mode="double_ring", node_size=2 if P % 2 == 0 else 1)
+    if name == "grid":
+        return dict(mode="bidirectional", ulysses_size=2 if P % 2 == 0 else 1)
+    return dict(mode=name)
+
+
+def heads(P):
+    """Query and K/V heads that every strategy splits on P ranks, grouped-query (2 query heads per K/V head)."""
+    return 2 * P, P
 
 
 def random_partition(seq_len, size, rng, chunky):
@@ -77,42 +95,43 @@ def _run(comm, Q, K, V, dOut, q_parts, kv_parts, options, dtype, case, first=Non
     assert_attention_close(lse, lse_ref[..., rows], dtype, f"lse ({case})")
     _check_grads(grads, (grads_ref[0][..., rows, :], grads_ref[1][..., mine_kv, :], grads_ref[2][..., mine_kv, :]),
                  dtype, case)
-    # the bytes each rank sends are the cost model's, from the positions
-    plan = forward.plan
-    kv_width = 2 * int(np.prod(k.shape[:-2])) * k.shape[-1]
-    assert forward.bytes_sent == predicted_bytes_sent(plan, kv_width, k.itemsize)[rank], case
-    assert backward.bytes_sent == predicted_backward_bytes(plan, kv_width, k.itemsize)[rank], case
+    # the bytes each rank sends are the byte model's, from the positions
+    shape = dict(batch=q.shape[0], hq=q.shape[-3], hk=k.shape[-3], dim=q.shape[-1], dim_v=v.shape[-1],
+                 itemsize=k.itemsize)
+    assert forward.bytes_sent == predicted_bytes(forward.plan, **shape)[rank], case
+    assert backward.bytes_sent == predicted_bytes(backward.plan, **shape, backward=True)[rank], case
 
 
 @pytest.mark.parametrize("chunky", [True, False])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", STRATEGIES)
 def test_random_partitions_every_mask(comm, mode, chunky):
     """Random uneven unsorted positions, every mask, float64 to 1e-12 (gradients 1e-10), forward and backward."""
     P = comm.size
+    hq, hk = heads(P)
     for i, (causal, window, cu, block) in enumerate(_masks(40)):
         rng = np.random.default_rng(100 * i + 7 * P + chunky)
         S = int(rng.integers(max(P, 9), 41))
         cu = None if cu is None else np.array(sorted({0, S // 3, S // 2 + 1, S}))
-        Q, dOut = (rng.standard_normal((1, 4, S, 8)) for _ in range(2))
-        K, V = (rng.standard_normal((1, 2, S, 8)) for _ in range(2))  # grouped-query: 2 query heads per K/V head
+        Q, dOut = (rng.standard_normal((1, hq, S, 8)) for _ in range(2))
+        K, V = (rng.standard_normal((1, hk, S, 8)) for _ in range(2))
         parts = random_partition(S, P, rng, chunky)
-        options = dict(causal=causal, window=window, cu_seqlens=cu, causal_block=block, mode=mode)
+        options = dict(causal=causal, window=window, cu_seqlens=cu, causal_block=block, **strategy(mode, P))
         case = f"S={S} P={P} {mode} chunky={chunky} causal={causal} window={window} cu={cu} block={block}"
         _run(comm, Q, K, V, dOut, parts, parts, options, np.float64, case)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", STRATEGIES)
 def test_float32_positions(comm, mode):
     """float32 within 1e-5 (gradients 1e-4) with random positions and a block-causal window."""
     rng = np.random.default_rng(comm.size)
     S = 37
-    Q, K, V, dOut = (rng.standard_normal((2, 2, S, 16)) for _ in range(4))
+    Q, K, V, dOut = (rng.standard_normal((2, 2 * comm.size, S, 16)) for _ in range(4))
     parts = random_partition(S, comm.size, rng, True)
-    options = dict(causal=True, window=(9, 0), causal_block=4, mode=mode)
+    options = dict(causal=True, window=(9, 0), causal_block=4, **strategy(mode, comm.size))
     _run(comm, Q, K, V, dOut, parts, parts, options, np.float32, f"float32 P={comm.size} {mode}")
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", STRATEGIES)
 @pytest.mark.parametrize("options", [dict(causal=True), dict(causal=True, causal_block=3),
                                      dict(causal=True, window=(7, 0))])
 def test_queries_against_a_longer_kv(comm, mode, options):
@@ -121,12 +140,12 @@ def test_queries_against_a_longer_kv(comm, mode, options):
     rng = np.random.default_rng(P + len(options))
     cached, new = 23, 3 * P + 2
     S = cached + new
-    Q, dOut = (rng.standard_normal((1, 2, new, 8)) for _ in range(2))
-    K, V = (rng.standard_normal((1, 1, S, 8)) for _ in range(2))
+    Q, dOut = (rng.standard_normal((1, 2 * P, new, 8)) for _ in range(2))
+    K, V = (rng.standard_normal((1, 1, S, 8)) for _ in range(2))  # multi-query
     kv_parts = random_partition(S, P, rng, True)
     q_parts = [p + cached for p in random_partition(new, P, rng, False)]
     case = f"prefill P={P} {mode} {options}"
-    _run(comm, Q, K, V, dOut, q_parts, kv_parts, dict(options, mode=mode), np.float64, case, first=cached)
+    _run(comm, Q, K, V, dOut, q_parts, kv_parts, dict(options, **strategy(mode, P)), np.float64, case, first=cached)
 
 
 BAD = [
