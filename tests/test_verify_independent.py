@@ -60,3 +60,26 @@ def test_windows_wider_than_any_sequence():
     assert sum(plan.visible_pairs()) == 96 * 97 // 2
     with pytest.raises(ValueError, match="must fit in 64 bits"):
         make_plan(96, 2, window=(-1, 2**63))
+
+
+def test_a_failed_verification_names_what_failed(monkeypatch, capsys):
+    """A wrong mask fails on its errors, a wrong byte model on its bytes: each line names the check and the rank."""
+    from mpiring.tools import cli_run
+
+    argv = ["run", "--seq-len", "48", "--heads", "2", "--dim", "8", "--dtype", "float64", "--window", "3", "0"]
+    monkeypatch.setattr(plans, "visible_keys", _ignore_window)
+    assert main(argv) == 1
+    lines = capsys.readouterr().out.splitlines()
+    failed = [line for line in lines if line.startswith("FAILED ")]
+    assert failed and all("exceeds the tolerance 1e-10" in line and "on rank 0" in line for line in failed), failed
+    assert lines[-1] == f"VERIFICATION FAILED ({len(failed)} check(s) above)"
+    monkeypatch.undo()
+
+    predicted = cli_run._predicted
+    monkeypatch.setattr(cli_run, "_predicted", lambda *a, **k: [n + 1 for n in predicted(*a, **k)])
+    for extra, what in (([], "bytes sent"), (["--backward"], "forward bytes sent")):
+        assert main(argv + extra) == 1
+        lines = capsys.readouterr().out.splitlines()
+        assert any(line.startswith(f"FAILED {what}: rank 0 measured ") and line.endswith(", predicted 1")
+                   for line in lines), lines[-5:]
+        assert lines[-1].startswith("VERIFICATION FAILED (")

@@ -272,7 +272,7 @@ def _report_forward(args, sched, checks, machine, links=()):
     print(f"mpiring run: P={size} seq_len={args.seq_len} batch={args.batch} heads={args.heads} kv_heads={hk} "
           f"dim={args.dim} {dtype} causal={plan.causal} {held_text(args, plan)} mode={mode_text(plan)} "
           f"window={plan.window}")
-    print(_wire_line(args, pr))
+    print(_wire_line(args, pr, plan))
     print("\nschedule as recorded by the ranks:")
     print(sched.format())
     for r, rec in enumerate(records):
@@ -294,8 +294,9 @@ def _report_forward(args, sched, checks, machine, links=()):
         print(line)
     print(f"\nwall time {wall:.4f} s   attention {flops / wall / 1e9:.2f} GFLOP/s "
           f"(4*B*H*D*visible pairs = {flops / 1e9:.3f} GFLOP)")
-    ok = agrees and all(r["bytes_sent"] == p for r, p in zip(records, predicted, strict=True))
-    passed = _print_checks(checks, dtype, pr.wire.name)
+    failed = (_schedule_failures(sched) + _pairs_failures(plan, records)
+              + _count_failures("bytes sent", [r["bytes_sent"] for r in records], predicted))
+    failed += _print_checks(checks, dtype, pr.wire.name)
     print()
     per_element = kv_width * wire_size / (args.batch * hk * 2 * args.dim)  # an int8 wire's scales included
     print(timing_report(records, plan, machine, batch=args.batch, heads=args.heads, kv_heads=hk, head_dim=args.dim,
@@ -304,7 +305,7 @@ def _report_forward(args, sched, checks, machine, links=()):
     print(format_timeline(records))
     _write_trace_and_plot(args, records, f"P={size} {plan.layout} {plan.mode}{' causal' if plan.causal else ''}, "
                           f"seq_len={args.seq_len}, H={args.heads} d={args.dim} {dtype}")
-    return _verdict(ok, passed, checks)
+    return _verdict(failed, checks)
 
 
 def _shape(args):
@@ -338,24 +339,67 @@ def _wire(args):
     return pr, args.batch * (args.kv_heads or args.heads) * 2 * pr.wire.row(args.dim), pr.wire.dtype.itemsize
 
 
-def _wire_line(args, pr):
+def _partials(plan, pr):
+    """The dtype the dK/dV partials travel in: the ring modes' grad wire; the grid's ring of groups its default
+    for the dtype the group all-to-all carried (float32, or float64 for float64); Ulysses and the double ring
+    float64."""
+    if _ring_modes(plan):
+        return pr.grad
+    if isinstance(plan, HybridPlan):
+        return np.dtype(np.float64) if pr.input == np.float64 else np.dtype(np.float32)
+    return np.dtype(np.float64)
+
+
+def _wire_line(args, pr, plan):
     """What travels and what accumulates, in one line; with the wire's size against float32 K/V."""
     row = pr.wire.row(args.dim) * pr.wire.dtype.itemsize
     scales = " (+ a float32 scale per token and head)" if pr.wire.name == "int8" else ""
     line = (f"K/V on the wire: {pr.wire.name}{scales}, {row / (4 * args.dim):.3g}x the bytes of float32; "
             f"running (out, lse): {pr.out}, {pr.lse}")
     if args.backward:
-        line += f"; dK/dV partials on the wire: {pr.grad}"
+        line += f"; dK/dV partials on the wire: {_partials(plan, pr)}"
     return line
 
 
-def _print_checks(checks, dtype, wire=None):
-    """The table of what every rank checked, and the largest errors; whether they are within the tolerance.
+def _schedule_failures(sched):
+    """What differs between the schedule the ranks recorded and the plan: the first differing step of each rank."""
+    plan = sched.plan
+    if sched == plan.schedule:
+        return []
+    if sched.n_steps != plan.n_steps:
+        return [f"schedule: the ranks recorded {sched.n_steps} steps, the plan has {plan.n_steps}"]
+    out = []
+    for r in range(plan.size):
+        for step in range(plan.n_steps):
+            ran, planned = sched.table[step][r], plan.tasks(step, r)
+            if ran != planned:
+                out.append(f"schedule: rank {r} at step {step} ran {_tasks_text(ran)}, the plan says "
+                           f"{_tasks_text(planned)}")
+                break
+    return out
 
-    None when nothing was compared (--no-verify).
+
+def _tasks_text(tasks):
+    return "[" + ", ".join(f"block of rank {t.source} ({t.kind})" for t in tasks) + "]"
+
+
+def _pairs_failures(plan, records):
+    return _count_failures("visible (query, key) pairs", [r["visible_pairs"] for r in records], plan.visible_pairs())
+
+
+def _count_failures(what, measured, predicted):
+    """A line for every rank whose measured count is not the predicted one."""
+    return [f"{what}: rank {r} measured {m}, predicted {p}"
+            for r, (m, p) in enumerate(zip(measured, predicted, strict=True)) if m != p]
+
+
+def _print_checks(checks, dtype, wire=None):
+    """The table of what every rank checked, and the largest errors; a line for each error beyond tolerance.
+
+    [] when nothing was compared (--no-verify).
     """
     if checks is None:
-        return None
+        return []
     tol = verify.run_tolerance(dtype, wire)
     names = [n for n in NAMES if n in checks[0]["error"]]
     print("\nverification: every rank recomputed rows of its own shard exactly (float64, from the seeded "
@@ -368,34 +412,39 @@ def _print_checks(checks, dtype, wire=None):
         if "dQ" in names:
             line += f"  {c['dq_rows']:>7}  {c['keys'] or '-':>13}"
         print(line + "".join(f"  {c['error'][n]:>10.3e}" for n in names))
-    passed = True
+    failed = []
     relative = "; gradients relative to max(1, max |reference|)" if "dQ" in names else ""
     print(f"largest error over all ranks (tolerance {tol:g}{relative}):")
     for n in names:
-        err = max(c["error"][n] for c in checks)
+        worst = max(range(len(checks)), key=lambda r: checks[r]["error"][n])
+        err = checks[worst]["error"][n]
         largest = max(c["largest"][n] for c in checks)
         rel = err / max(1.0, largest) if n in ("dQ", "dK", "dV") else err
-        passed = passed and rel <= tol
+        if not rel <= tol:
+            failed.append(f"{n}: error {rel:.3e} on rank {worst} exceeds the tolerance {tol:g}")
         extra = f" relative, max |reference| {largest:.3g}" if n in ("dQ", "dK", "dV") else " absolute"
         mean = sum(c["mean"][n] for c in checks) / len(checks)  # the ranks' mean errors, averaged
         print(f"  {n:>3} {rel:.3e}{extra}; mean {mean:.3e} absolute")
     if "dQ" in names and "dK" not in names:
         print(f"  dK, dV not checked: seq_len > {verify.DKV_MAX_SEQ} (they need every row's exact lse, "
               f"a pass as costly as the forward ring)")
-    return passed
+    return failed
 
 
-def _verdict(ok, passed, checks):
-    """The last line (VERIFIED only when results were compared and passed) and the exit code."""
+def _verdict(failed, checks):
+    """The last lines: what failed, each on its own line, then VERIFIED only when results were compared and
+    nothing failed; the exit code."""
+    for line in failed:
+        print(f"FAILED {line}")
     if checks is None:
-        if ok:
+        if not failed:
             print("NOT VERIFIED (--no-verify): the schedule and the bytes sent were checked, the results were not "
                   "compared")
             return 0
-        print("VERIFICATION FAILED (schedule or bytes sent; results not compared: --no-verify)")
+        print(f"VERIFICATION FAILED ({len(failed)} check(s) above; results not compared: --no-verify)")
         return 1
-    if not (ok and passed):
-        print("VERIFICATION FAILED")
+    if failed:
+        print(f"VERIFICATION FAILED ({len(failed)} check(s) above)")
         return 1
     if "dQ" in checks[0]["error"] and "dK" not in checks[0]["error"]:
         print("VERIFIED out, lse and dQ on sampled rows; dK and dV NOT CHECKED (see above)")
@@ -428,7 +477,7 @@ def _report_backward(args, sched, checks, links=()):
     print(f"mpiring run --backward: P={size} seq_len={args.seq_len} batch={args.batch} heads={args.heads} "
           f"kv_heads={hk} dim={args.dim} {dtype} causal={plan.causal} {held_text(args, plan)} mode={mode_text(plan)} "
           f"window={plan.window}")
-    print(_wire_line(args, pr))
+    print(_wire_line(args, pr, plan))
     print("\nbackward schedule as recorded by the ranks (K/V and their dK/dV partials follow the forward plan):")
     print(sched.format())
     agrees = sched == plan.schedule
@@ -439,9 +488,8 @@ def _report_backward(args, sched, checks, links=()):
         print(f"{r:>4}  {rec['forward']['bytes_sent']:>10}  {fwd_bytes[r]:>9}  {rec['bytes_sent']:>10}  "
               f"{bwd_bytes[r]:>10}  {rec['messages']:>8}  {bwd_messages:>9}  {rec['compute_time']:>9.4f}  "
               f"{rec['wait_time']:>17.4f}")
-    partials = pr.grad if _ring_modes(plan) else "float64"
     print(f"(backward bytes: K/V as on the forward's wire, {pr.wire.name}; their travelling dK/dV partials "
-          f"in {partials})")
+          f"in {_partials(plan, pr)})")
     flops = 4 * args.batch * args.heads * args.dim * sequence_pairs(plan)
     for name, wall, factor in (("forward ", max(r["forward"]["wall_time"] for r in records), 1.0),
                                ("backward", max(r["wall_time"] for r in records), 2.5)):
@@ -450,10 +498,11 @@ def _report_backward(args, sched, checks, links=()):
     print("FLOPs: forward 4*B*H*D*visible pairs; backward 2.5x forward, as FlashAttention counts")
     for line in links:
         print(line)
-    ok = agrees and all(r["bytes_sent"] == p and r["messages"] == bwd_messages
-                        for r, p in zip(records, bwd_bytes, strict=True))
-    ok = ok and all(r["forward"]["bytes_sent"] == p for r, p in zip(records, fwd_bytes, strict=True))
-    passed = _print_checks(checks, dtype, pr.wire.name)
+    failed = (_schedule_failures(sched)
+              + _count_failures("forward bytes sent", [r["forward"]["bytes_sent"] for r in records], fwd_bytes)
+              + _count_failures("backward bytes sent", [r["bytes_sent"] for r in records], bwd_bytes)
+              + _count_failures("backward messages", [r["messages"] for r in records], [bwd_messages] * size))
+    failed += _print_checks(checks, dtype, pr.wire.name)
     _write_trace_and_plot(args, records, f"backward pass: P={size} {plan.layout} {plan.mode}"
                           f"{' causal' if plan.causal else ''}, seq_len={args.seq_len}, H={args.heads} d={args.dim}")
-    return _verdict(ok, passed, checks)
+    return _verdict(failed, checks)
