@@ -21,6 +21,7 @@ from .block import GRAD_DTYPE, add_grads, count_pairs
 from .comm import KVBuffers, RingComm, payload_bytes
 from .hierarchy import INNER, OUTER, double_ring_plan
 from .nodes import node_ids
+from .precision import compute_dtype
 
 __all__ = ["nodes_of", "double_ring_forward", "double_ring_backward"]
 
@@ -113,7 +114,7 @@ def double_ring_forward(q, k, v, plan, ring, scale, rec, timeout):
         rec.wait_time = inner.wait_time - before[2] + outer.wait_time
     finally:
         outer.free()
-    return acc[0].astype(q.dtype, copy=False), acc[1].astype(q.dtype, copy=False)
+    return acc[0].astype(q.dtype, copy=False), acc[1].astype(compute_dtype(q.dtype), copy=False)
 
 
 def double_ring_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec, timeout):

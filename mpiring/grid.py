@@ -16,7 +16,7 @@ The inner call's events, tasks and counters join this call's record.
 import numpy as np
 
 from .heads import kv_heads, query_heads
-from .ulysses import heads_out, tokens_back
+from .ulysses import heads_out, result_dtypes, tokens_back
 
 __all__ = ["grid_comms", "hybrid_forward", "hybrid_backward"]
 
@@ -71,15 +71,15 @@ def hybrid_forward(q, k, v, plan, comm, options, scale, rec, timeout):
     lengths, kv_lengths = _lengths(plan, rank), _lengths(plan, rank, kv=True)
     group, cross = grid_comms(comm, plan)
     try:
-        Q, K, V = heads_out(group, [q, k, v], [qs, ks, ks], [lengths, kv_lengths, kv_lengths], q.dtype, rec,
+        Q, K, V = heads_out(group, [q, k, v], [qs, ks, ks], [lengths, kv_lengths, kv_lengths], [q.dtype] * 3, rec,
                             timeout, 0)
         inner = Record(rank)
         out, lse = ring_attention(Q, K, V, cross, scale=scale, timeout=timeout, record=inner,
                                   **_inner(plan, rank, options))
         _join(rec, inner)
         h = Q.shape[-3]
-        got = tokens_back(group, [out, lse[..., None]], [[h] * len(lengths)] * 2, [lengths] * 2, q.dtype, rec,
-                          timeout, plan.n_steps - 1)
+        got = tokens_back(group, [out, lse[..., None]], [[h] * len(lengths)] * 2, [lengths] * 2,
+                          result_dtypes(q.dtype), rec, timeout, plan.n_steps - 1)
     finally:
         group.Free()
         cross.Free()
@@ -98,14 +98,14 @@ def hybrid_backward(dout, q, k, v, out, lse, plan, comm, options, scale, rec, ti
     group, cross = grid_comms(comm, plan)
     try:
         Q, dO, Out, L, K, V = heads_out(group, [q, dout, out, lse[..., None], k, v], [qs] * 4 + [ks] * 2,
-                                      [lengths] * 4 + [kv_lengths] * 2, q.dtype, rec, timeout, 0)
+                                      [lengths] * 4 + [kv_lengths] * 2, [q.dtype] * 6, rec, timeout, 0)
         inner = Record(rank)
         dq, dk, dv = ring_attention_backward(dO, Q, K, V, Out, L[..., 0], cross, scale=scale, timeout=timeout,
                                              record=inner, **_inner(plan, rank, options))
         _join(rec, inner)
         kv = [len(range(k.shape[-3])[s]) for s in ks]
         got = tokens_back(group, [dq, dk, dv], [[Q.shape[-3]] * len(lengths), kv, kv],
-                          [lengths, kv_lengths, kv_lengths], q.dtype, rec, timeout, plan.n_steps - 1)
+                          [lengths, kv_lengths, kv_lengths], [q.dtype] * 3, rec, timeout, plan.n_steps - 1)
     finally:
         group.Free()
         cross.Free()

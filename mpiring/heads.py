@@ -29,8 +29,8 @@ import numpy as np
 from .plan import Piece, Plan, Schedule, Task, problem_fields
 
 __all__ = ["HEAD_MODES", "UlyssesPlan", "ulysses_plan", "heads_problem", "query_heads", "kv_heads",
-           "ulysses_pair_bytes", "predicted_ulysses_bytes", "HybridPlan", "hybrid_plan", "grid_problem",
-           "sequence_pairs"]
+           "ulysses_pair_bytes", "predicted_ulysses_bytes", "compute_itemsize", "HybridPlan", "hybrid_plan",
+           "grid_problem", "sequence_pairs"]
 
 HEAD_MODES = ("ulysses",)
 
@@ -128,22 +128,30 @@ def ulysses_pair_bytes(plan, r, d, *, batch, hq, hk, dim, dim_v, itemsize, backw
     """Bytes rank r sends rank d under a Ulysses plan (0 to itself: that share never leaves it).
 
     Forward: d's query heads of r's tokens (``Hq/P x n_r x D``) and the K/V
-    heads d uses (``kv_d x n_r x (D + Dv)``), then back d's tokens of r's
-    heads, out and lse (``Hq/P x n_d x (Dv + 1)``), all in the input dtype.
-    Backward: out goes as delta, so ``Hq/P x n_r x (D + Dv + 2)`` (q, dout,
-    lse, delta) and the K/V heads; back dq and the dK, dV of r's K/V heads
-    for d's tokens, in ``grad_itemsize`` bytes.
+    heads d uses of r's keys (``kv_d x m_r x (D + Dv)``) in the input dtype,
+    then back d's tokens of r's heads: out in the input dtype and lse in the
+    dtype tiles compute in (``Hq/P x n_d x Dv`` and ``x 1``). Backward, all in
+    the compute dtype (float32 for half inputs): out goes as delta, so
+    ``Hq/P x n_r x (D + Dv + 2)`` (q, dout, lse, delta) and the K/V heads; back
+    dq and the dK, dV of r's K/V heads for d's keys, in ``grad_itemsize`` bytes.
     """
     if r == d:
         return 0
     P = plan.size
     hq_l, n_r, n_d = hq // P, len(plan.shards[r]), len(plan.shards[d])
-    kv_n_r, kv_n_d = len(plan.kv_shards[r]), len(plan.kv_shards[d])  # key tokens (kv_positions: other than q's)
+    m_r, m_d = len(plan.kv_shards[r]), len(plan.kv_shards[d])  # key tokens (kv_positions: other than q's)
     kv_r, kv_d = (len(range(hk)[kv_heads(x, P, hk)]) for x in (r, d))  # K/V heads each rank gets
+    compute = compute_itemsize(itemsize)
     if backward:
-        return batch * ((n_r * hq_l * (dim + dim_v + 2) + kv_n_r * kv_d * (dim + dim_v)) * itemsize
-                        + (n_d * hq_l * dim + kv_n_d * kv_r * (dim + dim_v)) * grad_itemsize)
-    return batch * (n_r * hq_l * dim + kv_n_r * kv_d * (dim + dim_v) + n_d * hq_l * (dim_v + 1)) * itemsize
+        return batch * ((n_r * hq_l * (dim + dim_v + 2) + m_r * kv_d * (dim + dim_v)) * compute
+                        + (n_d * hq_l * dim + m_d * kv_r * (dim + dim_v)) * grad_itemsize)
+    return batch * ((n_r * hq_l * dim + m_r * kv_d * (dim + dim_v) + n_d * hq_l * dim_v) * itemsize
+                    + n_d * hq_l * compute)
+
+
+def compute_itemsize(itemsize):
+    """Bytes per element of the dtype tiles compute in, from the input's: 8 for float64, else float32's 4."""
+    return 8 if itemsize == 8 else 4
 
 
 def predicted_ulysses_bytes(plan, **shape):

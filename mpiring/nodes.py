@@ -9,7 +9,7 @@ crosses between nodes: on a cluster, what the slow links carry.
 """
 
 from .costmodel import predicted_backward_bytes, predicted_bytes_sent
-from .heads import HEAD_MODES, HybridPlan, kv_heads, ulysses_pair_bytes
+from .heads import HEAD_MODES, HybridPlan, compute_itemsize, kv_heads, ulysses_pair_bytes
 
 __all__ = ["traffic", "predicted_bytes", "inter_node_bytes", "node_ids"]
 
@@ -64,41 +64,43 @@ def traffic(plan, *, batch, hq, hk, dim, dim_v, itemsize, backward=False, grad_i
 
 
 def _group_pair(plan, r, d, *, batch, hq, hk, dim, dim_v, itemsize, backward, **_):
-    """Bytes member r sends member d of its group in the grid's two all-to-alls (all in the input dtype).
+    """Bytes member r sends member d of its group in the grid's two all-to-alls.
 
     Out: d's Hq/u query heads of r's tokens (backward also dout, out and lse:
     the inner ring's backward takes out) and d's K/V heads of r's keys; back:
     r's heads of d's tokens (out, lse; backward dq, and dK, dV of r's K/V heads
-    of d's keys).
+    of d's keys). Forward in the input dtype but lse (the compute dtype, as
+    every mode returns it); backward all in the compute dtype (float32 for half).
     """
     u = plan.ulysses_size
     hq_l, n_r, n_d = hq // u, len(plan.shards[r]), len(plan.shards[d])
     m_r, m_d = len(plan.kv_shards[r]), len(plan.kv_shards[d])
     kv_r, kv_d = (len(range(hk)[kv_heads(x % u, u, hk)]) for x in (r, d))
+    compute = compute_itemsize(itemsize)
     if backward:
         out = n_r * hq_l * (dim + 2 * dim_v + 1) + m_r * kv_d * (dim + dim_v)
         back = n_d * hq_l * dim + m_d * kv_r * (dim + dim_v)
-    else:
-        out = n_r * hq_l * dim + m_r * kv_d * (dim + dim_v)
-        back = n_d * hq_l * (dim_v + 1)
-    return batch * (out + back) * itemsize
+        return batch * (out + back) * compute
+    out = n_r * hq_l * dim + m_r * kv_d * (dim + dim_v)
+    return batch * ((out + n_d * hq_l * dim_v) * itemsize + n_d * hq_l * compute)
 
 
 def _grid_traffic(plan, matrix, *, backward, **shape):
     """The grid: the group all-to-alls, and each place's ring across the groups (None if that is an all-gather).
 
     The ring across groups gets its inputs in the dtype the all-to-all carried
-    (``itemsize``), so its dK/dV partials travel as its default grad wire for
-    that dtype: float64 for 8-byte inputs, else float32.
+    (the input dtype; the compute dtype in the backward), so its dK/dV partials
+    travel as its default grad wire for that dtype: float64 for 8-byte inputs, else float32.
     """
     u, P = plan.ulysses_size, plan.size
     for r in range(P):
         for d in range(P):
             if r // u == d // u and r != d:
                 matrix[r][d] += _group_pair(plan, r, d, backward=backward, **shape)
+    itemsize = compute_itemsize(shape["itemsize"]) if backward else shape["itemsize"]
     for j in range(u):  # the ring of place j: Hq/u heads, its K/V heads, the groups' tokens
         inner = dict(shape, hq=shape["hq"] // u, hk=len(range(shape["hk"])[kv_heads(j, u, shape["hk"])]),
-                     grad_itemsize=8 if shape["itemsize"] == 8 else 4)
+                     itemsize=itemsize, grad_itemsize=compute_itemsize(itemsize))
         ring = traffic(plan.ring_plan, **inner, backward=backward)
         if ring is None:
             return None
@@ -116,8 +118,9 @@ def predicted_bytes(plan, *, batch, hq, hk, dim, dim_v, itemsize, backward=False
         return [sum(row) for row in matrix]
     if isinstance(plan, HybridPlan):  # all-gather across the groups: its bytes, plus the group all-to-alls
         u = plan.ulysses_size
-        across = [predicted_bytes(plan.ring_plan, **dict(shape, hq=hq // u,
-                                                         hk=len(range(hk)[kv_heads(j, u, hk)])))
+        inner = compute_itemsize(itemsize) if backward else itemsize  # what the group all-to-all carried
+        across = [predicted_bytes(plan.ring_plan, **dict(shape, hq=hq // u, hk=len(range(hk)[kv_heads(j, u, hk)]),
+                                                         itemsize=inner))
                   for j in range(u)]
         return [across[r % u][r // u] + sum(_group_pair(plan, r, d, **shape) for d in range(plan.size)
                                             if d // u == r // u and d != r) for r in range(plan.size)]

@@ -16,26 +16,30 @@ from . import block
 from .block import GRAD_DTYPE, add_grads, count_pairs
 from .comm import wait_until
 from .heads import kv_heads, query_heads
+from .precision import compute_dtype
 
-__all__ = ["exchange", "heads_out", "tokens_back", "ulysses_forward", "ulysses_backward"]
+__all__ = ["exchange", "heads_out", "tokens_back", "result_dtypes", "ulysses_forward", "ulysses_backward"]
 
 
-def exchange(comm, sends, shapes, dtype, rec, timeout, step, data):
+def exchange(comm, sends, shapes, dtypes, rec, timeout, step, data):
     """One all-to-all of several arrays per peer: ``sends[d]`` go to rank d; returns ``got[s]``, from rank s.
 
-    ``shapes[s]`` are the shapes of the arrays rank s sends here. Everything
-    travels in ``dtype`` as one ``Ialltoallv``; bytes and messages to other
+    ``shapes[s]`` are the shapes of the arrays rank s sends here; array i of
+    every peer travels in ``dtypes[i]`` (float32 lse beside bfloat16 out). The
+    arrays go as their bytes in one ``Ialltoallv``; bytes and messages to other
     ranks are counted in ``rec`` (a rank's share to itself never leaves it),
     with a "send" and a "wait" event.
     """
     rank = comm.Get_rank()
-    send_counts = [sum(a.size for a in arrays) for arrays in sends]
-    flat = np.concatenate([np.asarray(a, dtype).ravel() for arrays in sends for a in arrays] + [np.empty(0, dtype)])
-    recv_counts = [sum(int(np.prod(s)) for s in group) for group in shapes]
-    got = np.empty(sum(recv_counts), dtype)
+    dtypes = [np.dtype(t) for t in dtypes]
+    raw = [[np.ascontiguousarray(a, t).reshape(-1).view(np.uint8) for a, t in zip(arrays, dtypes)] for arrays in sends]
+    send_counts = [sum(b.size for b in arrays) for arrays in raw]
+    flat = np.concatenate([b for arrays in raw for b in arrays] + [np.empty(0, np.uint8)])
+    recv_counts = [sum(int(np.prod(s)) * t.itemsize for s, t in zip(group, dtypes)) for group in shapes]
+    got = np.empty(sum(recv_counts), np.uint8)
     posted = time.perf_counter()
     request = comm.Ialltoallv([flat, send_counts], [got, recv_counts])
-    nbytes = (sum(send_counts) - send_counts[rank]) * np.dtype(dtype).itemsize
+    nbytes = sum(send_counts) - send_counts[rank]
     rec.bytes_sent += nbytes
     rec.messages += sum(1 for d, c in enumerate(send_counts) if d != rank and c)
     rec.event("send", posted, step=step, stream=0, data=data, dest="all", bytes=nbytes)
@@ -46,12 +50,18 @@ def exchange(comm, sends, shapes, dtype, rec, timeout, step, data):
     out, at = [], 0
     for group in shapes:
         arrays = []
-        for shape in group:
-            size = int(np.prod(shape))
-            arrays.append(got[at:at + size].reshape(shape))
+        for shape, t in zip(group, dtypes):
+            size = int(np.prod(shape)) * t.itemsize
+            arrays.append(got[at:at + size].view(t).reshape(shape))
             at += size
         out.append(arrays)
     return out
+
+
+def result_dtypes(dtype):
+    """What out and lse travel home in: out in the input dtype, lse in the dtype tiles compute in (float32
+    for half inputs), as every mode returns them."""
+    return [np.dtype(dtype), compute_dtype(dtype)]
 
 
 def _with_heads(*arrays):
@@ -63,7 +73,7 @@ def _no_progress():
     pass
 
 
-def heads_out(comm, arrays, heads, lengths, dtype, rec, timeout, step, data="heads out"):
+def heads_out(comm, arrays, heads, lengths, dtypes, rec, timeout, step, data="heads out"):
     """Every member's tokens of member d's heads to member d: one all-to-all; returns each array's result.
 
     ``arrays[i]``: this rank's (..., H_i, n_i, D_i); ``heads[i][d]``: the slice of
@@ -76,11 +86,11 @@ def heads_out(comm, arrays, heads, lengths, dtype, rec, timeout, step, data="hea
     mine = [len(range(a.shape[-3])[h[rank]]) for a, h in zip(arrays, heads)]
     shapes = [[a.shape[:-3] + (m, n[s], a.shape[-1]) for a, m, n in zip(arrays, mine, lengths)]
               for s in range(len(lengths[0]))]
-    got = exchange(comm, sends, shapes, dtype, rec, timeout, step, data)
+    got = exchange(comm, sends, shapes, dtypes, rec, timeout, step, data)
     return [np.concatenate([g[i] for g in got], axis=-2) for i in range(len(arrays))]
 
 
-def tokens_back(comm, arrays, counts, lengths, dtype, rec, timeout, step, data="results back"):
+def tokens_back(comm, arrays, counts, lengths, dtypes, rec, timeout, step, data="results back"):
     """The inverse movement: member d gets its tokens of this rank's heads; returns ``got[s][i]`` from member s.
 
     ``arrays[i]``: (..., h_i, sum(lengths[i]), D_i) in member order; ``counts[i][s]``:
@@ -91,7 +101,7 @@ def tokens_back(comm, arrays, counts, lengths, dtype, rec, timeout, step, data="
     sends = [[a[..., at[d]:at[d + 1], :] for a, at in zip(arrays, starts)] for d in range(len(lengths[0]))]
     shapes = [[a.shape[:-3] + (c[s], n[rank], a.shape[-1]) for a, c, n in zip(arrays, counts, lengths)]
               for s in range(len(lengths[0]))]
-    return exchange(comm, sends, shapes, dtype, rec, timeout, step, data)
+    return exchange(comm, sends, shapes, dtypes, rec, timeout, step, data)
 
 
 def ulysses_forward(q, k, v, plan, comm, scale, rec, timeout):
@@ -103,7 +113,7 @@ def ulysses_forward(q, k, v, plan, comm, scale, rec, timeout):
     n, m = [len(s) for s in plan.shards], [len(s) for s in plan.kv_shards]
     qs = [query_heads(d, size, q.shape[-3]) for d in range(size)]
     ks = [kv_heads(d, size, k.shape[-3]) for d in range(size)]
-    queries, keys, values = heads_out(comm, [q, k, v], [qs, ks, ks], [n, m, m], q.dtype, rec, timeout, 0)
+    queries, keys, values = heads_out(comm, [q, k, v], [qs, ks, ks], [n, m, m], [q.dtype] * 3, rec, timeout, 0)
     acc = block.accumulators(queries, values)
     for task in plan.tasks(0, rank):  # key block j: the tokens rank j held
         j = _block(plan, task.source)
@@ -111,7 +121,8 @@ def ulysses_forward(q, k, v, plan, comm, scale, rec, timeout):
                      acc, rec, _no_progress, 0)
     rec.step_done(0, plan.n_steps)
     h = queries.shape[-3]
-    got = tokens_back(comm, [acc[0], acc[1][..., None]], [[h] * size] * 2, [n, n], q.dtype, rec, timeout, 0)
+    got = tokens_back(comm, [acc[0], acc[1][..., None]], [[h] * size] * 2, [n, n], result_dtypes(q.dtype), rec,
+                      timeout, 0)
     out = np.concatenate([g[0] for g in got], axis=-3)
     lse = np.concatenate([g[1][..., 0] for g in got], axis=-2)
     return (out[0], lse[0]) if flat else (out, lse)
@@ -147,7 +158,7 @@ def ulysses_backward(dout, q, k, v, lse, delta, plan, comm, scale, rec, timeout)
     qs = [query_heads(d, size, q.shape[-3]) for d in range(size)]
     ks = [kv_heads(d, size, k.shape[-3]) for d in range(size)]
     Q, dO, L, De, K, V = heads_out(comm, [q, dout, lse[..., None], delta[..., None], k, v], [qs] * 4 + [ks] * 2,
-                                   [n] * 4 + [m] * 2, q.dtype, rec, timeout, 0)
+                                   [n] * 4 + [m] * 2, [q.dtype] * 6, rec, timeout, 0)
     # out is read only to compute delta, which is given: a zero-size stand-in of its shape
     queries = (dO, Q, np.broadcast_to(np.zeros((), q.dtype), dO.shape), L[..., 0], De[..., 0])
     dq = np.zeros(Q.shape, GRAD_DTYPE)
@@ -161,7 +172,7 @@ def ulysses_backward(dout, q, k, v, lse, delta, plan, comm, scale, rec, timeout)
         rec.tasks.append((0, task))
     rec.step_done(0, plan.n_steps)
     kv = [len(range(k.shape[-3])[s]) for s in ks]
-    got = tokens_back(comm, [dq, dK, dV], [[Q.shape[-3]] * size, kv, kv], [n, m, m], GRAD_DTYPE, rec, timeout, 0,
+    got = tokens_back(comm, [dq, dK, dV], [[Q.shape[-3]] * size, kv, kv], [n, m, m], [GRAD_DTYPE] * 3, rec, timeout, 0,
                       "gradients back")
     dq = np.concatenate([g[0] for g in got], axis=-3)
     dk, dv = np.zeros(k.shape, GRAD_DTYPE), np.zeros(v.shape, GRAD_DTYPE)

@@ -85,13 +85,16 @@ def test_run_verifies(extra):
 
 
 def test_the_grid_plan():
-    """u = 2 over P = 4, zigzag: the layout of 2 groups, each group's tokens cut in 2 consecutive pieces."""
+    """u = 2 over P = 4, zigzag: every rank holds its zigzag shard; a group's tokens are its 2 members'."""
+    from mpiring import shard_indices
     from mpiring.heads import sequence_pairs
 
     plan = make_plan(40, 4, layout="zigzag", causal=True, ulysses_size=2)
-    groups = make_plan(40, 2, layout="zigzag", causal=True)
-    assert [list(s) for s in plan.shards] == [list(groups.shards[0][:10]), list(groups.shards[0][10:]),
-                                              list(groups.shards[1][:10]), list(groups.shards[1][10:])]
+    assert [list(s) for s in plan.shards] == [list(shard_indices(40, 4, r, "zigzag")) for r in range(4)]
+    # group 0: chunks 0, 1 and their mirrors 7, 6 of 5 tokens; group 1: chunks 2, 3, 5, 4
+    assert list(plan.group_positions(0)) == [*range(5), *range(35, 40), *range(5, 10), *range(30, 35)]
+    groups = make_plan(40, 2, causal=True, positions=[plan.group_positions(g) for g in range(2)])
+    assert plan.ring_plan.visible_pairs() == groups.visible_pairs() == [410, 410]  # zigzag: balanced groups
     assert plan.n_steps == groups.n_steps and plan.tasks(1, 3) == groups.tasks(1, 1)
     assert sequence_pairs(plan) == sequence_pairs(groups) == 40 * 41 // 2
     assert plan.messages_per_rank() == 2 + 2  # the group's all-to-alls, the ring's K and V

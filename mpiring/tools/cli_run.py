@@ -22,7 +22,6 @@ from threadpoolctl import threadpool_limits
 
 from mpiring import (
     MODES,
-    make_plan,
     predicted_backward_bytes,
     predicted_bytes_sent,
     ring_attention,
@@ -199,12 +198,7 @@ def run(comm, args=None):
     options = variant(args)
     inputs = verify.Inputs(args.seed, args.batch, args.heads, hk, args.dim, dtype)
     parts = held_positions(args, args.seq_len, size)  # --balance, --frames: explicit positions
-    if parts is None and args.ulysses_size and size % args.ulysses_size == 0 and args.mode in MODES:
-        try:  # the grid's (ring x Ulysses), the same on every rank; else the library says why
-            parts = make_plan(args.seq_len, size, **options).shards
-        except ValueError as exc:
-            raise Agreed(str(exc)) from exc
-    parts = parts or layout_positions(args.seq_len, size, args.layout)
+    parts = parts or layout_positions(args.seq_len, size, args.layout)  # the layout's, in every mode
     positions = parts[rank]
     if args.balance:
         options["positions"] = positions
