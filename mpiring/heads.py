@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from .layouts import block_range
 from .plan import Piece, Plan, Schedule, Task
+from .precision import default_grad_itemsize, row_bytes
 
 __all__ = ["HEAD_MODES", "UlyssesPlan", "ulysses_plan", "heads_problem", "query_heads", "kv_heads",
            "ulysses_pair_bytes", "predicted_ulysses_bytes", "HybridPlan", "hybrid_plan", "grid_problem",
@@ -124,25 +125,30 @@ def ulysses_plan(base):
     return plan
 
 
-def ulysses_pair_bytes(plan, r, d, *, batch, hq, hk, dim, dim_v, itemsize, backward=False, grad_itemsize=8):
+def ulysses_pair_bytes(plan, r, d, *, batch, hq, hk, dim, dim_v, itemsize, backward=False, grad_itemsize=None,
+                       wire_dtype=None):
     """Bytes rank r sends rank d under a Ulysses plan (0 to itself: that share never leaves it).
 
     Forward: d's query heads of r's tokens (``Hq/P x n_r x D``) and the K/V
-    heads d uses (``kv_d x n_r x (D + Dv)``), then back d's tokens of r's
-    heads, out and lse (``Hq/P x n_d x (Dv + 1)``), all in the input dtype.
-    Backward: out goes as delta, so ``Hq/P x n_r x (D + Dv + 2)`` (q, dout,
-    lse, delta) and the K/V heads; back dq and the dK, dV of r's K/V heads
-    for d's tokens, in ``grad_itemsize`` bytes.
+    heads d uses (``kv_d x n_r`` rows of D and Dv on the K/V wire,
+    ``precision.row_bytes``), then back d's tokens of r's heads, out and lse
+    (``Hq/P x n_d x (Dv + 1)``), in the input dtype. Backward: out goes as
+    delta, so ``Hq/P x n_r x (D + Dv + 2)`` (q, dout, lse, delta, in the
+    dtype tiles compute in) and the K/V heads on the wire; back dq and the
+    dK, dV of r's K/V heads for d's tokens, in ``grad_itemsize`` bytes
+    (default: the ``grad_wire_dtype`` default for ``itemsize``).
     """
     if r == d:
         return 0
     P = plan.size
     hq_l, n_r, n_d = hq // P, len(plan.shards[r]), len(plan.shards[d])
     kv_r, kv_d = (len(range(hk)[kv_heads(x, P, hk)]) for x in (r, d))  # K/V heads each rank gets
+    kv_row = row_bytes(wire_dtype, dim, itemsize) + row_bytes(wire_dtype, dim_v, itemsize)
     if backward:
-        return batch * (n_r * (hq_l * (dim + dim_v + 2) + kv_d * (dim + dim_v)) * itemsize
+        grad_itemsize = default_grad_itemsize(itemsize) if grad_itemsize is None else grad_itemsize
+        return batch * (n_r * (hq_l * (dim + dim_v + 2) * max(itemsize, 4) + kv_d * kv_row)
                         + n_d * (hq_l * dim + kv_r * (dim + dim_v)) * grad_itemsize)
-    return batch * (n_r * (hq_l * dim + kv_d * (dim + dim_v)) + n_d * hq_l * (dim_v + 1)) * itemsize
+    return batch * (n_r * (hq_l * dim * itemsize + kv_d * kv_row) + n_d * hq_l * (dim_v + 1) * itemsize)
 
 
 def predicted_ulysses_bytes(plan, **shape):

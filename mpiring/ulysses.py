@@ -14,8 +14,9 @@ import numpy as np
 
 from . import block
 from .block import GRAD_DTYPE, add_grads, count_pairs
-from .comm import wait_until
+from .comm import mpi_view, wait_until
 from .heads import kv_heads, query_heads
+from .precision import Plain, Precision, Wire
 
 __all__ = ["exchange", "heads_out", "tokens_back", "ulysses_forward", "ulysses_backward"]
 
@@ -23,35 +24,57 @@ __all__ = ["exchange", "heads_out", "tokens_back", "ulysses_forward", "ulysses_b
 def exchange(comm, sends, shapes, dtype, rec, timeout, step, data):
     """One all-to-all of several arrays per peer: ``sends[d]`` go to rank d; returns ``got[s]``, from rank s.
 
-    ``shapes[s]`` are the shapes of the arrays rank s sends here. Everything
-    travels in ``dtype`` as one ``Ialltoallv``; bytes and messages to other
-    ranks are counted in ``rec`` (a rank's share to itself never leaves it),
-    with a "send" and a "wait" event.
+    ``shapes[s]`` are the shapes of the arrays rank s sends here. ``dtype``:
+    what every array travels as, or one per array (``sends[d][i]``): a dtype
+    (converted to it) or a ``precision.Wire`` (coded, decoded on arrival into
+    the compute dtype). Everything goes as one ``Ialltoallv`` (of bytes when
+    the arrays' wire dtypes differ). A rank's share to itself never leaves
+    it: converted as if it had travelled, never coded (``kept``). Bytes and
+    messages to other ranks are counted in ``rec``, with a "send" and a "wait" event.
     """
     rank = comm.Get_rank()
-    send_counts = [sum(a.size for a in arrays) for arrays in sends]
-    flat = np.concatenate([np.asarray(a, dtype).ravel() for arrays in sends for a in arrays] + [np.empty(0, dtype)])
-    recv_counts = [sum(int(np.prod(s)) for s in group) for group in shapes]
-    got = np.empty(sum(recv_counts), dtype)
+    carriers = [_carrier(c) for c in (dtype if isinstance(dtype, (list, tuple)) else [dtype] * len(shapes[0]))]
+    unit = carriers[0].dtype if len({c.dtype for c in carriers}) == 1 else np.dtype(np.uint8)
+    wired = [[] if d == rank else [_units(c.encode(a), unit) for c, a in zip(carriers, arrays)]
+             for d, arrays in enumerate(sends)]
+    send_counts = [sum(a.size for a in arrays) for arrays in wired]
+    flat = np.concatenate([a for arrays in wired for a in arrays] + [np.empty(0, unit)])
+    wire_shapes = [[shape[:-1] + (c.row(shape[-1]),) for c, shape in zip(carriers, group)] for group in shapes]
+    recv_counts = [0 if s == rank else sum(int(np.prod(w)) * c.dtype.itemsize // unit.itemsize
+                                           for c, w in zip(carriers, group)) for s, group in enumerate(wire_shapes)]
+    got = np.empty(sum(recv_counts), unit)
     posted = time.perf_counter()
-    request = comm.Ialltoallv([flat, send_counts], [got, recv_counts])
-    nbytes = (sum(send_counts) - send_counts[rank]) * np.dtype(dtype).itemsize
+    request = comm.Ialltoallv([mpi_view(flat), send_counts], [mpi_view(got), recv_counts])
+    nbytes = sum(send_counts) * unit.itemsize
     rec.bytes_sent += nbytes
-    rec.messages += sum(1 for d, c in enumerate(send_counts) if d != rank and c)
+    rec.messages += sum(1 for c in send_counts if c)
     rec.event("send", posted, step=step, stream=0, data=data, dest="all", bytes=nbytes)
     start = time.perf_counter()
     wait_until([request], timeout, rank, f"all-to-all ({data})")
     end = rec.event("wait", start, step=step, data=data)
     rec.wait_time += end - start
     out, at = [], 0
-    for group in shapes:
+    for s, group in enumerate(wire_shapes):
+        if s == rank:
+            out.append([c.kept(a) for c, a in zip(carriers, sends[rank])])
+            continue
         arrays = []
-        for shape in group:
-            size = int(np.prod(shape))
-            arrays.append(got[at:at + size].reshape(shape))
+        for c, shape in zip(carriers, group):
+            size = int(np.prod(shape)) * c.dtype.itemsize // unit.itemsize
+            arrays.append(c.decode(got[at:at + size].view(c.dtype).reshape(shape)))
             at += size
         out.append(arrays)
     return out
+
+
+def _carrier(how):
+    """A ``Wire`` as it is; a dtype as a ``Plain`` (converted to it)."""
+    return how if isinstance(how, Wire) else Plain(how)
+
+
+def _units(a, unit):
+    """The wire array ``a`` as a flat run of ``unit`` (its own dtype, or bytes)."""
+    return np.ascontiguousarray(a).reshape(-1).view(unit)
 
 
 def _with_heads(*arrays):
@@ -92,8 +115,14 @@ def tokens_back(comm, arrays, counts, lengths, dtype, rec, timeout, step, data="
     return exchange(comm, sends, shapes, dtype, rec, timeout, step, data)
 
 
-def ulysses_forward(q, k, v, plan, comm, scale, rec, timeout):
-    """This rank's (out, lse): its tokens' heads out, every token of its heads attended, results back."""
+def ulysses_forward(q, k, v, plan, comm, scale, rec, timeout, pr=None):
+    """This rank's (out, lse): its tokens' heads out, every token of its heads attended, results back.
+
+    ``pr``: the call's ``Precision``; K/V go out on its wire (coded, decoded on
+    arrival; this rank's own tokens of its heads stay exact), the queries and
+    the results in the input dtype.
+    """
+    pr = pr or Precision(k.dtype)
     flat = q.ndim == 2
     if flat:
         q, k, v = _with_heads(q, k, v)
@@ -101,7 +130,7 @@ def ulysses_forward(q, k, v, plan, comm, scale, rec, timeout):
     n, starts = [len(s) for s in plan.shards], plan.offsets()
     qs = [query_heads(d, size, q.shape[-3]) for d in range(size)]
     ks = [kv_heads(d, size, k.shape[-3]) for d in range(size)]
-    queries, keys, values = heads_out(comm, [q, k, v], [qs, ks, ks], n, q.dtype, rec, timeout, 0)
+    queries, keys, values = heads_out(comm, [q, k, v], [qs, ks, ks], n, [q.dtype, pr.wire, pr.wire], rec, timeout, 0)
     acc = block.accumulators(queries, values)
     for task in plan.tasks(0, rank):  # key block j: the tokens rank j held
         j = slice(starts[task.source], starts[task.source] + n[task.source])
@@ -123,13 +152,16 @@ def plan_rank(comm, plan):
     return rank, size
 
 
-def ulysses_backward(dout, q, k, v, lse, delta, plan, comm, scale, rec, timeout):
+def ulysses_backward(dout, q, k, v, lse, delta, plan, comm, scale, rec, timeout, pr=None):
     """This rank's (dq, dk, dv) in float64: its tokens' heads out, every token's gradients, gradients back.
 
     ``delta`` = rowsum(dout * out) travels instead of out (one value per row).
+    K/V go out on the wire of ``pr`` (the call's ``Precision``), as in the
+    forward pass; dq, dK, dV come back in its ``grad`` dtype (``grad_wire_dtype``).
     dK, dV of a K/V head held by several ranks (fewer K/V heads than ranks)
     come back from each, for a subset of the group's query heads, and are summed.
     """
+    pr = pr or Precision(k.dtype)
     flat = q.ndim == 2
     if flat:
         dout, q, k, v = _with_heads(dout, q, k, v)
@@ -139,7 +171,7 @@ def ulysses_backward(dout, q, k, v, lse, delta, plan, comm, scale, rec, timeout)
     qs = [query_heads(d, size, q.shape[-3]) for d in range(size)]
     ks = [kv_heads(d, size, k.shape[-3]) for d in range(size)]
     Q, dO, L, De, K, V = heads_out(comm, [q, dout, lse[..., None], delta[..., None], k, v], [qs] * 4 + [ks] * 2,
-                                   n, q.dtype, rec, timeout, 0)
+                                   n, [q.dtype] * 4 + [pr.wire] * 2, rec, timeout, 0)
     # out is read only to compute delta, which is given: a zero-size stand-in of its shape
     queries = (dO, Q, np.broadcast_to(np.zeros((), q.dtype), dO.shape), L[..., 0], De[..., 0])
     dq = np.zeros(Q.shape, GRAD_DTYPE)
@@ -153,7 +185,7 @@ def ulysses_backward(dout, q, k, v, lse, delta, plan, comm, scale, rec, timeout)
         rec.tasks.append((0, task))
     rec.step_done(0, plan.n_steps)
     kv = [len(range(k.shape[-3])[s]) for s in ks]
-    got = tokens_back(comm, [dq, dK, dV], [[Q.shape[-3]] * size, kv, kv], n, GRAD_DTYPE, rec, timeout, 0,
+    got = tokens_back(comm, [dq, dK, dV], [[Q.shape[-3]] * size, kv, kv], n, pr.grad, rec, timeout, 0,
                       "gradients back")
     dq = np.concatenate([g[0] for g in got], axis=-3)
     dk, dv = np.zeros(k.shape, GRAD_DTYPE), np.zeros(v.shape, GRAD_DTYPE)

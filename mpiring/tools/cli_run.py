@@ -29,7 +29,7 @@ from mpiring import (
     ring_attention_backward,
     ring_attention_context_parallel,
 )
-from mpiring.heads import HybridPlan, sequence_pairs
+from mpiring.heads import HEAD_MODES, HybridPlan, sequence_pairs
 from mpiring.layouts import layout_positions
 from mpiring.nodes import predicted_bytes
 from mpiring.plan import Schedule
@@ -253,7 +253,8 @@ def run(comm, args=None):
     sched = Schedule(table, records=[c[1] for c in columns], plan=plan)
     meter.label(sched.records)  # which link each transfer used, in the trace too
     checks = None if args.no_verify else [c[2] for c in columns]
-    links = meter.report(sent[-1], plan, _shape(args), dtype.itemsize, backward=args.backward)
+    links = meter.report(sent[-1], plan, _shape(args), dtype.itemsize, backward=args.backward,
+                         **_wire_bytes(args, _wire(args)[0]))
     if args.backward:
         return _report_backward(args, sched, checks, links)
     return _report_forward(args, sched, checks, machine, links)
@@ -316,20 +317,26 @@ NAMES = ("out", "lse", "dQ", "dK", "dV")
 
 
 def _ring_modes(plan):
-    """Whether ``plan`` is one of the ring modes (where the wire and partial dtypes apply)."""
+    """Whether ``plan`` is one of the flat ring modes (the cost model's own bytes)."""
     return plan.mode in MODES and not isinstance(plan, HybridPlan)
 
 
 def _predicted(args, plan, backward=False):
-    """Bytes each rank sends: ring modes with the wire's and the partials' bytes, other modes as mpiring.nodes
-    counts them (K/V in the input dtype, partials in float64)."""
-    if not _ring_modes(plan):
-        return predicted_bytes(plan, **_shape(args), itemsize=named_dtype(args.dtype).itemsize, backward=backward)
+    """Bytes each rank sends, K/V on the run's wire and the partials in its gradient dtype: ring modes as the
+    cost model counts them, other modes as mpiring.nodes does."""
     pr, kv_width, wire_size = _wire(args)
+    if not _ring_modes(plan):
+        return predicted_bytes(plan, **_shape(args), itemsize=named_dtype(args.dtype).itemsize, backward=backward,
+                               **_wire_bytes(args, pr))
     if not backward:
         return predicted_bytes_sent(plan, kv_width, wire_size)
     hk = args.kv_heads or args.heads
     return predicted_backward_bytes(plan, kv_width, wire_size, pr.grad.itemsize, args.batch * hk * 2 * args.dim)
+
+
+def _wire_bytes(args, pr):
+    """What ``nodes.traffic`` takes of the run's wires: the K/V wire's name, the gradients' bytes."""
+    return dict(wire_dtype=args.wire_dtype, grad_itemsize=pr.grad.itemsize)
 
 
 def _wire(args):
@@ -439,9 +446,10 @@ def _report_backward(args, sched, checks, links=()):
         print(f"{r:>4}  {rec['forward']['bytes_sent']:>10}  {fwd_bytes[r]:>9}  {rec['bytes_sent']:>10}  "
               f"{bwd_bytes[r]:>10}  {rec['messages']:>8}  {bwd_messages:>9}  {rec['compute_time']:>9.4f}  "
               f"{rec['wait_time']:>17.4f}")
-    partials = pr.grad if _ring_modes(plan) else "float64"
-    print(f"(backward bytes: K/V as on the forward's wire, {pr.wire.name}; their travelling dK/dV partials "
-          f"in {partials})")
+    all_to_all = plan.mode in HEAD_MODES or isinstance(plan, HybridPlan)
+    back = " and the dQ, dK, dV the all-to-all brings back" if all_to_all else ""
+    print(f"(backward bytes: K/V as on the forward's wire, {pr.wire.name}; their travelling dK/dV partials{back} "
+          f"in {pr.grad})")
     flops = 4 * args.batch * args.heads * args.dim * sequence_pairs(plan)
     for name, wall, factor in (("forward ", max(r["forward"]["wall_time"] for r in records), 1.0),
                                ("backward", max(r["wall_time"] for r in records), 2.5)):
