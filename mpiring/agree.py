@@ -16,7 +16,7 @@ from .comm import allgather, wait_until
 from .kernels import LSE_LIMIT, default_scale
 from .layouts import check_layout, sort_order, take_rows
 from .masks import check_causal_block, check_window
-from .plan import ALL_MODES, MODES, make_plan
+from .plan import ALL_MODES, make_plan
 from .precision import canonical_precision, compute_dtype, dtype_problem, without_precision
 
 __all__ = ["agree", "setup", "agree_root", "check_comm", "comm_problem", "resolve_timeout", "agreement_timeout",
@@ -164,9 +164,6 @@ def canonical(options):
     if ulysses_size is not None and (isinstance(ulysses_size, bool) or not isinstance(ulysses_size, (int, np.integer))
                                      or ulysses_size < 1):
         raise ValueError(f"ulysses_size must be a positive integer or None, got {ulysses_size!r}")
-    if (options["mode"] not in MODES or ulysses_size is not None) and precision.get("wire_dtype") is not None:
-        raise ValueError(f"wire_dtype works with modes {', '.join(MODES)} (not with mode {options['mode']!r} "
-                         f"or ulysses_size)")
     return dict(layout=options["layout"], mode=options["mode"], causal=bool(options["causal"]),
                 window=check_window(options["window"]), cu_seqlens=cu,
                 causal_block=check_causal_block(options.get("causal_block"), options["causal"]), **rows, **precision,

@@ -46,7 +46,7 @@ def _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec,
     dq, dk, dv = (filled(name if keep else None, a.shape, GRAD_DTYPE, 0)
                   for name, a in ((KEPT_OUT, q), ("bwd.dk", k), ("bwd.dv", v)))
     own = [dk, dv]  # step 0: this rank's own block
-    mine = (pr.widen(k), pr.widen(v))  # the own block, computed on exactly
+    mine = wire.own((k, v))  # the own block, computed on exactly
     coded = (wire.encode(k), wire.encode(v))  # as the wire carries it: coded once, here
     held = {stream: coded for stream in plan.rounds or [+1]}  # the K/V block each stream holds now
     arriving = {}  # stream -> the dK/dV partial of the held block, sent by its previous visitor
@@ -87,7 +87,7 @@ def _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec,
             stream, n = task.stream, len(plan.kv_shards[task.source])
             pieces = plan.pieces(rank, task.source)
             count_pairs(rec, pieces)
-            kv = mine if task.source == rank else tuple(wire.decode(a) for a in held[stream])
+            kv = mine if task.source == rank else wire.arrived(held[stream])
             if step == 0:
                 total = own  # the own block's share stays here
             elif step == 1:  # the first visitor starts the partial
@@ -136,9 +136,9 @@ def _allgather_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec, 
     sums = [flat_blocks(a, lengths, pr.grad) for a in (k, v)]  # this rank's share of every block's dK, dV
     queries = (dout, q, out, lse, delta)
     dq = np.zeros(q.shape, GRAD_DTYPE)
-    mine = (pr.widen(k), pr.widen(v))
+    mine = wire.own((k, v))
     for step, task, kv, progress in allgathered(wire.encode(k), wire.encode(v), plan, comm, rec, timeout):
-        kv = mine if task.source == rank else tuple(wire.decode(a) for a in kv)  # as the forward pass
+        kv = mine if task.source == rank else wire.arrived(kv)  # as the forward pass
         pieces = plan.pieces(rank, task.source)
         count_pairs(rec, pieces)
         grads = block.grads_of(queries, kv, task, pieces, scale, dq, rec, progress, step)
@@ -171,17 +171,17 @@ def run_backward(arrays, plan, rings, scale, rec, timeout, pr, options=None):
     if isinstance(plan, HybridPlan):  # Ulysses in groups, the ring across them (mpiring.grid)
         from .grid import hybrid_backward
 
-        dq, dk, dv = hybrid_backward(dout, q, k, v, out, lse, plan, rings[0].comm, options, scale, rec, timeout)
+        dq, dk, dv = hybrid_backward(dout, q, k, v, out, lse, plan, rings[0].comm, options, scale, rec, timeout, pr)
     elif plan.mode == "allgather":
         dq, dk, dv = _allgather_backward(*arrays, plan, rings[0].comm, scale, rec, timeout, pr)
     elif plan.mode == "ulysses":  # heads move, not K/V blocks (mpiring.ulysses)
         from .ulysses import ulysses_backward
 
-        dq, dk, dv = ulysses_backward(dout, q, k, v, lse, delta, plan, rings[0].comm, scale, rec, timeout)
+        dq, dk, dv = ulysses_backward(dout, q, k, v, lse, delta, plan, rings[0].comm, scale, rec, timeout, pr)
     elif plan.mode == "double_ring":  # an inner ring per node, an outer ring across (mpiring.double_ring)
         from .double_ring import double_ring_backward
 
-        dq, dk, dv = double_ring_backward(*arrays, plan, rings[0].comm, scale, rec, timeout)
+        dq, dk, dv = double_ring_backward(*arrays, plan, rings[0].comm, scale, rec, timeout, pr)
     else:
         dq, dk, dv = _backward_ring_loop(*arrays, plan, rings, scale, rec, timeout, pr)
         rec.bytes_sent = sum(ring.bytes_sent - c[0] for ring, c in zip(rings, counters))

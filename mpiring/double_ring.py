@@ -18,10 +18,10 @@ from mpi4py import MPI
 
 from . import block
 from .block import GRAD_DTYPE, add_grads, count_pairs
-from .comm import KVBuffers, RingComm, payload_bytes
+from .comm import RingComm, kv_slots, payload_bytes
 from .hierarchy import INNER, OUTER, double_ring_plan
 from .nodes import node_ids
-from .precision import compute_dtype
+from .precision import Precision
 
 __all__ = ["nodes_of", "double_ring_forward", "double_ring_backward"]
 
@@ -70,17 +70,24 @@ def _wait(rings, rec, step, data="K/V"):
     rec.event("wait", start, step=step, data=data)
 
 
-def double_ring_forward(q, k, v, plan, ring, scale, rec, timeout):
-    """This rank's (out, lse); ``ring`` (a RingComm of the caller's) becomes the inner ring."""
+def double_ring_forward(q, k, v, plan, ring, scale, rec, timeout, pr=None):
+    """This rank's (out, lse); ``ring`` (a RingComm of the caller's) becomes the inner ring.
+
+    K/V travel both rings on the wire of ``pr`` (the call's ``Precision``), as in the flat ring: coded once
+    here, decoded where used; this rank computes on its own block exactly.
+    """
+    pr = pr or Precision(k.dtype)
+    wire = pr.wire
     inner, outer = _rings(ring.comm, plan, timeout, inner=ring)
     before = (inner.bytes_sent, inner.messages, inner.wait_time)  # the caller's ring may have served earlier calls
     try:
         rank = inner.rank
         acc = block.accumulators(q, v)
         longest = max(len(s) for s in plan.kv_shards)
-        inner_slots, outer_slots = KVBuffers((k, v), longest), KVBuffers((k, v), longest)
+        inner_slots, outer_slots = kv_slots(wire, (k, v), longest), kv_slots(wire, (k, v), longest)
         first = outer_slots.hold((k, v))  # a round's first block: this rank's own, then what the outer ring brings
         held = first
+        mine = first if not wire.coded else wire.own((k, v), padded=True)  # computed on exactly
 
         def progress():
             inner.progress()
@@ -92,14 +99,14 @@ def double_ring_forward(q, k, v, plan, ring, scale, rec, timeout):
             waiting = []
             if i == 0 and o < m - 1:  # the next round's first block, behind this whole round
                 nxt = outer_slots.take(len(plan.kv_shards[plan.source_at(rank, step + n)]))
-                _shift(outer, first, nxt, rec, step, OUTER, pad=1)
+                _shift(outer, first, nxt, rec, step, OUTER, pad=wire.pad)
             if i < n - 1:
                 incoming = inner_slots.take(len(plan.kv_shards[plan.source_at(rank, step + 1)]))
-                _shift(inner, held, incoming, rec, step, INNER, pad=1)
+                _shift(inner, held, incoming, rec, step, INNER, pad=wire.pad)
                 waiting.append(inner)
             for task in plan.tasks(step, rank):
-                block.attend(q, held, task, plan.pieces(rank, task.source), scale, acc, rec, progress, step,
-                             padded=True)
+                kv = mine if task.source == rank else wire.arrived(held, padded=True)
+                block.attend(q, kv, task, plan.pieces(rank, task.source), scale, acc, rec, progress, step, padded=True)
             if i == n - 1 and o < m - 1:
                 waiting.append(outer)
             if waiting:
@@ -114,19 +121,23 @@ def double_ring_forward(q, k, v, plan, ring, scale, rec, timeout):
         rec.wait_time = inner.wait_time - before[2] + outer.wait_time
     finally:
         outer.free()
-    return acc[0].astype(q.dtype, copy=False), acc[1].astype(compute_dtype(q.dtype), copy=False)
+    return acc[0].astype(q.dtype, copy=False), acc[1].astype(pr.compute, copy=False)
 
 
-def double_ring_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec, timeout):
+def double_ring_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec, timeout, pr=None):
     """This rank's (dq, dk, dv) in float64.
 
-    K/V move as in the forward pass. A block's partial starts at its first
-    visitor in a node (zeros), goes to the next rank with the block (one
-    step behind, so the wait for it follows a compute), and the node's last
-    visitor sends it home. At a round's last step every rank sends one
+    K/V move as in the forward pass, on the same wire (``pr``: the call's
+    ``Precision``). A block's partial starts at its first visitor in a node
+    (zeros), goes to the next rank with the block (one step behind, so the
+    wait for it follows a compute), and the node's last visitor sends it
+    home; partials travel in the ``grad`` dtype (``grad_wire_dtype``) and add
+    up at home in float64. At a round's last step every rank sends one
     partial home and receives one of its own block's (``plan.last_visitor``),
     so the hop home is one more ring shift, waited for a round later.
     """
+    pr = pr or Precision(k.dtype)
+    wire = pr.wire
     kv_inner, kv_outer = _rings(comm, plan, timeout)
     grads_inner, home = _rings(comm, plan, timeout)
     rings = (kv_inner, kv_outer, grads_inner, home)
@@ -136,7 +147,8 @@ def double_ring_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec,
         queries = (dout, q, out, lse, delta)
         dq = np.zeros(q.shape, GRAD_DTYPE)
         own = (np.zeros(k.shape, GRAD_DTYPE), np.zeros(v.shape, GRAD_DTYPE))
-        held = first = (k, v)
+        mine = wire.own((k, v))  # the own block, computed on exactly
+        held = first = (wire.encode(k), wire.encode(v))  # as the wire carries it: coded once, here
         arriving = None  # the held block's partial, from the previous visitor in this node
         coming_home = None  # the own block's partial from a node's last visitor, on its way
 
@@ -144,28 +156,29 @@ def double_ring_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec,
             for ring in rings:
                 ring.progress()
 
-        def block_of(source, dtype=None, make=np.zeros):
+        def block_of(source, dtype=None, make=np.zeros, like=(k, v)):
             return tuple(make(a.shape[:-2] + (len(plan.kv_shards[source]), a.shape[-1]), dtype or a.dtype)
-                         for a in (k, v))
+                         for a in like)
 
         for step in range(plan.n_steps):
             o, i = plan.round_step(step)
             source = plan.source_at(rank, step)
             kv_waiting = []
             if i == 0 and o < m - 1:
-                nxt = block_of(plan.source_at(rank, step + n), make=np.empty)
+                nxt = block_of(plan.source_at(rank, step + n), make=np.empty, like=first)
                 _shift(kv_outer, first, nxt, rec, step, OUTER)
             if i < n - 1:
-                incoming = block_of(plan.source_at(rank, step + 1), make=np.empty)
+                incoming = block_of(plan.source_at(rank, step + 1), make=np.empty, like=held)
                 _shift(kv_inner, held, incoming, rec, step, INNER)
                 kv_waiting.append(kv_inner)
             task = plan.tasks(step, rank)[0]
             pieces = plan.pieces(rank, task.source)
             count_pairs(rec, pieces)
-            grads = block.grads_of(queries, held, task, pieces, scale, dq, rec, progress, step)
+            kv = mine if source == rank else wire.arrived(held)
+            grads = block.grads_of(queries, kv, task, pieces, scale, dq, rec, progress, step)
             rec.tasks.append((step, task))
             if i == 0:  # the first visitor in this node; with one rank per node the own block's share stays here
-                total = own if source == rank and n == 1 else block_of(source, GRAD_DTYPE)
+                total = own if source == rank and n == 1 else block_of(source, pr.grad)
             else:
                 _wait([grads_inner], rec, step, "dK/dV")
                 total = arriving
@@ -175,10 +188,10 @@ def double_ring_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec,
             if kv_waiting:
                 _wait(kv_waiting, rec, step)
             if i < n - 1:  # the partial goes on with its block
-                arriving = block_of(plan.source_at(rank, step + 1), GRAD_DTYPE)
+                arriving = block_of(plan.source_at(rank, step + 1), pr.grad)
                 _shift(grads_inner, total, arriving, rec, step, INNER, "dK/dV")
             elif source != rank:  # the node's last visitor: the partial goes home, one comes home
-                coming_home = _home(home, total, coming_home, own, plan, o, rec, step, block_of(rank, GRAD_DTYPE))
+                coming_home = _home(home, total, coming_home, own, plan, o, rec, step, block_of(rank, pr.grad))
             if i < n - 1:
                 held = incoming
             elif o < m - 1:

@@ -11,11 +11,19 @@ the ring across groups is ``ring_attention`` (``ring_attention_backward``)
 itself on the cross communicator, with those tokens as its ``positions``
 (``heads.HybridPlan``); a second all-to-all brings every rank its tokens back.
 The inner call's events, tasks and counters join this call's record.
+
+A coded ``wire_dtype`` codes K/V on both: the group's all-to-all (each
+rank's own share stays exact) and the ring across groups (the inner call,
+given the same wire). A token from another member so crosses two coded
+hops, but coding is idempotent (a half rounding exactly; int8 to within
+float32 rounding of its scale), so it carries one coding's error.
+Gradients come back in ``grad_wire_dtype``, which the inner ring's partials use too.
 """
 
 import numpy as np
 
 from .heads import kv_heads, query_heads
+from .precision import Precision
 from .ulysses import heads_out, result_dtypes, tokens_back
 
 __all__ = ["grid_comms", "hybrid_forward", "hybrid_backward"]
@@ -61,21 +69,24 @@ def _inner(plan, rank, options):
                 kv_positions=plan.group_positions(g, kv=True) if separate_kv else None)
 
 
-def hybrid_forward(q, k, v, plan, comm, options, scale, rec, timeout):
-    """This rank's (out, lse); ``options``: the ring's (layout, mode, causal, window, cu_seqlens)."""
+def hybrid_forward(q, k, v, plan, comm, options, scale, rec, timeout, pr=None):
+    """This rank's (out, lse); ``options``: the ring's (layout, mode, causal, window, cu_seqlens); ``pr``: the
+    call's ``Precision`` (its wire)."""
     from .handle import ring_attention
     from .record import Record
 
+    pr = pr or Precision(k.dtype)
     rank = comm.Get_rank()
     qs, ks = _heads(plan, q.shape[-3], k.shape[-3])
     lengths, kv_lengths = _lengths(plan, rank), _lengths(plan, rank, kv=True)
     group, cross = grid_comms(comm, plan)
     try:
-        Q, K, V = heads_out(group, [q, k, v], [qs, ks, ks], [lengths, kv_lengths, kv_lengths], [q.dtype] * 3, rec,
-                            timeout, 0)
+        Q, K, V = heads_out(group, [q, k, v], [qs, ks, ks], [lengths, kv_lengths, kv_lengths],
+                            [q.dtype, pr.wire, pr.wire], rec, timeout, 0)
+        K, V = (a.astype(q.dtype, copy=False) for a in (K, V))  # the inner call takes one dtype (half: as given)
         inner = Record(rank)
         out, lse = ring_attention(Q, K, V, cross, scale=scale, timeout=timeout, record=inner,
-                                  **_inner(plan, rank, options))
+                                  wire_dtype=pr.options["wire_dtype"], **_inner(plan, rank, options))
         _join(rec, inner)
         h = Q.shape[-3]
         got = tokens_back(group, [out, lse[..., None]], [[h] * len(lengths)] * 2, [lengths] * 2,
@@ -86,26 +97,28 @@ def hybrid_forward(q, k, v, plan, comm, options, scale, rec, timeout):
     return np.concatenate([g[0] for g in got], axis=-3), np.concatenate([g[1][..., 0] for g in got], axis=-2)
 
 
-def hybrid_backward(dout, q, k, v, out, lse, plan, comm, options, scale, rec, timeout):
-    """This rank's (dq, dk, dv): the group's heads out (q, dout, out, lse; k, v), the cross ring's backward,
-    the gradients back; dK, dV of a K/V head that several members held (fewer K/V heads than u) add up."""
+def hybrid_backward(dout, q, k, v, out, lse, plan, comm, options, scale, rec, timeout, pr=None):
+    """This rank's (dq, dk, dv): the group's heads out (q, dout, out, lse; k, v on the wire of ``pr``), the cross
+    ring's backward, the gradients back (in ``pr.grad``); dK, dV of a K/V head that several members held
+    (fewer K/V heads than u) add up."""
     from .handle import ring_attention_backward
     from .record import Record
 
+    pr = pr or Precision(k.dtype)
     rank = comm.Get_rank()
     qs, ks = _heads(plan, q.shape[-3], k.shape[-3])
     lengths, kv_lengths = _lengths(plan, rank), _lengths(plan, rank, kv=True)
     group, cross = grid_comms(comm, plan)
     try:
         Q, dO, Out, L, K, V = heads_out(group, [q, dout, out, lse[..., None], k, v], [qs] * 4 + [ks] * 2,
-                                      [lengths] * 4 + [kv_lengths] * 2, [q.dtype] * 6, rec, timeout, 0)
+                                      [lengths] * 4 + [kv_lengths] * 2, [q.dtype] * 4 + [pr.wire] * 2, rec, timeout, 0)
         inner = Record(rank)
         dq, dk, dv = ring_attention_backward(dO, Q, K, V, Out, L[..., 0], cross, scale=scale, timeout=timeout,
-                                             record=inner, **_inner(plan, rank, options))
+                                             record=inner, **pr.options, **_inner(plan, rank, options))
         _join(rec, inner)
         kv = [len(range(k.shape[-3])[s]) for s in ks]
         got = tokens_back(group, [dq, dk, dv], [[Q.shape[-3]] * len(lengths), kv, kv],
-                          [lengths, kv_lengths, kv_lengths], [q.dtype] * 3, rec, timeout, plan.n_steps - 1)
+                          [lengths, kv_lengths, kv_lengths], pr.grad, rec, timeout, plan.n_steps - 1)
     finally:
         group.Free()
         cross.Free()

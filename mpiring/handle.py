@@ -104,7 +104,7 @@ class Ring:
                        wire_dtype=wire_dtype, grad_wire_dtype=grad_wire_dtype, accumulate=accumulate,
                        positions=positions, kv_positions=kv_positions, causal_block=causal_block,
                        node_size=node_size, ulysses_size=ulysses_size)
-        problem = _axis_problem({}, seq_axis) or threads_problem(threads) or _rotation_problem(rotate, mode, wire_dtype)
+        problem = _axis_problem({}, seq_axis) or threads_problem(threads) or rotate_problem(rotate, mode)
         plan, hosts, options = setup_ring(comm, seq_len, options, scale, timeout, expected_size, problem,
                                           values=dict(seq_axis=seq_axis, threads=threads, check_finite=check_finite,
                                                       rotate=rotate))
@@ -282,7 +282,8 @@ class Ring:
         with self._running():
             out, lse = run_forward(q, k, v, self.plan, self._rings[0], scale, rec, timeout,
                                    Precision.of(q.dtype, self._precision), self._ring_options,
-                                   chosen_rotation(self._rotate, self.plan, q, k, v))
+                                   chosen_rotation(self._rotate, self.plan, q, k, v,
+                                                   self._precision.get("wire_dtype")))
         out, lse = self.plan.in_caller_order(self.rank, out), self.plan.in_caller_order(self.rank, lse, axis=-1)
         lse = lse.view(Lse)
         lse.made_by = made_by(plan_options(self.plan, self._precision), self.size, scale, self.plan.seq_len)
@@ -367,7 +368,9 @@ def ring_attention(
         threads: BLAS threads per rank during the call ("auto": the node's
             cores shared among its ranks; ``mpiring.threads``), or None.
         wire_dtype: "float16", "bfloat16" or "int8": K/V travel coded so (int8: with a
-            float32 scale per token and head), default the input dtype (``mpiring.precision``).
+            float32 scale per token and head), default the input dtype (``mpiring.precision``); in
+            every mode (Ulysses' and the grid's all-to-alls too); with ``rotate="q"`` the query
+            blocks travel coded instead. What a rank holds itself is never coded.
         accumulate: "float64" (default), "float32" or "input": the running (out, lse)'s dtype.
 
     float16 and bfloat16 inputs compute in float32: out comes back in the input
@@ -382,7 +385,7 @@ def ring_attention(
                        causal_block=causal_block, node_size=node_size, ulysses_size=ulysses_size)
         moved, problem = _moved({"q": q, "k": k, "v": v}, seq_axis, threads)
         problem = (problem or _heads_problem(moved[0], moved[1], comm, mode, ulysses_size)
-                   or _rotation_problem(rotate, mode, wire_dtype) or _half_rotation_problem(rotate, moved[0]))
+                   or rotate_problem(rotate, mode) or _half_rotation_problem(rotate, moved[0]))
         hosts = []
         plan, scale, (q, k, v) = setup(*moved, comm, scale, options, check_finite, expected_size, timeout,
                                        prepare=lambda: [np.ascontiguousarray(a) for a in moved], problem=problem,
@@ -391,14 +394,6 @@ def ring_attention(
                           backward=False) as ring:
             with limited(ring.threads):
                 return ring._forward(q, k, v, scale, record, checked=True)
-
-
-def _rotation_problem(rotate, mode, wire_dtype):
-    """Why ``rotate`` does not fit the mode or the wire, or None (never raises)."""
-    problem = rotate_problem(rotate, mode)
-    if problem is None and rotate != "kv" and wire_dtype is not None:
-        problem = f"rotate={rotate!r} sends queries as they are: wire_dtype works with rotate='kv'"
-    return problem
 
 
 def _half_rotation_problem(rotate, q):

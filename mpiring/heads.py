@@ -27,9 +27,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from .plan import Piece, Plan, Schedule, Task, problem_fields
+from .precision import compute_itemsize, default_grad_itemsize, row_bytes
 
 __all__ = ["HEAD_MODES", "UlyssesPlan", "ulysses_plan", "heads_problem", "query_heads", "kv_heads",
-           "ulysses_pair_bytes", "predicted_ulysses_bytes", "compute_itemsize", "HybridPlan", "hybrid_plan",
+           "ulysses_pair_bytes", "predicted_ulysses_bytes", "HybridPlan", "hybrid_plan",
            "grid_problem", "sequence_pairs"]
 
 HEAD_MODES = ("ulysses",)
@@ -124,16 +125,18 @@ def ulysses_plan(base):
     return plan
 
 
-def ulysses_pair_bytes(plan, r, d, *, batch, hq, hk, dim, dim_v, itemsize, backward=False, grad_itemsize=8):
+def ulysses_pair_bytes(plan, r, d, *, batch, hq, hk, dim, dim_v, itemsize, backward=False, grad_itemsize=None,
+                       wire_dtype=None):
     """Bytes rank r sends rank d under a Ulysses plan (0 to itself: that share never leaves it).
 
     Forward: d's query heads of r's tokens (``Hq/P x n_r x D``) and the K/V
-    heads d uses of r's keys (``kv_d x m_r x (D + Dv)``) in the input dtype,
-    then back d's tokens of r's heads: out in the input dtype and lse in the
-    dtype tiles compute in (``Hq/P x n_d x Dv`` and ``x 1``). Backward, all in
-    the compute dtype (float32 for half inputs): out goes as delta, so
-    ``Hq/P x n_r x (D + Dv + 2)`` (q, dout, lse, delta) and the K/V heads; back
-    dq and the dK, dV of r's K/V heads for d's keys, in ``grad_itemsize`` bytes.
+    heads d uses of r's keys (``kv_d x m_r`` rows of D and Dv on the K/V wire,
+    ``precision.row_bytes``), then back d's tokens of r's heads: out in the
+    input dtype and lse in the dtype tiles compute in (``Hq/P x n_d x Dv`` and
+    ``x 1``). Backward: out goes as delta, so ``Hq/P x n_r x (D + Dv + 2)``
+    (q, dout, lse, delta, in the compute dtype) and the K/V heads on the wire;
+    back dq and the dK, dV of r's K/V heads for d's keys, in ``grad_itemsize``
+    bytes (default: the ``grad_wire_dtype`` default for ``itemsize``).
     """
     if r == d:
         return 0
@@ -141,17 +144,13 @@ def ulysses_pair_bytes(plan, r, d, *, batch, hq, hk, dim, dim_v, itemsize, backw
     hq_l, n_r, n_d = hq // P, len(plan.shards[r]), len(plan.shards[d])
     m_r, m_d = len(plan.kv_shards[r]), len(plan.kv_shards[d])  # key tokens (kv_positions: other than q's)
     kv_r, kv_d = (len(range(hk)[kv_heads(x, P, hk)]) for x in (r, d))  # K/V heads each rank gets
+    kv_row = row_bytes(wire_dtype, dim, itemsize) + row_bytes(wire_dtype, dim_v, itemsize)
     compute = compute_itemsize(itemsize)
     if backward:
-        return batch * ((n_r * hq_l * (dim + dim_v + 2) + m_r * kv_d * (dim + dim_v)) * compute
+        grad_itemsize = default_grad_itemsize(itemsize) if grad_itemsize is None else grad_itemsize
+        return batch * (n_r * hq_l * (dim + dim_v + 2) * compute + m_r * kv_d * kv_row
                         + (n_d * hq_l * dim + m_d * kv_r * (dim + dim_v)) * grad_itemsize)
-    return batch * ((n_r * hq_l * dim + m_r * kv_d * (dim + dim_v) + n_d * hq_l * dim_v) * itemsize
-                    + n_d * hq_l * compute)
-
-
-def compute_itemsize(itemsize):
-    """Bytes per element of the dtype tiles compute in, from the input's: 8 for float64, else float32's 4."""
-    return 8 if itemsize == 8 else 4
+    return batch * (n_r * hq_l * dim * itemsize + m_r * kv_d * kv_row + n_d * hq_l * (dim_v * itemsize + compute))
 
 
 def predicted_ulysses_bytes(plan, **shape):

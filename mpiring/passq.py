@@ -9,6 +9,11 @@ plan's pieces of j's queries against r's keys), keeping one float64 partial
 partial home (none where the mask hides all of r's keys from j's queries),
 and every rank merges its partials in rank order with the log-sum-exp rule.
 
+With a ``wire_dtype`` the query blocks travel coded as K/V blocks do in the
+K/V ring (``precision.Wire``: coded once by their owner, decoded by every rank
+they reach); every rank attends its own queries exactly. The partials go
+home in float64, as without one.
+
 Pass-Q pays off when the queries are fewer than the keys: a prefill of T new
 tokens against a cache of C (Meta, "Context Parallelism for Scalable
 Million-Token Inference", 2024); ``ring_attention(..., rotate="auto")``
@@ -23,8 +28,9 @@ from . import block
 from .comm import Buffers, KVBuffers, shift, wait_until
 from .kernels import merge
 from .plan import NEXT, Task
+from .precision import Wire, row_bytes
 
-__all__ = ["passq_loop", "ROTATE", "rotate_problem", "plan_bytes", "chosen_rotation", "q_rounds"]
+__all__ = ["passq_loop", "ROTATE", "rotate_problem", "plan_bytes", "rank_bytes", "chosen_rotation", "q_rounds"]
 
 ROTATE = ("kv", "q", "auto")
 
@@ -38,15 +44,18 @@ def rotate_problem(rotate, mode):
     return None
 
 
-def passq_loop(q, k, v, plan, ring, scale, rec, timeout):
+def passq_loop(q, k, v, plan, ring, scale, rec, timeout, wire=None):
     """The pass-Q ring: pass the held query block on, attend it to this rank's K/V, wait, swap; then send partials home.
 
+    ``wire``: how the query blocks travel (a ``precision.Wire``; default: as they are).
     Returns this rank's merged ``(out, lse)`` in q's dtype, rows in position order.
     """
     rank, size = ring.rank, ring.size
+    wire = wire or Wire(None, q.dtype)
     own_kv = KVBuffers((k, v), k.shape[-2]).hold((k, v))  # [k | 1]^T, [v | 1]^T: the kernel's form, made once
-    buffers = Buffers((q,), max(len(s) for s in plan.shards))
-    held = (q,)
+    buffers = Buffers((wire.template(q),), max(len(s) for s in plan.shards))
+    mine = wire.own((q,))  # this rank's queries, attended exactly
+    held = (wire.encode(q),)  # as the wire carries them: coded once, here
     partials = {}
     rounds = q_rounds(plan)
     for step in range(rounds + 1):
@@ -56,9 +65,11 @@ def passq_loop(q, k, v, plan, ring, scale, rec, timeout):
             incoming = buffers.take(len(plan.shards[(rank - step - 1) % size]))
             shift(ring, {NEXT: held}, {NEXT: incoming}, rec, step, data="Q")
         task = Task(source, plan.kinds[source][rank])
+        queries = None
         if task.kind != "skip":
-            partials[source] = block.accumulators(held[0], v)
-        block.attend(held[0], own_kv, task, plan.pieces(source, rank), scale, partials.get(source), rec,
+            queries = (mine if source == rank else wire.arrived(held))[0]
+            partials[source] = block.accumulators(queries, v)
+        block.attend(queries, own_kv, task, plan.pieces(source, rank), scale, partials.get(source), rec,
                      ring.progress, step, padded=True)
         start = time.perf_counter()
         if incoming is not None:
@@ -125,14 +136,16 @@ def _unpack(flat, out_shape):
     return rows[..., :-1], rows[..., -1]
 
 
-def plan_bytes(plan, batch_heads, kv_heads_ratio, dim, value_dim, itemsize):
-    """Bytes the busiest rank sends under ``plan``: ``{"kv": ..., "q": ...}`` (pass-Q with its partials home).
+def rank_bytes(plan, batch_heads, kv_heads_ratio, dim, value_dim, itemsize, wire_dtype=None):
+    """Bytes each rank sends in the forward pass under ``plan``: ``{"kv": [...], "q": [...]}`` (pass-Q with its
+    partials home), K/V or the query blocks on the wire of ``wire_dtype`` (``precision.row_bytes``).
 
     ``batch_heads`` = batch x query heads; K/V have ``batch_heads / kv_heads_ratio`` heads.
     """
     size = plan.size
-    kv_width = batch_heads // kv_heads_ratio * (dim + value_dim) * itemsize
-    q_width = batch_heads * dim * itemsize
+    kv_width = batch_heads // kv_heads_ratio * (row_bytes(wire_dtype, dim, itemsize)
+                                                 + row_bytes(wire_dtype, value_dim, itemsize))
+    q_width = batch_heads * row_bytes(wire_dtype, dim, itemsize)
     partial_width = batch_heads * (value_dim + 1) * 8
     kv, qb = [], []
     for r in range(size):
@@ -141,17 +154,24 @@ def plan_bytes(plan, batch_heads, kv_heads_ratio, dim, value_dim, itemsize):
         sent_q = sum(len(plan.shards[(r - step) % size]) for step in range(q_rounds(plan))) * q_width
         home = sum(len(plan.shards[j]) for j in range(size) if j != r and plan.kinds[j][r] != "skip") * partial_width
         qb.append(sent_q + home)
-    return {"kv": max(kv), "q": max(qb)}
+    return {"kv": kv, "q": qb}
+
+
+def plan_bytes(plan, batch_heads, kv_heads_ratio, dim, value_dim, itemsize, wire_dtype=None):
+    """Bytes the busiest rank sends under ``plan``: ``{"kv": ..., "q": ...}`` (``rank_bytes``' largest)."""
+    return {name: max(sent) for name, sent in rank_bytes(plan, batch_heads, kv_heads_ratio, dim, value_dim, itemsize,
+                                                         wire_dtype).items()}
 
 
 
-def chosen_rotation(rotate, plan, q, k, v):
-    """``rotate``, "auto" decided by ``plan_bytes`` ("kv" on ties and outside mode "ring"); the same on every rank."""
+def chosen_rotation(rotate, plan, q, k, v, wire_dtype=None):
+    """``rotate``, "auto" decided by ``plan_bytes`` on the call's wire ("kv" on ties and outside mode "ring");
+    the same on every rank."""
     if rotate != "auto":
         return rotate
     if plan.mode != "ring":
         return "kv"
     batch_heads = q.size // (q.shape[-2] * q.shape[-1])
     ratio = q.shape[-3] // k.shape[-3] if q.ndim >= 3 else 1
-    b = plan_bytes(plan, batch_heads, ratio, q.shape[-1], v.shape[-1], q.dtype.itemsize)
+    b = plan_bytes(plan, batch_heads, ratio, q.shape[-1], v.shape[-1], q.dtype.itemsize, wire_dtype)
     return "q" if b["q"] < b["kv"] else "kv"

@@ -6,12 +6,15 @@
   lse in float32.
 - ``wire_dtype`` ("float16", "bfloat16", "int8"; default: the input dtype): K
   and V are coded once by their owner, before they first travel, and decoded
-  by every rank a block reaches. int8 keeps a float32 absmax scale per token and
-  head, in 4 more bytes at the end of each row, so a coded K (or V) is still one
-  array, one message. The owner computes on its own block exactly.
+  by every rank a block reaches, in every mode (ring, all-gather, double ring,
+  Ulysses' all-to-alls, the grid's both); under pass-Q (``rotate="q"``) the
+  query blocks, which travel instead. int8 keeps a float32 absmax scale per
+  token and head, in 4 more bytes at the end of each row, so a coded K (or V)
+  is still one array, one message. The owner computes on its own block
+  exactly: its share never leaves it.
 - ``grad_wire_dtype`` ("float32", "float64"; default float32, float64 for
-  float64 inputs): the dK/dV partials that travel; every rank's own gradients
-  are still summed in float64.
+  float64 inputs): the dK/dV partials that travel (and Ulysses' dq, dK, dV on
+  their way back); every rank's own gradients are still summed in float64.
 - ``accumulate`` ("float64", "float32", "input"; default float64): the dtype of
   the running ``(out, lse)`` that every block is merged into ("input": out in
   the input dtype, lse in float32, as GPU libraries that keep per-step outputs).
@@ -20,7 +23,8 @@
 import numpy as np
 
 __all__ = ["INPUT_DTYPES", "WIRE_DTYPES", "GRAD_WIRE_DTYPES", "ACCUMULATE", "KEYS", "named_dtype", "dtype_problem",
-           "compute_dtype", "canonical_precision", "without_precision", "Wire", "Precision"]
+           "compute_dtype", "compute_itemsize", "canonical_precision", "without_precision", "row_bytes",
+           "default_grad_itemsize", "Wire", "Plain", "Precision"]
 
 INPUT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 WIRE_DTYPES = ("float16", "bfloat16", "int8")
@@ -71,20 +75,41 @@ def canonical_precision(options):
     return {"wire_dtype": wire, "grad_wire_dtype": grad, "accumulate": accumulate}
 
 
+def row_bytes(wire_dtype, dim, itemsize):
+    """Bytes of one token's ``dim`` values of one head on a K/V wire (what ``Wire.row_bytes`` counts):
+    ``dim * itemsize`` when ``wire_dtype`` is None (the input dtype), 2 per value for a half wire, 1 per value
+    and the float32 scale's 4 for int8."""
+    if wire_dtype is None:
+        return dim * itemsize
+    return dim + SCALE_BYTES if wire_dtype == "int8" else 2 * dim
+
+
+def compute_itemsize(itemsize):
+    """Bytes per element of the dtype tiles compute in, for inputs of ``itemsize``: 8 for float64, else float32's 4."""
+    return 8 if itemsize == 8 else 4
+
+
+def default_grad_itemsize(itemsize):
+    """The default ``grad_wire_dtype``'s bytes for inputs of ``itemsize``: float64's 8 for 8, else float32's 4."""
+    return 8 if itemsize == 8 else 4
+
+
 def without_precision(options):
     """``options`` without this module's keys: what ``make_plan`` takes."""
     return {key: value for key, value in options.items() if key not in KEYS}
 
 
 class Wire:
-    """How a K or V block travels: as it is, or coded (half, int8 with per-row scales) and decoded on arrival.
+    """How a K or V block (under pass-Q, a query block) travels: as it is, or coded (half, int8 with per-row scales)
+    and decoded on arrival.
 
     ``coded`` is False only when the wire dtype is the input dtype and tiles
     compute in it (float32, float64): then blocks travel in the kernel's own
     form with no copy (``comm.KVBuffers``). Otherwise ``encode`` makes the
     wire form of an array (..., n, d): the wire dtype, (..., n, d + 4) int8
     with the row's float32 scale in its last 4 bytes; ``decode`` gives it back
-    in the compute dtype.
+    in the compute dtype. Every mode uses a block the same way: ``own`` is
+    this rank's, never coded; ``arrived`` one that travelled, decoded.
     """
 
     def __init__(self, name, input_dtype):
@@ -98,6 +123,10 @@ class Wire:
     def row(self, dim):
         """Wire elements of one token's row of ``dim`` values: ``dim``, plus the scale's 4 bytes for int8."""
         return dim + SCALE_BYTES if self.name == "int8" else dim
+
+    def row_bytes(self, dim):
+        """Bytes of one token's row of ``dim`` values on the wire."""
+        return self.row(dim) * self.dtype.itemsize
 
     def encode(self, a, out=None):
         """The wire form of ``a`` (..., n, d) (into ``out`` if given): a itself when not coded."""
@@ -132,21 +161,65 @@ class Wire:
         np.multiply(w[..., :d], scale, out=out, casting="unsafe")
         return out
 
+    def _padded(self, lead, d, n):
+        """An empty [x | 1]^T (..., d + 1, n) in the compute dtype, its ones set, and x in it as a (..., n, d) view."""
+        out = np.empty(lead + (d + 1, n), self.compute)
+        out[..., d, :] = 1
+        return out, np.swapaxes(out[..., :d, :], -1, -2)
+
     def decode_padded(self, w):
         """A wire array as the forward kernel takes a block, [x | 1]^T (..., d + 1, n), in the compute dtype."""
-        d = w.shape[-1] - (SCALE_BYTES if self.name == "int8" else 0)
-        out = np.empty(w.shape[:-2] + (d + 1, w.shape[-2]), self.compute)
-        self.decode(w, np.swapaxes(out[..., :d, :], -1, -2))
-        out[..., d, :] = 1
+        out, x = self._padded(w.shape[:-2], w.shape[-1] - (SCALE_BYTES if self.name == "int8" else 0), w.shape[-2])
+        self.decode(w, x)
         return out
 
-    def opened(self, block):
-        """A travelling (K, V) block as the forward kernel takes it (``decode_padded``; as it is when not coded)."""
-        return tuple(self.decode_padded(w) for w in block) if self.coded else block
+    def own(self, block, padded=False):
+        """This rank's own block (its arrays as given) as the kernel takes it, exact: never coded, in the
+        compute dtype (``padded``: [x | 1]^T, the forward ring's form)."""
+        if not padded:
+            return tuple(self.kept(a) for a in block)
+        opened = []
+        for a in block:
+            out, x = self._padded(a.shape[:-2], a.shape[-1], a.shape[-2])
+            x[...] = a
+            opened.append(out)
+        return tuple(opened)
+
+    def arrived(self, block, padded=False):
+        """A block that travelled (its arrays in the wire form) as the kernel takes it: decoded (``padded``:
+        [x | 1]^T); as it is when not coded."""
+        if not self.coded:
+            return block
+        return tuple(self.decode_padded(w) if padded else self.decode(w) for w in block)
+
+    def kept(self, a):
+        """A rank's share of an all-to-all that stays with it (``ulysses.exchange``): exact, in the compute dtype."""
+        return np.asarray(a, self.compute)
 
     def template(self, a):
         """An empty array shaped like the wire form of ``a``: what receive buffers are made from."""
         return np.empty(a.shape[:-1] + (self.row(a.shape[-1]),), self.dtype) if self.coded else a
+
+
+class Plain:
+    """What travels as it is, converted to ``dtype`` (queries, partial results, gradients): the other kind of
+    array ``ulysses.exchange`` moves beside a ``Wire``'s, with the same verbs."""
+
+    coded = False
+
+    def __init__(self, dtype):
+        self.dtype = np.dtype(dtype)
+
+    def row(self, dim):
+        return dim
+
+    def encode(self, a):
+        return np.asarray(a, self.dtype)
+
+    def decode(self, w):
+        return w
+
+    kept = encode  # a rank's own share is converted as if it had travelled
 
 
 class Precision:
@@ -160,6 +233,7 @@ class Precision:
         self.out = self.input if accumulate == "input" else np.dtype(accumulate)
         self.lse = np.result_type(self.out, self.compute) if accumulate == "input" else self.out
         self.accumulate = accumulate
+        self.options = {"wire_dtype": wire_dtype, "grad_wire_dtype": grad_wire_dtype}  # as given (None: default)
 
     @classmethod
     def of(cls, dtype, options):

@@ -17,7 +17,6 @@ from mpi4py import MPI
 from . import block
 from .comm import CommTimeout, allgathered, kv_slots, next_buffers, shift, wait_until
 from .heads import HybridPlan
-from .kernels import pad_ones
 from .passq import passq_loop
 from .precision import Precision
 
@@ -37,14 +36,14 @@ def _ring_loop(q, k, v, plan, ring, scale, rec, timeout, pr=None):
     # first stream starts with this rank's own block.
     buffers = {stream: kv_slots(wire, (k, v), longest, f"ring.kv{stream}") for stream in plan.rounds or [+1]}
     own = next(iter(buffers.values())).hold((k, v))
-    mine = own if not wire.coded else tuple(pad_ones(pr.widen(a)) for a in (k, v))  # computed on exactly
+    mine = own if not wire.coded else wire.own((k, v), padded=True)  # computed on exactly
     held = {stream: own for stream in buffers}  # the block each stream holds now
     for step in range(plan.n_steps):
         incoming = next_buffers(plan, rank, step, buffers)
         shift(ring, {s: held[s] for s in incoming}, incoming, rec, step, pad=wire.pad)  # Isend/Irecv, non-blocking
         start = time.perf_counter()
         for task in plan.tasks(step, rank):  # one block (two when bidirectional)
-            kv = mine if task.source == rank else wire.opened(held[task.stream])
+            kv = mine if task.source == rank else wire.arrived(held[task.stream], padded=True)
             block.attend(q, kv, task, plan.pieces(rank, task.source), scale, acc, rec, ring.progress, step, padded=True)
         computed, start = time.perf_counter() - start, time.perf_counter()
         ring.wait(timeout, _slow_step_note(step, computed, timeout))
@@ -60,9 +59,9 @@ def _allgather_loop(q, k, v, plan, comm, scale, rec, timeout, pr=None):
     rank, wire = comm.Get_rank(), pr.wire
     acc = block.accumulators(q, v, pr.out, pr.lse)
     q = pr.widen(q)
-    mine = (pr.widen(k), pr.widen(v))
+    mine = wire.own((k, v))
     for step, task, kv, progress in allgathered(wire.encode(k), wire.encode(v), plan, comm, rec, timeout):
-        kv = mine if task.source == rank else tuple(wire.decode(a) for a in kv)
+        kv = mine if task.source == rank else wire.arrived(kv)
         block.attend(q, kv, task, plan.pieces(rank, task.source), scale, acc, rec, progress, step)
         rec.step_done(step, plan.n_steps)
     return acc[0].astype(pr.input, copy=False), acc[1].astype(pr.compute, copy=False)
@@ -102,9 +101,10 @@ def agree_outcome(comm, timeout, t0):
 def run_forward(q, k, v, plan, ring, scale, rec, timeout, pr, options=None, rotate="kv"):
     """The forward pass of contiguous, agreed arrays over ``ring`` (a RingComm), all ranks having just met.
 
-    ``pr``: the call's ``Precision``; ``options``: the ring's (layout, mode,
-    causal, window, cu_seqlens) for the grid's ring across Ulysses groups;
-    ``rotate``: "kv" or "q" (the pass-Q ring, ``mpiring.passq``). Fills
+    ``pr``: the call's ``Precision`` (its wire codes what travels in every
+    mode: K/V, or under pass-Q the query blocks); ``options``: the ring's
+    (layout, mode, causal, window, cu_seqlens) for the grid's ring across
+    Ulysses groups; ``rotate``: "kv" or "q" (the pass-Q ring, ``mpiring.passq``). Fills
     ``rec`` (this call's events, bytes and times) and returns ``(out, lse)``.
     """
     rec.t0 = start = time.perf_counter()  # event times minus rec.t0 compare across ranks
@@ -113,19 +113,19 @@ def run_forward(q, k, v, plan, ring, scale, rec, timeout, pr, options=None, rota
     if isinstance(plan, HybridPlan):  # Ulysses in groups, the ring across them (mpiring.grid)
         from .grid import hybrid_forward
 
-        out, lse = hybrid_forward(q, k, v, plan, ring.comm, options, scale, rec, timeout)
+        out, lse = hybrid_forward(q, k, v, plan, ring.comm, options, scale, rec, timeout, pr)
     elif plan.mode == "allgather":
         out, lse = _allgather_loop(q, k, v, plan, ring.comm, scale, rec, timeout, pr)
     elif plan.mode == "ulysses":  # heads move, not K/V blocks (mpiring.ulysses)
         from .ulysses import ulysses_forward
 
-        out, lse = ulysses_forward(q, k, v, plan, ring.comm, scale, rec, timeout)
+        out, lse = ulysses_forward(q, k, v, plan, ring.comm, scale, rec, timeout, pr)
     elif plan.mode == "double_ring":  # an inner ring per node, an outer ring across (mpiring.double_ring)
         from .double_ring import double_ring_forward
 
-        out, lse = double_ring_forward(q, k, v, plan, ring, scale, rec, timeout)
+        out, lse = double_ring_forward(q, k, v, plan, ring, scale, rec, timeout, pr)
     elif rotate == "q":  # the queries travel, K/V stay; the partial results go home (mpiring.passq)
-        out, lse = passq_loop(q, k, v, plan, ring, scale, rec, timeout)
+        out, lse = passq_loop(q, k, v, plan, ring, scale, rec, timeout, pr.wire)
         rec.bytes_sent += ring.bytes_sent - sent  # passq_loop counted the partials' bytes and messages home
         rec.messages += ring.messages - messages
         rec.wait_time = ring.wait_time - waited

@@ -14,54 +14,67 @@ import numpy as np
 
 from . import block
 from .block import GRAD_DTYPE, add_grads, count_pairs
-from .comm import wait_until
+from .comm import mpi_view, wait_until
 from .heads import kv_heads, query_heads
-from .precision import compute_dtype
+from .precision import Plain, Precision, Wire, compute_dtype
 
 __all__ = ["exchange", "heads_out", "tokens_back", "result_dtypes", "ulysses_forward", "ulysses_backward"]
 
 
-def exchange(comm, sends, shapes, dtypes, rec, timeout, step, data):
+def exchange(comm, sends, shapes, dtype, rec, timeout, step, data):
     """One all-to-all of several arrays per peer: ``sends[d]`` go to rank d; returns ``got[s]``, from rank s.
 
-    ``shapes[s]`` are the shapes of the arrays rank s sends here; array i of
-    every peer travels in ``dtypes[i]`` (float32 lse beside bfloat16 out). The
-    arrays go as their bytes in one ``Ialltoallv``; bytes and messages to other
-    ranks are counted in ``rec`` (a rank's share to itself never leaves it),
-    with a "send" and a "wait" event.
+    ``shapes[s]`` are the shapes of the arrays rank s sends here. ``dtype``:
+    what every array travels as, or one per array (``sends[d][i]``): a dtype
+    (converted to it) or a ``precision.Wire`` (coded, decoded on arrival into
+    the compute dtype). Everything goes as one ``Ialltoallv`` (of bytes when
+    the arrays' wire dtypes differ). A rank's share to itself never leaves
+    it: converted as if it had travelled, never coded (``kept``). Bytes and
+    messages to other ranks are counted in ``rec``, with a "send" and a "wait" event.
     """
     rank = comm.Get_rank()
-    dtypes = [np.dtype(t) for t in dtypes]
-    raw = [[np.ascontiguousarray(a, t).reshape(-1).view(np.uint8) for a, t in zip(arrays, dtypes)] for arrays in sends]
-    send_counts = [sum(b.size for b in arrays) for arrays in raw]
-    flat = np.concatenate([b for arrays in raw for b in arrays] + [np.empty(0, np.uint8)])
-    recv_counts = [sum(int(np.prod(s)) * t.itemsize for s, t in zip(group, dtypes)) for group in shapes]
-    got = np.empty(sum(recv_counts), np.uint8)
+    carriers = [_carrier(c) for c in (dtype if isinstance(dtype, (list, tuple)) else [dtype] * len(shapes[0]))]
+    unit = carriers[0].dtype if len({c.dtype for c in carriers}) == 1 else np.dtype(np.uint8)
+    wired = [[] if d == rank else [_units(c.encode(a), unit) for c, a in zip(carriers, arrays)]
+             for d, arrays in enumerate(sends)]
+    send_counts = [sum(a.size for a in arrays) for arrays in wired]
+    flat = np.concatenate([a for arrays in wired for a in arrays] + [np.empty(0, unit)])
+    wire_shapes = [[shape[:-1] + (c.row(shape[-1]),) for c, shape in zip(carriers, group)] for group in shapes]
+    recv_counts = [0 if s == rank else sum(int(np.prod(w)) * c.dtype.itemsize // unit.itemsize
+                                           for c, w in zip(carriers, group)) for s, group in enumerate(wire_shapes)]
+    got = np.empty(sum(recv_counts), unit)
     posted = time.perf_counter()
-    request = comm.Ialltoallv([flat, send_counts], [got, recv_counts])
-    nbytes = sum(send_counts) - send_counts[rank]
+    request = comm.Ialltoallv([mpi_view(flat), send_counts], [mpi_view(got), recv_counts])
+    nbytes = sum(send_counts) * unit.itemsize
     rec.bytes_sent += nbytes
-    rec.messages += sum(1 for d, c in enumerate(send_counts) if d != rank and c)
+    rec.messages += sum(1 for c in send_counts if c)
     rec.event("send", posted, step=step, stream=0, data=data, dest="all", bytes=nbytes)
     start = time.perf_counter()
     wait_until([request], timeout, rank, f"all-to-all ({data})")
     end = rec.event("wait", start, step=step, data=data)
     rec.wait_time += end - start
     out, at = [], 0
-    for group in shapes:
+    for s, group in enumerate(wire_shapes):
+        if s == rank:
+            out.append([c.kept(a) for c, a in zip(carriers, sends[rank])])
+            continue
         arrays = []
-        for shape, t in zip(group, dtypes):
-            size = int(np.prod(shape)) * t.itemsize
-            arrays.append(got[at:at + size].view(t).reshape(shape))
+        for c, shape in zip(carriers, group):
+            size = int(np.prod(shape)) * c.dtype.itemsize // unit.itemsize
+            arrays.append(c.decode(got[at:at + size].view(c.dtype).reshape(shape)))
             at += size
         out.append(arrays)
     return out
 
 
-def result_dtypes(dtype):
-    """What out and lse travel home in: out in the input dtype, lse in the dtype tiles compute in (float32
-    for half inputs), as every mode returns them."""
-    return [np.dtype(dtype), compute_dtype(dtype)]
+def _carrier(how):
+    """A ``Wire`` as it is; a dtype as a ``Plain`` (converted to it)."""
+    return how if isinstance(how, Wire) else Plain(how)
+
+
+def _units(a, unit):
+    """The wire array ``a`` as a flat run of ``unit`` (its own dtype, or bytes)."""
+    return np.ascontiguousarray(a).reshape(-1).view(unit)
 
 
 def _with_heads(*arrays):
@@ -73,24 +86,25 @@ def _no_progress():
     pass
 
 
-def heads_out(comm, arrays, heads, lengths, dtypes, rec, timeout, step, data="heads out"):
+def heads_out(comm, arrays, heads, lengths, dtype, rec, timeout, step, data="heads out"):
     """Every member's tokens of member d's heads to member d: one all-to-all; returns each array's result.
 
     ``arrays[i]``: this rank's (..., H_i, n_i, D_i); ``heads[i][d]``: the slice of
     heads member d gets; ``lengths[i][s]``: member s's tokens of array i (queries
-    and keys differ with ``kv_positions``). Each result is
-    (..., h_i, sum(lengths[i]), D_i): the members' tokens one after the other.
+    and keys differ with ``kv_positions``); ``dtype``: as ``exchange`` takes it.
+    Each result is (..., h_i, sum(lengths[i]), D_i): the members' tokens one
+    after the other.
     """
     rank = comm.Get_rank()
     sends = [[a[..., h[d], :, :] for a, h in zip(arrays, heads)] for d in range(len(lengths[0]))]
     mine = [len(range(a.shape[-3])[h[rank]]) for a, h in zip(arrays, heads)]
     shapes = [[a.shape[:-3] + (m, n[s], a.shape[-1]) for a, m, n in zip(arrays, mine, lengths)]
               for s in range(len(lengths[0]))]
-    got = exchange(comm, sends, shapes, dtypes, rec, timeout, step, data)
+    got = exchange(comm, sends, shapes, dtype, rec, timeout, step, data)
     return [np.concatenate([g[i] for g in got], axis=-2) for i in range(len(arrays))]
 
 
-def tokens_back(comm, arrays, counts, lengths, dtypes, rec, timeout, step, data="results back"):
+def tokens_back(comm, arrays, counts, lengths, dtype, rec, timeout, step, data="results back"):
     """The inverse movement: member d gets its tokens of this rank's heads; returns ``got[s][i]`` from member s.
 
     ``arrays[i]``: (..., h_i, sum(lengths[i]), D_i) in member order; ``counts[i][s]``:
@@ -101,11 +115,17 @@ def tokens_back(comm, arrays, counts, lengths, dtypes, rec, timeout, step, data=
     sends = [[a[..., at[d]:at[d + 1], :] for a, at in zip(arrays, starts)] for d in range(len(lengths[0]))]
     shapes = [[a.shape[:-3] + (c[s], n[rank], a.shape[-1]) for a, c, n in zip(arrays, counts, lengths)]
               for s in range(len(lengths[0]))]
-    return exchange(comm, sends, shapes, dtypes, rec, timeout, step, data)
+    return exchange(comm, sends, shapes, dtype, rec, timeout, step, data)
 
 
-def ulysses_forward(q, k, v, plan, comm, scale, rec, timeout):
-    """This rank's (out, lse): its tokens' heads out, every token of its heads attended, results back."""
+def ulysses_forward(q, k, v, plan, comm, scale, rec, timeout, pr=None):
+    """This rank's (out, lse): its tokens' heads out, every token of its heads attended, results back.
+
+    ``pr``: the call's ``Precision``; K/V go out on its wire (coded, decoded on
+    arrival; this rank's own tokens of its heads stay exact), the queries and
+    the results in the input dtype.
+    """
+    pr = pr or Precision(k.dtype)
     flat = q.ndim == 2
     if flat:
         q, k, v = _with_heads(q, k, v)
@@ -113,7 +133,8 @@ def ulysses_forward(q, k, v, plan, comm, scale, rec, timeout):
     n, m = [len(s) for s in plan.shards], [len(s) for s in plan.kv_shards]
     qs = [query_heads(d, size, q.shape[-3]) for d in range(size)]
     ks = [kv_heads(d, size, k.shape[-3]) for d in range(size)]
-    queries, keys, values = heads_out(comm, [q, k, v], [qs, ks, ks], [n, m, m], [q.dtype] * 3, rec, timeout, 0)
+    queries, keys, values = heads_out(comm, [q, k, v], [qs, ks, ks], [n, m, m], [q.dtype, pr.wire, pr.wire], rec,
+                                      timeout, 0)
     acc = block.accumulators(queries, values)
     for task in plan.tasks(0, rank):  # key block j: the tokens rank j held
         j = _block(plan, task.source)
@@ -134,6 +155,12 @@ def _block(plan, source):
     return slice(start, start + len(plan.kv_shards[source]))
 
 
+def result_dtypes(dtype):
+    """What out and lse travel home in: out in the input dtype, lse in the dtype tiles compute in (float32
+    for half inputs), as every mode returns them."""
+    return [np.dtype(dtype), compute_dtype(dtype)]
+
+
 def plan_rank(comm, plan):
     """This rank and the plan's size, which must be the communicator's."""
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -142,13 +169,16 @@ def plan_rank(comm, plan):
     return rank, size
 
 
-def ulysses_backward(dout, q, k, v, lse, delta, plan, comm, scale, rec, timeout):
+def ulysses_backward(dout, q, k, v, lse, delta, plan, comm, scale, rec, timeout, pr=None):
     """This rank's (dq, dk, dv) in float64: its tokens' heads out, every token's gradients, gradients back.
 
     ``delta`` = rowsum(dout * out) travels instead of out (one value per row).
+    K/V go out on the wire of ``pr`` (the call's ``Precision``), as in the
+    forward pass; dq, dK, dV come back in its ``grad`` dtype (``grad_wire_dtype``).
     dK, dV of a K/V head held by several ranks (fewer K/V heads than ranks)
     come back from each, for a subset of the group's query heads, and are summed.
     """
+    pr = pr or Precision(k.dtype)
     flat = q.ndim == 2
     if flat:
         dout, q, k, v = _with_heads(dout, q, k, v)
@@ -158,7 +188,7 @@ def ulysses_backward(dout, q, k, v, lse, delta, plan, comm, scale, rec, timeout)
     qs = [query_heads(d, size, q.shape[-3]) for d in range(size)]
     ks = [kv_heads(d, size, k.shape[-3]) for d in range(size)]
     Q, dO, L, De, K, V = heads_out(comm, [q, dout, lse[..., None], delta[..., None], k, v], [qs] * 4 + [ks] * 2,
-                                   [n] * 4 + [m] * 2, [q.dtype] * 6, rec, timeout, 0)
+                                   [n] * 4 + [m] * 2, [q.dtype] * 4 + [pr.wire] * 2, rec, timeout, 0)
     # out is read only to compute delta, which is given: a zero-size stand-in of its shape
     queries = (dO, Q, np.broadcast_to(np.zeros((), q.dtype), dO.shape), L[..., 0], De[..., 0])
     dq = np.zeros(Q.shape, GRAD_DTYPE)
@@ -172,7 +202,7 @@ def ulysses_backward(dout, q, k, v, lse, delta, plan, comm, scale, rec, timeout)
         rec.tasks.append((0, task))
     rec.step_done(0, plan.n_steps)
     kv = [len(range(k.shape[-3])[s]) for s in ks]
-    got = tokens_back(comm, [dq, dK, dV], [[Q.shape[-3]] * size, kv, kv], [n, m, m], [GRAD_DTYPE] * 3, rec, timeout, 0,
+    got = tokens_back(comm, [dq, dK, dV], [[Q.shape[-3]] * size, kv, kv], [n, m, m], pr.grad, rec, timeout, 0,
                       "gradients back")
     dq = np.concatenate([g[0] for g in got], axis=-3)
     dk, dv = np.zeros(k.shape, GRAD_DTYPE), np.zeros(v.shape, GRAD_DTYPE)

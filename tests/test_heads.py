@@ -49,9 +49,14 @@ def test_bytes_by_hand():
     for hk, kv in ((8, 2), (4, 1), (2, 1), (1, 1)):  # K/V heads each rank gets: Hk/P, or one replica
         assert predicted_bytes(plan, batch=1, hq=8, hk=hk, dim=4, dim_v=4, itemsize=4) == \
             [4 * (q_out + 3 * 16 * kv * 8 + results)] * 4
-    grads = 3 * 16 * (2 * 4 + 1 * 8) * 8  # back: dq (2 heads) and the dK, dV of one K/V head, float64
+    grads = 3 * 16 * (2 * 4 + 1 * 8) * 4  # back: dq (2 heads) and the dK, dV of one K/V head, float32 by default
     assert predicted_bytes(plan, batch=1, hq=8, hk=2, dim=4, dim_v=4, itemsize=4, backward=True) == \
         [4 * 3 * 16 * (2 * (4 + 4 + 2) + 8) + grads] * 4
+    assert predicted_bytes(plan, batch=1, hq=8, hk=2, dim=4, dim_v=4, itemsize=4, backward=True, grad_itemsize=8) == \
+        [4 * 3 * 16 * (2 * (4 + 4 + 2) + 8) + 2 * grads] * 4  # grad_wire_dtype="float64"
+    int8 = 3 * 16 * 1 * 2 * (4 + 4)  # an int8 wire: the K/V head's rows of 4 values and a 4-byte scale, 1 byte each
+    assert predicted_bytes(plan, batch=1, hq=8, hk=2, dim=4, dim_v=4, itemsize=4, wire_dtype="int8") == \
+        [4 * (q_out + results) + int8] * 4
     ring = make_plan(64, 4)
     assert predicted_bytes(ring, batch=1, hq=8, hk=2, dim=4, dim_v=4, itemsize=4) == [3 * 16 * 2 * 8 * 4] * 4
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import mpiring
-from mpiring.precision import Precision, Wire, canonical_precision, named_dtype
+from mpiring.precision import Plain, Precision, Wire, canonical_precision, named_dtype, row_bytes
 from mpiring.testing import assert_attention_close, reference, tolerance
 
 from launch import MPIEXEC, clean_env, mpiexec_argv
@@ -49,6 +49,25 @@ def test_wire_codes_each_row_within_its_step(rng, wire):
     padded = w.decode_padded(coded)  # as the forward kernel takes a block: [x | 1]^T
     np.testing.assert_array_equal(padded[..., :64, :], np.swapaxes(back, -1, -2))
     assert np.all(padded[..., 64, :] == 1)
+
+
+@pytest.mark.parametrize("wire", [None, *WIRES])
+def test_own_blocks_stay_exact_and_arrived_ones_are_decoded(rng, wire):
+    """``own`` is the input in the compute dtype (the forward's [x | 1]^T too), ``arrived`` the decoded wire
+    form; ``row_bytes`` (the byte predictions') counts a row as ``Wire.row_bytes`` does."""
+    x = rng.standard_normal((2, 5, 8)).astype(np.float32)
+    w = Wire(wire, np.float32)
+    (mine,), (opened,) = w.own((x,)), w.own((x,), padded=True)
+    np.testing.assert_array_equal(mine, x)
+    np.testing.assert_array_equal(opened[..., :8, :], np.swapaxes(x, -1, -2))
+    assert np.all(opened[..., 8, :] == 1) and opened.dtype == np.float32
+    (back,), (padded,) = w.arrived((w.encode(x),)), w.arrived((w.encode(x),), padded=True)
+    np.testing.assert_array_equal(back, w.decode(w.encode(x)))
+    np.testing.assert_array_equal(padded, w.decode_padded(w.encode(x)) if w.coded else w.encode(x))
+    assert (wire is None) == np.array_equal(back, x)  # a coded wire changed something
+    assert w.encode(x).nbytes == 10 * row_bytes(wire, 8, 4) == 10 * w.row_bytes(8)  # 10 rows of 8 values
+    assert row_bytes(wire, 8, 8) == Wire(wire, np.float64).row_bytes(8)
+    assert Plain(np.float16).encode(x).dtype == np.float16 and Plain(np.float16).kept(x).dtype == np.float16
 
 
 def test_uncoded_wire_is_the_array_itself():

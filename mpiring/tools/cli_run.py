@@ -28,7 +28,7 @@ from mpiring import (
     ring_attention_backward,
     ring_attention_context_parallel,
 )
-from mpiring.heads import HybridPlan, sequence_pairs
+from mpiring.heads import HEAD_MODES, HybridPlan, sequence_pairs
 from mpiring.layouts import layout_positions
 from mpiring.nodes import predicted_bytes
 from mpiring.plan import Schedule
@@ -247,7 +247,8 @@ def run(comm, args=None):
     sched = Schedule(table, records=[c[1] for c in columns], plan=plan)
     meter.label(sched.records)  # which link each transfer used, in the trace too
     checks = None if args.no_verify else [c[2] for c in columns]
-    links = meter.report(sent[-1], plan, _shape(args), dtype.itemsize, backward=args.backward)
+    links = meter.report(sent[-1], plan, _shape(args), dtype.itemsize, backward=args.backward,
+                         **_wire_bytes(args, _wire(args)[0]))
     if args.backward:
         return _report_backward(args, sched, checks, links)
     return _report_forward(args, sched, checks, machine, links)
@@ -266,7 +267,7 @@ def _report_forward(args, sched, checks, machine, links=()):
     print(f"mpiring run: P={size} seq_len={args.seq_len} batch={args.batch} heads={args.heads} kv_heads={hk} "
           f"dim={args.dim} {dtype} causal={plan.causal} {held_text(args, plan)} mode={mode_text(plan)} "
           f"window={plan.window}")
-    print(_wire_line(args, pr, plan))
+    print(_wire_line(args, pr))
     print("\nschedule as recorded by the ranks:")
     print(sched.format())
     for r, rec in enumerate(records):
@@ -311,20 +312,26 @@ NAMES = ("out", "lse", "dQ", "dK", "dV")
 
 
 def _ring_modes(plan):
-    """Whether ``plan`` is one of the ring modes (where the wire and partial dtypes apply)."""
+    """Whether ``plan`` is one of the flat ring modes (the cost model's own bytes)."""
     return plan.mode in MODES and not isinstance(plan, HybridPlan)
 
 
 def _predicted(args, plan, backward=False):
-    """Bytes each rank sends: ring modes with the wire's and the partials' bytes, other modes as mpiring.nodes
-    counts them (K/V in the input dtype, partials in float64)."""
-    if not _ring_modes(plan):
-        return predicted_bytes(plan, **_shape(args), itemsize=named_dtype(args.dtype).itemsize, backward=backward)
+    """Bytes each rank sends, K/V on the run's wire and the partials in its gradient dtype: ring modes as the
+    cost model counts them, other modes as mpiring.nodes does."""
     pr, kv_width, wire_size = _wire(args)
+    if not _ring_modes(plan):
+        return predicted_bytes(plan, **_shape(args), itemsize=named_dtype(args.dtype).itemsize, backward=backward,
+                               **_wire_bytes(args, pr))
     if not backward:
         return predicted_bytes_sent(plan, kv_width, wire_size)
     hk = args.kv_heads or args.heads
     return predicted_backward_bytes(plan, kv_width, wire_size, pr.grad.itemsize, args.batch * hk * 2 * args.dim)
+
+
+def _wire_bytes(args, pr):
+    """What ``nodes.traffic`` takes of the run's wires: the K/V wire's name, the gradients' bytes."""
+    return dict(wire_dtype=args.wire_dtype, grad_itemsize=pr.grad.itemsize)
 
 
 def _wire(args):
@@ -333,25 +340,14 @@ def _wire(args):
     return pr, args.batch * (args.kv_heads or args.heads) * 2 * pr.wire.row(args.dim), pr.wire.dtype.itemsize
 
 
-def _partials(plan, pr):
-    """The dtype the dK/dV partials travel in: the ring modes' grad wire; the grid's ring of groups its default
-    for the dtype the group all-to-all carried (float32, or float64 for float64); Ulysses and the double ring
-    float64."""
-    if _ring_modes(plan):
-        return pr.grad
-    if isinstance(plan, HybridPlan):
-        return np.dtype(np.float64) if pr.input == np.float64 else np.dtype(np.float32)
-    return np.dtype(np.float64)
-
-
-def _wire_line(args, pr, plan):
+def _wire_line(args, pr):
     """What travels and what accumulates, in one line; with the wire's size against float32 K/V."""
     row = pr.wire.row(args.dim) * pr.wire.dtype.itemsize
     scales = " (+ a float32 scale per token and head)" if pr.wire.name == "int8" else ""
     line = (f"K/V on the wire: {pr.wire.name}{scales}, {row / (4 * args.dim):.3g}x the bytes of float32; "
             f"running (out, lse): {pr.out}, {pr.lse}")
     if args.backward:
-        line += f"; dK/dV partials on the wire: {_partials(plan, pr)}"
+        line += f"; dK/dV partials on the wire: {pr.grad}"
     return line
 
 
@@ -471,7 +467,7 @@ def _report_backward(args, sched, checks, links=()):
     print(f"mpiring run --backward: P={size} seq_len={args.seq_len} batch={args.batch} heads={args.heads} "
           f"kv_heads={hk} dim={args.dim} {dtype} causal={plan.causal} {held_text(args, plan)} mode={mode_text(plan)} "
           f"window={plan.window}")
-    print(_wire_line(args, pr, plan))
+    print(_wire_line(args, pr))
     print("\nbackward schedule as recorded by the ranks (K/V and their dK/dV partials follow the forward plan):")
     print(sched.format())
     agrees = sched == plan.schedule
@@ -482,8 +478,10 @@ def _report_backward(args, sched, checks, links=()):
         print(f"{r:>4}  {rec['forward']['bytes_sent']:>10}  {fwd_bytes[r]:>9}  {rec['bytes_sent']:>10}  "
               f"{bwd_bytes[r]:>10}  {rec['messages']:>8}  {bwd_messages:>9}  {rec['compute_time']:>9.4f}  "
               f"{rec['wait_time']:>17.4f}")
-    print(f"(backward bytes: K/V as on the forward's wire, {pr.wire.name}; their travelling dK/dV partials "
-          f"in {_partials(plan, pr)})")
+    all_to_all = plan.mode in HEAD_MODES or isinstance(plan, HybridPlan)
+    back = " and the dQ, dK, dV the all-to-all brings back" if all_to_all else ""
+    print(f"(backward bytes: K/V as on the forward's wire, {pr.wire.name}; their travelling dK/dV partials{back} "
+          f"in {pr.grad})")
     flops = 4 * args.batch * args.heads * args.dim * sequence_pairs(plan)
     for name, wall, factor in (("forward ", max(r["forward"]["wall_time"] for r in records), 1.0),
                                ("backward", max(r["wall_time"] for r in records), 2.5)):

@@ -71,11 +71,13 @@ class LinkMeter:
                     same = self.node_of[record["rank"]] == self.node_of[info["dest"]]
                     info["link"] = INNER if same else OUTER
 
-    def report(self, measured, plan, shape, itemsize, backward=False):
-        """Lines comparing ``measured`` (from ``stop``) with the model's inter-node bytes; [] on one node."""
+    def report(self, measured, plan, shape, itemsize, backward=False, **wires):
+        """Lines comparing ``measured`` (from ``stop``) with the model's inter-node bytes; [] on one node.
+
+        ``wires``: ``wire_dtype`` and ``grad_itemsize``, as ``nodes.traffic`` takes them."""
         if self.nodes < 2:
             return []
-        matrix = traffic(plan, **shape, itemsize=itemsize, backward=backward)
+        matrix = traffic(plan, **shape, itemsize=itemsize, backward=backward, **wires)
         model = inter_node_bytes(matrix, self.node_of) if matrix else [None] * self.nodes
         lines = [f"inter-node bytes ({self.nodes} nodes; measured: the host's interface counters over the call, "
                  f"TCP/IP headers and acknowledgements included)", "node  ranks  measured sent  model (payload)"]
