@@ -221,8 +221,7 @@ class Ring:
                 q, k, v = names["q"], names["k"], names["v"]
                 problem = (local_problem(q, k, v, None, self.check_finite, self._same_rows)
                            or self._length_problem(q, k) or heads_problem(q, k, self.size, self._mode)
-                           or grid_problem(q, k, self.size, self._mode, self._ulysses_size)
-                           or (_half_rotation_problem(self._rotate, q) if lse is None else None))
+                           or grid_problem(q, k, self.size, self._mode, self._ulysses_size))
                 if problem is None and lse is not None:
                     problem = (grad_problem(names["dout"], q, k, v, names["out"], lse)
                                or self._dlse_problem(dlse, lse)
@@ -385,7 +384,7 @@ def ring_attention(
                        causal_block=causal_block, node_size=node_size, ulysses_size=ulysses_size)
         moved, problem = _moved({"q": q, "k": k, "v": v}, seq_axis, threads)
         problem = (problem or _heads_problem(moved[0], moved[1], comm, mode, ulysses_size)
-                   or rotate_problem(rotate, mode) or _half_rotation_problem(rotate, moved[0]))
+                   or rotate_problem(rotate, mode))
         hosts = []
         plan, scale, (q, k, v) = setup(*moved, comm, scale, options, check_finite, expected_size, timeout,
                                        prepare=lambda: [np.ascontiguousarray(a) for a in moved], problem=problem,
@@ -394,13 +393,6 @@ def ring_attention(
                           backward=False) as ring:
             with limited(ring.threads):
                 return ring._forward(q, k, v, scale, record, checked=True)
-
-
-def _half_rotation_problem(rotate, q):
-    """Pass-Q computes in the input dtype: float32 and float64 only."""
-    if rotate != "kv" and isinstance(q, np.ndarray) and q.dtype not in (np.float32, np.float64):
-        return f"rotate={rotate!r} works with float32 and float64 inputs, got {q.dtype}"
-    return None
 
 
 def _heads_problem(q, k, comm, mode, ulysses_size):
@@ -425,7 +417,7 @@ def ring_attention_backward(
     timeout: float | str | None = "auto", record: Record | None = None, seq_axis: int = -2, threads="auto",
     dlse: np.ndarray | None = None, wire_dtype: str | None = None, grad_wire_dtype: str | None = None,
     positions=None, kv_positions=None, causal_block: int | None = None, node_size: int | None = None,
-    ulysses_size: int | None = None,
+    ulysses_size: int | None = None, rotate: str = "kv",
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # dq, dk, dv: the shapes of q, k, v
     """Gradients ``(dq, dk, dv)`` of this rank's shard, given the upstream gradient ``dout``.
 
@@ -440,7 +432,9 @@ def ring_attention_backward(
     default, or "float64", the default for float64 inputs). K/V travel as
     ``wire_dtype`` says (as in ``ring_attention``: pass the forward's).
     ``dlse``: the gradient with respect to lse, if the loss uses it too.
-    Options are those of ``ring_attention``; bad input on any rank raises the
+    ``rotate``: the forward's, taken so one options dict serves both calls;
+    whatever it was, the backward passes K/V and their dK/dV partials (the
+    gradients are the same). Options are those of ``ring_attention``; bad input on any rank raises the
     same ValueError on every rank.
     """
     comm = check_comm(comm)
@@ -454,6 +448,7 @@ def ring_attention_backward(
         if problem is None:
             problem = (grad_problem(*moved, lse) or Ring._dlse_problem(dlse, lse)
                        or _heads_problem(moved[1], moved[2], comm, mode, ulysses_size)
+                       or rotate_problem(rotate, mode)
                        or lse_problem(lse, options, comm.Get_size(), scale, moved[1]))
 
         def prepare():  # what may fail on one rank alone (MemoryError) is done before the agreement

@@ -26,9 +26,10 @@ import numpy as np
 
 from . import block
 from .comm import Buffers, KVBuffers, shift, wait_until
+from .heads import HybridPlan
 from .kernels import merge
 from .plan import NEXT, Task
-from .precision import Wire, row_bytes
+from .precision import Wire, compute_dtype, row_bytes
 
 __all__ = ["passq_loop", "ROTATE", "rotate_problem", "plan_bytes", "rank_bytes", "chosen_rotation", "q_rounds"]
 
@@ -78,7 +79,7 @@ def passq_loop(q, k, v, plan, ring, scale, rec, timeout, wire=None):
             held = incoming
         rec.step_done(step, rounds + 1)
     out, lse = _home(partials, q, v, plan, ring.comm, rec, timeout)
-    return out.astype(q.dtype, copy=False), lse.astype(q.dtype, copy=False)
+    return out.astype(q.dtype, copy=False), lse.astype(compute_dtype(q.dtype), copy=False)
 
 
 def q_rounds(plan):
@@ -165,11 +166,11 @@ def plan_bytes(plan, batch_heads, kv_heads_ratio, dim, value_dim, itemsize, wire
 
 
 def chosen_rotation(rotate, plan, q, k, v, wire_dtype=None):
-    """``rotate``, "auto" decided by ``plan_bytes`` on the call's wire ("kv" on ties and outside mode "ring");
+    """``rotate``, "auto" decided by ``plan_bytes`` on the call's wire ("kv" on ties and but for a flat mode "ring");
     the same on every rank."""
     if rotate != "auto":
         return rotate
-    if plan.mode != "ring":
+    if plan.mode != "ring" or isinstance(plan, HybridPlan):  # the grid's ring across groups: "kv"
         return "kv"
     batch_heads = q.size // (q.shape[-2] * q.shape[-1])
     ratio = q.shape[-3] // k.shape[-3] if q.ndim >= 3 else 1

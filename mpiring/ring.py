@@ -113,7 +113,8 @@ def run_forward(q, k, v, plan, ring, scale, rec, timeout, pr, options=None, rota
     if isinstance(plan, HybridPlan):  # Ulysses in groups, the ring across them (mpiring.grid)
         from .grid import hybrid_forward
 
-        out, lse = hybrid_forward(q, k, v, plan, ring.comm, options, scale, rec, timeout, pr)
+        inner = dict(options or {}, rotate=rotate)  # the ring across the groups may pass the queries
+        out, lse = hybrid_forward(q, k, v, plan, ring.comm, inner, scale, rec, timeout, pr)
     elif plan.mode == "allgather":
         out, lse = _allgather_loop(q, k, v, plan, ring.comm, scale, rec, timeout, pr)
     elif plan.mode == "ulysses":  # heads move, not K/V blocks (mpiring.ulysses)

@@ -93,3 +93,45 @@ def test_bad_rotate_raises_on_every_rank(comm, bad):
             "value": f"rank {b}: rotate must be one of kv, q, auto; got 'Q'",
             "differs": f"rank {b}: rotate 'q' differs from rank 0's 'kv'"}[bad]
     assert messages[0] == want
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_pass_q_takes_half_inputs(comm, dtype):
+    """Half queries travel as they are and compute in float32; lse comes back in float32, as the K/V ring's;
+    the backward takes the same options (rotate included) and gives the K/V ring's gradients."""
+    from mpiring import ring_attention_backward
+    from mpiring.precision import named_dtype
+    from mpiring.testing import reference_backward, tolerance
+
+    half = named_dtype(dtype)
+    rng = np.random.default_rng(3)
+    Q, dO = (rng.standard_normal((1, 4, S, 8)).astype(half) for _ in range(2))
+    K, V = (rng.standard_normal((1, 2, S, 8)).astype(half) for _ in range(2))
+    mine = shard_indices(S, comm.size, comm.rank, "zigzag")
+    q, k, v, do = (np.ascontiguousarray(a[..., mine, :]) for a in (Q, K, V, dO))
+    options = dict(causal=True, layout="zigzag", rotate="q")
+    out, lse = ring_attention(q, k, v, comm, **options)
+    assert out.dtype == half and lse.dtype == np.float32
+    grads = ring_attention_backward(do, q, k, v, out, lse, comm, **options)
+    wide = [a.astype(np.float64) for a in (Q, K, V, dO)]
+    ref, ref_lse = reference(*wide[:3], causal=True)
+    assert_attention_close(out, ref[..., mine, :], half, "out")
+    assert_attention_close(lse, ref_lse[..., mine], half, "lse")
+    for name, got, want in zip(("dq", "dk", "dv"), grads, reference_backward(wide[3], *wide[:3], causal=True)):
+        assert got.dtype == half
+        err = float(np.max(np.abs(got.astype(np.float64) - want[..., mine, :])))
+        assert err <= tolerance(half) * max(1.0, float(np.max(np.abs(want)))), f"{name} {err:.3e}"
+
+
+def test_the_grid_passes_queries_across_groups(comm):
+    """ulysses_size with rotate='q': the ring across the groups passes the queries; the same result."""
+    u = 2 if comm.size % 2 == 0 else 1
+    rng = np.random.default_rng(5)
+    Q, K, V = (rng.standard_normal((1, 4, S, 8)) for _ in range(3))
+    mine = shard_indices(S, comm.size, comm.rank, "striped")
+    q, k, v = (np.ascontiguousarray(a[..., mine, :]) for a in (Q, K, V))
+    ref, ref_lse = reference(q, K, V, q_positions=mine, causal=True)
+    for rotate in ("q", "kv"):
+        out, lse = ring_attention(q, k, v, comm, causal=True, layout="striped", ulysses_size=u, rotate=rotate)
+        assert_attention_close(out, ref, np.float64, f"out ({rotate})")
+        assert_attention_close(lse, ref_lse, np.float64, f"lse ({rotate})")
