@@ -376,21 +376,31 @@ class Injected(RuntimeError):
     """An error raised inside the ring on purpose, after its kept buffers were written."""
 
 
-def _failing(name):
+def _failing(real, name, at):
+    """``real`` (``block.attend`` or ``block.grads_of``), but its call number ``at`` raises ``Injected``."""
+    calls = []
+
     def fail(*args, **kwargs):
-        raise Injected(f"injected into block.{name}")
+        calls.append(None)
+        if len(calls) == at:
+            raise Injected(f"injected into call {at} of block.{name}")
+        return real(*args, **kwargs)
 
     return fail
 
 
-def raise_in_ring(comm, name, backward):
-    """A call that fails inside the ring on every rank (``block.attend`` or ``block.grads_of`` raises)."""
+def raise_in_ring(comm, name, backward, later):
+    """A call that fails inside the ring on every rank: ``block.attend`` or ``block.grads_of`` raises at its first
+    call (step 0), or with ``later`` at its second (step 1: after a wait and a swap; the first again at P = 1).
+
+    Every rank computes one block per step in this ring, so all fail at the same point.
+    """
     Q, K, V, dO = problem(50, 22, 2, 2, 8, F32)
     rows = mine(comm, 22, "zigzag")
     q, k, v, do = (part(x, rows) for x in (Q, K, V, dO))
     out, lse = mpiring.ring_attention(q, k, v, comm, layout="zigzag", causal=True) if backward else (None, None)
     real = getattr(block, name)
-    setattr(block, name, _failing(name))
+    setattr(block, name, _failing(real, name, min(comm.size, 2) if later else 1))
     try:
         with raises(Injected):
             if backward:
@@ -458,8 +468,10 @@ RAISERS = {
     "raise_layout": raise_layout, "raise_shapes": raise_shapes, "raise_backward_options": raise_backward_options,
     "raise_decode": raise_decode, "raise_kvcache": raise_kvcache, "raise_distributed": raise_distributed,
     "raise_handle": raise_handle, "raise_simulate": raise_simulate,
-    "raise_in_forward": lambda comm: raise_in_ring(comm, "attend", False),
-    "raise_in_backward": lambda comm: raise_in_ring(comm, "grads_of", True),
+    "raise_in_forward": lambda comm: raise_in_ring(comm, "attend", False, False),
+    "raise_in_forward_later": lambda comm: raise_in_ring(comm, "attend", False, True),
+    "raise_in_backward": lambda comm: raise_in_ring(comm, "grads_of", True, False),
+    "raise_in_backward_later": lambda comm: raise_in_ring(comm, "grads_of", True, True),
 }
 
 

@@ -87,9 +87,16 @@ CATALOGUE = build(COMM.size)
 NAMES = list(CATALOGUE)
 
 
+class Fresh(dict):
+    """name -> fresh bits, with a short repr (hypothesis prints the arguments of a failing example)."""
+
+    def __repr__(self):
+        return f"<fresh bits of {len(self)} entries>"
+
+
 @pytest.fixture(scope="module")
 def fresh():
-    return run_fresh(NAMES, COMM)
+    return Fresh(run_fresh(NAMES, COMM))
 
 
 def test_catalogue_covers_the_entry_points():
