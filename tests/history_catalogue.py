@@ -21,6 +21,7 @@ import importlib.util
 import os
 import pickle
 import sys
+import traceback
 
 import numpy as np
 
@@ -520,10 +521,14 @@ def _fork(name, out):
             from mpi4py import MPI
 
             _save(out, name, 0, call(name, MPI.COMM_WORLD))
+            MPI.Finalize()
             code = 0
+        except BaseException:
+            traceback.print_exc()
         finally:
             sys.stdout.flush()
-            os._exit(code)
+            sys.stderr.flush()
+            os._exit(code)  # not the parent's exit handlers
     return pid
 
 

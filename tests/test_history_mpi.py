@@ -2,37 +2,47 @@
 
     python -m pytest --with-mpi -q tests/test_history_mpi.py                       # P = 1
     mpiexec -n 4 python -m pytest --with-mpi -m mpi -q tests/test_history_mpi.py   # and -n 2, 3
+    HISTORY_EXAMPLES=400 mpiexec -n 2 python -m pytest ...                         # a longer search
 
 mpiring keeps state between calls: the kernels' scratch and the ring's kept
 accumulators and K/V slots (``tiles.scratch``/``filled``), the GEMM backend
 and tiles caches, MPI datatype caches, BLAS thread limits, a ``Ring``
 handle's own state. Whatever ran before, a call must give the bits it gives
-as the first call of a fresh process.
+as the first call of a fresh process, and the arrays it returned must keep
+them whatever runs after.
 
-The catalogue (``CATALOGUE``) holds small calls of every entry point, each a
-function ``(comm) -> tuple of arrays``; inputs are drawn whole from a seed per
-entry and sliced per rank with ``mpiring.shard_indices``, so every rank of
-every process computes the same problem. ``RAISERS`` are calls that raise:
-bad arguments (the same ValueError on every rank), and an error injected
-inside the ring after its kept buffers were written.
+The catalogue (``tests/history_catalogue.py``) holds small calls of every
+entry point, each a function ``(comm) -> tuple of arrays``; inputs are drawn
+whole from a seed per entry and sliced per rank with ``mpiring.shard_indices``,
+so every rank of every process computes the same problem. Its ``RAISERS`` are
+calls that raise: bad arguments (the same ValueError on every rank), and an
+error injected inside the ring at its first or second block, after its kept
+buffers were written and with transfers pending.
 
-How "fresh" is established. Each entry's fresh result is its result as the
-first mpiring call of a new process. A new process per entry is too slow to
-start under ``mpiexec`` inside the test, so:
+How "fresh" is established. An entry's fresh bits are its results as the
+first mpiring call of a new process. Starting a process per entry under
+``mpiexec`` inside the test is too slow, so:
 
 - ``fresh`` (once per session) runs every entry right after
   ``mpiring.release_workspace()``, in catalogue order;
-- ``test_fresh_is_a_new_process`` shows those are a new process's bits: at
-  P = 1 each entry runs alone in a new interpreter (truly first); under
-  ``mpiexec -n P`` a new job of P ranks runs every entry in reverse order (so
-  each entry follows other entries than here, and the last one runs first);
+- ``test_fresh_is_a_new_process`` shows these are a new process's bits: at
+  P = 1 each entry runs alone in a new process (a fork of a process that has
+  imported mpiring and not yet started MPI or called it); under
+  ``mpiexec -n P`` a new job of P ranks (rank 0 starts it) runs every entry
+  in reverse order, so each entry follows other entries than here, and the
+  last one runs first;
 - ``test_fresh_matches_float64`` holds them to the float64 reference, so a
-  reference that is itself wrong is caught;
-- ``test_history_independence`` (hypothesis) and ``test_every_pair`` then
-  require the fresh bits after many histories. Ranks must call collectives in
-  the same order: hypothesis is derandomized with no database, so every rank
-  draws the same sequences, and every check is agreed over the ranks
-  (``agree``) before it fails, so all ranks fail, and shrink, alike.
+  fresh result that is itself wrong is caught;
+- ``test_history_independence`` (hypothesis: up to six entries, an optional
+  raiser among them, then a target) and ``test_every_pair`` (an Euler walk
+  through every ordered pair of entries and raisers; P = 1 only, as it takes
+  minutes under mpiexec) then require the fresh bits after every call, and
+  again at the end from every array returned on the way.
+
+Ranks must call collectives in the same order: hypothesis is derandomized with
+no database, so every rank draws the same sequences, and every check is agreed
+over the ranks (``agree``) before it fails, so that all ranks fail, and shrink,
+alike.
 """
 
 import os
@@ -191,7 +201,7 @@ def check_after(history, target, fresh):
     agree(COMM, [f"in {history + [target]}: {p}" for p in problems if p])
 
 
-HYPOTHESIS = settings(derandomize=True, database=None, max_examples=int(os.environ.get("HISTORY_EXAMPLES", 25)),
+HYPOTHESIS = settings(derandomize=True, database=None, max_examples=int(os.environ.get("HISTORY_EXAMPLES", 60)),
                       deadline=None, suppress_health_check=list(HealthCheck),
                       phases=(Phase.explicit, Phase.generate, Phase.shrink))
 
