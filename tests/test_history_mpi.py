@@ -191,14 +191,17 @@ def test_used_handle_equals_a_new_one(fresh):
 def check_after(history, target, fresh):
     """Run ``history`` (entries and raisers), then ``target``: every entry's bits must be its fresh ones, right
     after its call and still at the end (results are new arrays: no later call may write into them)."""
+    calls = history + [target]
     problems, held = [], []
-    for name in history + [target]:
+    for i, name in enumerate(calls):
         arrays = results(name, COMM)
         if arrays is not None:
-            problems.append(difference(name, bits(arrays), fresh[name]))
-            held.append((name, arrays))
-    problems += [difference(f"{name} (held to the end)", bits(arrays), fresh[name]) for name, arrays in held]
-    agree(COMM, [f"in {history + [target]}: {p}" for p in problems if p])
+            label = f"call {i + 1} of {len(calls)} (after {calls[i - 1] if i else 'nothing'}): {name}"
+            problems.append(difference(label, bits(arrays), fresh[name]))
+            held.append((label, name, arrays))
+    problems += [difference(f"{label}, held to the end", bits(arrays), fresh[name]) for label, name, arrays in held]
+    sequence = f"in {calls}: " if len(calls) <= 10 else ""
+    agree(COMM, [sequence + p for p in problems if p])
 
 
 HYPOTHESIS = settings(derandomize=True, database=None, max_examples=int(os.environ.get("HISTORY_EXAMPLES", 60)),
