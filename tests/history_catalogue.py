@@ -179,6 +179,13 @@ def build(P):
     ring("b_f32_batch_dv", 29, 19, 4, 2, 8, F32, "zigzag", backward=True, batch=2, dv=5, causal=True)
     ring("b_f64_2d_one_token", 30, P + 1, 1, 1, 8, F64, "striped", backward=True, batch=None, mode="bidirectional",
          causal=True)  # (S, d) arrays; some ranks hold one token
+    grid = 2 if P % 2 == 0 else 1  # ring x Ulysses: groups of 2 where P is even
+    ring("b_f32_grid_zigzag", 31, 6 * P + 1, 4, 2, 8, F32, "zigzag", backward=True, ulysses_size=grid, causal=True)
+    ring("f16_ulysses_int8_wire", 32, 20, 2 * P, P, 8, F16, "striped", mode="ulysses", causal=True,
+         wire_dtype="int8")
+    ring("b_f16_double_ring_nodes", 33, 22, 2, 2, 8, F16, "zigzag", mode="double_ring", node_size=grid,
+         backward=True, causal=True)
+    ring("f16_rotate_q", 34, 21, 2, 1, 8, F16, "zigzag", rotate="q", causal=True)
     if HALF:
         ring("bf16_striped", 22, 22, 2, 2, 8, BF16, "striped", causal=True)
         ring("b_bf16_zigzag", 23, 20, 2, 1, 8, BF16, "zigzag", backward=True, causal=True)
