@@ -201,10 +201,18 @@ def _have_bfloat16():
     return True
 
 
+def _error(name, got, want, tol, dtype):
+    """``(error / tolerance, text)`` of one result against its reference; a wrong dtype or shape is infinite."""
+    if got.dtype != dtype or got.shape != want.shape:
+        return math.inf, f"{name} is {got.dtype} {got.shape}, not {np.dtype(dtype)} {want.shape}"
+    error = attention_error(got, want, name)[0]
+    return error / tol, f"{name} error {error:.3g} > tolerance {tol:g}"
+
+
 def _verdict(comm, call, record, compare, keep_going):
     """``(result, verdict)`` of ``call()`` on every rank, the same verdict everywhere (one all-gather).
 
-    ``compare(result)`` gives ``(name, got, want, tolerance)`` tuples. A ValueError is "raises: ..."
+    ``compare(result)`` gives ``(name, got, want, tolerance, dtype)`` tuples. A ValueError is "raises: ..."
     if every rank raised it and no data moved; any other exception propagates, or with
     ``keep_going`` is a WRONG verdict.
     """
@@ -218,10 +226,10 @@ def _verdict(comm, call, record, compare, keep_going):
             raise
         message = f"crashed: {type(exc).__name__}: {exc}"
     if message is None:
-        for name, got, want, tol in compare(result):
-            error = attention_error(got, want, name)[0] if got.shape == want.shape else math.inf
-            if error / tol > worst[0]:
-                worst = (error / tol, f"{name} error {error:.3g} > tolerance {tol:g}")
+        try:
+            worst = max([_error(*c) for c in compare(result)] + [worst], key=lambda w: w[0])
+        except Exception as exc:  # noqa: BLE001 (a result that cannot be compared is wrong, on this rank alone)
+            worst = (math.inf, f"the result cannot be compared: {type(exc).__name__}: {exc}")
     moved = bool(record.bytes_sent or record.messages or record.events or record.tasks)
     said = comm.allgather((message, moved, worst))
     messages = [m for m, _, _ in said]
@@ -266,8 +274,8 @@ def run_case(comm, case, backward=True, records=None, keep_going=False):
     fwd, bwd = records or (Record(rank), Record(rank))
 
     def forward_errors(result):
-        return [("out", result[0], ref[0][..., mine, :], tolerance(kind, wire)),
-                ("lse", result[1], ref[1][..., mine], tolerance(lse_kind, wire))]
+        return [("out", result[0], ref[0][..., mine, :], tolerance(kind, wire), kind),
+                ("lse", result[1], ref[1][..., mine], tolerance(lse_kind, wire), lse_kind)]
 
     result, verdict = _verdict(comm, lambda: ring_attention(q, k, v, comm, record=fwd, **options), fwd,
                                forward_errors, keep_going)
@@ -276,7 +284,7 @@ def run_case(comm, case, backward=True, records=None, keep_going=False):
         options.pop("rotate", None)  # the backward has no pass-Q: K/V travel
 
         def backward_errors(grads):
-            return [(name, g, r[..., rows, :], run_tolerance(kind, wire))
+            return [(name, g, r[..., rows, :], run_tolerance(kind, wire), kind)
                     for name, g, r, rows in zip(("dq", "dk", "dv"), grads, ref[2:], (mine, kv, kv))]
 
         verdicts["backward"] = _verdict(comm, lambda: ring_attention_backward(dout, q, k, v, *result, comm,
@@ -395,7 +403,7 @@ def render(verdicts, P, markdown=False):
     if wrong:
         more = counts["WRONG"] - sum(map(len, wrong.values()))
         out += ["", f"{bold}WRONG{bold}{f' (and {more} more cells with these options and others)' if more else ''}",
-                ""] + [f"{'- ' if markdown else ''}{', '.join(names)}; {what}" for what, names in wrong.items()]
+                ""] + [f"{'- ' if markdown else ''}{', '.join(who)}; {what}" for what, who in wrong.items()]
     return "\n".join(out)
 
 
