@@ -8,6 +8,7 @@
     mpiexec -n 2 python -m mpiring bench --quick        # the benchmark table (run/bench runs -n 1 and -n 2)
     python -m mpiring tune                              # fastest GEMM backend and tiles here, cached
     python -m mpiring percore                           # one core: the kernel, its parts, the limit, torch
+    mpiexec -n 4 python -m mpiring support              # which strategy works with which option (docs/reliability.md)
     mpiexec -n 4 python -m mpiring grade student.py     # grade a student's ring (docs/exercises.md)
     mpiexec -n 2 python -m mpiring demo deadlock        # a blocking ring deadlocks; the two fixes
 
@@ -51,6 +52,7 @@ COMMANDS = {
     "percore": ("percore", False, "one core, one block: the kernel against its own GEMMs and exp2, the limit, "
                 "and torch (no MPI)"),
     "accuracy": ("cli_accuracy", False, "error against float64 as P grows, per dtype and accumulation (no MPI)"),
+    "support": ("support", True, "every strategy x option against the float64 reference: works, or its error"),
     "grade": ("cli_teach", True, "grade a student's ring attention (docs/exercises.md)"),
     "demo": ("cli_teach", True, "demonstrations: 'demo deadlock' shows a blocking ring deadlock and its fixes"),
 }

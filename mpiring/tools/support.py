@@ -1,0 +1,476 @@
+"""The support matrix: which strategy works with which option, run for real against the float64 reference.
+
+    mpiexec -n 4 python -m mpiring support                 # the matrix: tables on rank 0
+    mpiexec -n 4 python -m mpiring support --markdown --write docs/reliability.md   # the doc's P = 4 section
+    mpiexec -n 2 python -m mpiring support --full          # every cell of the product (minutes)
+    mpiexec -n 8 python -m mpiring support --sample 28     # a seeded sample of the product, every strategy
+
+The axes come from the package's own definitions (``MODES``, ``ALL_MODES``,
+``LAYOUTS``, ``precision.INPUT_DTYPES`` and ``WIRE_DTYPES``): strategy, token
+assignment, mask, heads, dtype, wire and pass (forward and backward: one run
+gives both). A cell works when every rank's result is within
+``mpiring.testing``'s tolerance of the float64 reference of the inputs as
+rounded to the dtype, or raises the same ValueError on every rank before any
+data moved (its ``Record`` stays empty); anything else is WRONG (exit code 1).
+
+The full product is 1,200 runs per strategy. The matrix (``matrix``) runs,
+per strategy, every option alone (the other axes at their ``DEFAULTS``);
+then the options that work alone, 5 at a time, in the rows of an orthogonal
+array of strength 2 (``covering``: every pair of them meets in a row); then
+every pair of options of each row that failed. Options that fail alone stay
+out of the rows, where they would mask the others. docs/reliability.md §6.
+"""
+
+import functools
+import itertools
+import math
+import time
+from typing import NamedTuple
+
+import numpy as np
+
+from mpiring.layouts import LAYOUTS, shard_indices
+from mpiring.plan import ALL_MODES, MODES
+from mpiring.precision import INPUT_DTYPES, WIRE_DTYPES, named_dtype
+from mpiring.record import Record
+from mpiring.reference import definition_mask, dense_attention, dense_attention_backward
+from mpiring.testing import attention_error, tolerance
+
+from .cli import Agreed, command_parser
+from .verify import run_tolerance
+
+__all__ = ["AXES", "DEFAULTS", "Cell", "strategies", "cells", "changed", "label", "covering", "matrix", "sample",
+           "run_cell", "run_cells", "run_case", "render", "doc_section", "write_section", "support",
+           "support_parser"]
+
+SEED = 20240611
+AXES = {"assignment": LAYOUTS + ("positions", "kv_positions"),
+        "mask": ("none", "causal", "window", "documents", "block-causal"),
+        "heads": ("MHA", "GQA", "MQA"),  # K/V heads: as many as q's, half as many, one
+        "dtype": INPUT_DTYPES,
+        "wire": ("none",) + WIRE_DTYPES}
+DEFAULTS = {"assignment": "contiguous", "mask": "none", "heads": "MHA", "dtype": "float32", "wire": "none"}
+PASSES = ("forward", "backward")
+
+
+class Cell(NamedTuple):
+    """One combination of the axes; ``pass_`` is "forward" or "backward"."""
+
+    strategy: str
+    assignment: str
+    mask: str
+    heads: str
+    dtype: str
+    wire: str
+    pass_: str
+
+
+# ---------------------------------------------------------------- the axes and the cells
+
+
+def strategies(P):
+    """Every strategy at P ranks, in order: name -> the ``ring_attention`` options that choose it."""
+    found = {mode: {"mode": mode} for mode in MODES}
+    found["pass-Q"] = {"mode": "ring", "rotate": "q"}
+    for mode in ALL_MODES:
+        if mode == "double_ring":  # one rank per node, two nodes (or P // 2 ranks each), one node
+            for n in sorted({n for n in (1, P // 2, P) if n >= 1 and P % n == 0}):
+                found[f"double_ring n={n}"] = {"mode": mode, "node_size": n}
+        elif mode not in MODES:
+            found[mode] = {"mode": mode}
+    for u in sorted({u for u in (2, P) if u > 1 and P % u == 0}):  # Ulysses in groups of u, a ring mode across
+        for mode in MODES:
+            found[f"grid u={u} {mode}"] = {"mode": mode, "ulysses_size": u}
+    return found
+
+
+def sizes(P):
+    """``(S, dim, query heads)`` of every cell at P ranks: uneven shards, heads that Ulysses can split."""
+    return 4 * P + 3, 8, 4 * P // math.gcd(4, P)
+
+
+def cells(P):
+    """The full product of the axes at P ranks, in a fixed order."""
+    return [Cell(s, *rest, p) for s in strategies(P) for rest in itertools.product(*AXES.values()) for p in PASSES]
+
+
+def changed(cell):
+    """The options ``cell`` sets beside its strategy and pass: ``(axis, value)`` of every axis off its default."""
+    return tuple((axis, value) for axis, value in zip(DEFAULTS, cell[1:-1]) if value != DEFAULTS[axis])
+
+
+def label(cell):
+    """``cell``'s options as text: "zigzag + float16", or "defaults"."""
+    return " + ".join(value for _, value in changed(cell)) or "defaults"
+
+
+def _cell(strategy, options, pass_):
+    """The cell of ``strategy`` with ``options`` (``(axis, value)`` pairs), the other axes at their defaults."""
+    values = dict(DEFAULTS, **dict(options))
+    return Cell(strategy, *(values[axis] for axis in DEFAULTS), pass_)
+
+
+def covering(levels):
+    """Rows over the value lists ``levels`` in which every pair of values of any two lists meets.
+
+    An orthogonal array of strength 2: rows (i, j) over Z_p for a prime p at least as large as every
+    list, columns i, j, i + j, i + 2j, ... mod p (any two columns take every pair of values once),
+    value c of a column being its list's entry c mod its length; p * p rows, duplicates dropped.
+    """
+    p = next(p for p in (2, 3, 5, 7, 11, 13) if p >= max(map(len, levels)) and p + 1 >= len(levels))
+    rows = {}
+    for i, j in itertools.product(range(p), repeat=2):
+        columns = [i, j] + [(i + m * j) % p for m in range(1, len(levels) - 1)]
+        rows[tuple(values[c % len(values)] for values, c in zip(levels, columns))] = None
+    return list(rows)
+
+
+def sample(P, n, seed=0, most=None):
+    """``n`` cases of the full product drawn with ``seed``, the strategies in turn, forward and backward each;
+    ``most``: only cases with at most that many options off their defaults."""
+    rng = np.random.default_rng(seed)
+    names = list(strategies(P))
+    rest = [c for c in itertools.product(*AXES.values())
+            if most is None or sum(v != d for v, d in zip(c, DEFAULTS.values())) <= most]
+    picks = [(names[i % len(names)], rest[rng.integers(len(rest))]) for i in range(n)]
+    return list({Cell(s, *case, p): None for s, case in picks for p in PASSES})
+
+
+def mask_options(name, S):
+    """The ``ring_attention`` (and ``definition_mask``) options of mask ``name`` over S tokens."""
+    return {"none": {}, "causal": {"causal": True}, "window": {"window": (3, 1)},
+            "documents": {"causal": True, "cu_seqlens": np.array([0, S // 3, S // 2 + 1, S])},
+            "block-causal": {"causal": True, "causal_block": 3}}[name]
+
+
+def _partition(rng, items, P):
+    """``items`` shuffled and cut into P non-empty, uneven, unsorted parts."""
+    cuts = np.sort(rng.choice(np.arange(1, len(items)), P - 1, replace=False))
+    return np.split(rng.permutation(items), cuts)
+
+
+def placement(P, rank, assignment):
+    """``(query positions, k/v positions, options)`` of ``rank``: a layout's shard, or positions from a seed."""
+    S = sizes(P)[0]
+    if assignment in LAYOUTS:
+        mine = shard_indices(S, P, rank, assignment)
+        return mine, mine, {"layout": assignment}
+    rng = np.random.default_rng([SEED, P])
+    kv = _partition(rng, np.arange(S), P)
+    if assignment == "positions":
+        return kv[rank], kv[rank], {"positions": kv[rank]}
+    queries = _partition(rng, np.arange(S // 2, S), P)  # chunked prefill: the last tokens against all of them
+    return queries[rank], kv[rank], {"positions": queries[rank], "kv_positions": kv[rank]}
+
+
+# ---------------------------------------------------------------- the problem and its reference
+
+
+@functools.lru_cache(maxsize=None)
+def _inputs(P, heads, dtype):
+    """Whole q, k, v, dout in ``dtype`` (the same on every rank), and the same as float64."""
+    S, D, hq = sizes(P)
+    hk = {"MHA": hq, "GQA": hq // 2, "MQA": 1}[heads]
+    rng = np.random.default_rng([SEED, S, hq, hk])
+    arrays = [rng.standard_normal((h, S, D)).astype(named_dtype(dtype)) for h in (hq, hk, hk, hq)]
+    return arrays, [a.astype(np.float64) for a in arrays]
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(P, heads, dtype, mask, prefill):
+    """float64 ``(out, lse, dq, dk, dv)`` over the whole sequence; ``prefill``: only the queries of
+    ``placement``'s kv_positions (the last S - S//2) count in dk, dv (dout is zero for the others)."""
+    S = sizes(P)[0]
+    q, k, v, dout = _inputs(P, heads, dtype)[1]
+    pos = np.arange(S)
+    allowed = definition_mask(pos, pos, **mask_options(mask, S))
+    rows = lambda a, b: allowed[a:b]  # noqa: E731
+    if prefill:
+        dout = np.where(pos[:, None] >= S // 2, dout, 0.0)
+    return dense_attention(q, k, v, None, rows) + dense_attention_backward(dout, q, k, v, None, rows)
+
+
+# ---------------------------------------------------------------- running cells
+
+
+def _have_bfloat16():
+    try:
+        named_dtype("bfloat16")
+    except ValueError:
+        return False
+    return True
+
+
+def _error(name, got, want, tol, dtype):
+    """``(error / tolerance, text)`` of one result against its reference; a wrong dtype or shape is infinite."""
+    if got.dtype != dtype or got.shape != want.shape:
+        return math.inf, f"{name} is {got.dtype} {got.shape}, not {np.dtype(dtype)} {want.shape}"
+    error = attention_error(got, want, name)[0]
+    return error / tol, f"{name} error {error:.3g} > tolerance {tol:g}"
+
+
+def _verdict(comm, call, record, compare, keep_going):
+    """``(result, verdict)`` of ``call()`` on every rank, the same verdict everywhere (one all-gather).
+
+    ``compare(result)`` gives ``(name, got, want, tolerance, dtype)`` tuples. A ValueError is "raises: ..."
+    if every rank raised it and no data moved; any other exception propagates, or with
+    ``keep_going`` is a WRONG verdict.
+    """
+    result, message, worst = None, None, (0.0, "")
+    try:
+        result = call()
+    except ValueError as exc:
+        message = str(exc)
+    except Exception as exc:
+        if not keep_going:
+            raise
+        message = f"crashed: {type(exc).__name__}: {exc}"
+    if message is None:
+        try:
+            worst = max([_error(*c) for c in compare(result)] + [worst], key=lambda w: w[0])
+        except Exception as exc:  # noqa: BLE001 (a result that cannot be compared is wrong, on this rank alone)
+            worst = (math.inf, f"the result cannot be compared: {type(exc).__name__}: {exc}")
+    moved = bool(record.bytes_sent or record.messages or record.events or record.tasks)
+    said = comm.allgather((message, moved, worst))
+    messages = [m for m, _, _ in said]
+    if len(set(messages)) > 1:
+        return None, "WRONG: ranks raised different errors: " + "; ".join(f"rank {r}: {m or 'returned'}"
+                                                                          for r, m in enumerate(messages))
+    if message is not None:
+        if message.startswith("crashed: "):
+            return None, f"WRONG: {message}"
+        if any(m for _, m, _ in said):
+            return None, f"WRONG: raised after data moved: {message}"
+        return None, f"raises: {message}"
+    ratios = [w[0] for _, _, w in said]
+    rank = int(np.argmax(ratios))
+    return result, "works" if ratios[rank] <= 1 else f"WRONG: {said[rank][2][1]} (rank {rank})"
+
+
+def run_case(comm, case, backward=True, records=None, keep_going=False):
+    """``{"forward": verdict, "backward": verdict}`` of one case (a Cell without its pass), the same on every rank.
+
+    A verdict is "works", "raises: <message>", "skipped: <why>" or "WRONG: <what>". The backward runs
+    on the forward's results; if the forward raises, so does the backward's cell (with its message).
+    ``records``: the forward's and the backward's ``Record`` (fresh ones if None). An exception other
+    than ValueError is a bug: it propagates, or with ``keep_going`` is a WRONG verdict ("crashed: ...").
+    """
+    from mpiring import ring_attention, ring_attention_backward
+
+    strategy, assignment, mask, heads, dtype, wire = case
+    if "bfloat16" in (dtype, wire) and not _have_bfloat16():
+        skipped = 'skipped: bfloat16 needs ml_dtypes (pip install -e ".[half]")'
+        return {"forward": skipped, "backward": skipped}
+    P, rank = comm.Get_size(), comm.Get_rank()
+    mine, kv, held = placement(P, rank, assignment)
+    wire = None if wire == "none" else wire
+    options = dict(strategies(P)[strategy], **mask_options(mask, sizes(P)[0]), **held, wire_dtype=wire)
+    arrays = _inputs(P, heads, dtype)[0]
+    q, dout = (np.ascontiguousarray(a[..., mine, :]) for a in (arrays[0], arrays[3]))
+    k, v = (np.ascontiguousarray(a[..., kv, :]) for a in arrays[1:3])
+    ref = _reference(P, heads, dtype, mask, assignment == "kv_positions")
+    kind = named_dtype(dtype)
+    lse_kind = np.float32 if kind.itemsize == 2 else kind  # half inputs: lse in float32
+    fwd, bwd = records or (Record(rank), Record(rank))
+
+    def forward_errors(result):
+        return [("out", result[0], ref[0][..., mine, :], tolerance(kind, wire), kind),
+                ("lse", result[1], ref[1][..., mine], tolerance(lse_kind, wire), lse_kind)]
+
+    result, verdict = _verdict(comm, lambda: ring_attention(q, k, v, comm, record=fwd, **options), fwd,
+                               forward_errors, keep_going)
+    verdicts = {"forward": verdict, "backward": verdict}
+    if backward and result is not None:
+        options.pop("rotate", None)  # the backward has no pass-Q: K/V travel
+
+        def backward_errors(grads):
+            return [(name, g, r[..., rows, :], run_tolerance(kind, wire), kind)
+                    for name, g, r, rows in zip(("dq", "dk", "dv"), grads, ref[2:], (mine, kv, kv))]
+
+        verdicts["backward"] = _verdict(comm, lambda: ring_attention_backward(dout, q, k, v, *result, comm,
+                                                                              record=bwd, **options),
+                                        bwd, backward_errors, keep_going)[1]
+    return verdicts
+
+
+def run_cells(comm, chosen, keep_going=False):
+    """``{cell: verdict}`` of every cell in ``chosen``; a forward and backward of one case share one run."""
+    cases = {}
+    for cell in chosen:
+        cases.setdefault(cell[:-1], set()).add(cell.pass_)
+    verdicts = {}
+    for case, passes in cases.items():
+        got = run_case(comm, case, backward="backward" in passes, keep_going=keep_going)
+        verdicts.update({Cell(*case, p): got[p] for p in passes})
+    return {cell: verdicts[cell] for cell in chosen}
+
+
+def run_cell(comm, cell):
+    """The verdict of one cell: "works", "raises: <message>", "skipped: <why>" or "WRONG: <what>"."""
+    return run_case(comm, cell[:-1], backward=cell.pass_ == "backward")[cell.pass_]
+
+
+def matrix(comm, keep_going=False):
+    """``{cell: verdict}`` of the matrix at this communicator's size (the module's docstring), in run order."""
+    verdicts = {}
+
+    def run(chosen):
+        verdicts.update(run_cells(comm, [c for c in chosen if c not in verdicts], keep_going))
+
+    def works(*options, strategy):
+        return all(verdicts[_cell(strategy, options, p)] == "works" for p in PASSES)
+
+    P = comm.Get_size()
+    for s in strategies(P):
+        alone = [((axis, value),) for axis, values in AXES.items() for value in values if value != DEFAULTS[axis]]
+        run([_cell(s, options, p) for options in [()] + alone for p in PASSES])
+        if not works(strategy=s):
+            continue
+        levels = [[v for v in values if works((axis, v), strategy=s)] for axis, values in AXES.items()]
+        rows = [tuple(zip(AXES, row)) for row in covering(levels)]
+        run([_cell(s, row, p) for row in rows for p in PASSES])
+        failed = [changed(_cell(s, row, "forward")) for row in rows if not works(*row, strategy=s)]
+        run([_cell(s, pair, p) for options in failed for pair in itertools.combinations(options, 2) for p in PASSES])
+    return verdicts
+
+
+# ---------------------------------------------------------------- the tables
+
+
+def _table(header, rows, markdown):
+    if markdown:
+        lines = [header, ["---"] * len(header)] + rows
+        return "\n".join("| " + " | ".join(line) + " |" for line in lines)
+    widths = [max(len(line[i]) for line in [header] + rows) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in [header] + rows)
+
+
+def _failing_alone(verdicts, cell):
+    """Does ``cell`` fail while every cell run with fewer of its options (same strategy and pass) works?"""
+    options = changed(cell)
+    if verdicts[cell] == "works" or verdicts[cell].startswith("skipped"):
+        return False
+    smaller = (_cell(cell.strategy, part, cell.pass_) for n in range(len(options))
+               for part in itertools.combinations(options, n))
+    return all(verdicts.get(c, "works") == "works" for c in smaller)
+
+
+def render(verdicts, P, markdown=False):
+    """``{cell: verdict}`` as text: per axis, strategy x value (that option alone); the combinations that
+    fail although less of them works; every error in full, numbered; every WRONG cell."""
+    errors = {}
+    for v in verdicts.values():
+        if v.startswith("raises: "):
+            errors.setdefault(v[len("raises: "):], f"E{len(errors) + 1}")
+
+    def key(v):
+        if v in ("works", "-"):
+            return v
+        return errors.get(v[len("raises: "):]) or ("WRONG" if v.startswith("WRONG") else "skip")
+
+    def both(strategy, options):
+        keys = [key(verdicts.get(_cell(strategy, options, p), "-")) for p in PASSES]
+        return keys[0] if keys[0] == keys[1] else " / ".join(keys)
+
+    counts = {kind: sum(v.startswith(kind) for v in verdicts.values()) for kind in ("works", "raises", "WRONG",
+                                                                                    "skipped")}
+    names = [s for s in strategies(P) if any(c.strategy == s for c in verdicts)]
+    S, D, hq = sizes(P)
+    bold = "**" if markdown else ""
+    out = [f"P = {P}: {len(verdicts)} cells of the {len(cells(P))} of the full product ({S} tokens, head dim {D}, "
+           f"{hq} query heads): {counts['works']} work, {counts['raises']} raise, {counts['WRONG']} WRONG, "
+           f"{counts['skipped']} skipped.",
+           "",
+           f"Each option alone, the others at their defaults ({', '.join(f'{a} {v}' for a, v in DEFAULTS.items())}); "
+           f"a cell is forward / backward where they differ:"]
+    for axis, values in AXES.items():
+        rows = [[s] + [both(s, ((axis, value),)) for value in values] for s in names]
+        out += ["", f"{bold}{axis}{bold}", "", _table(["strategy"] + list(values), rows, markdown)]
+    minimal = [cell for cell in verdicts if _failing_alone(verdicts, cell)]
+    together = {(cell.strategy, changed(cell)): None for cell in minimal if len(changed(cell)) > 1}
+    out += ["", f"{bold}options that fail together{bold} (each works alone, or with fewer of them):", ""]
+    rows = [[s, label(_cell(s, options, "forward")), *(key(verdicts.get(_cell(s, options, p), "-")) for p in PASSES)]
+            for s, options in together]
+    out.append(_table(["strategy", "options", *PASSES], rows, markdown) if rows else "none")
+    if errors:
+        out += ["", f"{bold}errors{bold}", ""] + [f"- {number}: `{message}`" if markdown else f"{number}: {message}"
+                                                  for message, number in errors.items()]
+    wrong = {}  # the WRONG cells of the tables above, alike ones together
+    for cell in minimal:
+        if verdicts[cell].startswith("WRONG"):
+            what = f"{label(cell)}, {cell.pass_}: {verdicts[cell]}"
+            wrong.setdefault(what, []).append(cell.strategy)
+    if wrong:
+        more = counts["WRONG"] - sum(map(len, wrong.values()))
+        out += ["", f"{bold}WRONG{bold}{f' (and {more} more cells with these options and others)' if more else ''}",
+                ""] + [f"{'- ' if markdown else ''}{', '.join(who)}; {what}" for what, who in wrong.items()]
+    return "\n".join(out)
+
+
+def _markers(P):
+    return f"<!-- support matrix P={P}: begin -->", f"<!-- support matrix P={P}: end -->"
+
+
+def doc_section(text, P):
+    """What ``text`` (a doc) holds between the markers of the P-rank matrix, stripped; None without markers."""
+    begin, end = _markers(P)
+    if begin not in text or end not in text:
+        return None
+    return text.split(begin, 1)[1].split(end, 1)[0].strip()
+
+
+def write_section(path, P, table):
+    """Put ``table`` between the P-rank markers of the file at ``path``."""
+    with open(path) as f:
+        head, rest = f.read().split(_markers(P)[0], 1)
+    with open(path, "w") as f:
+        f.write(f"{head}{_markers(P)[0]}\n{table}\n{_markers(P)[1]}{rest.split(_markers(P)[1], 1)[1]}")
+
+
+def _write_problem(args, P):
+    """Why ``--write`` cannot write (every rank finds the same), or None."""
+    if args.full or args.sample:
+        return "--write takes the matrix, not --full or --sample"
+    try:
+        with open(args.write) as f:
+            found = doc_section(f.read(), P) is not None
+    except OSError as exc:
+        return f"--write: {exc}"
+    return None if found else f"{args.write} has no markers {' and '.join(_markers(P))}"
+
+
+# ---------------------------------------------------------------- the command
+
+
+def support_parser():
+    p = command_parser("support", support)
+    p.add_argument("--markdown", action="store_true", help="markdown tables (as docs/reliability.md holds them)")
+    p.add_argument("--full", action="store_true", help="every cell of the product (minutes)")
+    p.add_argument("--sample", type=int, metavar="N", help="N cases of the product drawn with --seed, forward "
+                   "and backward each, instead of the matrix")
+    p.add_argument("--seed", type=int, default=0, help="the sample's seed")
+    p.add_argument("--stop", action="store_true", help="let an exception other than ValueError end the run "
+                   "(by default it is a WRONG cell and the run goes on)")
+    p.add_argument("--write", metavar="PATH", help="also put the markdown tables between this P's markers in PATH")
+    return p
+
+
+def support(comm, args=None):
+    """Run strategy x option combinations against the float64 reference: works, or the error raised."""
+    args = support_parser().parse_args(args)
+    P, start = comm.Get_size(), time.perf_counter()
+    problem = args.write and _write_problem(args, P)
+    if problem:
+        raise Agreed(problem)
+    if args.sample or args.full:
+        verdicts = run_cells(comm, sample(P, args.sample, args.seed) if args.sample else cells(P), not args.stop)
+    else:
+        verdicts = matrix(comm, not args.stop)
+    seconds = time.perf_counter() - start
+    if comm.Get_rank() == 0:
+        print(render(verdicts, P, args.markdown))
+        if not args.markdown:
+            print(f"\n{len(verdicts) // 2} runs in {seconds:.1f} s")
+        if args.write:
+            write_section(args.write, P, render(verdicts, P, True))
+    return 1 if any(v.startswith("WRONG") for v in verdicts.values()) else 0
