@@ -41,7 +41,10 @@ def rotate_problem(rotate, mode):
     if not isinstance(rotate, str) or rotate not in ROTATE:
         return f"rotate must be one of {', '.join(ROTATE)}; got {rotate!r}"
     if rotate == "q" and mode != "ring":
-        return f"rotate='q' passes the queries one way round the ring: it needs mode='ring', got mode={mode!r}"
+        why = {"ulysses": "Ulysses moves heads by all-to-all, not blocks round a ring: there is nothing to rotate"}
+        return (f"rotate='q' passes the queries one way round the ring: it needs mode='ring' (also across "
+                f"ulysses_size groups), got mode={mode!r}; "
+                + why.get(mode, "that movement has no pass-Q form (not built)"))
     return None
 
 

@@ -88,8 +88,9 @@ def test_bad_rotate_raises_on_every_rank(comm, bad):
     messages = comm.allgather(message)
     assert messages[0] and all(m == messages[0] for m in messages), messages
     b = comm.size - 1
-    want = {"mode": f"rank {b}: rotate='q' passes the queries one way round the ring: it needs mode='ring', got "
-                    f"mode='bidirectional'",
+    want = {"mode": f"rank {b}: rotate='q' passes the queries one way round the ring: it needs mode='ring' (also "
+                    f"across ulysses_size groups), got mode='bidirectional'; that movement has no pass-Q form (not "
+                    f"built)",
             "value": f"rank {b}: rotate must be one of kv, q, auto; got 'Q'",
             "differs": f"rank {b}: rotate 'q' differs from rank 0's 'kv'"}[bad]
     assert messages[0] == want

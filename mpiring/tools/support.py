@@ -69,9 +69,13 @@ class Cell(NamedTuple):
 
 
 def strategies(P):
-    """Every strategy at P ranks, in order: name -> the ``ring_attention`` options that choose it."""
+    """Every strategy at P ranks, in order: name -> the ``ring_attention`` options that choose it.
+
+    Every movement of K/V (the ring modes, Ulysses, the double ring with ``node_size`` n, the grid of
+    ``ulysses_size`` u with a ring mode across), then each of them with the queries travelling instead
+    (``rotate="q"``, "pass-Q ...").
+    """
     found = {mode: {"mode": mode} for mode in MODES}
-    found["pass-Q"] = {"mode": "ring", "rotate": "q"}
     for mode in ALL_MODES:
         if mode == "double_ring":  # one rank per node, two nodes (or P // 2 ranks each), one node
             for n in sorted({n for n in (1, P // 2, P) if n >= 1 and P % n == 0}):
@@ -81,7 +85,9 @@ def strategies(P):
     for u in sorted({u for u in (2, P) if u > 1 and P % u == 0}):  # Ulysses in groups of u, a ring mode across
         for mode in MODES:
             found[f"grid u={u} {mode}"] = {"mode": mode, "ulysses_size": u}
-    return found
+    passing_q = {("pass-Q" if name == "ring" else f"pass-Q {name}"): dict(options, rotate="q")
+                 for name, options in found.items()}
+    return {**found, **passing_q}
 
 
 def sizes(P):
