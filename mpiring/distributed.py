@@ -72,6 +72,8 @@ def distributed_attention(
     mode: str = "ring", window: tuple[int, int] | None = None, cu_seqlens=None,
     timeout: float | str | None = "auto", return_lse: bool = False, on_step=None, check_finite: bool = False,
     expected_size: int | None = None, wire_dtype: str | None = None, accumulate: str = "float64",
+    causal_block: int | None = None, node_size: int | None = None, ulysses_size: int | None = None,
+    rotate: str = "kv",
 ) -> tuple:  # on root (out (..., Hq, S, Dv)[, lse], schedule); Nones elsewhere
     """Root scatters full Q, K, V, the ring runs, root gathers the output and the schedule.
 
@@ -81,8 +83,10 @@ def distributed_attention(
     ``return_lse=True`` root gets ``(out, lse, schedule)``. ``on_step(done, n_steps)``
     is called on this rank after each of its ring steps (e.g. for a progress line).
     ``timeout``, ``check_finite`` (on root's full arrays), ``expected_size``,
-    ``wire_dtype`` and ``accumulate`` are as in ``ring_attention``; options
-    must be the same on every rank.
+    ``wire_dtype``, ``accumulate``, ``causal_block``, ``node_size``,
+    ``ulysses_size`` and ``rotate`` are as in ``ring_attention``; each rank
+    gets the tokens ``shard_indices`` gives it under ``layout``, in every mode;
+    options must be the same on every rank.
     """
     comm = check_comm(comm)
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -95,7 +99,8 @@ def distributed_attention(
         return problem, meta
 
     options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens,
-                   wire_dtype=wire_dtype, accumulate=accumulate)
+                   wire_dtype=wire_dtype, accumulate=accumulate, causal_block=causal_block, node_size=node_size,
+                   ulysses_size=ulysses_size)
     options, meta = agree_root(comm, root, check_root, options, timeout, expected_size, scale)
     options.pop("grad_wire_dtype")  # a backward option
     plan = make_plan(meta[3], size, **without_precision(options))  # the same everywhere, or raises everywhere
@@ -103,7 +108,7 @@ def distributed_attention(
     q, k, v = (_scatter(x, m, plan, comm, root, wait) for x, m in zip((Q, K, V), meta[:3]))
     rec = Record(rank, on_step=on_step)
     out, lse = ring_attention(q, k, v, comm, scale=scale, timeout=timeout, record=rec,
-                              expected_size=expected_size, **options)
+                              expected_size=expected_size, rotate=rotate, **options)
     pieces = [out, lse[..., None]]
     full_out, full_lse, schedule = _collect(comm, root, plan, pieces, rec, {}, wait)
     if rank != root:
@@ -137,7 +142,8 @@ def distributed_attention_backward(
     comm=None, *, root: int = 0, causal: bool = False, scale: float | None = None, layout: str = "contiguous",
     mode: str = "ring", window: tuple[int, int] | None = None, cu_seqlens=None,
     timeout: float | str | None = "auto", return_out: bool = False, wire_dtype: str | None = None,
-    grad_wire_dtype: str | None = None, accumulate: str = "float64",
+    grad_wire_dtype: str | None = None, accumulate: str = "float64", causal_block: int | None = None,
+    node_size: int | None = None, ulysses_size: int | None = None,
 ) -> tuple:  # on root ([out,] dQ, dK, dV, schedule); Nones elsewhere
     """Root scatters Q, K, V and dOut; the ring runs forward then backward; root gathers the gradients.
 
@@ -145,9 +151,9 @@ def distributed_attention_backward(
     ``schedule.table[step][rank]`` holds the Tasks each rank recorded in the
     backward pass, ``schedule.records[rank]`` its counters (bytes, messages,
     times), with the forward pass's under ``"forward"``. With
-    ``return_out=True`` root gets ``(out, dQ, dK, dV, schedule)``. ``wire_dtype``
-    and ``accumulate`` are as in ``ring_attention``, ``grad_wire_dtype`` as in
-    ``ring_attention_backward``.
+    ``return_out=True`` root gets ``(out, dQ, dK, dV, schedule)``. ``wire_dtype``,
+    ``accumulate``, ``causal_block``, ``node_size`` and ``ulysses_size`` are as
+    in ``ring_attention``, ``grad_wire_dtype`` as in ``ring_attention_backward``.
     """
     comm = check_comm(comm)
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -158,7 +164,8 @@ def distributed_attention_backward(
         return problem, meta
 
     options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens,
-                   wire_dtype=wire_dtype, grad_wire_dtype=grad_wire_dtype, accumulate=accumulate)
+                   wire_dtype=wire_dtype, grad_wire_dtype=grad_wire_dtype, accumulate=accumulate,
+                   causal_block=causal_block, node_size=node_size, ulysses_size=ulysses_size)
     options, meta = agree_root(comm, root, check_root, options, timeout, scale=scale)
     grad_wire, accumulate = options.pop("grad_wire_dtype"), options.pop("accumulate")
     plan = make_plan(meta[4], size, **without_precision(options))  # the same everywhere, or raises everywhere

@@ -67,3 +67,29 @@ def test_bad_grids_raise_on_every_rank(comm, rng):
         ring_attention(q, k, v, comm, mode="double_ring", ulysses_size=1)
     with pytest.raises(ValueError, match="ulysses_size must be a positive integer"):
         ring_attention(q, k, v, comm, ulysses_size=0)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_entry_point_deals_the_layouts_tokens(comm, rng, layout):
+    """The handle's positions and shard, and distributed_*'s scatter, give each rank shard_indices' tokens
+    under the grid (and the double ring), and the results are the reference's."""
+    from mpiring import Ring, distributed_attention, distributed_attention_backward
+
+    P, r = comm.size, comm.rank
+    S = 5 * P + 3
+    u = 2 if P % 2 == 0 else 1
+    Q, K, V, dOut = _problem(rng, S, 4, 2)
+    rows = shard_indices(S, P, r, layout)
+    with Ring(comm, S, causal=True, layout=layout, ulysses_size=u) as ring:
+        np.testing.assert_array_equal(ring.positions, rows)
+        np.testing.assert_array_equal(ring.shard(Q), local(Q, rows))
+    mask = dense_mask(S, causal=True)
+    want = dense_attention(Q, K, V, None, lambda a, b: mask[a:b])[0]
+    grads = naive_attention_backward(dOut, Q, K, V, mask)
+    for options in (dict(ulysses_size=u), dict(mode="double_ring", node_size=1), dict(causal_block=1)):
+        out, _ = distributed_attention(Q, K, V, comm, causal=True, layout=layout, **options)
+        dq, dk, dv, _ = distributed_attention_backward(Q, K, V, dOut, comm, causal=True, layout=layout, **options)
+        if r == 0:
+            np.testing.assert_allclose(out, want, atol=1e-12, rtol=0, err_msg=str(options))
+            for got, ref in zip((dq, dk, dv), grads):
+                np.testing.assert_allclose(got, ref, atol=1e-10, rtol=0, err_msg=str(options))
