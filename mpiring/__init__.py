@@ -9,15 +9,15 @@ import importlib
 import os
 
 from .balancers import balance
+from .core.kernels import attention_block, attention_block_backward, merge
+from .core.reference import reference_attention, reference_attention_backward
+from .core.tiles import release_workspace
 from .costmodel import predicted_backward_bytes, predicted_bytes_sent, ring_attention_context_parallel
-from .kernels import attention_block, attention_block_backward, merge
 from .layouts import LAYOUTS, shard, shard_indices, unshard
 from .masks import visible_keys
 from .plan import MODES, Schedule, Task, make_plan
 from .record import Record
-from .reference import reference_attention, reference_attention_backward
 from .simulate import ring_attention_simulate, simulate
-from .tiles import release_workspace
 
 # Over TCP, UCX (the mpich wheel's transport) sends a non-contiguous message, as the ring's K/V blocks are
 # (an MPI vector that leaves out the kernel's row of ones), as copied fragments of UCX_TCP_TX_SEG_SIZE,

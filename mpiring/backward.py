@@ -16,14 +16,14 @@ import time
 
 import numpy as np
 
-from . import block
-from .block import GRAD_DTYPE, KEPT_OUT, add_grads, count_pairs
 from .comm import Buffers, allgathered, flat_blocks, next_buffers, shift, wait_until
+from .core import block
+from .core.block import GRAD_DTYPE, KEPT_OUT, add_grads, count_pairs
+from .core.precision import Precision
+from .core.tiles import filled
 from .heads import HybridPlan
 from .plan import chunks_in_order, home_chunks, key_chunks
-from .precision import Precision
 from .ring import agree_outcome
-from .tiles import filled
 
 __all__ = ["run_backward"]
 

@@ -1,7 +1,7 @@
 """How blocks move: the ring's transfers on a private communicator, the hop home, the all-gather.
 
 Everything here talks to MPI; what to send when comes from the plan
-(``mpiring.plan``), what to compute from ``mpiring.block``.
+(``mpiring.plan``), what to compute from ``mpiring.core.block``.
 """
 
 import contextlib
@@ -14,8 +14,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .threads import cores, launcher_local_ranks
-from .tiles import scratch, transpose_into
+from .core.threads import cores, launcher_local_ranks
+from .core.tiles import scratch, transpose_into
 
 __all__ = ["RingComm", "HomeRing", "CommTimeout", "exclusive", "wait_until", "allgather", "gather", "Buffers",
            "KVBuffers", "CodedBuffers", "kv_slots", "mpi_view", "next_buffers", "shift", "flat_blocks", "allgathered",

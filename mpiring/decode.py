@@ -43,7 +43,7 @@ from .agree import (
     verdict,
 )
 from .comm import RingComm, allgather, exclusive, wait_until
-from .kernels import attention_block, default_scale
+from .core.kernels import attention_block, default_scale
 from .record import Record
 
 __all__ = ["decode_attention", "MERGES", "lse_merge", "merge_partials", "local_partial", "decode_agreement",

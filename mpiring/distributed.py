@@ -19,10 +19,10 @@ from .agree import (
     root_problem,
 )
 from .comm import CommTimeout, gather, mpi_view, wait_until
+from .core.precision import without_precision
 from .handle import ring_attention, ring_attention_backward
 from .layouts import shard, unshard
 from .plan import Schedule, make_plan
-from .precision import without_precision
 from .record import Record
 
 __all__ = ["distributed_attention", "distributed_attention_backward"]

@@ -16,12 +16,12 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from . import block
-from .block import GRAD_DTYPE, add_grads, count_pairs
 from .comm import RingComm, kv_slots, payload_bytes
+from .core import block
+from .core.block import GRAD_DTYPE, add_grads, count_pairs
+from .core.precision import Precision
 from .hierarchy import INNER, OUTER, double_ring_plan
 from .nodes import node_ids
-from .precision import Precision
 
 __all__ = ["nodes_of", "double_ring_forward", "double_ring_backward"]
 

@@ -22,8 +22,8 @@ Gradients come back in ``grad_wire_dtype``, which the inner ring's partials use 
 
 import numpy as np
 
+from .core.precision import Precision
 from .heads import kv_heads, query_heads
-from .precision import Precision
 from .ulysses import heads_out, result_dtypes, tokens_back
 
 __all__ = ["grid_comms", "hybrid_forward", "hybrid_backward"]

@@ -34,19 +34,19 @@ from .agree import (
     setup_ring,
 )
 from .backward import run_backward
-from .block import GRAD_DTYPE
 from .comm import HomeRing, RingComm, exclusive, wait_until
+from .core.block import GRAD_DTYPE
+from .core.kernels import default_scale
+from .core.precision import Precision, compute_dtype, without_precision
+from .core.threads import limited, threads_for, threads_problem
+from .core.tiles import release_workspace
 from .heads import HybridPlan, grid_problem, heads_problem
-from .kernels import default_scale
 from .layouts import LAYOUTS, shard, take_rows
 from .lse import Lse, lse_problem, made_by, mismatch, plan_options
 from .passq import chosen_rotation, rotate_problem
 from .plan import MODES
-from .precision import Precision, compute_dtype, without_precision
 from .record import Record
 from .ring import run_forward
-from .threads import limited, threads_for, threads_problem
-from .tiles import release_workspace
 
 __all__ = ["Ring", "Lse", "ring_attention", "ring_attention_backward"]
 
@@ -82,7 +82,7 @@ class Ring:
         seq_axis: the sequence axis of q, k, v, out and dout (-2: ``(..., S, D)``;
             -3: flash-attn's ``(B, S, H, D)``). lse is always ``(..., H, S)``.
         threads: BLAS threads per rank inside every call: "auto" (the node's
-            cores shared among its ranks; ``mpiring.threads``), an int, or None
+            cores shared among its ranks; ``mpiring.core.threads``), an int, or None
             (leave BLAS alone).
 
     Construction is collective (one all-gather, and communicator duplicates
@@ -365,9 +365,9 @@ def ring_attention(
         expected_size: raise unless the communicator has this many ranks.
         seq_axis: the sequence axis of q, k, v and out (-3 for ``(B, S, H, D)``).
         threads: BLAS threads per rank during the call ("auto": the node's
-            cores shared among its ranks; ``mpiring.threads``), or None.
+            cores shared among its ranks; ``mpiring.core.threads``), or None.
         wire_dtype: "float16", "bfloat16" or "int8": K/V travel coded so (int8: with a
-            float32 scale per token and head), default the input dtype (``mpiring.precision``); in
+            float32 scale per token and head), default the input dtype (``mpiring.core.precision``); in
             every mode (Ulysses' and the grid's all-to-alls too); with ``rotate="q"`` the query
             blocks travel coded instead. What a rank holds itself is never coded.
         accumulate: "float64" (default), "float32" or "input": the running (out, lse)'s dtype.

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .core.precision import compute_itemsize, default_grad_itemsize, row_bytes
 from .plan import Piece, Plan, Schedule, Task, problem_fields
-from .precision import compute_itemsize, default_grad_itemsize, row_bytes
 
 __all__ = ["HEAD_MODES", "UlyssesPlan", "ulysses_plan", "heads_problem", "query_heads", "kv_heads",
            "ulysses_pair_bytes", "predicted_ulysses_bytes", "HybridPlan", "hybrid_plan",

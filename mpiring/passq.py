@@ -24,12 +24,12 @@ import time
 
 import numpy as np
 
-from . import block
 from .comm import Buffers, KVBuffers, shift, wait_until
+from .core import block
+from .core.kernels import merge
+from .core.precision import Wire, compute_dtype, row_bytes
 from .heads import HybridPlan
-from .kernels import merge
 from .plan import NEXT, Task
-from .precision import Wire, compute_dtype, row_bytes
 
 __all__ = ["passq_loop", "ROTATE", "rotate_problem", "plan_bytes", "rank_bytes", "chosen_rotation", "q_rounds"]
 

@@ -14,11 +14,11 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from . import block
 from .comm import CommTimeout, allgathered, kv_slots, next_buffers, shift, wait_until
+from .core import block
+from .core.precision import Precision
 from .heads import HybridPlan
 from .passq import passq_loop
-from .precision import Precision
 
 __all__ = ["run_forward", "agree_outcome"]
 

@@ -2,10 +2,10 @@
 
 import numpy as np
 
-from .block import accumulators, attend
-from .kernels import default_scale
+from .core.block import accumulators, attend
+from .core.kernels import default_scale
+from .core.precision import INPUT_DTYPES, Precision, canonical_precision
 from .plan import make_plan
-from .precision import INPUT_DTYPES, Precision, canonical_precision
 from .record import Record
 
 __all__ = ["ring_attention_simulate", "simulate"]

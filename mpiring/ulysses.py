@@ -12,11 +12,11 @@ import time
 
 import numpy as np
 
-from . import block
-from .block import GRAD_DTYPE, add_grads, count_pairs
 from .comm import mpi_view, wait_until
+from .core import block
+from .core.block import GRAD_DTYPE, add_grads, count_pairs
+from .core.precision import Plain, Precision, Wire, compute_dtype
 from .heads import kv_heads, query_heads
-from .precision import Plain, Precision, Wire, compute_dtype
 
 __all__ = ["exchange", "heads_out", "tokens_back", "result_dtypes", "ulysses_forward", "ulysses_backward"]
 

@@ -13,8 +13,9 @@ import time
 import numpy as np
 import pytest
 
-from mpiring import block, distributed_attention, distributed_attention_backward, ring_attention
+from mpiring import distributed_attention, distributed_attention_backward, ring_attention
 from mpiring.comm import CommTimeout
+from mpiring.core import block
 from mpiring.ring import _slow_step_note
 
 from conftest import local, qkv

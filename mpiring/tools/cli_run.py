@@ -28,11 +28,11 @@ from mpiring import (
     ring_attention_backward,
     ring_attention_context_parallel,
 )
+from mpiring.core.precision import ACCUMULATE, GRAD_WIRE_DTYPES, INPUT_DTYPES, WIRE_DTYPES, Precision, named_dtype
 from mpiring.heads import HEAD_MODES, HybridPlan, sequence_pairs
 from mpiring.layouts import layout_positions
 from mpiring.nodes import predicted_bytes
 from mpiring.plan import Schedule
-from mpiring.precision import ACCUMULATE, GRAD_WIRE_DTYPES, INPUT_DTYPES, WIRE_DTYPES, Precision, named_dtype
 from mpiring.record import Record
 
 from . import verify
