@@ -8,14 +8,15 @@ name (``ring_attention``, ``distributed_attention``, ...) is first used.
 import importlib
 import os
 
-from .balancers import balance
 from .core.kernels import attention_block, attention_block_backward, merge
 from .core.reference import reference_attention, reference_attention_backward
 from .core.tiles import release_workspace
 from .costmodel import predicted_backward_bytes, predicted_bytes_sent, ring_attention_context_parallel
-from .layouts import LAYOUTS, shard, shard_indices, unshard
-from .masks import visible_keys
-from .plan import MODES, Schedule, Task, make_plan
+from .plans.balancers import balance
+from .plans.layouts import LAYOUTS, shard, shard_indices, unshard
+from .plans.make import make_plan
+from .plans.masks import visible_keys
+from .plans.plan import MODES, Schedule, Task
 from .record import Record
 from .simulate import ring_attention_simulate, simulate
 

@@ -21,8 +21,8 @@ from .core import block
 from .core.block import GRAD_DTYPE, KEPT_OUT, add_grads, count_pairs
 from .core.precision import Precision
 from .core.tiles import filled
-from .heads import HybridPlan
-from .plan import chunks_in_order, home_chunks, key_chunks
+from .plans.heads import HybridPlan
+from .plans.plan import chunks_in_order, home_chunks, key_chunks
 from .ring import agree_outcome
 
 __all__ = ["run_backward"]

@@ -25,8 +25,8 @@ tbf links) with this machine's measured FLOP rate.
 
 from dataclasses import dataclass
 
-from .heads import HEAD_MODES, HybridPlan, kv_heads
-from .plan import make_plan
+from .plans.heads import HEAD_MODES, HybridPlan, kv_heads
+from .plans.make import make_plan
 
 __all__ = ["Cluster", "CLUSTERS", "emulated", "cluster_time", "compare_modes", "format_comparison", "COMPARED"]
 

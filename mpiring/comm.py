@@ -1,7 +1,7 @@
 """How blocks move: the ring's transfers on a private communicator, the hop home, the all-gather.
 
 Everything here talks to MPI; what to send when comes from the plan
-(``mpiring.plan``), what to compute from ``mpiring.core.block``.
+(``mpiring.plans.plan``), what to compute from ``mpiring.core.block``.
 """
 
 import contextlib

@@ -21,8 +21,9 @@ from .agree import (
 from .comm import CommTimeout, gather, mpi_view, wait_until
 from .core.precision import without_precision
 from .handle import ring_attention, ring_attention_backward
-from .layouts import shard, unshard
-from .plan import Schedule, make_plan
+from .plans.layouts import shard, unshard
+from .plans.make import make_plan
+from .plans.plan import Schedule
 from .record import Record
 
 __all__ = ["distributed_attention", "distributed_attention_backward"]

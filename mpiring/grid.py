@@ -23,7 +23,7 @@ Gradients come back in ``grad_wire_dtype``, which the inner ring's partials use 
 import numpy as np
 
 from .core.precision import Precision
-from .heads import kv_heads, query_heads
+from .plans.heads import kv_heads, query_heads
 from .ulysses import heads_out, result_dtypes, tokens_back
 
 __all__ = ["grid_comms", "hybrid_forward", "hybrid_backward"]

@@ -40,11 +40,11 @@ from .core.kernels import default_scale
 from .core.precision import Precision, compute_dtype, without_precision
 from .core.threads import limited, threads_for, threads_problem
 from .core.tiles import release_workspace
-from .heads import HybridPlan, grid_problem, heads_problem
-from .layouts import LAYOUTS, shard, take_rows
 from .lse import Lse, lse_problem, made_by, mismatch, plan_options
 from .passq import chosen_rotation, rotate_problem
-from .plan import MODES
+from .plans.heads import HybridPlan, grid_problem, heads_problem
+from .plans.layouts import LAYOUTS, shard, take_rows
+from .plans.plan import MODES
 from .record import Record
 from .ring import run_forward
 
@@ -330,10 +330,10 @@ def ring_attention(
         comm: an mpi4py communicator (default COMM_WORLD); one rank = one device.
         causal: token t attends only to tokens <= t.
         scale: softmax scale, default 1/sqrt(dim).
-        layout: "contiguous", "zigzag" or "striped" (see ``mpiring.layouts``).
-        mode: "ring", "bidirectional" or "allgather" (see ``mpiring.plan``); "ulysses": heads move by
-            all-to-all (``mpiring.heads``); "double_ring": an inner ring per node, an outer ring across
-            nodes (``mpiring.hierarchy``).
+        layout: "contiguous", "zigzag" or "striped" (see ``mpiring.plans.layouts``).
+        mode: "ring", "bidirectional" or "allgather" (see ``mpiring.plans.plan``); "ulysses": heads move by
+            all-to-all (``mpiring.plans.heads``); "double_ring": an inner ring per node, an outer ring across
+            nodes (``mpiring.plans.hierarchy``).
         window: sliding window ``(left, right)`` as in flash-attn; -1 is unbounded.
         cu_seqlens: packed documents ``[0, end_0, end_1, ..., seq_len]`` (global positions).
         positions: global positions of this rank's q (and k, v) rows, any
@@ -346,7 +346,7 @@ def ring_attention(
             j // causal_block <= i // causal_block (frame-causal video masks).
         node_size: ranks per node for the double ring; None: as MPI places them (``COMM_TYPE_SHARED``).
         ulysses_size: u: Ulysses inside groups of u consecutive ranks, the ring ``mode`` across the P/u
-            groups (``mpiring.heads.HybridPlan``); every rank holds the tokens ``layout`` gives it, as in
+            groups (``mpiring.plans.heads.HybridPlan``); every rank holds the tokens ``layout`` gives it, as in
             every mode.
         rotate: what travels the ring: "kv" (K/V blocks), "q" (query blocks; K/V
             stay and the partial results go home, ``mpiring.passq``; mode "ring"

@@ -28,8 +28,8 @@ from .comm import Buffers, KVBuffers, shift, wait_until
 from .core import block
 from .core.kernels import merge
 from .core.precision import Wire, compute_dtype, row_bytes
-from .heads import HybridPlan
-from .plan import NEXT, Task
+from .plans.heads import HybridPlan
+from .plans.plan import NEXT, Task
 
 __all__ = ["passq_loop", "ROTATE", "rotate_problem", "plan_bytes", "rank_bytes", "chosen_rotation", "q_rounds"]
 

@@ -6,7 +6,7 @@
 - ``reference`` / ``reference_backward``: dense float64 attention and its gradients, with the mask
   written directly from the definitions (causal, sliding window, packed documents), grouped-query
   heads and arbitrary query/key positions (a rank's shard against the whole sequence): the
-  package's one plain reference (``mpiring.core.reference``), independent of ``mpiring.masks``, the
+  package's one plain reference (``mpiring.core.reference``), independent of ``mpiring.plans.masks``, the
   plan and the tiled kernels, so it can check them.
 - ``TOLERANCE`` and ``assert_attention_close``: one tolerance table, one assertion with a useful message.
 - ``ring_comm``: a pytest fixture over three communicators (COMM_WORLD, a duplicate, COMM_SELF).

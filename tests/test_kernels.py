@@ -7,7 +7,7 @@ import pytest
 
 from mpiring.core.kernels import attention_block, merge, pad_ones
 from mpiring.core.reference import reference_attention
-from mpiring.masks import visible_keys
+from mpiring.plans.masks import visible_keys
 
 from conftest import SHAPES, dense_mask, naive_attention, qkv, tol
 

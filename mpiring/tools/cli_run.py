@@ -29,10 +29,10 @@ from mpiring import (
     ring_attention_context_parallel,
 )
 from mpiring.core.precision import ACCUMULATE, GRAD_WIRE_DTYPES, INPUT_DTYPES, WIRE_DTYPES, Precision, named_dtype
-from mpiring.heads import HEAD_MODES, HybridPlan, sequence_pairs
-from mpiring.layouts import layout_positions
 from mpiring.nodes import predicted_bytes
-from mpiring.plan import Schedule
+from mpiring.plans.heads import HEAD_MODES, HybridPlan, sequence_pairs
+from mpiring.plans.layouts import layout_positions
+from mpiring.plans.plan import Schedule
 from mpiring.record import Record
 
 from . import verify
