@@ -11,7 +11,7 @@ import os
 from .core.kernels import attention_block, attention_block_backward, merge
 from .core.reference import reference_attention, reference_attention_backward
 from .core.tiles import release_workspace
-from .costmodel import predicted_backward_bytes, predicted_bytes_sent, ring_attention_context_parallel
+from .cost.costmodel import predicted_backward_bytes, predicted_bytes_sent, ring_attention_context_parallel
 from .plans.balancers import balance
 from .plans.layouts import LAYOUTS, shard, shard_indices, unshard
 from .plans.make import make_plan

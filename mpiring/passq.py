@@ -17,7 +17,7 @@ home in float64, as without one.
 Pass-Q pays off when the queries are fewer than the keys: a prefill of T new
 tokens against a cache of C (Meta, "Context Parallelism for Scalable
 Million-Token Inference", 2024); ``ring_attention(..., rotate="auto")``
-chooses by the bytes each way (``mpiring.infercost.plan_bytes``).
+chooses by the bytes each way (``mpiring.cost.infercost.plan_bytes``).
 """
 
 import time

@@ -8,7 +8,7 @@ import pytest
 
 from mpiring import LAYOUTS, make_plan
 from mpiring.__main__ import main
-from mpiring.nodes import predicted_bytes
+from mpiring.cost.nodes import predicted_bytes
 from mpiring.plans.heads import heads_problem, kv_heads, query_heads
 
 from launch import MPIEXEC, clean_env, mpiexec_argv

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from mpiring import MODES, ring_attention, ring_attention_backward
-from mpiring.nodes import predicted_bytes
+from mpiring.cost.nodes import predicted_bytes
 from mpiring.record import Record
 from mpiring.testing import assert_attention_close, reference, reference_backward
 

@@ -57,7 +57,7 @@ from mpiring import (
 )
 from mpiring.core import gemm
 from mpiring.core.precision import Precision, named_dtype
-from mpiring.costmodel import format_wire_model
+from mpiring.cost.costmodel import format_wire_model
 
 from .benchinfer import inference_rows
 from .benchtable import add_efficiency, format_header, format_long, format_table, format_targets, read_csv, write_csv

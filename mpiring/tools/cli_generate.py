@@ -21,8 +21,8 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from mpiring.core.reference import dense_attention
+from mpiring.cost.infercost import decode_time
 from mpiring.decode import MERGES
-from mpiring.infercost import decode_time
 from mpiring.kvcache import ERROR_BOUND, KVCache
 from mpiring.record import Record
 from mpiring.testing import TOLERANCE
