@@ -12,12 +12,12 @@ from .core.kernels import attention_block, attention_block_backward, merge
 from .core.reference import reference_attention, reference_attention_backward
 from .core.tiles import release_workspace
 from .cost.costmodel import predicted_backward_bytes, predicted_bytes_sent, ring_attention_context_parallel
+from .mpi.record import Record
 from .plans.balancers import balance
 from .plans.layouts import LAYOUTS, shard, shard_indices, unshard
 from .plans.make import make_plan
 from .plans.masks import visible_keys
 from .plans.plan import MODES, Schedule, Task
-from .record import Record
 from .simulate import ring_attention_simulate, simulate
 
 # Over TCP, UCX (the mpich wheel's transport) sends a non-contiguous message, as the ring's K/V blocks are
@@ -33,7 +33,7 @@ del _name
 _LAZY = {
     "ring_attention": "handle", "ring_attention_backward": "handle", "Ring": "handle", "Lse": "lse",
     "distributed_attention": "distributed", "distributed_attention_backward": "distributed",
-    "CommTimeout": "comm", "decode_attention": "decode", "KVCache": "kvcache",
+    "CommTimeout": "mpi.comm", "decode_attention": "decode", "KVCache": "kvcache",
 }
 
 __all__ = [

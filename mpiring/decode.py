@@ -31,7 +31,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .agree import (
+from .core.kernels import attention_block, default_scale
+from .mpi.agree import (
     AUTO_BASE,
     AUTO_RATE,
     agreement_timeout,
@@ -42,9 +43,8 @@ from .agree import (
     timeout_problem,
     verdict,
 )
-from .comm import RingComm, allgather, exclusive, wait_until
-from .core.kernels import attention_block, default_scale
-from .record import Record
+from .mpi.comm import RingComm, allgather, exclusive, wait_until
+from .mpi.record import Record
 
 __all__ = ["decode_attention", "MERGES", "lse_merge", "merge_partials", "local_partial", "decode_agreement",
            "decode_timeout"]

@@ -8,7 +8,9 @@ options for both the forward and the backward call.
 
 import numpy as np
 
-from .agree import (
+from .core.precision import without_precision
+from .handle import ring_attention, ring_attention_backward
+from .mpi.agree import (
     agree,
     agree_root,
     check_comm,
@@ -18,13 +20,11 @@ from .agree import (
     root_grad_problem,
     root_problem,
 )
-from .comm import CommTimeout, gather, mpi_view, wait_until
-from .core.precision import without_precision
-from .handle import ring_attention, ring_attention_backward
+from .mpi.comm import CommTimeout, gather, mpi_view, wait_until
+from .mpi.record import Record
 from .plans.layouts import shard, unshard
 from .plans.make import make_plan
 from .plans.plan import Schedule
-from .record import Record
 
 __all__ = ["distributed_attention", "distributed_attention_backward"]
 

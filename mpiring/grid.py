@@ -73,7 +73,7 @@ def hybrid_forward(q, k, v, plan, comm, options, scale, rec, timeout, pr=None):
     """This rank's (out, lse); ``options``: the ring's (layout, mode, causal, window, cu_seqlens); ``pr``: the
     call's ``Precision`` (its wire)."""
     from .handle import ring_attention
-    from .record import Record
+    from .mpi.record import Record
 
     pr = pr or Precision(k.dtype)
     rank = comm.Get_rank()
@@ -102,7 +102,7 @@ def hybrid_backward(dout, q, k, v, out, lse, plan, comm, options, scale, rec, ti
     ring's backward, the gradients back (in ``pr.grad``); dK, dV of a K/V head that several members held
     (fewer K/V heads than u) add up."""
     from .handle import ring_attention_backward
-    from .record import Record
+    from .mpi.record import Record
 
     pr = pr or Precision(k.dtype)
     rank = comm.Get_rank()

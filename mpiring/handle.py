@@ -19,7 +19,14 @@ import contextlib
 
 import numpy as np
 
-from .agree import (
+from .backward import run_backward
+from .core.block import GRAD_DTYPE
+from .core.kernels import default_scale
+from .core.precision import Precision, compute_dtype, without_precision
+from .core.threads import limited, threads_for, threads_problem
+from .core.tiles import release_workspace
+from .lse import Lse, lse_problem, made_by, mismatch, plan_options
+from .mpi.agree import (
     agreement_timeout,
     call_values,
     check_call,
@@ -33,19 +40,12 @@ from .agree import (
     setup,
     setup_ring,
 )
-from .backward import run_backward
-from .comm import HomeRing, RingComm, exclusive, wait_until
-from .core.block import GRAD_DTYPE
-from .core.kernels import default_scale
-from .core.precision import Precision, compute_dtype, without_precision
-from .core.threads import limited, threads_for, threads_problem
-from .core.tiles import release_workspace
-from .lse import Lse, lse_problem, made_by, mismatch, plan_options
+from .mpi.comm import HomeRing, RingComm, exclusive, wait_until
+from .mpi.record import Record
 from .passq import chosen_rotation, rotate_problem
 from .plans.heads import HybridPlan, grid_problem, heads_problem
 from .plans.layouts import LAYOUTS, shard, take_rows
 from .plans.plan import MODES
-from .record import Record
 from .ring import run_forward
 
 __all__ = ["Ring", "Lse", "ring_attention", "ring_attention_backward"]

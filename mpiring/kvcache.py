@@ -23,11 +23,11 @@ import time
 
 import numpy as np
 
-from .agree import agree, agreement_timeout, check_comm, describe, timeout_problem, verdict
-from .comm import RingComm, allgather, exclusive
 from .decode import decode_agreement, decode_timeout, local_partial, merge_partials, packed, unpacked
+from .mpi.agree import agree, agreement_timeout, check_comm, describe, timeout_problem, verdict
+from .mpi.comm import RingComm, allgather, exclusive
+from .mpi.record import Record
 from .plans.layouts import layout_positions
-from .record import Record
 
 __all__ = ["KVCache", "PLACEMENTS", "QUANTIZE", "TILE", "ERROR_BOUND", "quantize"]
 

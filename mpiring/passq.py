@@ -24,10 +24,10 @@ import time
 
 import numpy as np
 
-from .comm import Buffers, KVBuffers, shift, wait_until
 from .core import block
 from .core.kernels import merge
 from .core.precision import Wire, compute_dtype, row_bytes
+from .mpi.comm import Buffers, KVBuffers, shift, wait_until
 from .plans.heads import HybridPlan
 from .plans.plan import NEXT, Task
 

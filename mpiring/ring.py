@@ -6,7 +6,7 @@
 arguments and calls ``run_forward``. The loop below is the whole algorithm:
 start passing the held blocks on, compute on them (``block.attend``: the kernel and the log-sum-exp merge; tests
 wrap it to inject faults), wait for the next ones, swap. Which block is where
-at each step is the plan's (``mpiring.plans.plan``); how it moves is ``mpiring.comm``'s.
+at each step is the plan's (``mpiring.plans.plan``); how it moves is ``mpiring.mpi.comm``'s.
 """
 
 import time
@@ -14,9 +14,9 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .comm import CommTimeout, allgathered, kv_slots, next_buffers, shift, wait_until
 from .core import block
 from .core.precision import Precision
+from .mpi.comm import CommTimeout, allgathered, kv_slots, next_buffers, shift, wait_until
 from .passq import passq_loop
 from .plans.heads import HybridPlan
 

@@ -5,8 +5,8 @@ import numpy as np
 from .core.block import accumulators, attend
 from .core.kernels import default_scale
 from .core.precision import INPUT_DTYPES, Precision, canonical_precision
+from .mpi.record import Record
 from .plans.make import make_plan
-from .record import Record
 
 __all__ = ["ring_attention_simulate", "simulate"]
 

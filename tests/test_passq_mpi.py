@@ -13,8 +13,8 @@ import pytest
 from mpi4py import MPI
 
 from mpiring import ring_attention, shard_indices
+from mpiring.mpi.record import Record
 from mpiring.passq import plan_bytes
-from mpiring.record import Record
 from mpiring.testing import assert_attention_close, reference
 
 pytestmark = pytest.mark.mpi

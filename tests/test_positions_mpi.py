@@ -15,7 +15,7 @@ import pytest
 
 from mpiring import MODES, ring_attention, ring_attention_backward
 from mpiring.cost.nodes import predicted_bytes
-from mpiring.record import Record
+from mpiring.mpi.record import Record
 from mpiring.testing import assert_attention_close, reference, reference_backward
 
 from conftest import GRAD_TOL

@@ -1,4 +1,4 @@
-"""How a rank waits (mpiring.comm.wait_until): after a short spin a wait sleeps between its polls, so a
+"""How a rank waits (mpiring.mpi.comm.wait_until): after a short spin a wait sleeps between its polls, so a
 rank waiting for a slower one leaves it the core; a wait for data also polls in bursts after each nap.
 
     python -m pytest -q tests/test_waits.py
@@ -10,7 +10,7 @@ import time
 import pytest
 from mpi4py import MPI
 
-from mpiring import comm
+from mpiring.mpi import comm
 
 
 def _done_after(seconds):

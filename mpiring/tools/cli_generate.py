@@ -24,7 +24,7 @@ from mpiring.core.reference import dense_attention
 from mpiring.cost.infercost import decode_time
 from mpiring.decode import MERGES
 from mpiring.kvcache import ERROR_BOUND, KVCache
-from mpiring.record import Record
+from mpiring.mpi.record import Record
 from mpiring.testing import TOLERANCE
 
 from . import verify

@@ -14,8 +14,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .core.threads import cores, launcher_local_ranks
-from .core.tiles import scratch, transpose_into
+from ..core.threads import cores, launcher_local_ranks
+from ..core.tiles import scratch, transpose_into
 
 __all__ = ["RingComm", "HomeRing", "CommTimeout", "exclusive", "wait_until", "allgather", "gather", "Buffers",
            "KVBuffers", "CodedBuffers", "kv_slots", "mpi_view", "next_buffers", "shift", "flat_blocks", "allgathered",

@@ -12,13 +12,13 @@ import hashlib
 import numpy as np
 from mpi4py import MPI
 
+from ..core.kernels import LSE_LIMIT, default_scale
+from ..core.precision import canonical_precision, compute_dtype, dtype_problem, without_precision
+from ..plans.layouts import check_layout, sort_order, take_rows
+from ..plans.make import make_plan
+from ..plans.masks import check_causal_block, check_window
+from ..plans.plan import ALL_MODES
 from .comm import allgather, wait_until
-from .core.kernels import LSE_LIMIT, default_scale
-from .core.precision import canonical_precision, compute_dtype, dtype_problem, without_precision
-from .plans.layouts import check_layout, sort_order, take_rows
-from .plans.make import make_plan
-from .plans.masks import check_causal_block, check_window
-from .plans.plan import ALL_MODES
 
 __all__ = ["agree", "setup", "agree_root", "check_comm", "comm_problem", "resolve_timeout", "agreement_timeout",
            "local_problem", "grad_problem", "root_problem", "root_grad_problem", "timeout_problem", "scale_problem",
