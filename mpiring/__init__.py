@@ -33,7 +33,7 @@ del _name
 _LAZY = {
     "ring_attention": "handle", "ring_attention_backward": "handle", "Ring": "handle", "Lse": "lse",
     "distributed_attention": "distributed", "distributed_attention_backward": "distributed",
-    "CommTimeout": "mpi.comm", "decode_attention": "decode", "KVCache": "kvcache",
+    "CommTimeout": "mpi.waits", "decode_attention": "decode", "KVCache": "kvcache",
 }
 
 __all__ = [

@@ -20,7 +20,10 @@ from .core import block
 from .core.block import GRAD_DTYPE, KEPT_OUT, add_grads, count_pairs
 from .core.precision import Precision
 from .core.tiles import filled
-from .mpi.comm import Buffers, allgathered, flat_blocks, next_buffers, shift, wait_until
+from .mpi.buffers import Buffers, flat_blocks, next_buffers
+from .mpi.collectives import allgathered
+from .mpi.comm import shift
+from .mpi.waits import wait_until
 from .plans.heads import HybridPlan
 from .plans.plan import chunks_in_order, home_chunks, key_chunks
 from .ring import agree_outcome

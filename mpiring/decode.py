@@ -43,8 +43,10 @@ from .mpi.agree import (
     timeout_problem,
     verdict,
 )
-from .mpi.comm import RingComm, allgather, exclusive, wait_until
+from .mpi.collectives import allgather
+from .mpi.comm import RingComm
 from .mpi.record import Record
+from .mpi.waits import exclusive, wait_until
 
 __all__ = ["decode_attention", "MERGES", "lse_merge", "merge_partials", "local_partial", "decode_agreement",
            "decode_timeout"]

@@ -20,8 +20,10 @@ from .mpi.agree import (
     root_grad_problem,
     root_problem,
 )
-from .mpi.comm import CommTimeout, gather, mpi_view, wait_until
+from .mpi.buffers import mpi_view
+from .mpi.collectives import gather
 from .mpi.record import Record
+from .mpi.waits import CommTimeout, wait_until
 from .plans.layouts import shard, unshard
 from .plans.make import make_plan
 from .plans.plan import Schedule

@@ -40,8 +40,9 @@ from .mpi.agree import (
     setup,
     setup_ring,
 )
-from .mpi.comm import HomeRing, RingComm, exclusive, wait_until
+from .mpi.comm import HomeRing, RingComm
 from .mpi.record import Record
+from .mpi.waits import exclusive, wait_until
 from .passq import chosen_rotation, rotate_problem
 from .plans.heads import HybridPlan, grid_problem, heads_problem
 from .plans.layouts import LAYOUTS, shard, take_rows

@@ -25,8 +25,10 @@ import numpy as np
 
 from .decode import decode_agreement, decode_timeout, local_partial, merge_partials, packed, unpacked
 from .mpi.agree import agree, agreement_timeout, check_comm, describe, timeout_problem, verdict
-from .mpi.comm import RingComm, allgather, exclusive
+from .mpi.collectives import allgather
+from .mpi.comm import RingComm
 from .mpi.record import Record
+from .mpi.waits import exclusive
 from .plans.layouts import layout_positions
 
 __all__ = ["KVCache", "PLACEMENTS", "QUANTIZE", "TILE", "ERROR_BOUND", "quantize"]

@@ -27,7 +27,9 @@ import numpy as np
 from .core import block
 from .core.kernels import merge
 from .core.precision import Wire, compute_dtype, row_bytes
-from .mpi.comm import Buffers, KVBuffers, shift, wait_until
+from .mpi.buffers import Buffers, KVBuffers
+from .mpi.comm import shift
+from .mpi.waits import wait_until
 from .plans.heads import HybridPlan
 from .plans.plan import NEXT, Task
 

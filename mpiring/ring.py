@@ -16,7 +16,10 @@ from mpi4py import MPI
 
 from .core import block
 from .core.precision import Precision
-from .mpi.comm import CommTimeout, allgathered, kv_slots, next_buffers, shift, wait_until
+from .mpi.buffers import kv_slots, next_buffers
+from .mpi.collectives import allgathered
+from .mpi.comm import shift
+from .mpi.waits import CommTimeout, wait_until
 from .passq import passq_loop
 from .plans.heads import HybridPlan
 

@@ -8,7 +8,7 @@ import pytest
 
 import mpiring.core.block
 from mpiring import LAYOUTS, MODES, ring_attention, simulate
-from mpiring.mpi.comm import CAUSES, CommTimeout
+from mpiring.mpi.waits import CAUSES, CommTimeout
 
 from conftest import dense_mask, local, naive_attention, qkv
 

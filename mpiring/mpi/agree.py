@@ -18,7 +18,8 @@ from ..plans.layouts import check_layout, sort_order, take_rows
 from ..plans.make import make_plan
 from ..plans.masks import check_causal_block, check_window
 from ..plans.plan import ALL_MODES
-from .comm import allgather, wait_until
+from .collectives import allgather
+from .waits import wait_until
 
 __all__ = ["agree", "setup", "agree_root", "check_comm", "comm_problem", "resolve_timeout", "agreement_timeout",
            "local_problem", "grad_problem", "root_problem", "root_grad_problem", "timeout_problem", "scale_problem",
