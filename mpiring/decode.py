@@ -32,11 +32,11 @@ import numpy as np
 from mpi4py import MPI
 
 from .core.kernels import attention_block, default_scale
-from .mpi.agree import (
+from .mpi.agree import check_comm
+from .mpi.checks import (
     AUTO_BASE,
     AUTO_RATE,
     agreement_timeout,
-    check_comm,
     describe,
     logit_problem,
     scale_problem,

@@ -10,17 +10,9 @@ import numpy as np
 
 from .core.precision import without_precision
 from .handle import ring_attention, ring_attention_backward
-from .mpi.agree import (
-    agree,
-    agree_root,
-    check_comm,
-    describe,
-    local_problem,
-    resolve_timeout,
-    root_grad_problem,
-    root_problem,
-)
+from .mpi.agree import agree, agree_root, check_comm
 from .mpi.buffers import mpi_view
+from .mpi.checks import describe, local_problem, resolve_timeout, root_grad_problem, root_problem
 from .mpi.collectives import gather
 from .mpi.record import Record
 from .mpi.waits import CommTimeout, wait_until

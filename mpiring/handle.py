@@ -26,19 +26,16 @@ from .core.precision import Precision, compute_dtype, without_precision
 from .core.threads import limited, threads_for, threads_problem
 from .core.tiles import release_workspace
 from .lse import Lse, lse_problem, made_by, mismatch, plan_options
-from .mpi.agree import (
+from .mpi.agree import check_call, check_comm, setup, setup_ring
+from .mpi.checks import (
     agreement_timeout,
     call_values,
-    check_call,
-    check_comm,
     describe,
     grad_problem,
     local_problem,
     logit_problem,
     peaks,
     resolve_timeout,
-    setup,
-    setup_ring,
 )
 from .mpi.comm import HomeRing, RingComm
 from .mpi.record import Record

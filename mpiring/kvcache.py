@@ -24,7 +24,8 @@ import time
 import numpy as np
 
 from .decode import decode_agreement, decode_timeout, local_partial, merge_partials, packed, unpacked
-from .mpi.agree import agree, agreement_timeout, check_comm, describe, timeout_problem, verdict
+from .mpi.agree import agree, check_comm
+from .mpi.checks import agreement_timeout, describe, timeout_problem, verdict
 from .mpi.collectives import allgather
 from .mpi.comm import RingComm
 from .mpi.record import Record

@@ -10,7 +10,7 @@ import hashlib
 import numpy as np
 
 from .core.kernels import default_scale
-from .mpi.agree import canonical, scale_problem
+from .mpi.checks import canonical, scale_problem
 
 __all__ = ["Lse", "made_by", "plan_options", "mismatch", "lse_problem"]
 
