@@ -1,7 +1,8 @@
 """The ring's communicator: ``RingComm`` moves blocks to the next rank of each stream, ``HomeRing`` sends partials home.
 
-Each owns a private duplicate of the caller's communicator and frees it
-(``free()``, or ``with``). What to send when comes from the plan
+Each owns a private duplicate of the caller's communicator and the MPI
+datatypes its messages use (committed at first use, kept for its life), and
+frees both (``free()``, or ``with``). What to send when comes from the plan
 (``mpiring.plans.plan``), what to compute from ``mpiring.core.block``; waits,
 collectives and receive slots are ``waits``, ``collectives`` and ``buffers``.
 """
@@ -24,14 +25,15 @@ class RingComm:
     while receiving the following blocks from the previous one, ``progress``
     lets MPI move data while the caller computes, and ``wait`` completes the
     transfers. Counters record bytes, messages and time spent blocked in wait.
-    Owns a duplicate of the caller's communicator: use it as a context manager
-    (``with RingComm(comm) as ring:``) or call ``free()``.
+    Owns a duplicate of the caller's communicator and its messages' datatypes:
+    use it as a context manager (``with RingComm(comm) as ring:``) or call ``free()``.
     """
 
     def __init__(self, comm, timeout=None):
         # the ring's messages never mix with the caller's; a non-blocking duplicate, so a rank
         # that failed before joining it cannot leave this one waiting beyond the timeout
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self._types = {}  # the committed datatypes of this ring's messages, by shape: freed with it
         self.comm, request = comm.Idup()
         self._requests = [request]
         try:
@@ -69,10 +71,25 @@ class RingComm:
         for stream, arrays in sends.items():
             for index, (send, recv) in enumerate(zip(arrays, recvs[stream])):
                 tag = self._tag(stream, index)
-                self._requests.append(self.comm.Irecv(_message(recv, pad), source=self.recv_rank[stream], tag=tag))
-                self._requests.append(self.comm.Isend(_message(send, pad), dest=self.send_rank[stream], tag=tag))
+                self._requests.append(self.comm.Irecv(self._message(recv, pad), source=self.recv_rank[stream], tag=tag))
+                self._requests.append(self.comm.Isend(self._message(send, pad), dest=self.send_rank[stream], tag=tag))
                 self.bytes_sent += payload_bytes(send, pad)
                 self.messages += 1
+
+    def _message(self, a, pad):
+        """MPI buffer of ``a`` (..., rows, n) without its last ``pad`` rows per leading index.
+
+        For the ring's [k | 1]^T blocks: the D*n data values of every head are
+        contiguous, so the message is one MPI vector of big contiguous pieces.
+        """
+        a = mpi_view(a)
+        if not pad:
+            return a
+        count, width, n = a.size // (a.shape[-2] * a.shape[-1]), a.shape[-2], a.shape[-1]
+        key = (a.dtype.char, count, (width - pad) * n, width * n)
+        if key not in self._types:
+            self._types[key] = MPI._typedict[a.dtype.char].Create_vector(count, (width - pad) * n, width * n).Commit()
+        return [a, 1, self._types[key]]
 
     def progress(self):
         """Let MPI advance pending transfers (call between compute tiles)."""
@@ -89,41 +106,26 @@ class RingComm:
         self._requests = []
 
     def free(self):
-        """Release the private communicator, or abandon it if transfers are still pending.
+        """Release the private communicator and the datatypes, or abandon them if transfers are still pending.
 
         Pending transfers exist only on an error path (another rank failed or
         stalled). They are never cancelled (cancelling a pending send crashed
-        MPICH) nor freed: the requests, their buffers and the communicator are
-        kept alive in ``ABANDONED`` for the life of the process, so MPI can
-        never touch freed memory, and the caller's error propagates.
+        MPICH) nor freed: the requests, their buffers, the datatypes and the
+        communicator are kept alive in ``ABANDONED`` for the life of the
+        process, so MPI can never touch freed memory, and the caller's error
+        propagates. Returns whether everything was freed.
         """
         if self._requests and not completed(self._requests):
-            abandon((self.comm, self._requests, getattr(self, "_types", None)))
-            self._requests = []
+            abandon((self.comm, self._requests, self._types))  # the datatypes too: pending transfers use them
+            self._requests, self._types = [], {}
             return False
         self._requests = []
         if self.comm != MPI.COMM_NULL:
             self.comm.Free()
+        for datatype in self._types.values():
+            datatype.Free()
+        self._types = {}
         return True
-
-
-_vector_types = {}
-
-
-def _message(a, pad):
-    """MPI buffer of ``a`` (..., rows, n) without its last ``pad`` rows per leading index.
-
-    For the ring's [k | 1]^T blocks: the D*n data values of every head are
-    contiguous, so the message is one MPI vector of big contiguous pieces.
-    """
-    a = mpi_view(a)
-    if not pad:
-        return a
-    count, width, n = a.size // (a.shape[-2] * a.shape[-1]), a.shape[-2], a.shape[-1]
-    key = (a.dtype.char, count, (width - pad) * n, width * n)
-    if key not in _vector_types:
-        _vector_types[key] = MPI._typedict[a.dtype.char].Create_vector(count, (width - pad) * n, width * n).Commit()
-    return [a, 1, _vector_types[key]]
 
 
 class HomeRing(RingComm):
@@ -142,7 +144,6 @@ class HomeRing(RingComm):
         for stream, rounds in plan.rounds.items():  # the 'neighbours' are a stream's rounds away
             self.send_rank[stream] = (self.rank - stream * rounds) % self.size
             self.recv_rank[stream] = (self.rank + stream * rounds) % self.size
-        self._types = {}
 
     @staticmethod
     def _chunk_tag(stream, chunk, index):
@@ -174,12 +175,6 @@ class HomeRing(RingComm):
             self.messages += 1
         self.bytes_sent += sent
         return sent
-
-    def free(self):
-        if super().free():  # abandoned transfers may still use the datatypes: then they are kept too
-            for t in self._types.values():
-                t.Free()
-        self._types = {}
 
 
 def shift(ring, sends, recvs, rec, step, data="K/V", pad=0):
