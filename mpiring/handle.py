@@ -19,7 +19,6 @@ import contextlib
 
 import numpy as np
 
-from .backward import run_backward
 from .core.block import GRAD_DTYPE
 from .core.kernels import default_scale
 from .core.precision import Precision, compute_dtype, without_precision
@@ -40,11 +39,12 @@ from .mpi.checks import (
 from .mpi.comm import HomeRing, RingComm
 from .mpi.record import Record
 from .mpi.waits import exclusive, wait_until
-from .passq import chosen_rotation, rotate_problem
+from .parallel.backward import run_backward
+from .parallel.passq import chosen_rotation, rotate_problem
+from .parallel.ring import run_forward
 from .plans.heads import HybridPlan, grid_problem, heads_problem
 from .plans.layouts import LAYOUTS, shard, take_rows
 from .plans.plan import MODES
-from .ring import run_forward
 
 __all__ = ["Ring", "Lse", "ring_attention", "ring_attention_backward"]
 
@@ -129,7 +129,7 @@ class Ring:
         try:  # private duplicates: K/V; for a backward of the ring modes also dK/dV onward and dK/dV home
             self._rings.append(RingComm(comm, agreement_timeout(timeout)))
             if plan.mode == "double_ring":  # ranks per node, as MPI placed them unless node_size says (collective)
-                from .double_ring import nodes_of
+                from .parallel.double_ring import nodes_of
 
                 self.plan = plan = nodes_of(plan, self._rings[0].comm, options.get("node_size"))
             if backward and plan.mode in MODES and plan.mode != "allgather" and not isinstance(plan, HybridPlan):
@@ -347,7 +347,7 @@ def ring_attention(
             groups (``mpiring.plans.heads.HybridPlan``); every rank holds the tokens ``layout`` gives it, as in
             every mode.
         rotate: what travels the ring: "kv" (K/V blocks), "q" (query blocks; K/V
-            stay and the partial results go home, ``mpiring.passq``; mode "ring"
+            stay and the partial results go home, ``mpiring.parallel.passq``; mode "ring"
             only), or "auto": whichever sends fewer bytes under the plan
             (``passq.plan_bytes``); the choice is in ``record.rotate``.
         timeout: seconds a rank may wait for the others (each transfer, a final

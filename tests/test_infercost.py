@@ -53,7 +53,7 @@ def test_cost_prints_the_inference_model():
 def test_the_plans_bytes_are_the_models():
     """``passq.plan_bytes`` (from a plan, what ``rotate="auto"`` uses) equals the formula of ``infercost``."""
     from mpiring import make_plan
-    from mpiring.passq import plan_bytes
+    from mpiring.parallel.passq import plan_bytes
 
     P, T, C = 4, 32, 96
     q_pos = [np.arange(C + r, C + T, P) for r in range(P)]

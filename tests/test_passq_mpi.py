@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 from mpiring import ring_attention, shard_indices
 from mpiring.mpi.record import Record
-from mpiring.passq import plan_bytes
+from mpiring.parallel.passq import plan_bytes
 from mpiring.testing import assert_attention_close, reference
 
 pytestmark = pytest.mark.mpi

@@ -16,7 +16,7 @@ import pytest
 from mpiring import distributed_attention, distributed_attention_backward, ring_attention
 from mpiring.core import block
 from mpiring.mpi.waits import CommTimeout
-from mpiring.ring import _slow_step_note
+from mpiring.parallel.ring import _slow_step_note
 
 from conftest import local, qkv
 

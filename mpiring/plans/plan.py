@@ -1,8 +1,8 @@
 """The ring schedule: which K/V block every rank processes at every step.
 
 A plan is pure data, computed the same way on every rank without any
-communication: the forward loop in ``mpiring.ring`` and the backward loop in
-``mpiring.backward`` just follow it. No MPI here. This module builds the ring
+communication: the forward loop in ``mpiring.parallel.ring`` and the backward loop in
+``mpiring.parallel.backward`` just follow it. No MPI here. This module builds the ring
 modes' plans (``ring_plan``); ``make_plan`` (``plans.make``) builds every mode's.
 
 Unidirectional ring (``mode="ring"``): at step s rank r holds the block of

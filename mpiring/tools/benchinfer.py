@@ -22,7 +22,7 @@ from mpi4py import MPI
 
 from mpiring import KVCache, Record, ring_attention
 from mpiring.cost.infercost import decode_time, meta_rule, prefill_time
-from mpiring.passq import chosen_rotation
+from mpiring.parallel.passq import chosen_rotation
 from mpiring.testing import TOLERANCE
 
 from .calibrate import calibrate

@@ -16,16 +16,16 @@ import time
 
 import numpy as np
 
-from .core import block
-from .core.block import GRAD_DTYPE, KEPT_OUT, add_grads, count_pairs
-from .core.precision import Precision
-from .core.tiles import filled
-from .mpi.buffers import Buffers, flat_blocks, next_buffers
-from .mpi.collectives import allgathered
-from .mpi.comm import shift
-from .mpi.waits import wait_until
-from .plans.heads import HybridPlan
-from .plans.plan import chunks_in_order, home_chunks, key_chunks
+from ..core import block
+from ..core.block import GRAD_DTYPE, KEPT_OUT, add_grads, count_pairs
+from ..core.precision import Precision
+from ..core.tiles import filled
+from ..mpi.buffers import Buffers, flat_blocks, next_buffers
+from ..mpi.collectives import allgathered
+from ..mpi.comm import shift
+from ..mpi.waits import wait_until
+from ..plans.heads import HybridPlan
+from ..plans.plan import chunks_in_order, home_chunks, key_chunks
 from .ring import agree_outcome
 
 __all__ = ["run_backward"]
@@ -171,17 +171,17 @@ def run_backward(arrays, plan, rings, scale, rec, timeout, pr, options=None):
     rec.wire_dtype = pr.wire.name
     counters = [(ring.bytes_sent, ring.messages, ring.wait_time) for ring in rings]
     dout, q, k, v, out, lse, delta = arrays
-    if isinstance(plan, HybridPlan):  # Ulysses in groups, the ring across them (mpiring.grid)
+    if isinstance(plan, HybridPlan):  # Ulysses in groups, the ring across them (mpiring.parallel.grid)
         from .grid import hybrid_backward
 
         dq, dk, dv = hybrid_backward(dout, q, k, v, out, lse, plan, rings[0].comm, options, scale, rec, timeout, pr)
     elif plan.mode == "allgather":
         dq, dk, dv = _allgather_backward(*arrays, plan, rings[0].comm, scale, rec, timeout, pr)
-    elif plan.mode == "ulysses":  # heads move, not K/V blocks (mpiring.ulysses)
+    elif plan.mode == "ulysses":  # heads move, not K/V blocks (mpiring.parallel.ulysses)
         from .ulysses import ulysses_backward
 
         dq, dk, dv = ulysses_backward(dout, q, k, v, lse, delta, plan, rings[0].comm, scale, rec, timeout, pr)
-    elif plan.mode == "double_ring":  # an inner ring per node, an outer ring across (mpiring.double_ring)
+    elif plan.mode == "double_ring":  # an inner ring per node, an outer ring across (mpiring.parallel.double_ring)
         from .double_ring import double_ring_backward
 
         dq, dk, dv = double_ring_backward(*arrays, plan, rings[0].comm, scale, rec, timeout, pr)

@@ -12,12 +12,12 @@ import time
 
 import numpy as np
 
-from .core import block
-from .core.block import GRAD_DTYPE, add_grads, count_pairs
-from .core.precision import Plain, Precision, Wire, compute_dtype
-from .mpi.buffers import mpi_view
-from .mpi.waits import wait_until
-from .plans.heads import kv_heads, query_heads
+from ..core import block
+from ..core.block import GRAD_DTYPE, add_grads, count_pairs
+from ..core.precision import Plain, Precision, Wire, compute_dtype
+from ..mpi.buffers import mpi_view
+from ..mpi.waits import wait_until
+from ..plans.heads import kv_heads, query_heads
 
 __all__ = ["exchange", "heads_out", "tokens_back", "result_dtypes", "ulysses_forward", "ulysses_backward"]
 

@@ -16,13 +16,13 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .core import block
-from .core.block import GRAD_DTYPE, add_grads, count_pairs
-from .core.precision import Precision
-from .cost.nodes import node_ids
-from .mpi.buffers import kv_slots, payload_bytes
-from .mpi.comm import RingComm
-from .plans.hierarchy import INNER, OUTER, double_ring_plan
+from ..core import block
+from ..core.block import GRAD_DTYPE, add_grads, count_pairs
+from ..core.precision import Precision
+from ..cost.nodes import node_ids
+from ..mpi.buffers import kv_slots, payload_bytes
+from ..mpi.comm import RingComm
+from ..plans.hierarchy import INNER, OUTER, double_ring_plan
 
 __all__ = ["nodes_of", "double_ring_forward", "double_ring_backward"]
 

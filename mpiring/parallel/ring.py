@@ -14,14 +14,14 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .core import block
-from .core.precision import Precision
-from .mpi.buffers import kv_slots, next_buffers
-from .mpi.collectives import allgathered
-from .mpi.comm import shift
-from .mpi.waits import CommTimeout, wait_until
+from ..core import block
+from ..core.precision import Precision
+from ..mpi.buffers import kv_slots, next_buffers
+from ..mpi.collectives import allgathered
+from ..mpi.comm import shift
+from ..mpi.waits import CommTimeout, wait_until
+from ..plans.heads import HybridPlan
 from .passq import passq_loop
-from .plans.heads import HybridPlan
 
 __all__ = ["run_forward", "agree_outcome"]
 
@@ -107,28 +107,28 @@ def run_forward(q, k, v, plan, ring, scale, rec, timeout, pr, options=None, rota
     ``pr``: the call's ``Precision`` (its wire codes what travels in every
     mode: K/V, or under pass-Q the query blocks); ``options``: the ring's
     (layout, mode, causal, window, cu_seqlens) for the grid's ring across
-    Ulysses groups; ``rotate``: "kv" or "q" (the pass-Q ring, ``mpiring.passq``). Fills
+    Ulysses groups; ``rotate``: "kv" or "q" (the pass-Q ring, ``mpiring.parallel.passq``). Fills
     ``rec`` (this call's events, bytes and times) and returns ``(out, lse)``.
     """
     rec.t0 = start = time.perf_counter()  # event times minus rec.t0 compare across ranks
     rec.wire_dtype, rec.rotate = pr.wire.name, rotate
     sent, messages, waited = ring.bytes_sent, ring.messages, ring.wait_time
-    if isinstance(plan, HybridPlan):  # Ulysses in groups, the ring across them (mpiring.grid)
+    if isinstance(plan, HybridPlan):  # Ulysses in groups, the ring across them (mpiring.parallel.grid)
         from .grid import hybrid_forward
 
         inner = dict(options or {}, rotate=rotate)  # the ring across the groups may pass the queries
         out, lse = hybrid_forward(q, k, v, plan, ring.comm, inner, scale, rec, timeout, pr)
     elif plan.mode == "allgather":
         out, lse = _allgather_loop(q, k, v, plan, ring.comm, scale, rec, timeout, pr)
-    elif plan.mode == "ulysses":  # heads move, not K/V blocks (mpiring.ulysses)
+    elif plan.mode == "ulysses":  # heads move, not K/V blocks (mpiring.parallel.ulysses)
         from .ulysses import ulysses_forward
 
         out, lse = ulysses_forward(q, k, v, plan, ring.comm, scale, rec, timeout, pr)
-    elif plan.mode == "double_ring":  # an inner ring per node, an outer ring across (mpiring.double_ring)
+    elif plan.mode == "double_ring":  # an inner ring per node, an outer ring across (mpiring.parallel.double_ring)
         from .double_ring import double_ring_forward
 
         out, lse = double_ring_forward(q, k, v, plan, ring, scale, rec, timeout, pr)
-    elif rotate == "q":  # the queries travel, K/V stay; the partial results go home (mpiring.passq)
+    elif rotate == "q":  # the queries travel, K/V stay; the partial results go home (mpiring.parallel.passq)
         out, lse = passq_loop(q, k, v, plan, ring, scale, rec, timeout, pr.wire)
         rec.bytes_sent += ring.bytes_sent - sent  # passq_loop counted the partials' bytes and messages home
         rec.messages += ring.messages - messages

@@ -24,14 +24,14 @@ import time
 
 import numpy as np
 
-from .core import block
-from .core.kernels import merge
-from .core.precision import Wire, compute_dtype, row_bytes
-from .mpi.buffers import Buffers, KVBuffers
-from .mpi.comm import shift
-from .mpi.waits import wait_until
-from .plans.heads import HybridPlan
-from .plans.plan import NEXT, Task
+from ..core import block
+from ..core.kernels import merge
+from ..core.precision import Wire, compute_dtype, row_bytes
+from ..mpi.buffers import Buffers, KVBuffers
+from ..mpi.comm import shift
+from ..mpi.waits import wait_until
+from ..plans.heads import HybridPlan
+from ..plans.plan import NEXT, Task
 
 __all__ = ["passq_loop", "ROTATE", "rotate_problem", "plan_bytes", "rank_bytes", "chosen_rotation", "q_rounds"]
 
