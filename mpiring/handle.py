@@ -39,9 +39,9 @@ from .mpi.checks import (
 from .mpi.comm import HomeRing, RingComm
 from .mpi.record import Record
 from .mpi.waits import exclusive, wait_until
-from .parallel.backward import run_backward
+from .parallel.double_ring import nodes_of
 from .parallel.passq import chosen_rotation, rotate_problem
-from .parallel.ring import run_forward
+from .parallel.run import run_backward, run_forward
 from .plans.heads import HybridPlan, grid_problem, heads_problem
 from .plans.layouts import LAYOUTS, shard, take_rows
 from .plans.plan import MODES
@@ -129,8 +129,6 @@ class Ring:
         try:  # private duplicates: K/V; for a backward of the ring modes also dK/dV onward and dK/dV home
             self._rings.append(RingComm(comm, agreement_timeout(timeout)))
             if plan.mode == "double_ring":  # ranks per node, as MPI placed them unless node_size says (collective)
-                from .parallel.double_ring import nodes_of
-
                 self.plan = plan = nodes_of(plan, self._rings[0].comm, options.get("node_size"))
             if backward and plan.mode in MODES and plan.mode != "allgather" and not isinstance(plan, HybridPlan):
                 self._rings += [RingComm(comm, agreement_timeout(timeout)), HomeRing(comm, plan,

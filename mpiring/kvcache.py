@@ -24,6 +24,7 @@ import time
 import numpy as np
 
 from .decode import decode_agreement, decode_timeout, local_partial, merge_partials, packed, unpacked
+from .handle import ring_attention
 from .mpi.agree import agree, check_comm
 from .mpi.checks import agreement_timeout, describe, timeout_problem, verdict
 from .mpi.collectives import allgather
@@ -152,8 +153,6 @@ class KVCache:
         Returns this rank's ``(out, lse)`` in the order of its rows. ``options``
         go to ``ring_attention`` (e.g. ``rotate``).
         """
-        from .handle import ring_attention
-
         if positions is None:
             with exclusive(self.comm):
                 total = sum(allgather(self.comm, int(np.shape(q)[-2]) if np.ndim(q) >= 2 else 0,

@@ -21,6 +21,7 @@ import numpy as np
 
 from .core.reference import definition_mask, dense_attention, dense_attention_backward
 from .core.threads import limited, node_threads
+from .plans.layouts import shard, shard_indices
 
 # and ``ring_comm``, made on first import (it needs pytest)
 __all__ = ["TOLERANCE", "AttentionProblem", "assert_attention_close", "attention_error", "attention_problems",
@@ -225,8 +226,6 @@ def __getattr__(name):
 
 def local_shards(arrays, comm, layout="contiguous"):
     """This rank's shards of full arrays (sequence on axis -2) and its token positions."""
-    from . import shard, shard_indices
-
     seq_len = arrays[0].shape[-2]
     pieces = [np.ascontiguousarray(shard(a, comm.Get_size(), comm.Get_rank(), layout)) for a in arrays]
     return pieces, shard_indices(seq_len, comm.Get_size(), comm.Get_rank(), layout)
