@@ -2,11 +2,12 @@
 
 Planning, the cost model, the kernels, the references and the one-process
 simulator need no MPI: ``import mpiring`` starts MPI only when an MPI-backed
-name (``ring_attention``, ``distributed_attention``, ...) is first used.
+name (``ring_attention``, ``distributed_attention``, ...) is first used, and
+changes nothing else in the process (no environment variables: the run/
+scripts set UCX's segment sizes where they start MPI, docs/mpi.md).
 """
 
 import importlib
-import os
 
 from .core.kernels import attention_block, attention_block_backward, merge
 from .core.reference import reference_attention, reference_attention_backward
@@ -19,15 +20,6 @@ from .plans.make import make_plan
 from .plans.masks import visible_keys
 from .plans.plan import MODES, Schedule, Task
 from .simulate import ring_attention_simulate, simulate
-
-# Over TCP, UCX (the mpich wheel's transport) sends a non-contiguous message, as the ring's K/V blocks are
-# (an MPI vector that leaves out the kernel's row of ones), as copied fragments of UCX_TCP_TX_SEG_SIZE,
-# 8 KB by default, a few per progress call: with slow tiles (a call every 16 ms) that moved 1.3 of a link's
-# 12.5 MB/s, and the rest waited for the end of the step (docs/cluster.md). 1 MB fragments keep it busy. UCX reads
-# them when MPI starts, so they are set on import (none of the imports above starts MPI); the user's own win.
-for _name in ("UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE"):
-    os.environ.setdefault(_name, "1m")
-del _name
 
 # MPI-backed names: module that defines each, imported on first use (PEP 562)
 _LAZY = {
