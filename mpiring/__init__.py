@@ -2,37 +2,30 @@
 
 Planning, the cost model, the kernels, the references and the one-process
 simulator need no MPI: ``import mpiring`` starts MPI only when an MPI-backed
-name (``ring_attention``, ``distributed_attention``, ...) is first used.
+name (``ring_attention``, ``distributed_attention``, ...) is first used, and
+changes nothing else in the process (no environment variables: the run/
+scripts set UCX's segment sizes where they start MPI, docs/mpi.md).
 """
 
 import importlib
-import os
 
-from .balancers import balance
-from .costmodel import predicted_backward_bytes, predicted_bytes_sent, ring_attention_context_parallel
-from .kernels import attention_block, attention_block_backward, merge
-from .layouts import LAYOUTS, shard, shard_indices, unshard
-from .masks import visible_keys
-from .plan import MODES, Schedule, Task, make_plan
-from .record import Record
-from .reference import reference_attention, reference_attention_backward
+from .core.kernels import attention_block, attention_block_backward, merge
+from .core.reference import reference_attention, reference_attention_backward
+from .core.tiles import release_workspace
+from .cost.costmodel import predicted_backward_bytes, predicted_bytes_sent, ring_attention_context_parallel
+from .mpi.record import Record
+from .plans.balancers import balance
+from .plans.layouts import LAYOUTS, shard, shard_indices, unshard
+from .plans.make import make_plan
+from .plans.masks import visible_keys
+from .plans.plan import MODES, Schedule, Task
 from .simulate import ring_attention_simulate, simulate
-from .tiles import release_workspace
-
-# Over TCP, UCX (the mpich wheel's transport) sends a non-contiguous message, as the ring's K/V blocks are
-# (an MPI vector that leaves out the kernel's row of ones), as copied fragments of UCX_TCP_TX_SEG_SIZE,
-# 8 KB by default, a few per progress call: with slow tiles (a call every 16 ms) that moved 1.3 of a link's
-# 12.5 MB/s, and the rest waited for the end of the step (docs/cluster.md). 1 MB fragments keep it busy. UCX reads
-# them when MPI starts, so they are set on import (none of the imports above starts MPI); the user's own win.
-for _name in ("UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE"):
-    os.environ.setdefault(_name, "1m")
-del _name
 
 # MPI-backed names: module that defines each, imported on first use (PEP 562)
 _LAZY = {
     "ring_attention": "handle", "ring_attention_backward": "handle", "Ring": "handle", "Lse": "lse",
     "distributed_attention": "distributed", "distributed_attention_backward": "distributed",
-    "CommTimeout": "comm", "decode_attention": "decode", "KVCache": "kvcache",
+    "CommTimeout": "mpi.waits", "decode_attention": "decode", "KVCache": "kvcache",
 }
 
 __all__ = [

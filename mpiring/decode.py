@@ -31,20 +31,22 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .agree import (
+from .core.kernels import attention_block, default_scale
+from .mpi.agree import check_comm
+from .mpi.checks import (
     AUTO_BASE,
     AUTO_RATE,
     agreement_timeout,
-    check_comm,
     describe,
     logit_problem,
     scale_problem,
     timeout_problem,
     verdict,
 )
-from .comm import RingComm, allgather, exclusive, wait_until
-from .kernels import attention_block, default_scale
-from .record import Record
+from .mpi.collectives import allgather
+from .mpi.comm import RingComm
+from .mpi.record import Record
+from .mpi.waits import exclusive, wait_until
 
 __all__ = ["decode_attention", "MERGES", "lse_merge", "merge_partials", "local_partial", "decode_agreement",
            "decode_timeout"]

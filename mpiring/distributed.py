@@ -8,22 +8,17 @@ options for both the forward and the backward call.
 
 import numpy as np
 
-from .agree import (
-    agree,
-    agree_root,
-    check_comm,
-    describe,
-    local_problem,
-    resolve_timeout,
-    root_grad_problem,
-    root_problem,
-)
-from .comm import CommTimeout, gather, mpi_view, wait_until
+from .core.precision import without_precision
 from .handle import ring_attention, ring_attention_backward
-from .layouts import shard, unshard
-from .plan import Schedule, make_plan
-from .precision import without_precision
-from .record import Record
+from .mpi.agree import agree, agree_root, check_comm
+from .mpi.buffers import mpi_view
+from .mpi.checks import describe, local_problem, resolve_timeout, root_grad_problem, root_problem
+from .mpi.collectives import gather
+from .mpi.record import Record
+from .mpi.waits import CommTimeout, wait_until
+from .plans.layouts import shard, unshard
+from .plans.make import make_plan
+from .plans.plan import Schedule
 
 __all__ = ["distributed_attention", "distributed_attention_backward"]
 

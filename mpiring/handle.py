@@ -19,34 +19,32 @@ import contextlib
 
 import numpy as np
 
-from .agree import (
+from .core.block import GRAD_DTYPE
+from .core.kernels import default_scale
+from .core.precision import Precision, compute_dtype, without_precision
+from .core.threads import limited, threads_for, threads_problem
+from .core.tiles import release_workspace
+from .lse import Lse, lse_problem, made_by, mismatch, plan_options
+from .mpi.agree import check_call, check_comm, setup, setup_ring
+from .mpi.checks import (
     agreement_timeout,
     call_values,
-    check_call,
-    check_comm,
     describe,
     grad_problem,
     local_problem,
     logit_problem,
     peaks,
     resolve_timeout,
-    setup,
-    setup_ring,
 )
-from .backward import run_backward
-from .block import GRAD_DTYPE
-from .comm import HomeRing, RingComm, exclusive, wait_until
-from .heads import HybridPlan, grid_problem, heads_problem
-from .kernels import default_scale
-from .layouts import LAYOUTS, shard, take_rows
-from .lse import Lse, lse_problem, made_by, mismatch, plan_options
-from .passq import chosen_rotation, rotate_problem
-from .plan import MODES
-from .precision import Precision, compute_dtype, without_precision
-from .record import Record
-from .ring import run_forward
-from .threads import limited, threads_for, threads_problem
-from .tiles import release_workspace
+from .mpi.comm import HomeRing, RingComm
+from .mpi.record import Record
+from .mpi.waits import exclusive, wait_until
+from .parallel.double_ring import nodes_of
+from .parallel.passq import chosen_rotation, rotate_problem
+from .parallel.run import run_backward, run_forward
+from .plans.heads import HybridPlan, grid_problem, heads_problem
+from .plans.layouts import LAYOUTS, shard, take_rows
+from .plans.plan import MODES
 
 __all__ = ["Ring", "Lse", "ring_attention", "ring_attention_backward"]
 
@@ -82,7 +80,7 @@ class Ring:
         seq_axis: the sequence axis of q, k, v, out and dout (-2: ``(..., S, D)``;
             -3: flash-attn's ``(B, S, H, D)``). lse is always ``(..., H, S)``.
         threads: BLAS threads per rank inside every call: "auto" (the node's
-            cores shared among its ranks; ``mpiring.threads``), an int, or None
+            cores shared among its ranks; ``mpiring.core.threads``), an int, or None
             (leave BLAS alone).
 
     Construction is collective (one all-gather, and communicator duplicates
@@ -131,8 +129,6 @@ class Ring:
         try:  # private duplicates: K/V; for a backward of the ring modes also dK/dV onward and dK/dV home
             self._rings.append(RingComm(comm, agreement_timeout(timeout)))
             if plan.mode == "double_ring":  # ranks per node, as MPI placed them unless node_size says (collective)
-                from .double_ring import nodes_of
-
                 self.plan = plan = nodes_of(plan, self._rings[0].comm, options.get("node_size"))
             if backward and plan.mode in MODES and plan.mode != "allgather" and not isinstance(plan, HybridPlan):
                 self._rings += [RingComm(comm, agreement_timeout(timeout)), HomeRing(comm, plan,
@@ -330,10 +326,10 @@ def ring_attention(
         comm: an mpi4py communicator (default COMM_WORLD); one rank = one device.
         causal: token t attends only to tokens <= t.
         scale: softmax scale, default 1/sqrt(dim).
-        layout: "contiguous", "zigzag" or "striped" (see ``mpiring.layouts``).
-        mode: "ring", "bidirectional" or "allgather" (see ``mpiring.plan``); "ulysses": heads move by
-            all-to-all (``mpiring.heads``); "double_ring": an inner ring per node, an outer ring across
-            nodes (``mpiring.hierarchy``).
+        layout: "contiguous", "zigzag" or "striped" (see ``mpiring.plans.layouts``).
+        mode: "ring", "bidirectional" or "allgather" (see ``mpiring.plans.plan``); "ulysses": heads move by
+            all-to-all (``mpiring.plans.heads``); "double_ring": an inner ring per node, an outer ring across
+            nodes (``mpiring.plans.hierarchy``).
         window: sliding window ``(left, right)`` as in flash-attn; -1 is unbounded.
         cu_seqlens: packed documents ``[0, end_0, end_1, ..., seq_len]`` (global positions).
         positions: global positions of this rank's q (and k, v) rows, any
@@ -346,10 +342,10 @@ def ring_attention(
             j // causal_block <= i // causal_block (frame-causal video masks).
         node_size: ranks per node for the double ring; None: as MPI places them (``COMM_TYPE_SHARED``).
         ulysses_size: u: Ulysses inside groups of u consecutive ranks, the ring ``mode`` across the P/u
-            groups (``mpiring.heads.HybridPlan``); every rank holds the tokens ``layout`` gives it, as in
+            groups (``mpiring.plans.heads.HybridPlan``); every rank holds the tokens ``layout`` gives it, as in
             every mode.
         rotate: what travels the ring: "kv" (K/V blocks), "q" (query blocks; K/V
-            stay and the partial results go home, ``mpiring.passq``; mode "ring"
+            stay and the partial results go home, ``mpiring.parallel.passq``; mode "ring"
             only), or "auto": whichever sends fewer bytes under the plan
             (``passq.plan_bytes``); the choice is in ``record.rotate``.
         timeout: seconds a rank may wait for the others (each transfer, a final
@@ -365,9 +361,9 @@ def ring_attention(
         expected_size: raise unless the communicator has this many ranks.
         seq_axis: the sequence axis of q, k, v and out (-3 for ``(B, S, H, D)``).
         threads: BLAS threads per rank during the call ("auto": the node's
-            cores shared among its ranks; ``mpiring.threads``), or None.
+            cores shared among its ranks; ``mpiring.core.threads``), or None.
         wire_dtype: "float16", "bfloat16" or "int8": K/V travel coded so (int8: with a
-            float32 scale per token and head), default the input dtype (``mpiring.precision``); in
+            float32 scale per token and head), default the input dtype (``mpiring.core.precision``); in
             every mode (Ulysses' and the grid's all-to-alls too); with ``rotate="q"`` the query
             blocks travel coded instead. What a rank holds itself is never coded.
         accumulate: "float64" (default), "float32" or "input": the running (out, lse)'s dtype.

@@ -23,11 +23,15 @@ import time
 
 import numpy as np
 
-from .agree import agree, agreement_timeout, check_comm, describe, timeout_problem, verdict
-from .comm import RingComm, allgather, exclusive
 from .decode import decode_agreement, decode_timeout, local_partial, merge_partials, packed, unpacked
-from .layouts import layout_positions
-from .record import Record
+from .handle import ring_attention
+from .mpi.agree import agree, check_comm
+from .mpi.checks import agreement_timeout, describe, timeout_problem, verdict
+from .mpi.collectives import allgather
+from .mpi.comm import RingComm
+from .mpi.record import Record
+from .mpi.waits import exclusive
+from .plans.layouts import layout_positions
 
 __all__ = ["KVCache", "PLACEMENTS", "QUANTIZE", "TILE", "ERROR_BOUND", "quantize"]
 
@@ -149,8 +153,6 @@ class KVCache:
         Returns this rank's ``(out, lse)`` in the order of its rows. ``options``
         go to ``ring_attention`` (e.g. ``rotate``).
         """
-        from .handle import ring_attention
-
         if positions is None:
             with exclusive(self.comm):
                 total = sum(allgather(self.comm, int(np.shape(q)[-2]) if np.ndim(q) >= 2 else 0,

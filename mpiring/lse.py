@@ -9,8 +9,8 @@ import hashlib
 
 import numpy as np
 
-from .agree import canonical, scale_problem
-from .kernels import default_scale
+from .core.kernels import default_scale
+from .mpi.checks import canonical, scale_problem
 
 __all__ = ["Lse", "made_by", "plan_options", "mismatch", "lse_problem"]
 

@@ -2,11 +2,11 @@
 
 import numpy as np
 
-from .block import accumulators, attend
-from .kernels import default_scale
-from .plan import make_plan
-from .precision import INPUT_DTYPES, Precision, canonical_precision
-from .record import Record
+from .core.block import accumulators, attend
+from .core.kernels import default_scale
+from .core.precision import INPUT_DTYPES, Precision, canonical_precision
+from .mpi.record import Record
+from .plans.make import make_plan
 
 __all__ = ["ring_attention_simulate", "simulate"]
 

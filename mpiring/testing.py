@@ -6,7 +6,7 @@
 - ``reference`` / ``reference_backward``: dense float64 attention and its gradients, with the mask
   written directly from the definitions (causal, sliding window, packed documents), grouped-query
   heads and arbitrary query/key positions (a rank's shard against the whole sequence): the
-  package's one plain reference (``mpiring.reference``), independent of ``mpiring.masks``, the
+  package's one plain reference (``mpiring.core.reference``), independent of ``mpiring.plans.masks``, the
   plan and the tiled kernels, so it can check them.
 - ``TOLERANCE`` and ``assert_attention_close``: one tolerance table, one assertion with a useful message.
 - ``ring_comm``: a pytest fixture over three communicators (COMM_WORLD, a duplicate, COMM_SELF).
@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .reference import definition_mask, dense_attention, dense_attention_backward
-from .threads import limited, node_threads
+from .core.reference import definition_mask, dense_attention, dense_attention_backward
+from .core.threads import limited, node_threads
+from .plans.layouts import shard, shard_indices
 
 # and ``ring_comm``, made on first import (it needs pytest)
 __all__ = ["TOLERANCE", "AttentionProblem", "assert_attention_close", "attention_error", "attention_problems",
@@ -69,7 +70,7 @@ def tolerance(dtype, wire=None):
 def dense_mask(q_positions, k_positions, *, causal=False, window=None, cu_seqlens=None, causal_block=None):
     """Boolean (len(q_positions), len(k_positions)) mask: True where query i may see key j.
 
-    Straight from the definitions (``mpiring.reference.definition_mask``), with i, j global
+    Straight from the definitions (``mpiring.core.reference.definition_mask``), with i, j global
     token positions: causal: j <= i (causal_block F: j // F <= i // F); window (left, right), -1 unbounded (flash-attn):
     i - left <= j <= i + right; cu_seqlens [0, e1, ..., S]: i and j in the same document.
     """
@@ -100,7 +101,7 @@ def _prepare(q, k, v, q_positions, k_positions, mask_options):
 
 def reference(q, k, v, *, causal=False, window=None, cu_seqlens=None, q_positions=None, k_positions=None,
               scale=None, causal_block=None):
-    """Dense attention in float64: ``(out, lse)`` (``mpiring.reference.dense_attention``).
+    """Dense attention in float64: ``(out, lse)`` (``mpiring.core.reference.dense_attention``).
 
     q (..., Hq, Sq, D), k (..., Hk, Sk, D), v (..., Hk, Sk, Dv), Hq a multiple of Hk (head h uses
     K/V head h // (Hq/Hk)); 2-D (S, D) arrays work too. ``q_positions`` / ``k_positions`` are the
@@ -121,7 +122,7 @@ def reference_backward(dout, q, k, v, *, causal=False, window=None, cu_seqlens=N
 
     dP = dout v^T, dS = P * (dP - rowsum(dout * out)), dq = scale dS k, dk = scale dS^T q, dv = P^T dout;
     grouped-query K/V gradients are summed over the query heads that share them
-    (``mpiring.reference.dense_attention_backward``).
+    (``mpiring.core.reference.dense_attention_backward``).
     """
     mask = _prepare(q, k, v, q_positions, k_positions, dict(causal=causal, window=window, cu_seqlens=cu_seqlens,
                                                             causal_block=causal_block))
@@ -225,8 +226,6 @@ def __getattr__(name):
 
 def local_shards(arrays, comm, layout="contiguous"):
     """This rank's shards of full arrays (sequence on axis -2) and its token positions."""
-    from . import shard, shard_indices
-
     seq_len = arrays[0].shape[-2]
     pieces = [np.ascontiguousarray(shard(a, comm.Get_size(), comm.Get_rank(), layout)) for a in arrays]
     return pieces, shard_indices(seq_len, comm.Get_size(), comm.Get_rank(), layout)

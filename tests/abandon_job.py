@@ -12,7 +12,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mpiring
-from mpiring import block
+from mpiring.core import block
 
 
 def main(which):

@@ -7,12 +7,12 @@ import sys
 
 from mpi4py import MPI
 
-import mpiring.block
+import mpiring.core.block
 from mpiring.__main__ import main
 
 if __name__ == "__main__":
     if MPI.COMM_WORLD.Get_rank() == 1:
-        real, calls = mpiring.block.attend, [0]
+        real, calls = mpiring.core.block.attend, [0]
 
         def attend(*args, **kwargs):
             calls[0] += 1
@@ -21,5 +21,5 @@ if __name__ == "__main__":
                 sys.exit(3)
             return real(*args, **kwargs)
 
-        mpiring.block.attend = attend
+        mpiring.core.block.attend = attend
     sys.exit(main(["run", *sys.argv[1:]]))

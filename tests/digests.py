@@ -41,7 +41,7 @@ def digest(a):
 
 def cases(comm):
     import mpiring
-    from mpiring.precision import named_dtype
+    from mpiring.core.precision import named_dtype
 
     P, rank = comm.size, comm.rank
     S = 9 * P + 4

@@ -37,7 +37,7 @@ def _job(case):
     from mpi4py import MPI
 
     import mpiring
-    from mpiring import block
+    from mpiring.core import block
 
     world = MPI.COMM_WORLD
     rank, P = world.Get_rank(), world.Get_size()

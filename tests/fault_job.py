@@ -9,7 +9,7 @@ with ``os._exit(3)``, or ``sleep`` forever. ``--where step`` (default) injects
 it when that rank starts computing block number ``--step`` of the ring (with
 mode ring one block per step, so the block number is the step); ``--where
 setup`` injects it before the rank calls ``ring_attention``. The ring itself
-wraps the public hook ``mpiring.block.attend`` in its own process.
+wraps the public hook ``mpiring.core.block.attend`` in its own process.
 
 Library mode (default) runs ``ring_attention`` on seeded shards with
 ``--timeout`` and writes each rank's outcome (``ok`` or ``ExceptionType:
@@ -27,7 +27,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-import mpiring.block
+import mpiring.core.block
 from mpiring import ring_attention, shard
 
 
@@ -46,7 +46,7 @@ def _inject(fault, rank):
 
 def _patch(fault, at):
     """Make this rank fail when it starts computing block ``at`` of the ring."""
-    real, calls = mpiring.block.attend, [0]
+    real, calls = mpiring.core.block.attend, [0]
 
     def compute(*args, **kwargs):
         if calls[0] == at:
@@ -54,7 +54,7 @@ def _patch(fault, at):
         calls[0] += 1
         return real(*args, **kwargs)
 
-    mpiring.block.attend = compute
+    mpiring.core.block.attend = compute
 
 
 def _library(args, comm):

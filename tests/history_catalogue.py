@@ -26,7 +26,7 @@ import traceback
 import numpy as np
 
 import mpiring
-from mpiring import block
+from mpiring.core import block
 from mpiring.testing import reference, reference_backward, tolerance
 
 HALF = importlib.util.find_spec("ml_dtypes") is not None
@@ -137,7 +137,7 @@ def ring(name, seed, S, hq, hk, d, dtype, layout="contiguous", backward=False, s
 def long_sizes(P):
     """Sequence lengths whose shards exceed the kernels' default tiles at P ranks: every shard of the first
     holds more than float64's 256-row query tile (and its blocks more than a 256-key tile); every K/V block
-    of the second more than float32's 256-key tile (``mpiring.tiles.default_tiles``)."""
+    of the second more than float32's 256-key tile (``mpiring.core.tiles.default_tiles``)."""
     return 260 * P + 3, 300 * P + 1
 
 

@@ -22,6 +22,8 @@ import subprocess
 MPIEXEC = shutil.which("mpiexec")
 OPEN_MPI = re.compile(r"open mpi|openrte", re.I)  # "mpiexec (Open MPI) 5.0.3", "mpiexec (OpenRTE) 4.1.4"
 ROOT_VARIABLES = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+# UCX's TCP fragments of a non-contiguous message, as run/_mpiexec sets them (unless set already)
+UCX_SEGMENTS = {"UCX_TCP_TX_SEG_SIZE": "1m", "UCX_TCP_RX_SEG_SIZE": "1m"}
 
 # Set by a launcher for the job it started: MPICH's Hydra (PMI_RANK, PMI_FD,
 # HYDI_CONTROL_FD, MPI_LOCALRANKID, ...), PMIx, the MPIR debugger interface, and
@@ -74,9 +76,12 @@ def mpiexec_argv(n, *args):
 
 def clean_env(environ=None, **extra):
     """A fresh launch's environment: ``environ`` (default os.environ) without a
-    parent launch's variables, with Open MPI's root permission if needed, and ``extra``."""
+    parent launch's variables, with UCX's segment sizes unless set, Open MPI's root permission if needed,
+    and ``extra``."""
     environ = os.environ if environ is None else environ
     env = {k: v for k, v in environ.items() if not k.startswith(JOB_PREFIXES)}
+    for name, value in UCX_SEGMENTS.items():
+        env.setdefault(name, value)
     if MPIEXEC is not None and open_mpi():
         env.update(flags("Open MPI", os.geteuid())[1])
     env.update(extra)

@@ -14,8 +14,8 @@ plan. Returns the forward and backward records.
 import numpy as np
 
 from mpiring import Record, ring_attention, ring_attention_backward, shard_indices
-from mpiring.nodes import predicted_bytes
-from mpiring.reference import definition_mask, dense_attention
+from mpiring.core.reference import definition_mask, dense_attention
+from mpiring.cost.nodes import predicted_bytes
 
 from conftest import GRAD_TOL, naive_attention_backward
 

@@ -10,11 +10,12 @@ import warnings
 import numpy as np
 import pytest
 
-from mpiring import make_plan, predicted_backward_bytes, predicted_bytes_sent, tiles
-from mpiring import plan as plans
-from mpiring.kernels import attention_block, attention_block_backward
-from mpiring.masks import visible_keys
-from mpiring.reference import reference_attention_backward
+from mpiring import make_plan, predicted_backward_bytes, predicted_bytes_sent
+from mpiring.core import tiles
+from mpiring.core.kernels import attention_block, attention_block_backward
+from mpiring.core.reference import reference_attention_backward
+from mpiring.plans import plan as plans
+from mpiring.plans.masks import visible_keys
 
 from conftest import GRAD_TOL, SHAPES, dense_mask, naive_attention, qkv
 from launch import MPIEXEC, clean_env, mpiexec_argv

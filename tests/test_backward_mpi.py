@@ -146,7 +146,7 @@ def test_bad_input_raises_on_every_rank(comm, rng):
 @pytest.mark.parametrize("causal", [False, True])
 def test_blocks_shorter_than_the_home_chunks(comm, rng, layout, mode, causal):
     """Shards of 2 or 3 tokens: the hop home is cut into 2 chunks on every rank, gradients stay exact."""
-    from mpiring.plan import home_chunks
+    from mpiring.plans.plan import home_chunks
 
     S = 3 * comm.size - 1 if comm.size > 1 else 3
     Q, K, V, dOut = _problem(rng, S)
@@ -167,7 +167,7 @@ def test_blocks_shorter_than_the_home_chunks(comm, rng, layout, mode, causal):
                                                 ("zigzag", "bidirectional", True)])
 def test_hop_home_goes_in_key_chunks_while_computing(comm, rng, layout, mode, causal):
     """At a stream's last round each key chunk is sent home as soon as it is done, before the next one computes."""
-    from mpiring.plan import home_chunks, key_chunks
+    from mpiring.plans.plan import home_chunks, key_chunks
 
     S = 16 * comm.size + 3
     Q, K, V, dOut = _problem(rng, S)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from mpiring import balance, make_plan
-from mpiring.balancers import METHODS, imbalance, markdown_table, work
-from mpiring.reference import definition_mask
+from mpiring.core.reference import definition_mask
+from mpiring.plans.balancers import METHODS, imbalance, markdown_table, work
 
 # causal packed documents of very different lengths (one long, many short), and block-causal video
 DOCS = dict(causal=True, cu_seqlens=np.array([0, 9000, 9100, 12000, 12100, 12150, 16000, 16384]))

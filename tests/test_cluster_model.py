@@ -4,7 +4,7 @@ import pytest
 
 from mpiring import make_plan
 from mpiring.__main__ import main
-from mpiring.cluster_model import CLUSTERS, Cluster, cluster_time, compare_modes, emulated
+from mpiring.cost.cluster_model import CLUSTERS, Cluster, cluster_time, compare_modes, emulated
 
 SHAPE = dict(batch=1, hq=8, hk=8, dim=64, dim_v=64, itemsize=4)
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from mpiring import decode_attention
+from mpiring.core.kernels import merge
 from mpiring.decode import lse_merge, packed
-from mpiring.kernels import merge
 from mpiring.testing import assert_attention_close, reference
 
 pytestmark = pytest.mark.mpi

@@ -12,8 +12,8 @@ from modecheck import check_mode
 from modecheck import problem as _problem
 
 from mpiring import LAYOUTS, Record, ring_attention, ring_attention_backward, shard
-from mpiring.hierarchy import INNER, OUTER
-from mpiring.reference import dense_attention
+from mpiring.core.reference import dense_attention
+from mpiring.plans.hierarchy import INNER, OUTER
 
 from conftest import GRAD_TOL, dense_mask, naive_attention_backward, tol
 

@@ -1,4 +1,4 @@
-"""The kernels' GEMM backends (mpiring.gemm): MKL's strided batches against np.matmul, and the kernels on each.
+"""The kernels' GEMM backends (mpiring.core.gemm): MKL's strided batches against np.matmul, and the kernels on each.
 
     python -m pytest -q tests/test_gemm.py
 
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from threadpoolctl import threadpool_limits
 
-from mpiring import gemm
-from mpiring.kernels import attention_block, attention_block_backward
-from mpiring.reference import reference_attention, reference_attention_backward
+from mpiring.core import gemm
+from mpiring.core.kernels import attention_block, attention_block_backward
+from mpiring.core.reference import reference_attention, reference_attention_backward
 
 from conftest import GEMM_BACKENDS
 

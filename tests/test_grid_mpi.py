@@ -12,7 +12,7 @@ from modecheck import check_mode, local
 from modecheck import problem as _problem
 
 from mpiring import LAYOUTS, ring_attention, ring_attention_backward, shard_indices
-from mpiring.reference import dense_attention
+from mpiring.core.reference import dense_attention
 
 from conftest import GRAD_TOL, dense_mask, naive_attention_backward, tol
 

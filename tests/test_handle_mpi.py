@@ -189,9 +189,9 @@ def test_blas_threads_limited_inside_calls_and_restored(comm, monkeypatch):
     """threads=2 inside every call (seen from the kernel), BLAS as it was afterwards."""
     from threadpoolctl import threadpool_info
 
-    from mpiring import block
+    from mpiring.core import block
 
-    def blas_threads():  # NumPy's BLAS; MKL, when mpiring.gemm loaded it, runs sequential whatever the limit
+    def blas_threads():  # NumPy's BLAS; MKL, when mpiring.core.gemm loaded it, runs sequential whatever the limit
         return [p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas" and p["internal_api"] != "mkl"]
 
     before = blas_threads()
@@ -215,7 +215,7 @@ def test_blas_threads_limited_inside_calls_and_restored(comm, monkeypatch):
 
 def _fail_inside(ring, q, k, v, monkeypatch):
     """A forward call that raises KeyboardInterrupt inside the ring, from ``block.attend``."""
-    from mpiring import block
+    from mpiring.core import block
 
     def boom(*args, **kwargs):
         raise KeyboardInterrupt
@@ -241,7 +241,7 @@ def test_forward_only_handle_refuses_backward_after_failure(comm, monkeypatch):
 
 def _kept():
     """Names of the ring's buffers this thread keeps between calls."""
-    from mpiring import tiles
+    from mpiring.core import tiles
 
     return {name for name, _ in getattr(tiles._workspace, "bufs", {}) if name.startswith(("ring.", "bwd."))}
 

@@ -8,8 +8,8 @@ import pytest
 
 from mpiring import LAYOUTS, make_plan
 from mpiring.__main__ import main
-from mpiring.heads import heads_problem, kv_heads, query_heads
-from mpiring.nodes import predicted_bytes
+from mpiring.cost.nodes import predicted_bytes
+from mpiring.plans.heads import heads_problem, kv_heads, query_heads
 
 from launch import MPIEXEC, clean_env, mpiexec_argv
 
@@ -92,7 +92,7 @@ def test_run_verifies(extra):
 def test_the_grid_plan():
     """u = 2 over P = 4, zigzag: every rank holds its zigzag shard; a group's tokens are its 2 members'."""
     from mpiring import shard_indices
-    from mpiring.heads import sequence_pairs
+    from mpiring.plans.heads import sequence_pairs
 
     plan = make_plan(40, 4, layout="zigzag", causal=True, ulysses_size=2)
     assert [list(s) for s in plan.shards] == [list(shard_indices(40, 4, r, "zigzag")) for r in range(4)]

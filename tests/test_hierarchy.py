@@ -4,8 +4,8 @@ import pytest
 
 from mpiring import make_plan
 from mpiring.__main__ import main
-from mpiring.hierarchy import INNER, OUTER
-from mpiring.nodes import inter_node_bytes, node_ids, predicted_bytes, traffic
+from mpiring.cost.nodes import inter_node_bytes, node_ids, predicted_bytes, traffic
+from mpiring.plans.hierarchy import INNER, OUTER
 
 SHAPE = dict(batch=1, hq=4, hk=2, dim=8, dim_v=8, itemsize=4)
 

@@ -61,8 +61,8 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 
 import mpiring
+from mpiring.core.tiles import default_tiles
 from mpiring.testing import attention_error
-from mpiring.tiles import default_tiles
 
 from history_catalogue import HALF, RAISERS, TORCH, bits, build, dtype_of, long_sizes, results, run_fresh
 

@@ -1,4 +1,4 @@
-"""The inference time model (``mpiring.infercost``): decode merges, prefill rotations, and ``cost`` printing them."""
+"""The inference time model (``mpiring.cost.infercost``): decode merges, prefill rotations, ``cost`` printing them."""
 
 import contextlib
 import io
@@ -6,8 +6,8 @@ import io
 import numpy as np
 import pytest
 
-from mpiring.costmodel import Machine
-from mpiring.infercost import _crossover, choose_rotate, decode_time, meta_rule, prefill_bytes, prefill_time
+from mpiring.cost.costmodel import Machine
+from mpiring.cost.infercost import _crossover, choose_rotate, decode_time, meta_rule, prefill_bytes, prefill_time
 from mpiring.tools.cli_plan import cost
 
 LINK = Machine("test", 1e12, 1e-5, 1e10)
@@ -53,7 +53,7 @@ def test_cost_prints_the_inference_model():
 def test_the_plans_bytes_are_the_models():
     """``passq.plan_bytes`` (from a plan, what ``rotate="auto"`` uses) equals the formula of ``infercost``."""
     from mpiring import make_plan
-    from mpiring.passq import plan_bytes
+    from mpiring.parallel.passq import plan_bytes
 
     P, T, C = 4, 32, 96
     q_pos = [np.arange(C + r, C + T, P) for r in range(P)]

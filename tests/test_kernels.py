@@ -5,9 +5,9 @@ import warnings
 import numpy as np
 import pytest
 
-from mpiring.kernels import attention_block, merge, pad_ones
-from mpiring.masks import visible_keys
-from mpiring.reference import reference_attention
+from mpiring.core.kernels import attention_block, merge, pad_ones
+from mpiring.core.reference import reference_attention
+from mpiring.plans.masks import visible_keys
 
 from conftest import SHAPES, dense_mask, naive_attention, qkv, tol
 
@@ -143,7 +143,7 @@ def test_merge_into_needs_a_view(rng):
 
 def test_a_window_visits_only_its_key_tiles():
     """With a sliding window over a long block, row_block looks at the few key tiles the rows see, not all."""
-    from mpiring.tiles import Tiles
+    from mpiring.core.tiles import Tiles
 
     sk, tk, window = 1 << 20, 256, 300
     rows = np.arange(sk)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from mpiring import attention_block, ring_attention, ring_attention_backward
-from mpiring.kernels import LSE_LIMIT
+from mpiring.core.kernels import LSE_LIMIT
 
 from conftest import dense_mask, local, naive_attention
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from mpiring.layouts import LAYOUTS, block_range, shard, shard_indices, unshard
+from mpiring.plans.layouts import LAYOUTS, block_range, shard, shard_indices, unshard
 
 
 def test_block_range_covers_everything_once():

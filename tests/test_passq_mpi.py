@@ -13,8 +13,8 @@ import pytest
 from mpi4py import MPI
 
 from mpiring import ring_attention, shard_indices
-from mpiring.passq import plan_bytes
-from mpiring.record import Record
+from mpiring.mpi.record import Record
+from mpiring.parallel.passq import plan_bytes
 from mpiring.testing import assert_attention_close, reference
 
 pytestmark = pytest.mark.mpi
@@ -101,7 +101,7 @@ def test_pass_q_takes_half_inputs(comm, dtype):
     """Half queries travel as they are and compute in float32; lse comes back in float32, as the K/V ring's;
     the backward takes the same options (rotate included) and gives the K/V ring's gradients."""
     from mpiring import ring_attention_backward
-    from mpiring.precision import named_dtype
+    from mpiring.core.precision import named_dtype
     from mpiring.testing import reference_backward, tolerance
 
     half = named_dtype(dtype)

@@ -11,8 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-from mpiring.kernels import LOG2E
-from mpiring.tiles import pad_ones
+from mpiring.core.kernels import LOG2E
+from mpiring.core.tiles import pad_ones
 from mpiring.tools.percore import kernel_steps
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import mpiring
-from mpiring.precision import Plain, Precision, Wire, canonical_precision, named_dtype, row_bytes
+from mpiring.core.precision import Plain, Precision, Wire, canonical_precision, named_dtype, row_bytes
 from mpiring.testing import assert_attention_close, reference, tolerance
 
 from launch import MPIEXEC, clean_env, mpiexec_argv

@@ -23,7 +23,7 @@ from mpiring import (
     ring_attention_backward,
     ring_attention_context_parallel,
 )
-from mpiring.precision import named_dtype
+from mpiring.core.precision import named_dtype
 from mpiring.testing import assert_attention_close, reference, reference_backward
 
 from conftest import local

@@ -13,9 +13,10 @@ import time
 import numpy as np
 import pytest
 
-from mpiring import block, distributed_attention, distributed_attention_backward, ring_attention
-from mpiring.comm import CommTimeout
-from mpiring.ring import _slow_step_note
+from mpiring import distributed_attention, distributed_attention_backward, ring_attention
+from mpiring.core import block
+from mpiring.mpi.waits import CommTimeout
+from mpiring.parallel.ring import _slow_step_note
 
 from conftest import local, qkv
 
@@ -117,8 +118,8 @@ def test_empty_batch_is_a_clear_error(comm, rng):
 
 
 def test_the_default_timeout_is_auto_and_scales_with_the_work(comm):
-    from mpiring.agree import AUTO_BASE, AUTO_RATE, resolve_timeout
-    from mpiring.plan import make_plan
+    from mpiring import make_plan
+    from mpiring.mpi.checks import AUTO_BASE, AUTO_RATE, resolve_timeout
 
     plan = make_plan(4096 * comm.size, comm.size, causal=True, layout="zigzag")
     t = resolve_timeout("auto", plan, batch_heads=8, dim=64)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mpiring.plan import make_plan
+from mpiring import make_plan
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 5])

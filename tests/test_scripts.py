@@ -62,6 +62,20 @@ def test_run_env_and_launch_agree_on_flags(tmp_path, name, uid):
         assert flags == [] and variables == {}
 
 
+@pytest.mark.parametrize("given", [None, "64k"])
+def test_run_env_and_launch_agree_on_ucx_segments(given):
+    """UCX's TCP segment sizes: set where MPI is started (run/_mpiexec, tests/launch.py), a value given kept."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_TCP_")}
+    if given:
+        env["UCX_TCP_TX_SEG_SIZE"] = given
+    done = subprocess.run(["bash", "-c", f'source "{RUN}/_mpiexec"; printf "%s\\n" "$UCX_TCP_TX_SEG_SIZE" '
+                           '"$UCX_TCP_RX_SEG_SIZE"'], capture_output=True, text=True, env=env, timeout=30)
+    assert done.returncode == 0, done.stderr
+    tx, rx = done.stdout.splitlines()
+    launched = clean_env(env)
+    assert (tx, rx) == (launched["UCX_TCP_TX_SEG_SIZE"], launched["UCX_TCP_RX_SEG_SIZE"]) == (given or "1m", "1m")
+
+
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
 def test_launch_uses_the_mpiexec_on_path_as_run_env_does():
     done = subprocess.run(["bash", "-c", f'source "{RUN}/_mpiexec"; printf "%s\\n" "${{MPIEXEC[@]}}"'],
@@ -100,7 +114,7 @@ def test_clean_env_drops_a_parent_launch_and_keeps_settings():
     }
     env = clean_env(parent, EXTRA="yes")
     kept = {"PATH", "HOME", "OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "OMPI_MCA_btl",
-            "OMPI_MCA_btl_vader_single_copy_mechanism", "EXTRA"}
+            "OMPI_MCA_btl_vader_single_copy_mechanism", "EXTRA", "UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE"}
     assert set(env) == kept
     assert env["OMPI_ALLOW_RUN_AS_ROOT"] == "1" and env["EXTRA"] == "yes"
 

@@ -17,7 +17,8 @@ import itertools
 import numpy as np
 import pytest
 
-from mpiring import LAYOUTS, MODES, kernels, reference_attention, ring_attention, ring_attention_backward, tiles
+from mpiring import LAYOUTS, MODES, reference_attention, ring_attention, ring_attention_backward
+from mpiring.core import kernels, tiles
 
 from conftest import GRAD_TOL, dense_mask, local, naive_attention, naive_attention_backward
 

@@ -71,7 +71,7 @@ def test_every_variant_equals_reference(rng, layout, mode, causal, window, cu, P
 def test_positions_and_frame_causal_blocks(mode):
     """Random uneven unsorted positions and a frame-causal window, against the reference mask."""
     from mpiring import balance
-    from mpiring.reference import definition_mask
+    from mpiring.core.reference import definition_mask
 
     rng = np.random.default_rng(5)
     S = 45

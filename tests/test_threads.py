@@ -9,7 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from mpiring import block, ring_attention
+from mpiring import ring_attention
+from mpiring.core import block
 
 
 def test_a_second_thread_on_the_same_communicator_is_refused(monkeypatch):

@@ -8,7 +8,7 @@ import pytest
 
 from mpiring import make_plan
 from mpiring.__main__ import main
-from mpiring.costmodel import (
+from mpiring.cost.costmodel import (
     PRESETS,
     Machine,
     block_flops,

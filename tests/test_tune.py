@@ -1,4 +1,4 @@
-"""The tuning cache (mpiring.tune, ``python -m mpiring tune``): written, read back, used by the kernels' defaults.
+"""The tuning cache (``python -m mpiring tune``): written (core.tune), read back (core.machine), used by the kernels.
 
     python -m pytest -q tests/test_tune.py
 """
@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from mpiring import gemm, tune
-from mpiring.tiles import default_tiles
+from mpiring.core import gemm, machine, tune
+from mpiring.core.tiles import default_tiles
 
 
 @pytest.fixture
@@ -19,10 +19,10 @@ def cache(tmp_path, monkeypatch):
     """A cache file of this test's own; the module's memory of the cache forgotten before and after."""
     path = tmp_path / "tune.json"
     monkeypatch.setenv("MPIRING_TUNE_CACHE", str(path))
-    tune.cached.cache_clear()
+    machine.cached.cache_clear()
     gemm.backend.cache_clear()
     yield path
-    tune.cached.cache_clear()
+    machine.cached.cache_clear()
     gemm.backend.cache_clear()
 
 
@@ -33,7 +33,7 @@ def test_tune_writes_and_the_kernels_read(cache):
     bwd = tuple(entry["tiles"]["bwd"]["float32"]["8"])
     assert fwd in tune.candidates(np.float32) and bwd in tune.candidates(np.float32)
     data = json.loads(cache.read_text())
-    assert list(data) == [tune.machine_key()]
+    assert list(data) == [machine.machine_key()]
     assert default_tiles(8, np.float32) == fwd and default_tiles(8, np.float32, "bwd") == bwd
     assert default_tiles(64, np.float32) == fwd       # the nearest head dim tuned
     assert default_tiles(8, np.float64) == (256, 256)  # not tuned: the constants
@@ -42,20 +42,20 @@ def test_tune_writes_and_the_kernels_read(cache):
 
 def test_cache_keeps_other_machines_and_ignores_theirs(cache):
     cache.write_text(json.dumps({"another CPU": {"gemm": "numpy", "tiles": {"fwd": {"float32": {"64": [64, 64]}}}}}))
-    assert tune.cached() == {}
+    assert machine.cached() == {}
     assert default_tiles(64, np.float32) == (512, 256)
     tune._write({"gemm": "numpy", "tiles": {"fwd": {"float32": {"64": [1024, 128]}}}})
     data = json.loads(cache.read_text())
-    assert set(data) == {"another CPU", tune.machine_key()}
+    assert set(data) == {"another CPU", machine.machine_key()}
     assert default_tiles(64, np.float32) == (1024, 128)
 
 
 def test_cache_off_and_unreadable(cache, monkeypatch):
     cache.write_text("not json")
-    assert tune.cached() == {} and default_tiles(64, np.float32) == (512, 256)
+    assert machine.cached() == {} and default_tiles(64, np.float32) == (512, 256)
     monkeypatch.setenv("MPIRING_TUNE_CACHE", "off")
-    tune.cached.cache_clear()
-    assert tune.cache_path() is None and tune.cached() == {}
+    machine.cached.cache_clear()
+    assert machine.cache_path() is None and machine.cached() == {}
 
 
 def test_candidates_fill_the_same_bytes():

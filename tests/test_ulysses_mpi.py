@@ -14,8 +14,8 @@ from modecheck import check_mode
 from modecheck import problem as _problem
 
 from mpiring import LAYOUTS, distributed_attention, make_plan, ring_attention, ring_attention_backward, shard
-from mpiring.nodes import predicted_bytes
-from mpiring.reference import dense_attention
+from mpiring.core.reference import dense_attention
+from mpiring.cost.nodes import predicted_bytes
 
 from conftest import GRAD_TOL, dense_mask, naive_attention_backward, tol
 

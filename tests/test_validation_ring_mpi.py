@@ -6,9 +6,9 @@
 import numpy as np
 import pytest
 
-import mpiring.block
+import mpiring.core.block
 from mpiring import LAYOUTS, MODES, ring_attention, simulate
-from mpiring.comm import CAUSES, CommTimeout
+from mpiring.mpi.waits import CAUSES, CommTimeout
 
 from conftest import dense_mask, local, naive_attention, qkv
 
@@ -76,7 +76,7 @@ def test_fp32_error_at_world_size_within_2x_of_one_device(comm, layout):
 
 
 def _inject_raise(monkeypatch, at):
-    real, calls = mpiring.block.attend, [0]
+    real, calls = mpiring.core.block.attend, [0]
 
     def compute(*args, **kwargs):
         calls[0] += 1
@@ -84,7 +84,7 @@ def _inject_raise(monkeypatch, at):
             raise RuntimeError("injected failure")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(mpiring.block, "attend", compute)
+    monkeypatch.setattr(mpiring.core.block, "attend", compute)
 
 
 @pytest.mark.parametrize("mode", ["ring", "allgather"])

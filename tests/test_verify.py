@@ -3,7 +3,7 @@
     python -m pytest -q tests/test_verify.py
 
 The checker streams over seeded key blocks with an online softmax; the dense
-reference (mpiring.reference) builds whole score matrices. Both must agree to
+reference (mpiring.core.reference) builds whole score matrices. Both must agree to
 float64 rounding on every mask, with grouped-query heads, across block edges.
 """
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from mpiring import shard_indices
-from mpiring.reference import definition_mask, dense_attention, dense_attention_backward
+from mpiring.core.reference import definition_mask, dense_attention, dense_attention_backward
 from mpiring.tools import verify
 from mpiring.tools.verify import BLOCK, Inputs
 

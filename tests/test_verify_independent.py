@@ -4,16 +4,16 @@
 
 A broken mask inside the ring (here: windows ignored, or window ends that wrap
 around 64 bits as they once did) must make ``run`` report VERIFICATION FAILED,
-because the reference builds its mask from the definitions (mpiring.reference).
+because the reference builds its mask from the definitions (mpiring.core.reference).
 """
 
 import numpy as np
 import pytest
 
-from mpiring import masks
-from mpiring import plan as plans
 from mpiring.__main__ import main
-from mpiring.reference import definition_mask
+from mpiring.core.reference import definition_mask
+from mpiring.plans import masks
+from mpiring.plans import plan as plans
 
 
 def _ignore_window(q_pos, k_pos, *, causal=False, window=(-1, -1), cu_seqlens=None, causal_block=None):

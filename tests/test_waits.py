@@ -1,4 +1,4 @@
-"""How a rank waits (mpiring.comm.wait_until): after a short spin a wait sleeps between its polls, so a
+"""How a rank waits (mpiring.mpi.waits.wait_until): after a short spin a wait sleeps between its polls, so a
 rank waiting for a slower one leaves it the core; a wait for data also polls in bursts after each nap.
 
     python -m pytest -q tests/test_waits.py
@@ -10,7 +10,7 @@ import time
 import pytest
 from mpi4py import MPI
 
-from mpiring import comm
+from mpiring.mpi import waits
 
 
 def _done_after(seconds):
@@ -22,12 +22,12 @@ def _done_after(seconds):
 
 @pytest.fixture(autouse=True)
 def own_cores(monkeypatch):
-    monkeypatch.setattr(comm, "shares_cores", lambda: False)  # as with one rank per core
+    monkeypatch.setattr(waits, "shares_cores", lambda: False)  # as with one rank per core
 
 
 def _cpu_of_wait(seconds, sync):
     wall, cpu = time.perf_counter(), time.process_time()
-    comm.wait_until([_done_after(seconds)], 5.0, 0, "test wait", sync=sync)
+    waits.wait_until([_done_after(seconds)], 5.0, 0, "test wait", sync=sync)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     assert seconds - 0.05 < wall < seconds + 0.5
     return cpu
@@ -39,18 +39,18 @@ def test_a_long_wait_leaves_the_core():
     sync = _cpu_of_wait(1.0, True)
     data = _cpu_of_wait(1.0, False)
     assert sync < 0.1, sync
-    assert comm.SPIN_SECONDS * 0.8 < data < 0.8, data
+    assert waits.SPIN_SECONDS * 0.8 < data < 0.8, data
 
 
 def test_a_sleeping_wait_still_answers_quickly():
     """Naps double from 50 us to at most 1 ms: completion is seen within about a millisecond."""
     request = _done_after(0.3)
     start = time.perf_counter()
-    comm.wait_until([request], 5.0, 0, "test wait", sync=True)
+    waits.wait_until([request], 5.0, 0, "test wait", sync=True)
     assert time.perf_counter() - start < 0.3 + 0.02
 
 
 def test_timeout_still_raises():
-    with pytest.raises(comm.CommTimeout, match="test wait not complete after 0.2 s"):
-        comm.wait_until([_done_after(1.0)], 0.2, 0, "test wait", sync=True)
+    with pytest.raises(waits.CommTimeout, match="test wait not complete after 0.2 s"):
+        waits.wait_until([_done_after(1.0)], 0.2, 0, "test wait", sync=True)
     time.sleep(1.0)  # the request completes before the next test

@@ -19,9 +19,9 @@ import pytest
 from mpi4py import MPI
 
 from mpiring import Record, ring_attention, ring_attention_backward, shard_indices
-from mpiring.heads import query_heads
-from mpiring.nodes import predicted_bytes
-from mpiring.passq import plan_bytes, rank_bytes
+from mpiring.cost.nodes import predicted_bytes
+from mpiring.parallel.passq import plan_bytes, rank_bytes
+from mpiring.plans.heads import query_heads
 from mpiring.testing import assert_attention_close, reference, reference_backward
 
 pytestmark = pytest.mark.mpi

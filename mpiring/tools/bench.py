@@ -14,7 +14,7 @@ the kernel's scratch. Columns (see docs/performance.md):
 - GFLOP/s: forward 4*B*H*D*visible pairs; forward+backward 3.5x that
   (FlashAttention's count: 2 GEMMs forward, 5 backward).
 - limit: the same work at the single-core rate of the kernels' GEMMs
-  (``mpiring.gemm``: ``np.matmul``, or MKL's) on the GEMM shapes of a tile,
+  (``mpiring.core.gemm``: ``np.matmul``, or MKL's) on the GEMM shapes of a tile,
   plus the faster of ``np.exp``/``np.exp2`` on one exponential per visible
   pair (two for forward+backward), measured at the start of the run;
   the busiest rank's share of the pairs. ``%lim`` = limit / wall,
@@ -48,7 +48,6 @@ from threadpoolctl import threadpool_limits
 
 from mpiring import (
     Record,
-    gemm,
     make_plan,
     predicted_backward_bytes,
     predicted_bytes_sent,
@@ -56,8 +55,9 @@ from mpiring import (
     ring_attention,
     ring_attention_backward,
 )
-from mpiring.costmodel import format_wire_model
-from mpiring.precision import Precision, named_dtype
+from mpiring.core import gemm
+from mpiring.core.precision import Precision, named_dtype
+from mpiring.cost.costmodel import format_wire_model
 
 from .benchinfer import inference_rows
 from .benchtable import add_efficiency, format_header, format_long, format_table, format_targets, read_csv, write_csv

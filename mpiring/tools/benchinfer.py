@@ -21,8 +21,8 @@ import numpy as np
 from mpi4py import MPI
 
 from mpiring import KVCache, Record, ring_attention
-from mpiring.infercost import decode_time, meta_rule, prefill_time
-from mpiring.passq import chosen_rotation
+from mpiring.cost.infercost import decode_time, meta_rule, prefill_time
+from mpiring.parallel.passq import chosen_rotation
 from mpiring.testing import TOLERANCE
 
 from .calibrate import calibrate

@@ -11,7 +11,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from mpiring import attention_block
-from mpiring.costmodel import Machine, block_flops
+from mpiring.cost.costmodel import Machine, block_flops
 
 __all__ = ["calibrate", "NO_MPI_ALPHA"]
 

@@ -6,8 +6,8 @@ import time
 
 import numpy as np
 
-from mpiring.balancers import METHODS, balance, imbalance, work
-from mpiring.plan import ALL_MODES
+from mpiring.plans.balancers import METHODS, balance, imbalance, work
+from mpiring.plans.plan import ALL_MODES
 
 __all__ = ["command_parser", "heads_problem", "add_variant_args", "variant", "mode_text", "video", "held_positions",
            "balance_table",

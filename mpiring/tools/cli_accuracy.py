@@ -11,7 +11,7 @@ is float64 attention of those rounded inputs (``mpiring.testing.reference``).
 
 import numpy as np
 
-from mpiring.precision import ACCUMULATE, INPUT_DTYPES, WIRE_DTYPES, named_dtype
+from mpiring.core.precision import ACCUMULATE, INPUT_DTYPES, WIRE_DTYPES, named_dtype
 from mpiring.simulate import simulate
 from mpiring.testing import reference
 

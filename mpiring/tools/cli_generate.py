@@ -20,11 +20,11 @@ import time
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from mpiring.core.reference import dense_attention
+from mpiring.cost.infercost import decode_time
 from mpiring.decode import MERGES
-from mpiring.infercost import decode_time
 from mpiring.kvcache import ERROR_BOUND, KVCache
-from mpiring.record import Record
-from mpiring.reference import dense_attention
+from mpiring.mpi.record import Record
 from mpiring.testing import TOLERANCE
 
 from . import verify

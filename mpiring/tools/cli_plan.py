@@ -8,9 +8,15 @@ Each is ``(comm, args=None) -> exit code``; they ignore ``comm`` (pass None).
 """
 
 from mpiring import make_plan
-from mpiring.cluster_model import CLUSTERS, format_comparison
-from mpiring.costmodel import PRESETS, Machine, format_time_model, format_wire_model, ring_attention_context_parallel
-from mpiring.infercost import format_inference_model
+from mpiring.cost.cluster_model import CLUSTERS, format_comparison
+from mpiring.cost.costmodel import (
+    PRESETS,
+    Machine,
+    format_time_model,
+    format_wire_model,
+    ring_attention_context_parallel,
+)
+from mpiring.cost.infercost import format_inference_model
 
 from .calibrate import calibrate
 from .cli import add_variant_args, at_least, balance_table, command_parser, held_positions, mode_text, variant
@@ -81,7 +87,7 @@ def cost_parser():
     p.add_argument("--bandwidth", type=float, help="custom machine: bytes/s per direction")
     p.add_argument("--latency", type=float, default=10e-6, help="custom machine: seconds per transfer")
     p.add_argument("--cluster", choices=sorted(CLUSTERS), help="also compare ring, double ring and Ulysses on "
-                   "nodes of --node-size ranks with two link levels (mpiring.cluster_model)")
+                   "nodes of --node-size ranks with two link levels (mpiring.cost.cluster_model)")
     p.add_argument("--node-size", type=int, default=8, help="--cluster: ranks per node (must divide -P)")
     p.add_argument("--new-tokens", type=int, default=1, help="inference model: tokens per decode step")
     p.checks.append(at_least(1, **{"--seq-len": "seq_len", "-P/--ranks": "ranks", "--hidden": "hidden",
@@ -143,7 +149,7 @@ def _machines(args):
 
 
 def _inference_text(args):
-    """The inference model for ``cost``: decode tree vs ring, prefill pass-KV vs pass-Q (``mpiring.infercost``)."""
+    """The inference model for ``cost``: decode tree vs ring, prefill pass-KV vs pass-Q (``mpiring.cost.infercost``)."""
     dim = args.dim or args.hidden // args.heads
     return format_inference_model(args.seq_len, args.ranks, heads=args.heads, kv_heads=args.hidden // dim,
                                   head_dim=dim, batch=args.batch, bytes_per_element=args.bytes_per_element,

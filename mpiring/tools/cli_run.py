@@ -28,12 +28,12 @@ from mpiring import (
     ring_attention_backward,
     ring_attention_context_parallel,
 )
-from mpiring.heads import HEAD_MODES, HybridPlan, sequence_pairs
-from mpiring.layouts import layout_positions
-from mpiring.nodes import predicted_bytes
-from mpiring.plan import Schedule
-from mpiring.precision import ACCUMULATE, GRAD_WIRE_DTYPES, INPUT_DTYPES, WIRE_DTYPES, Precision, named_dtype
-from mpiring.record import Record
+from mpiring.core.precision import ACCUMULATE, GRAD_WIRE_DTYPES, INPUT_DTYPES, WIRE_DTYPES, Precision, named_dtype
+from mpiring.cost.nodes import predicted_bytes
+from mpiring.mpi.record import Record
+from mpiring.plans.heads import HEAD_MODES, HybridPlan, sequence_pairs
+from mpiring.plans.layouts import layout_positions
+from mpiring.plans.plan import Schedule
 
 from . import verify
 from .calibrate import calibrate
@@ -318,7 +318,7 @@ def _ring_modes(plan):
 
 def _predicted(args, plan, backward=False):
     """Bytes each rank sends, K/V on the run's wire and the partials in its gradient dtype: ring modes as the
-    cost model counts them, other modes as mpiring.nodes does."""
+    cost model counts them, other modes as mpiring.cost.nodes does."""
     pr, kv_width, wire_size = _wire(args)
     if not _ring_modes(plan):
         return predicted_bytes(plan, **_shape(args), itemsize=named_dtype(args.dtype).itemsize, backward=backward,

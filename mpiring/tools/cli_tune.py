@@ -5,14 +5,14 @@
     python -m mpiring tune --show            # the cached choice for this machine, timing nothing
 
 No MPI. Run it on an idle machine (the timings pick the winner); every later
-process on this machine reads the cache (``mpiring.tune``).
+process on this machine reads the cache (``mpiring.core.machine``).
 """
 
 import json
 
-from mpiring import gemm
-from mpiring.tune import cache_path, cached, machine_key
-from mpiring.tune import tune as run_tune
+from mpiring.core import gemm
+from mpiring.core.machine import cache_path, cached, machine_key
+from mpiring.core.tune import tune as run_tune
 
 from .cli import at_least, command_parser
 

@@ -19,7 +19,7 @@ import subprocess
 import sys
 
 from mpiring import make_plan
-from mpiring.cluster_model import cluster_time, emulated
+from mpiring.cost.cluster_model import cluster_time, emulated
 
 __all__ = ["measure", "main"]
 

@@ -35,7 +35,7 @@ def _blas_pools():
 def _tile_gemms(rng, n, d, dtype, mm=None):
     """The two forward GEMMs of one (n x n) attention tile with head dim ``d``, as a function to time.
 
-    ``mm``: a ``mpiring.gemm`` product (the kernels' backend); None: ``np.matmul``.
+    ``mm``: a ``mpiring.core.gemm`` product (the kernels' backend); None: ``np.matmul``.
     """
     q = rng.standard_normal((n, d), dtype=np.float32).astype(dtype)
     k = rng.standard_normal((n, d), dtype=np.float32).astype(dtype)
@@ -100,7 +100,7 @@ def blas_report(check_free=True):
 
 
 def measure_limits(dims, n=1024, repeats=5, dtype=np.float32):
-    """Single-core GEMM FLOP/s (the kernels' backend, ``mpiring.gemm``) and exponentials/s on one ``n`` x ``n`` tile.
+    """Single-core GEMM FLOP/s (the kernels' backend, ``core.gemm``) and exponentials/s on one ``n`` x ``n`` tile.
 
     For each head dim d: the two forward GEMMs of a tile, ``(n, d) @ (d, n)``
     and ``(n, n) @ (n, d)``, timed together (best of ``repeats``), and the faster
@@ -114,7 +114,7 @@ def measure_limits(dims, n=1024, repeats=5, dtype=np.float32):
     src = (rng.random((n, n), dtype=np.float32) * -16).astype(dtype)
     dst = np.empty_like(src)
     exp_rate, exp_fn = 0.0, "exp"
-    from mpiring import gemm  # here, not at the top: this file also runs as a script
+    from mpiring.core import gemm  # here, not at the top: this file also runs as a script
 
     with threadpool_limits(1, user_api="blas"):
         mm = gemm.product()  # the GEMMs the kernels use with one thread: NumPy's or MKL's

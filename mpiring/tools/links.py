@@ -14,8 +14,8 @@ import os
 
 import numpy as np
 
-from mpiring.hierarchy import INNER, OUTER
-from mpiring.nodes import inter_node_bytes, node_ids, traffic
+from mpiring.cost.nodes import inter_node_bytes, node_ids, traffic
+from mpiring.plans.hierarchy import INNER, OUTER
 
 from .cli import poll
 

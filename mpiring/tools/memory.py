@@ -2,10 +2,10 @@
 
 import math
 
-from mpiring.block import GRAD_DTYPE
-from mpiring.costmodel import ring_attention_context_parallel
-from mpiring.precision import Precision, named_dtype
-from mpiring.tiles import default_tiles
+from mpiring.core.block import GRAD_DTYPE
+from mpiring.core.precision import Precision, named_dtype
+from mpiring.core.tiles import default_tiles
+from mpiring.cost.costmodel import ring_attention_context_parallel
 
 __all__ = ["MB", "memory_model", "kernel_scratch", "running_mb"]
 

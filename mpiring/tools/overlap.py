@@ -21,7 +21,8 @@ from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
 from mpiring import Record, ring_attention
-from mpiring.comm import KVBuffers, RingComm
+from mpiring.mpi.buffers import KVBuffers
+from mpiring.mpi.comm import RingComm
 
 __all__ = ["transfer_time", "main"]
 

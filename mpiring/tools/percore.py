@@ -26,9 +26,9 @@ import types
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from mpiring import gemm
-from mpiring.kernels import LOG2E, attention_block
-from mpiring.tiles import default_tiles, pad_ones
+from mpiring.core import gemm
+from mpiring.core.kernels import LOG2E, attention_block
+from mpiring.core.tiles import default_tiles, pad_ones
 
 from .cli import at_least, command_parser
 from .limits import best_seconds, limit_seconds, measure_limits

@@ -7,7 +7,7 @@ Needs matplotlib: ``pip install -e ".[plot]"`` in the checkout (or ``pip install
 
 import numpy as np
 
-from mpiring.costmodel import time_model
+from mpiring.cost.costmodel import time_model
 
 from .trace import rank_events, step_table
 

@@ -1,6 +1,6 @@
 """A run in text: the timeline of every rank, and the time model's step times next to the measured ones."""
 
-from mpiring.costmodel import predict_plan
+from mpiring.cost.costmodel import predict_plan
 
 from .trace import rank_events, step_table
 

@@ -29,11 +29,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from mpiring.layouts import LAYOUTS, shard_indices
-from mpiring.plan import ALL_MODES, MODES
-from mpiring.precision import INPUT_DTYPES, WIRE_DTYPES, named_dtype
-from mpiring.record import Record
-from mpiring.reference import definition_mask, dense_attention, dense_attention_backward
+from mpiring.core.precision import INPUT_DTYPES, WIRE_DTYPES, named_dtype
+from mpiring.core.reference import definition_mask, dense_attention, dense_attention_backward
+from mpiring.mpi.record import Record
+from mpiring.plans.layouts import LAYOUTS, shard_indices
+from mpiring.plans.plan import ALL_MODES, MODES
 from mpiring.testing import attention_error, tolerance
 
 from .cli import Agreed, command_parser

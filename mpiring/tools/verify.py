@@ -11,7 +11,7 @@ rank can make any token's values without the others: each makes its own shard
 
 The check is an exact float64 computation from those inputs (rounded to the
 run's dtype, then widened), with the mask from its definition
-(``mpiring.reference.definition_mask``, never ``mpiring.masks`` or the plan) and
+(``mpiring.core.reference.definition_mask``, never ``mpiring.plans.masks`` or the plan) and
 the textbook softmax, written out below with an online max and sum over key
 blocks. It shares no code with the ring it checks. What it covers:
 
@@ -25,8 +25,8 @@ blocks. It shares no code with the ring it checks. What it covers:
 
 import numpy as np
 
-from mpiring.layouts import layout_positions, shard_indices
-from mpiring.reference import definition_mask
+from mpiring.core.reference import definition_mask
+from mpiring.plans.layouts import layout_positions, shard_indices
 from mpiring.testing import tolerance
 
 __all__ = ["BLOCK", "SAMPLE", "DKV_MAX_SEQ", "TOLERANCE", "run_tolerance", "Inputs", "sample_rows", "check_partition",

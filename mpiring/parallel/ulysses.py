@@ -3,7 +3,7 @@
     mpiexec -n 4 python -m mpiring run --mode ulysses --heads 8 --kv-heads 2 --causal --backward
 
 ``ring_attention`` and ``ring_attention_backward`` call these when the plan's
-mode is "ulysses" (``mpiring.heads`` has the plan, the head split and the
+mode is "ulysses" (``mpiring.plans.heads`` has the plan, the head split and the
 bytes). The blocks are the ring's: one key block per source rank, through
 ``block.attend`` and ``block.grads_of``; only the movement differs.
 """
@@ -12,11 +12,12 @@ import time
 
 import numpy as np
 
-from . import block
-from .block import GRAD_DTYPE, add_grads, count_pairs
-from .comm import mpi_view, wait_until
-from .heads import kv_heads, query_heads
-from .precision import Plain, Precision, Wire, compute_dtype
+from ..core import block
+from ..core.block import GRAD_DTYPE, add_grads, count_pairs
+from ..core.precision import Plain, Precision, Wire, compute_dtype
+from ..mpi.buffers import mpi_view
+from ..mpi.waits import wait_until
+from ..plans.heads import kv_heads, query_heads
 
 __all__ = ["exchange", "heads_out", "tokens_back", "result_dtypes", "ulysses_forward", "ulysses_backward"]
 

@@ -4,7 +4,7 @@
     run/cluster run -n 4 python -m mpiring run --mode double_ring --causal    # nodes from MPI
 
 ``ring_attention`` and ``ring_attention_backward`` call these when the plan's
-mode is "double_ring" (``mpiring.hierarchy`` has the plan: who holds which
+mode is "double_ring" (``mpiring.plans.hierarchy`` has the plan: who holds which
 block when, who sends what where). Blocks go through the ring's own code
 (``block.attend``, ``block.grads_of``) and move with ``RingComm``: one for
 the inner ring and one for the outer, each with its own neighbours. Every
@@ -16,12 +16,13 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from . import block
-from .block import GRAD_DTYPE, add_grads, count_pairs
-from .comm import RingComm, kv_slots, payload_bytes
-from .hierarchy import INNER, OUTER, double_ring_plan
-from .nodes import node_ids
-from .precision import Precision
+from ..core import block
+from ..core.block import GRAD_DTYPE, add_grads, count_pairs
+from ..core.precision import Precision
+from ..cost.nodes import node_ids
+from ..mpi.buffers import kv_slots, payload_bytes
+from ..mpi.comm import RingComm
+from ..plans.hierarchy import INNER, OUTER, double_ring_plan
 
 __all__ = ["nodes_of", "double_ring_forward", "double_ring_backward"]
 

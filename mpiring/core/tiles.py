@@ -1,6 +1,6 @@
 """The tiles of the attention kernels: shapes, mask tiles, scratch buffers, progress calls. No MPI.
 
-Shared by the forward and backward kernels (``mpiring.kernels``): how q, k, v
+Shared by the forward and backward kernels (``mpiring.core.kernels``): how q, k, v
 are viewed as (B, g, S, D) blocks, which (query tile, key tile) pairs a mask
 leaves, and the per-thread scratch buffers kept between calls.
 """
@@ -9,6 +9,8 @@ import threading
 import time
 
 import numpy as np
+
+from .machine import cached_tiles  # the tuning cache, read once per process
 
 __all__ = ["TILE_BYTES", "TILE_K", "PROGRESS_INTERVAL", "default_tiles", "default_scale", "kernel_dtype", "Shapes",
            "mask_arrays", "scratch", "filled", "release_workspace", "pad_ones", "transpose_into", "as_view",
@@ -30,8 +32,6 @@ def default_tiles(d, dtype, kind="fwd"):
     What ``python -m mpiring tune`` found fastest on this machine, when it was
     run; else the constants above (d did not matter there: 64 and 128).
     """
-    from .tune import cached_tiles  # the tuning cache, read once per process
-
     return cached_tiles(kind, d, dtype) or (TILE_BYTES // (TILE_K * np.dtype(dtype).itemsize), TILE_K)
 
 

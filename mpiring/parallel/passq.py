@@ -17,19 +17,21 @@ home in float64, as without one.
 Pass-Q pays off when the queries are fewer than the keys: a prefill of T new
 tokens against a cache of C (Meta, "Context Parallelism for Scalable
 Million-Token Inference", 2024); ``ring_attention(..., rotate="auto")``
-chooses by the bytes each way (``mpiring.infercost.plan_bytes``).
+chooses by the bytes each way (``mpiring.cost.infercost.plan_bytes``).
 """
 
 import time
 
 import numpy as np
 
-from . import block
-from .comm import Buffers, KVBuffers, shift, wait_until
-from .heads import HybridPlan
-from .kernels import merge
-from .plan import NEXT, Task
-from .precision import Wire, compute_dtype, row_bytes
+from ..core import block
+from ..core.kernels import merge
+from ..core.precision import Wire, compute_dtype, row_bytes
+from ..mpi.buffers import Buffers, KVBuffers
+from ..mpi.comm import shift
+from ..mpi.waits import wait_until
+from ..plans.heads import HybridPlan
+from ..plans.plan import NEXT, Task
 
 __all__ = ["passq_loop", "ROTATE", "rotate_problem", "plan_bytes", "rank_bytes", "chosen_rotation", "q_rounds"]
 

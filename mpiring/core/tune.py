@@ -12,7 +12,7 @@ a JSON file keyed by what decides the speed (CPU model, NumPy, BLAS, MKL
 present or not), so one file serves the different nodes of a cluster that
 share a home directory. Where it lives: ``MPIRING_TUNE_CACHE`` (a path, or
 ``off`` to ignore any cache), else ``$XDG_CACHE_HOME/mpiring/tune.json``,
-else ``~/.cache/mpiring/tune.json``.
+else ``~/.cache/mpiring/tune.json`` (``mpiring.core.machine`` reads it).
 
 Tiles and backend change only the order of the sums: results agree to
 rounding whatever the cache says (``tests/test_tune.py``).
@@ -21,76 +21,16 @@ rounding whatever the cache says (``tests/test_tune.py``).
 import functools
 import json
 import os
-import platform
 import tempfile
 import time
 
 import numpy as np
 
-__all__ = ["cache_path", "machine_key", "cached", "cached_choice", "cached_tiles", "tune", "candidates"]
+from . import gemm
+from .kernels import attention_block, attention_block_backward
+from .machine import cache_path, cached, machine_key
 
-
-def cache_path():
-    """The cache file's path, or None when ``MPIRING_TUNE_CACHE=off``."""
-    env = os.environ.get("MPIRING_TUNE_CACHE")
-    if env:
-        return None if env.lower() in ("off", "none", "0") else env
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "mpiring", "tune.json")
-
-
-def _cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-@functools.cache
-def machine_key():
-    """What the fastest choice depends on: CPU model, NumPy's version and BLAS, whether MKL is installed."""
-    from threadpoolctl import threadpool_info
-
-    from .gemm import mkl_library
-
-    blas = sorted(f"{p.get('internal_api')} {p.get('version')} {p.get('architecture')}"
-                  for p in threadpool_info() if p.get("user_api") == "blas")
-    return " | ".join([_cpu_model(), f"numpy {np.__version__}", *blas, "mkl" if mkl_library() else "no mkl"])
-
-
-@functools.cache
-def cached():
-    """This machine's entry of the cache ({} when there is none, or the cache is off or unreadable)."""
-    path = cache_path()
-    if not path:
-        return {}
-    try:
-        with open(path) as f:
-            return json.load(f).get(machine_key(), {})
-    except (OSError, ValueError, AttributeError):
-        return {}
-
-
-def cached_choice(name):
-    """The cached value of ``name`` (e.g. "gemm") for this machine, or None."""
-    return cached().get(name)
-
-
-def cached_tiles(kind, d, dtype):
-    """Cached (tile_q, tile_k) of the ``kind`` ("fwd"/"bwd") kernel for head dim ``d`` and ``dtype``, or None.
-
-    A head dim that was not tuned takes the nearest one that was.
-    """
-    table = cached().get("tiles", {}).get(kind, {}).get(np.dtype(dtype).name)
-    if not table:
-        return None
-    near = min(table, key=lambda k: (abs(int(k) - d), int(k)))
-    tq, tk = table[near]
-    return int(tq), int(tk)
+__all__ = ["tune", "candidates"]
 
 
 def candidates(dtype):
@@ -118,9 +58,6 @@ def tune(dims=(64, 128), dtypes=("float32",), seq=4096, heads=8, repeats=2, back
     of each kernel, head dim and dtype.
     """
     from threadpoolctl import threadpool_limits
-
-    from . import gemm
-    from .kernels import attention_block, attention_block_backward
 
     backends = backends or gemm.available()
     rng = np.random.default_rng(0)
@@ -176,6 +113,4 @@ def _write(entry):
         json.dump(data, f, indent=1, sort_keys=True)
     os.replace(tmp, path)
     cached.cache_clear()
-    from .gemm import backend  # its choice for "auto" came from the cache too
-
-    backend.cache_clear()
+    gemm.backend.cache_clear()  # its choice for "auto" came from the cache too

@@ -25,8 +25,9 @@ tbf links) with this machine's measured FLOP rate.
 
 from dataclasses import dataclass
 
-from .heads import HEAD_MODES, HybridPlan, kv_heads
-from .plan import make_plan
+from ..plans.heads import HEAD_MODES, HybridPlan, kv_heads
+from ..plans.make import make_plan
+from .nodes import traffic
 
 __all__ = ["Cluster", "CLUSTERS", "emulated", "cluster_time", "compare_modes", "format_comparison", "COMPARED"]
 
@@ -101,8 +102,6 @@ def _step_sends(plan, step, per_token):
 
 def cluster_time(plan, cluster, *, batch, hq, hk, dim, dim_v, itemsize):
     """Predicted forward time under ``plan`` on ``cluster``: dict of total, compute, exposed communication (s)."""
-    from .nodes import traffic
-
     if plan.size != cluster.size:
         raise ValueError(f"the plan is for {plan.size} ranks, the cluster has {cluster.size}")
     pair = 4 * batch * hq * dim / cluster.flops  # seconds per (query, key) pair, all heads

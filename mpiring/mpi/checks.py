@@ -1,28 +1,26 @@
-"""Validation and collective agreement: every rank ends a call's checks with the same verdict.
+"""Validation: what each rank finds wrong with its own arguments, and the messages that name every rank. No MPI.
 
-Each rank checks what it can alone, then one all-gather shares every rank's
-problem and options; either every rank goes on with the same plan, or every
-rank raises the same ValueError naming each offending rank. Nothing here
-raises before that all-gather, so one rank's bad input cannot leave the
-others waiting.
+The ``*_problem`` checks return a message or None and never raise (``canonical``
+raises ValueError, and its callers catch it), so a rank's problem reaches the
+others through the agreement (``mpiring.mpi.agree``) before anyone raises: the
+same ValueError on every rank.
 """
 
 import hashlib
 
 import numpy as np
-from mpi4py import MPI
 
-from .comm import allgather, wait_until
-from .kernels import LSE_LIMIT, default_scale
-from .layouts import check_layout, sort_order, take_rows
-from .masks import check_causal_block, check_window
-from .plan import ALL_MODES, make_plan
-from .precision import canonical_precision, compute_dtype, dtype_problem, without_precision
+from ..core.kernels import LSE_LIMIT
+from ..core.precision import canonical_precision, compute_dtype, dtype_problem, without_precision
+from ..plans.layouts import check_layout, sort_order
+from ..plans.masks import check_causal_block, check_window
+from ..plans.plan import ALL_MODES
 
-__all__ = ["agree", "setup", "agree_root", "check_comm", "comm_problem", "resolve_timeout", "agreement_timeout",
-           "local_problem", "grad_problem", "root_problem", "root_grad_problem", "timeout_problem", "scale_problem",
-           "logit_problem", "describe", "setup_ring", "call_values", "check_call", "peaks", "rows_problem",
-           "with_every_rank_positions", "ROW_OPTIONS"]
+__all__ = ["local_problem", "is_real", "timeout_problem", "AUTO_AGREE", "AUTO_BASE", "AUTO_RATE", "agreement_timeout",
+           "resolve_timeout", "size_problem", "canonical", "ROW_OPTIONS", "row_order", "with_every_rank_positions",
+           "rows_problem", "Shown", "shape_text", "verdict", "differences", "describe", "compared", "logit_problem",
+           "grad_problem", "root_problem", "root_grad_problem", "scale_problem", "call_values", "values_digest",
+           "peaks"]
 
 
 def local_problem(q, k, v, scale, check_finite=False, same_rows=True):
@@ -64,37 +62,14 @@ def local_problem(q, k, v, scale, check_finite=False, same_rows=True):
     return None
 
 
-def _is_real(x):
+def is_real(x):
     return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
-
-
-def comm_problem(comm):
-    """Why ``comm`` cannot carry a ring, or None: checked on this rank alone, before any collective."""
-    if not isinstance(comm, MPI.Comm):
-        return f"comm must be an mpi4py communicator, got {type(comm).__name__}"
-    if comm == MPI.COMM_NULL:
-        return "comm is MPI.COMM_NULL"
-    if comm.Is_inter():
-        return "comm is an intercommunicator: the ring needs an intracommunicator (e.g. MPI.COMM_WORLD)"
-    return None
-
-
-def check_comm(comm):
-    """``comm``, or COMM_WORLD for None; raises ValueError at once if it cannot carry a ring.
-
-    Local: the other ranks cannot know, and give up when their timeout expires.
-    """
-    comm = MPI.COMM_WORLD if comm is None else comm
-    problem = comm_problem(comm)
-    if problem:
-        raise ValueError(problem)
-    return comm
 
 
 def timeout_problem(timeout):
     if isinstance(timeout, str) and timeout == "auto":
         return None
-    if timeout is not None and not (_is_real(timeout) and np.isfinite(timeout) and timeout > 0):
+    if timeout is not None and not (is_real(timeout) and np.isfinite(timeout) and timeout > 0):
         return f"timeout must be 'auto', a positive number of seconds, or None (wait forever); got {timeout!r}"
     return None
 
@@ -184,7 +159,7 @@ def _positions(name, positions):
     return p.astype(np.int64)
 
 
-def _row_order(options, kind):
+def row_order(options, kind):
     """The sort of this rank's rows of one kind ("q", "l": queries; "k": keys) by position (None: sorted)."""
     name = "kv_positions" if kind == "k" and options["kv_positions"] is not None else "positions"
     return sort_order(options[name])
@@ -214,7 +189,7 @@ def rows_problem(q, k, options):
     return None
 
 
-class _Shown:
+class Shown:
     """A value compared by content (cu_seqlens by digest) and shown briefly in messages."""
 
     def __init__(self, value, text=None):
@@ -235,7 +210,7 @@ class _Shown:
         return self.text
 
 
-def _shape_text(a):
+def shape_text(a):
     """A shape with the sequence axis, which may differ between ranks, shown as *."""
     return "(" + ", ".join("*" if i == a.ndim - 2 else str(n) for i, n in enumerate(a.shape)) + ")"
 
@@ -268,87 +243,11 @@ def describe(exc):
     return str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
 
 
-def agree(comm, problem, timeout=None):
-    """Collective: raise the same ValueError on every rank if any rank has a problem."""
-    message = verdict(allgather(comm, problem, agreement_timeout(timeout)))
-    if message:
-        raise ValueError(message)
-
-
 def compared(options, timeout):
     """The values every rank must pass identically, by argument name."""
     values = dict(options, timeout=timeout)
-    return {name: _Shown(val is not None, "given" if val is not None else "None") if name in ROW_OPTIONS
-            else _Shown(val) for name, val in values.items()}
-
-
-def setup(q, k, v, comm, scale, options, check_finite=False, expected_size=None, timeout=None, prepare=None,
-          problem=None, rows=None, hosts=None, compare=None):
-    """Validate on every rank, agree collectively (one all-gather), and build the shared plan.
-
-    Every rank ends with the same verdict: either ``(plan, scale, prepared)``
-    or the same ValueError, naming each offending rank and argument. Nothing
-    here raises before the all-gather, so one rank's bad input cannot leave the
-    others waiting. ``prepare()``, run once this rank's arguments are valid,
-    does the work that may fail on one rank alone (contiguous copies,
-    temporaries: a MemoryError) before the agreement, so such a failure is
-    reported by every rank too; its result is returned as ``prepared``.
-    ``problem``: one more of this rank's problems, found by the caller (or None).
-    ``hosts``: a list to fill with every rank's processor name (who shares a node).
-    ``rows``: one letter per prepared array, "q" (query rows), "k" (key/value
-    rows) or "l" (query rows on the last axis: lse); they come back sorted by
-    position, the order the ring works in (``Plan.in_caller_order`` undoes it;
-    the plan's ``orders`` are these sorts, found from the same positions).
-
-    ``compare``: more arguments by name that every rank must pass alike (e.g. ``rotate``).
-
-    Positions given per rank (``positions``, ``kv_positions``) are all-gathered
-    with the rest, so every rank checks that they partition the sequence.
-    """
-    values = n_local = peak = prepared = held = None
-    try:
-        size = comm.Get_size()
-        problem = (comm_problem(comm) or timeout_problem(timeout)
-                   or local_problem(q, k, v, scale, check_finite, options.get("kv_positions") is None)
-                   or problem or size_problem(size, expected_size))
-        if problem is None:
-            options = canonical(options)
-            problem = rows_problem(q, k, options)
-        if problem is None and prepare is not None:
-            prepared = prepare()
-            if rows is not None:  # copies too: made here, where a MemoryError is reported by every rank
-                prepared = [take_rows(a, _row_order(options, kind), -1 if kind == "l" else -2)
-                            for a, kind in zip(prepared, rows)]
-        if problem is None:
-            held = [options[name] for name in ROW_OPTIONS]
-            values = {f"{n} shape": _Shown(*[_shape_text(a)] * 2) for n, a in (("q", q), ("k", k), ("v", v))}
-            values.update({"dtype": _Shown(str(q.dtype)),
-                           "scale": _Shown(scale), **compared(options, timeout)})
-            values.update({name: _Shown(val) for name, val in (compare or {}).items()})
-            n_local = q.shape[-2]
-            peak = peaks(q, k)
-    except Exception as exc:  # whatever goes wrong here is reported collectively, never raised alone
-        problem, values = describe(exc), None
-    metas = allgather(comm, (problem, values, n_local, peak, held, MPI.Get_processor_name()),
-                      agreement_timeout(timeout))
-    message = verdict([m[0] for m in metas]) or verdict(differences([m[1] for m in metas], 0))
-    if message:
-        raise ValueError(message)
-    if hosts is not None:
-        hosts[:] = [m[5] for m in metas]
-    scale = default_scale(q.shape[-1]) if scale is None else float(scale)
-    message = logit_problem(scale, q.shape[-1], max(m[3][0] for m in metas), max(m[3][1] for m in metas), q.dtype)
-    if message:
-        raise ValueError(message)
-    lengths = [m[2] for m in metas]
-    seq_len = with_every_rank_positions(options, [m[4] for m in metas]) or sum(lengths)
-    # deterministic, the same options: the same plan everywhere, or the same error everywhere
-    plan = make_plan(seq_len, comm.Get_size(), **without_precision(options))
-    expected = [len(s) for s in plan.shards]
-    if lengths != expected:
-        raise ValueError(f"local sequence lengths {lengths} do not match the {plan.layout} layout of "
-                         f"{plan.seq_len} tokens over {plan.size} ranks, which needs {expected}")
-    return plan, scale, prepared
+    return {name: Shown(val is not None, "given" if val is not None else "None") if name in ROW_OPTIONS
+            else Shown(val) for name, val in values.items()}
 
 
 def _peak(a):
@@ -425,111 +324,22 @@ def root_grad_problem(Q, K, V, dOut, scale, size):
 
 def scale_problem(scale):
     """Why ``scale`` is not a valid softmax scale, or None (None means the default)."""
-    if scale is not None and not (_is_real(scale) and np.isfinite(scale) and scale > 0):
+    if scale is not None and not (is_real(scale) and np.isfinite(scale) and scale > 0):
         return f"scale must be a finite positive number, got {scale!r}"
     return None
 
 
-def agree_root(comm, root, check_root, options, timeout=None, expected_size=None, scale=None):
-    """Agreement for a call where ``root`` holds the full arrays: the same verdict on every rank.
-
-    Every rank checks its options, root, scale and timeout and compares them
-    with rank 0's; root also runs ``check_root() -> (problem, meta)`` on its
-    arrays. Returns ``(canonical options, root's meta)`` or raises the same
-    ValueError everywhere: option problems and disagreements first (the same
-    text on every rank even if ranks disagree on root), then root's arrays.
-    """
-    rank, size = comm.Get_rank(), comm.Get_size()
-    problem = values = root_found = meta = None
-    try:
-        problem = timeout_problem(timeout) or size_problem(size, expected_size) or scale_problem(scale)
-        if problem is None and not (_is_real(root) and isinstance(root, (int, np.integer)) and 0 <= root < size):
-            problem = f"root must be a rank of the communicator, 0 .. {size - 1}; got {root!r}"
-        if problem is None:
-            options = canonical(options)
-            values = dict(compared(options, timeout), root=_Shown(root), scale=_Shown(scale))
-            if rank == root:
-                root_found, meta = check_root()
-    except Exception as exc:  # reported collectively, never raised alone
-        problem, values = describe(exc), None
-    gathered = allgather(comm, (problem, values, root_found, meta), agreement_timeout(timeout))
-    message = verdict([g[0] for g in gathered]) or verdict(differences([g[1] for g in gathered], 0))
-    if not message and gathered[root][2]:
-        message = f"root rank {root}: {gathered[root][2]}"
-    if message:
-        raise ValueError(message)
-    return options, gathered[root][3]
-
-
-def setup_ring(comm, seq_len, options, scale, timeout, expected_size=None, problem=None, values=None):
-    """The agreement of a ``Ring`` handle: options, sequence length, scale and timeout, once for all its calls.
-
-    As ``setup``, without arrays: every rank checks what it passed, one
-    all-gather compares it with rank 0's (``values``: more named values that
-    must match) and gathers every rank's positions, if given, and every rank
-    builds the same plan or raises the same ValueError. ``seq_len`` may be
-    None when positions imply it. Returns ``(plan, hosts, options)``: hosts
-    are every rank's processor name, options the canonical ones.
-    """
-    shown = held = None
-    try:
-        problem = (comm_problem(comm) or timeout_problem(timeout) or scale_problem(scale)
-                   or size_problem(comm.Get_size(), expected_size) or problem)
-        if problem is None:
-            options = canonical(options)
-            if seq_len is None and options["positions"] is None:
-                problem = "seq_len must be given (the number of tokens of the whole sequence), unless positions are"
-            elif seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer))):
-                problem = f"seq_len must be the number of tokens of the whole sequence (an int), got {seq_len!r}"
-            held = [options[name] for name in ROW_OPTIONS]
-            shown = dict(compared(options, timeout), seq_len=_Shown(None if seq_len is None else int(seq_len)),
-                         scale=_Shown(scale), **{name: _Shown(value) for name, value in (values or {}).items()})
-    except Exception as exc:  # reported collectively, never raised alone
-        problem, shown = describe(exc), None
-    gathered = allgather(comm, (problem, shown, MPI.Get_processor_name(), held), agreement_timeout(timeout))
-    message = verdict([g[0] for g in gathered]) or verdict(differences([g[1] for g in gathered], 0))
-    if message:
-        raise ValueError(message)
-    implied = with_every_rank_positions(options, [g[3] for g in gathered])
-    if seq_len is not None and implied is not None and implied != seq_len:  # the same data everywhere
-        raise ValueError(f"seq_len={seq_len} but the ranks' positions hold {implied} tokens")
-    plan = make_plan(implied or int(seq_len), comm.Get_size(), **without_precision(options))  # raises everywhere
-    return plan, [g[2] for g in gathered], options
-
-
 def call_values(arrays):
     """What every rank's call must share, by name: the arrays' shapes (but the sequence axis) and dtype."""
-    values = {f"{name} shape": _Shown(*[_shape_text(a)] * 2) for name, a in arrays.items()}
-    values["dtype"] = _Shown(str(next(iter(arrays.values())).dtype))
+    values = {f"{name} shape": Shown(*[shape_text(a)] * 2) for name, a in arrays.items()}
+    values["dtype"] = Shown(str(next(iter(arrays.values())).dtype))
     return values
 
 
-def _digest(values):
+def values_digest(values):
     """``values`` as a number an all-reduce can compare: 48 bits of a hash, exact in a float64."""
     text = repr(sorted((name, repr(v.key)) for name, v in values.items())) if values else ""
     return float(int.from_bytes(hashlib.blake2b(text.encode(), digest_size=6).digest(), "big"))
-
-
-def check_call(comm, problem, values, peaks, timeout):
-    """The per-call agreement of a ``Ring`` handle: one small all-reduce, the same verdict on every rank.
-
-    Every rank contributes whether it found a ``problem``, a digest of
-    ``values`` (``call_values``: every rank's must match) and ``peaks`` (its
-    largest |q| and |k|). Only when something is wrong does a second round, an
-    all-gather, collect the messages, so the ValueError names each rank as
-    ``setup``'s does. Returns the largest peaks over all ranks. Every rank has
-    arrived when it returns, as after a barrier.
-    """
-    digest = _digest(values)
-    mine = np.array([1.0 if problem else 0.0, digest, -digest, *peaks])
-    every = np.empty_like(mine)
-    wait_until([comm.Iallreduce(mine, every, op=MPI.MAX)], agreement_timeout(timeout), comm.Get_rank(), "agreement",
-               sync=True)
-    if every[0] or every[1] != -every[2]:
-        gathered = allgather(comm, (problem, values), agreement_timeout(timeout))
-        raise ValueError(verdict([g[0] for g in gathered]) or verdict(differences([g[1] for g in gathered], 0))
-                         or "the ranks passed arrays of different shapes or dtypes")
-    return every[3:]
 
 
 def peaks(*arrays):

@@ -22,8 +22,9 @@ Gradients come back in ``grad_wire_dtype``, which the inner ring's partials use 
 
 import numpy as np
 
-from .heads import kv_heads, query_heads
-from .precision import Precision
+from ..core.precision import Precision
+from ..mpi.record import Record
+from ..plans.heads import kv_heads, query_heads
 from .ulysses import heads_out, result_dtypes, tokens_back
 
 __all__ = ["grid_comms", "hybrid_forward", "hybrid_backward"]
@@ -72,8 +73,7 @@ def _inner(plan, rank, options):
 def hybrid_forward(q, k, v, plan, comm, options, scale, rec, timeout, pr=None):
     """This rank's (out, lse); ``options``: the ring's (layout, mode, causal, window, cu_seqlens); ``pr``: the
     call's ``Precision`` (its wire)."""
-    from .handle import ring_attention
-    from .record import Record
+    from ..handle import ring_attention  # the one upward import (mpiring/parallel/__init__.py)
 
     pr = pr or Precision(k.dtype)
     rank = comm.Get_rank()
@@ -101,8 +101,7 @@ def hybrid_backward(dout, q, k, v, out, lse, plan, comm, options, scale, rec, ti
     """This rank's (dq, dk, dv): the group's heads out (q, dout, out, lse; k, v on the wire of ``pr``), the cross
     ring's backward, the gradients back (in ``pr.grad``); dK, dV of a K/V head that several members held
     (fewer K/V heads than u) add up."""
-    from .handle import ring_attention_backward
-    from .record import Record
+    from ..handle import ring_attention_backward  # the one upward import (mpiring/parallel/__init__.py)
 
     pr = pr or Precision(k.dtype)
     rank = comm.Get_rank()

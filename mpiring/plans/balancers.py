@@ -6,7 +6,7 @@
 A rank's work is its visible (query, key) pairs: the number of keys each of
 its queries may see, summed (``masks.row_work``). Methods:
 
-- ``contiguous``, ``zigzag``, ``striped``: the built-in layouts (``mpiring.layouts``).
+- ``contiguous``, ``zigzag``, ``striped``: the built-in layouts (``mpiring.plans.layouts``).
 - ``headtail``: PyTorch's per-document head-tail: every document is cut into
   2P chunks and rank r takes chunks r and 2P-1-r of each (zigzag per
   document; the rank labels turn by one per document, so short documents do
@@ -20,8 +20,8 @@ import heapq
 import numpy as np
 
 from .layouts import LAYOUTS, block_range, layout_positions
+from .make import make_plan
 from .masks import check_causal_block, check_cu_seqlens, check_window, row_work
-from .plan import make_plan
 
 __all__ = ["METHODS", "balance", "work", "imbalance", "GREEDY_CHUNKS", "WORKLOADS", "markdown_table"]
 

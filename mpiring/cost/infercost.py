@@ -1,6 +1,6 @@
 """Time model of inference: decoding with tree vs ring merges, prefill passing K/V vs passing Q. No MPI.
 
-The same alpha-beta machines as ``mpiring.costmodel`` (a FLOP rate, a
+The same alpha-beta machines as ``mpiring.cost.costmodel`` (a FLOP rate, a
 latency alpha and a bandwidth beta per transfer).
 
 Decode: T new tokens against a cache of C tokens over P ranks. Every rank

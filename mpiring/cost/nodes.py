@@ -8,9 +8,9 @@ sums are ``heads.predicted_bytes``). With the node of every rank
 crosses between nodes: on a cluster, what the slow links carry.
 """
 
+from ..core.precision import compute_itemsize, default_grad_itemsize, row_bytes
+from ..plans.heads import HEAD_MODES, HybridPlan, kv_heads, ulysses_pair_bytes
 from .costmodel import predicted_backward_bytes, predicted_bytes_sent
-from .heads import HEAD_MODES, HybridPlan, kv_heads, ulysses_pair_bytes
-from .precision import compute_itemsize, default_grad_itemsize, row_bytes
 
 __all__ = ["traffic", "predicted_bytes", "inter_node_bytes", "node_ids"]
 

@@ -1,8 +1,9 @@
 """The ring schedule: which K/V block every rank processes at every step.
 
 A plan is pure data, computed the same way on every rank without any
-communication: the forward loop in ``mpiring.ring`` and the backward loop in
-``mpiring.backward`` just follow it. No MPI here.
+communication: the forward loop in ``mpiring.parallel.ring`` and the backward loop in
+``mpiring.parallel.backward`` just follow it. No MPI here. This module builds the ring
+modes' plans (``ring_plan``); ``make_plan`` (``plans.make``) builds every mode's.
 
 Unidirectional ring (``mode="ring"``): at step s rank r holds the block of
 rank (r - s) mod P, and passes it to rank r + 1 for the next step::
@@ -33,11 +34,11 @@ import numpy as np
 from .layouts import check_layout, layout_positions, position_runs, positions_problem, put_rows, sort_order
 from .masks import block_kind, check_causal_block, check_cu_seqlens, check_window, visible_keys
 
-__all__ = ["MODES", "ALL_MODES", "NEXT", "PREV", "HOME_CHUNKS", "Task", "Piece", "Schedule", "Plan", "make_plan",
+__all__ = ["MODES", "ALL_MODES", "NEXT", "PREV", "HOME_CHUNKS", "Task", "Piece", "Schedule", "Plan", "ring_plan",
            "home_chunks", "key_chunks", "cut_to_keys", "chunks_in_order", "problem_fields"]
 
 MODES = ("ring", "bidirectional", "allgather")  # the ring modes: K/V blocks travel (the simulator's too)
-ALL_MODES = MODES + ("ulysses", "double_ring")  # and Ulysses (mpiring.heads), the double ring (mpiring.hierarchy)
+ALL_MODES = MODES + ("ulysses", "double_ring")  # and Ulysses (plans.heads), the double ring (plans.hierarchy)
 NEXT, PREV = +1, -1  # a stream's direction: NEXT sends to rank + 1 (receives from rank - 1), PREV the reverse
 HOME_CHUNKS = 4  # the backward pass sends a partial home in this many key chunks, each as soon as its keys are done
 
@@ -233,12 +234,13 @@ def _held(parts, seq_len, size, name, partition):
     return [p if o is None else p[o] for p, o in zip(parts, orders)], orders
 
 
-def make_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str = "ring", causal: bool = False,
+def ring_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str = "ring", causal: bool = False,
               window: tuple[int, int] | None = None, cu_seqlens=None, causal_block: int | None = None,
-              positions=None, kv_positions=None, node_size: int | None = None,
-              ulysses_size: int | None = None) -> Plan:
-    """Build the plan for ``size`` ranks over a sequence of ``seq_len`` tokens (keys).
+              positions=None, kv_positions=None) -> Plan:
+    """The plan of a ring mode (``MODES``: K/V blocks travel) for ``size`` ranks over ``seq_len`` tokens (keys).
 
+    ``mpiring.plans.make.make_plan`` takes every mode and calls this one for the
+    ring modes, and for the tokens and masks the other strategies start from.
     ``positions``: one integer array per rank, the global positions of its
     query (and key/value) rows in the order it passes them; together a
     partition of range(seq_len). Replaces ``layout``. ``kv_positions``: the
@@ -246,33 +248,9 @@ def make_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str 
     partition of range(seq_len)); the query positions are then distinct
     positions of that range. ``causal_block=F`` (with ``causal``): key j is
     visible to query i iff j // F <= i // F.
-    ``node_size``: ranks per node of the double ring (None: all ranks on one node); other modes ignore it.
-    ``ulysses_size``: Ulysses inside groups of that many ranks, the ring mode across them (mpiring.heads).
     """
-    if mode not in ALL_MODES:
-        raise ValueError(f"mode must be one of {', '.join(ALL_MODES)}; got {mode!r}")
-    if ulysses_size is not None:  # a u x (P/u) grid: the ring plan of the groups (mpiring.heads.HybridPlan)
-        from .heads import hybrid_plan
-
-        if mode not in MODES:
-            raise ValueError(f"ulysses_size combines with mode ring, bidirectional or allgather, not {mode!r}")
-        if isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int) or ulysses_size < 1:
-            raise ValueError(f"ulysses_size must be a positive integer, got {ulysses_size!r}")
-        if size % ulysses_size:
-            raise ValueError(f"ulysses_size {ulysses_size} does not divide the {size} ranks")
-    if mode in ("ulysses", "double_ring") or ulysses_size is not None:
-        # the tokens every rank holds and their masks, as the flat ring's; visited in the strategy's own order
-        from .heads import ulysses_plan
-        from .hierarchy import double_ring_plan
-
-        base = make_plan(seq_len, size, layout=layout, mode="allgather", causal=causal, window=window,
-                         cu_seqlens=cu_seqlens, causal_block=causal_block, positions=positions,
-                         kv_positions=kv_positions)
-        if ulysses_size is not None:
-            return hybrid_plan(base, ulysses_size, mode)
-        if mode == "ulysses":
-            return ulysses_plan(base)
-        return double_ring_plan(base, size if node_size is None else node_size)
+    if mode not in MODES:
+        raise ValueError(f"a ring plan's mode is one of {', '.join(MODES)}; got {mode!r}")
     if positions is None:
         check_layout(layout)
     if size < 1 or seq_len < size:

@@ -17,7 +17,7 @@ the tuning cache's choice, ``python -m mpiring tune``, else MKL when installed):
   (``pip install mpiring[mkl]``), called through ctypes, sequential: one
   thread per rank. On the Xeon this was measured on, its GEMMs with the head
   dim as inner size run 1.2-1.35x OpenBLAS's (docs/performance.md §10).
-  Used only while BLAS runs one thread per process (``mpiring.threads``);
+  Used only while BLAS runs one thread per process (``mpiring.core.threads``);
   other thread counts take NumPy's path.
 
 Whatever the backend, float32 and float64 give the same results up to the
@@ -27,14 +27,12 @@ strided batches always go through NumPy.
 
 import contextlib
 import ctypes
-import ctypes.util
 import functools
-import glob
 import os
-import sys
 
 import numpy as np
 
+from .machine import cached_choice, mkl_library
 from .threads import blas_threads
 from .tiles import scratch
 
@@ -43,15 +41,6 @@ __all__ = ["gemm", "product", "backend", "set_backend", "using", "available", "m
 BACKENDS = ("numpy", "mkl")
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 _state = {"choice": os.environ.get("MPIRING_GEMM", "auto")}
-
-
-def mkl_library():
-    """Path of MKL's ``libmkl_rt`` (the ``mkl`` wheel puts it in the environment's lib/), or None."""
-    for prefix in dict.fromkeys((sys.prefix, sys.base_prefix)):
-        found = sorted(glob.glob(os.path.join(prefix, "lib", "libmkl_rt.so*")))
-        if found:
-            return found[0]
-    return ctypes.util.find_library("mkl_rt")
 
 
 _errors = []  # what MKL's error handler reported during the last call
@@ -118,9 +107,7 @@ def using(name):
 def backend():
     """The backend in use: the chosen one, or for "auto" the tuning cache's pick for this CPU, else MKL if here."""
     choice = _state["choice"]
-    if choice == "auto":
-        from .tune import cached_choice  # the tuning cache, read once
-
+    if choice == "auto":  # the tuning cache, read once
         choice = cached_choice("gemm") or ("mkl" if _mkl() is not None else "numpy")
     return choice if choice in available() else "numpy"
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .plan import Piece, Plan, Schedule, Task, problem_fields
-from .precision import compute_itemsize, default_grad_itemsize, row_bytes
+from ..core.precision import compute_itemsize, default_grad_itemsize, row_bytes
+from .plan import Piece, Plan, Schedule, Task, problem_fields, ring_plan
 
 __all__ = ["HEAD_MODES", "UlyssesPlan", "ulysses_plan", "heads_problem", "query_heads", "kv_heads",
            "ulysses_pair_bytes", "predicted_ulysses_bytes", "HybridPlan", "hybrid_plan",
@@ -211,13 +211,11 @@ def sequence_pairs(plan):
 
 def hybrid_plan(base, ulysses_size, mode):
     """The u x (P/u) grid over the tokens and masks of ``base`` (a plan of the P ranks): a ``mode`` ring of groups."""
-    from .plan import make_plan
-
     u, P = ulysses_size, base.size
     grid = HybridPlan(**problem_fields(base), mode=mode, ulysses_size=u)
     groups = range(P // u)
     separate_kv = base.kv_shards is not base.shards
-    grid.ring_plan = ring = make_plan(
+    grid.ring_plan = ring = ring_plan(
         base.seq_len, P // u, mode=mode, causal=base.causal, window=base.window, cu_seqlens=base.cu_seqlens,
         causal_block=base.causal_block, positions=[grid.group_positions(g) for g in groups],
         kv_positions=[grid.group_positions(g, kv=True) for g in groups] if separate_kv else None)

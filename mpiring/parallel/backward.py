@@ -16,19 +16,20 @@ import time
 
 import numpy as np
 
-from . import block
-from .block import GRAD_DTYPE, KEPT_OUT, add_grads, count_pairs
-from .comm import Buffers, allgathered, flat_blocks, next_buffers, shift, wait_until
-from .heads import HybridPlan
-from .plan import chunks_in_order, home_chunks, key_chunks
-from .precision import Precision
-from .ring import agree_outcome
-from .tiles import filled
+from ..core import block
+from ..core.block import GRAD_DTYPE, KEPT_OUT, add_grads, count_pairs
+from ..core.precision import Precision
+from ..core.tiles import filled
+from ..mpi.buffers import Buffers, flat_blocks, next_buffers
+from ..mpi.collectives import allgathered
+from ..mpi.comm import shift
+from ..mpi.waits import wait_until
+from ..plans.plan import chunks_in_order, home_chunks, key_chunks
 
-__all__ = ["run_backward"]
+__all__ = ["backward_ring_loop", "allgather_backward"]
 
 
-def _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec, timeout, pr=None):
+def backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec, timeout, pr=None):
     """Start passing K/V on, compute, wait, swap; a block's dK/dV follows it one step behind, then goes home.
 
     At a stream's last round the block is computed in key chunks, and each
@@ -128,7 +129,7 @@ def _backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec,
     return dq, own[0], own[1]
 
 
-def _allgather_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec, timeout, pr=None):
+def allgather_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec, timeout, pr=None):
     """All-gather K/V once, compute every block's dK/dV contribution here, reduce-scatter them to their owners."""
     pr = pr or Precision(k.dtype)
     rank, size, wire = comm.Get_rank(), comm.Get_size(), pr.wire
@@ -155,40 +156,3 @@ def _allgather_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec, 
         rec.bytes_sent += (sum(counts) - counts[rank]) * pr.grad.itemsize
         rec.messages += size - 1
     return dq, own[0], own[1]
-
-
-def run_backward(arrays, plan, rings, scale, rec, timeout, pr, options=None):
-    """The backward pass of contiguous, agreed ``arrays`` (dout, q, k, v, out, lse, delta), all ranks having met.
-
-    ``rings``: the K/V RingComm, then (but for all-gather) the dK/dV onward
-    RingComm and the HomeRing; ``pr``: the call's ``Precision``. Fills ``rec``
-    and returns float64 ``(dq, dk, dv)``.
-    """
-    rec.t0 = start = time.perf_counter()
-    rec.wire_dtype = pr.wire.name
-    counters = [(ring.bytes_sent, ring.messages, ring.wait_time) for ring in rings]
-    dout, q, k, v, out, lse, delta = arrays
-    if isinstance(plan, HybridPlan):  # Ulysses in groups, the ring across them (mpiring.grid)
-        from .grid import hybrid_backward
-
-        dq, dk, dv = hybrid_backward(dout, q, k, v, out, lse, plan, rings[0].comm, options, scale, rec, timeout, pr)
-    elif plan.mode == "allgather":
-        dq, dk, dv = _allgather_backward(*arrays, plan, rings[0].comm, scale, rec, timeout, pr)
-    elif plan.mode == "ulysses":  # heads move, not K/V blocks (mpiring.ulysses)
-        from .ulysses import ulysses_backward
-
-        dq, dk, dv = ulysses_backward(dout, q, k, v, lse, delta, plan, rings[0].comm, scale, rec, timeout, pr)
-    elif plan.mode == "double_ring":  # an inner ring per node, an outer ring across (mpiring.double_ring)
-        from .double_ring import double_ring_backward
-
-        dq, dk, dv = double_ring_backward(*arrays, plan, rings[0].comm, scale, rec, timeout, pr)
-    else:
-        dq, dk, dv = _backward_ring_loop(*arrays, plan, rings, scale, rec, timeout, pr)
-        rec.bytes_sent = sum(ring.bytes_sent - c[0] for ring, c in zip(rings, counters))
-        rec.messages = sum(ring.messages - c[1] for ring, c in zip(rings, counters))
-        rec.wait_time = sum(ring.wait_time - c[2] for ring, c in zip(rings, counters))
-    if timeout is not None:  # as in the forward pass: a failed rank skips this, the others time out
-        agree_outcome(rings[0].comm, timeout, rec.t0)
-    rec.wall_time = time.perf_counter() - start
-    rec.plan = plan
-    return dq, dk, dv

@@ -1,0 +1,90 @@
+"""This machine: where Intel MKL's library is, and what ``python -m mpiring tune`` cached for this CPU. No MPI.
+
+The tuning cache is read here, below the kernels and GEMMs that use its
+choices (``tiles.default_tiles``, ``gemm.backend``); ``mpiring.core.tune``
+measures the candidates and writes it. Where it lives: ``MPIRING_TUNE_CACHE``
+(a path, or ``off`` to ignore any cache), else
+``$XDG_CACHE_HOME/mpiring/tune.json``, else ``~/.cache/mpiring/tune.json``.
+"""
+
+import ctypes.util
+import functools
+import glob
+import json
+import os
+import platform
+import sys
+
+import numpy as np
+
+__all__ = ["mkl_library", "cache_path", "machine_key", "cached", "cached_choice", "cached_tiles"]
+
+
+def mkl_library():
+    """Path of MKL's ``libmkl_rt`` (the ``mkl`` wheel puts it in the environment's lib/), or None."""
+    for prefix in dict.fromkeys((sys.prefix, sys.base_prefix)):
+        found = sorted(glob.glob(os.path.join(prefix, "lib", "libmkl_rt.so*")))
+        if found:
+            return found[0]
+    return ctypes.util.find_library("mkl_rt")
+
+
+def cache_path():
+    """The cache file's path, or None when ``MPIRING_TUNE_CACHE=off``."""
+    env = os.environ.get("MPIRING_TUNE_CACHE")
+    if env:
+        return None if env.lower() in ("off", "none", "0") else env
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "mpiring", "tune.json")
+
+
+def _cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@functools.cache
+def machine_key():
+    """What the fastest choice depends on: CPU model, NumPy's version and BLAS, whether MKL is installed."""
+    from threadpoolctl import threadpool_info
+
+    blas = sorted(f"{p.get('internal_api')} {p.get('version')} {p.get('architecture')}"
+                  for p in threadpool_info() if p.get("user_api") == "blas")
+    return " | ".join([_cpu_model(), f"numpy {np.__version__}", *blas, "mkl" if mkl_library() else "no mkl"])
+
+
+@functools.cache
+def cached():
+    """This machine's entry of the cache ({} when there is none, or the cache is off or unreadable)."""
+    path = cache_path()
+    if not path:
+        return {}
+    try:
+        with open(path) as f:
+            return json.load(f).get(machine_key(), {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def cached_choice(name):
+    """The cached value of ``name`` (e.g. "gemm") for this machine, or None."""
+    return cached().get(name)
+
+
+def cached_tiles(kind, d, dtype):
+    """Cached (tile_q, tile_k) of the ``kind`` ("fwd"/"bwd") kernel for head dim ``d`` and ``dtype``, or None.
+
+    A head dim that was not tuned takes the nearest one that was.
+    """
+    table = cached().get("tiles", {}).get(kind, {}).get(np.dtype(dtype).name)
+    if not table:
+        return None
+    near = min(table, key=lambda k: (abs(int(k) - d), int(k)))
+    tq, tk = table[near]
+    return int(tq), int(tk)

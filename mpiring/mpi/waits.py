@@ -1,0 +1,139 @@
+"""How a rank waits for MPI: timed waits that raise ``CommTimeout``, one thread per communicator, abandoned rings.
+
+Every wait of mpiring goes through ``wait_until``: it polls, sleeps when the
+others are still computing, and gives up after the timeout with the same
+exception on every live rank (docs/reliability.md).
+"""
+
+import contextlib
+import ctypes
+import functools
+import threading
+import time
+
+from mpi4py import MPI
+
+from ..core.threads import cores, launcher_local_ranks
+
+__all__ = ["CommTimeout", "CAUSES", "wait_until", "test_all", "completed", "exclusive", "abandon", "ABANDONED",
+           "shares_cores"]
+
+
+# what a timed-out wait says when it knows no better
+CAUSES = "another rank may have failed or stalled, or its compute step outlasted the timeout"
+# How a rank waits (docs/performance.md §10). It polls MPI without pause for SPIN_SECONDS, as
+# MPI_Waitall would: a large transfer moves only while someone polls, and in a balanced ring the
+# others finish about when this rank did. Past that they are still computing, and a rank that kept
+# spinning took a core from the slower rank it waited for on a shared machine (the backward under
+# one busy process: 11.3 s against 5.4 s): the wait sleeps between polls, 50 us doubling to 1 ms,
+# and after each nap polls for BURST_SECONDS, so data that starts to move keeps moving (naps alone
+# slowed the idle backward by 10-20 %). A wait that carries no data (a barrier, an agreement, the
+# end-of-ring check: ``sync=True``) spins SYNC_SPIN_SECONDS and needs no bursts.
+SPIN_SECONDS = 0.1
+BURST_SECONDS = 1e-3
+SYNC_SPIN_SECONDS = 0.02
+NAP_SECONDS = (5e-5, 1e-3)
+
+
+@functools.cache
+def shares_cores():
+    """Whether this node runs more ranks than this process may use cores (oversubscribed).
+
+    From the launcher's environment (MPICH's Hydra: MPI_LOCALNRANKS; Open MPI:
+    OMPI_COMM_WORLD_LOCAL_SIZE); unknown counts as not shared.
+    """
+    return launcher_local_ranks() > cores()
+
+
+# rings given up on an error path: (communicator, pending requests, datatypes), kept alive, never freed
+ABANDONED = []
+
+
+def abandon(entry):
+    """Keep ``entry`` (a communicator, its pending requests and their buffers, datatypes) alive for good.
+
+    In ``ABANDONED`` for the life of the interpreter, and one reference more
+    that nothing gives back: mpi4py finalizes MPI after the interpreter has
+    torn its objects down, and MPI may still move data into or out of these
+    buffers then (Open MPI's single-copy receive crashed on freed ones).
+    """
+    ABANDONED.append(entry)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(entry))
+
+
+_IN_USE = {}  # communicator handle -> the thread running a call on it
+_IN_USE_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def exclusive(comm):
+    """Mark ``comm`` as used by this thread for a call; another thread's call on it raises RuntimeError.
+
+    Two threads running collectives on one communicator at once is erroneous
+    MPI (it gave UnpicklingErrors, absurd MemoryErrors or an abort): each
+    thread needs its own ``comm.Dup()``. Detected on this rank only; the
+    other ranks give up at their timeout.
+    """
+    key, me = MPI._handleof(comm), threading.get_ident()
+    with _IN_USE_LOCK:
+        owner = _IN_USE.get(key)
+        if owner is not None and owner != me:
+            raise RuntimeError("another thread is running mpiring on this communicator: concurrent calls on one "
+                               "communicator are not supported; give each thread its own comm.Dup()")
+        _IN_USE[key] = me
+    try:
+        yield
+    finally:
+        with _IN_USE_LOCK:
+            if owner is None:
+                _IN_USE.pop(key, None)
+
+
+class CommTimeout(RuntimeError):
+    """A ring transfer did not complete within the requested timeout (or failed with its peer)."""
+
+
+def test_all(requests, rank, what):
+    """``MPI.Request.Testall``; an MPI error on a transfer is raised as CommTimeout.
+
+    Such an error means a peer failed: a rank that raised tears its
+    connections down when it finalizes MPI, and whether a transfer it had
+    started still completes first is a race. Either way the live rank
+    reports the failure as it reports a stall.
+    """
+    try:
+        return MPI.Request.Testall(requests)
+    except MPI.Exception as exc:
+        raise CommTimeout(f"rank {rank}: {what} failed ({exc.Get_error_string().splitlines()[0]}): another rank "
+                          f"has likely failed") from None
+
+
+def wait_until(requests, timeout, rank, what, start=None, note=None, sync=False):
+    """Complete ``requests``, or raise CommTimeout ``timeout`` seconds after ``start`` (None: wait forever).
+
+    ``note`` replaces the message's guess at the cause when the caller knows better. ``sync``: the
+    requests carry no bulk data, so the polls start sleeping sooner (SYNC_SPIN_SECONDS).
+    """
+    start = time.perf_counter() if start is None else start
+    spin, burst = (SYNC_SPIN_SECONDS, 0.0) if sync else (SPIN_SECONDS, BURST_SECONDS)
+    polled, nap = time.perf_counter(), NAP_SECONDS[0]
+    while not test_all(requests, rank, what):
+        now = time.perf_counter()
+        if timeout is not None and now - start > timeout:
+            raise CommTimeout(f"rank {rank}: {what} not complete after {timeout:g} s ({note or CAUSES})")
+        if shares_cores():  # more ranks than cores here: a spinning rank would slow the one computing
+            time.sleep(1e-4)
+        elif now - polled > spin:  # the others are still computing: leave the core to them
+            time.sleep(nap)
+            nap = min(2 * nap, NAP_SECONDS[1])
+            until = time.perf_counter() + burst  # data: a burst of polls after each nap keeps it moving
+            while time.perf_counter() < until and not test_all(requests, rank, what):
+                pass
+
+
+def completed(requests):
+    """Whether ``requests`` are complete; one that failed (a peer gone) is not, and stays pending."""
+    try:
+        return MPI.Request.Testall(requests)
+    except MPI.Exception:
+        return False

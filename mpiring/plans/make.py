@@ -1,0 +1,54 @@
+"""``make_plan``: the plan of any strategy, the one entry every caller uses. No MPI.
+
+    python -m mpiring schedule -P 4 --layout zigzag --causal
+
+The ring modes are ``plan.ring_plan``'s. Ulysses (``heads``), the double ring
+(``hierarchy``) and the ring x Ulysses grid (``heads.HybridPlan``) start
+from the tokens and masks of the all-gather's ring plan and visit them in
+their own order.
+"""
+
+from .heads import hybrid_plan, ulysses_plan
+from .hierarchy import double_ring_plan
+from .plan import ALL_MODES, MODES, Plan, ring_plan
+
+__all__ = ["make_plan"]
+
+
+def make_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str = "ring", causal: bool = False,
+              window: tuple[int, int] | None = None, cu_seqlens=None, causal_block: int | None = None,
+              positions=None, kv_positions=None, node_size: int | None = None,
+              ulysses_size: int | None = None) -> Plan:
+    """Build the plan for ``size`` ranks over a sequence of ``seq_len`` tokens (keys).
+
+    ``positions``: one integer array per rank, the global positions of its
+    query (and key/value) rows in the order it passes them; together a
+    partition of range(seq_len). Replaces ``layout``. ``kv_positions``: the
+    positions of the key/value rows when they are not the queries' (a
+    partition of range(seq_len)); the query positions are then distinct
+    positions of that range. ``causal_block=F`` (with ``causal``): key j is
+    visible to query i iff j // F <= i // F.
+    ``node_size``: ranks per node of the double ring (None: all ranks on one node); other modes ignore it.
+    ``ulysses_size``: Ulysses inside groups of that many ranks, the ring mode across them (mpiring.plans.heads).
+    """
+    if mode not in ALL_MODES:
+        raise ValueError(f"mode must be one of {', '.join(ALL_MODES)}; got {mode!r}")
+    if ulysses_size is not None:  # a u x (P/u) grid: the ring plan of the groups (mpiring.plans.heads.HybridPlan)
+        if mode not in MODES:
+            raise ValueError(f"ulysses_size combines with mode ring, bidirectional or allgather, not {mode!r}")
+        if isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int) or ulysses_size < 1:
+            raise ValueError(f"ulysses_size must be a positive integer, got {ulysses_size!r}")
+        if size % ulysses_size:
+            raise ValueError(f"ulysses_size {ulysses_size} does not divide the {size} ranks")
+    if mode in ("ulysses", "double_ring") or ulysses_size is not None:
+        # the tokens every rank holds and their masks, as the flat ring's; visited in the strategy's own order
+        base = ring_plan(seq_len, size, layout=layout, mode="allgather", causal=causal, window=window,
+                         cu_seqlens=cu_seqlens, causal_block=causal_block, positions=positions,
+                         kv_positions=kv_positions)
+        if ulysses_size is not None:
+            return hybrid_plan(base, ulysses_size, mode)
+        if mode == "ulysses":
+            return ulysses_plan(base)
+        return double_ring_plan(base, size if node_size is None else node_size)
+    return ring_plan(seq_len, size, layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens,
+                     causal_block=causal_block, positions=positions, kv_positions=kv_positions)
