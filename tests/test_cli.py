@@ -1,5 +1,6 @@
 """The command line: schedule (no MPI) and run (under mpiexec, as a user types it)."""
 
+import os
 import subprocess
 import sys
 
@@ -88,3 +89,25 @@ def test_run_bad_input_fails_on_every_rank_quickly():
     result = _mpirun(2, "--seq-len", "64", "--cu-seqlens", "0", "10", "60", "--causal", "--balance", "greedy",
                      timeout=60)
     assert result.returncode == 2 and "cu_seqlens must start at 0 and end at the total length 64" in result.stderr
+
+
+def test_commands_leave_the_thread_counts_as_they_found_them():
+    """run, generate and bench set --threads for their own work only: called as functions (as tests and
+    notebooks do), they must not change later calls' BLAS thread count, which picks the GEMM library and so
+    the last bits of every later result (found by tests/test_history_mpi.py after test_generate_mpi)."""
+    from mpi4py import MPI
+    from threadpoolctl import threadpool_info
+
+    from mpiring.tools.bench import bench
+    from mpiring.tools.cli_generate import generate
+    from mpiring.tools.cli_run import run
+
+    def counts():
+        return sorted((i["internal_api"], i["filepath"], i["num_threads"]) for i in threadpool_info())
+
+    before = counts()
+    assert run(MPI.COMM_SELF, ["--seq-len", "32", "--heads", "2", "--dim", "8", "--threads", "1"]) == 0
+    assert generate(MPI.COMM_SELF, ["--prompt-len", "16", "--new-tokens", "1", "--heads", "2", "--dim", "8",
+                                    "--threads", "1"]) == 0
+    assert bench(MPI.COMM_SELF, ["--quick", "--no-torch", "--threads", "1", "--csv", os.devnull]) == 0
+    assert counts() == before

@@ -44,7 +44,6 @@ from dataclasses import dataclass
 
 import numpy as np
 from mpi4py import MPI
-from threadpoolctl import threadpool_limits
 
 from mpiring import (
     Record,
@@ -61,7 +60,7 @@ from mpiring.cost.costmodel import format_wire_model
 
 from .benchinfer import inference_rows
 from .benchtable import add_efficiency, format_header, format_long, format_table, format_targets, read_csv, write_csv
-from .cli import at_least, command_parser
+from .cli import at_least, command_parser, with_threads
 from .limits import blas_report, limit_seconds, measure_limits
 from .loadgen import busy_load
 from .memory import MB, kernel_scratch, memory_model
@@ -294,11 +293,10 @@ def _configs(args):
             for dtype, wire in ([("float32", None)] if plain else []) + ([] if b or not c else extra)]
 
 
-def bench(comm, args=None):
+@with_threads(bench_parser, user_api="blas")
+def bench(comm, args):
     """Time ring attention on every rank; rank 0 prints the benchmark table and writes CSV."""
-    args = bench_parser().parse_args(args)
     rank, size = comm.Get_rank(), comm.Get_size()
-    threadpool_limits(args.threads, user_api="blas")
     if args.inference == "only":
         inference_rows(comm, quick=args.quick)
         return 0

@@ -1,17 +1,18 @@
 """What the commands of ``python -m mpiring`` share: parsers and option checks, ring variants, MPI waiting."""
 
 import argparse
+import functools
 import os
 import time
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from mpiring.plans.balancers import METHODS, balance, imbalance, work
 from mpiring.plans.plan import ALL_MODES
 
-__all__ = ["command_parser", "heads_problem", "add_variant_args", "variant", "mode_text", "video", "held_positions",
-           "balance_table",
-           "at_least", "Agreed", "launch_rank", "poll"]
+__all__ = ["command_parser", "with_threads", "heads_problem", "add_variant_args", "variant", "mode_text", "video",
+           "held_positions", "balance_table", "at_least", "Agreed", "launch_rank", "poll"]
 
 
 class Agreed(Exception):  # noqa: N818 (not an error of one rank: the same verdict on every rank)
@@ -55,6 +56,20 @@ def command_parser(command, func):
     """The parser of ``python -m mpiring <command>``, described by the first line of ``func``'s docstring."""
     return CommandParser(prog=f"python -m mpiring {command}", description=func.__doc__.splitlines()[0],
                          formatter_class=_HelpFormatter)
+
+
+def with_threads(parser, user_api=None):
+    """A command ``(comm, args=None)`` whose body runs with ``--threads`` BLAS threads, the caller's restored
+    after: a command called as a function (as tests do) leaves the process as it found it (the BLAS thread
+    count picks the kernels' GEMM library, ``core.gemm.product``, so it changes results' last bits)."""
+    def wrap(body):
+        @functools.wraps(body)
+        def command(comm, args=None):
+            args = parser().parse_args(args)
+            with threadpool_limits(args.threads, user_api=user_api):
+                return body(comm, args)
+        return command
+    return wrap
 
 
 def at_least(minimum, **options):

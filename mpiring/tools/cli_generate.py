@@ -18,7 +18,6 @@ import hashlib
 import time
 
 import numpy as np
-from threadpoolctl import threadpool_limits
 
 from mpiring.core.reference import dense_attention
 from mpiring.cost.infercost import decode_time
@@ -29,7 +28,7 @@ from mpiring.testing import TOLERANCE
 
 from . import verify
 from .calibrate import calibrate
-from .cli import Agreed, at_least, command_parser, heads_problem
+from .cli import Agreed, at_least, command_parser, heads_problem, with_threads
 
 __all__ = ["generate", "generate_parser", "grouped_reference"]
 
@@ -87,10 +86,9 @@ def _error(got, want):
     return max(float(np.abs(out - ref).max()), float(np.abs(np.where(finite, lse - ref_lse, 0)).max()))
 
 
-def generate(comm, args=None):
+@with_threads(generate_parser)
+def generate(comm, args):
     """Prefill a KV cache sharded over the ranks, decode token by token; verify every step; rank 0 reports."""
-    args = generate_parser().parse_args(args)
-    threadpool_limits(args.threads)
     rank, size = comm.Get_rank(), comm.Get_size()
     if args.prompt_len < size:
         raise Agreed(f"--prompt-len {args.prompt_len} is shorter than the number of ranks {size}: the ring "

@@ -18,7 +18,6 @@ import os
 import pickle
 
 import numpy as np
-from threadpoolctl import threadpool_limits
 
 from mpiring import (
     MODES,
@@ -48,6 +47,7 @@ from .cli import (
     mode_text,
     poll,
     variant,
+    with_threads,
 )
 from .cli_plan import compute_table, held_text
 from .links import LinkMeter
@@ -185,10 +185,9 @@ def allgather_arrays(comm, piece):
     return [flat[offsets[r]:offsets[r + 1]].reshape(piece.shape[:-1] + (-1,)) for r in range(len(counts))]
 
 
-def run(comm, args=None):
+@with_threads(run_parser)
+def run(comm, args):
     """Every rank makes its seeded shard and runs ring attention; every rank checks its rows; rank 0 reports."""
-    args = run_parser().parse_args(args)
-    threadpool_limits(args.threads)
     rank, size = comm.Get_rank(), comm.Get_size()
     problem = _share_text(comm, job_problem(args, size) if rank == 0 else None)
     if problem:
