@@ -19,15 +19,10 @@ def make_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str 
               window: tuple[int, int] | None = None, cu_seqlens=None, causal_block: int | None = None,
               positions=None, kv_positions=None, node_size: int | None = None,
               ulysses_size: int | None = None) -> Plan:
-    """Build the plan for ``size`` ranks over a sequence of ``seq_len`` tokens (keys).
+    """Build the plan for ``size`` ranks over a sequence of ``seq_len`` tokens (keys), in any mode.
 
-    ``positions``: one integer array per rank, the global positions of its
-    query (and key/value) rows in the order it passes them; together a
-    partition of range(seq_len). Replaces ``layout``. ``kv_positions``: the
-    positions of the key/value rows when they are not the queries' (a
-    partition of range(seq_len)); the query positions are then distinct
-    positions of that range. ``causal_block=F`` (with ``causal``): key j is
-    visible to query i iff j // F <= i // F.
+    ``layout``, ``positions``, ``kv_positions`` and the mask: as ``plans.plan.ring_plan``
+    takes them; every mode holds the same tokens under them (``shard_indices``).
     ``node_size``: ranks per node of the double ring (None: all ranks on one node); other modes ignore it.
     ``ulysses_size``: Ulysses inside groups of that many ranks, the ring mode across them (mpiring.plans.heads).
     """
