@@ -121,7 +121,6 @@ class Ring:
         self._precision = {key: value for key, value in options.items() if key not in without_precision(options)}
         self._same_rows = options.get("kv_positions") is None
         self._mode, self._ulysses_size = options.get("mode", plan.mode), options.get("ulysses_size")
-        self._ring_options = {key: options[key] for key in ("layout", "mode", "causal", "window", "cu_seqlens")}
         self._rotate = options.get("rotate", "kv")
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.threads = threads_for(threads, hosts, self.rank)
@@ -276,7 +275,7 @@ class Ring:
             self._start_barrier(timeout)
         with self._running():
             out, lse = run_forward(q, k, v, self.plan, self._rings[0], scale, rec, timeout,
-                                   Precision.of(q.dtype, self._precision), self._ring_options,
+                                   Precision.of(q.dtype, self._precision),
                                    chosen_rotation(self._rotate, self.plan, q, k, v,
                                                    self._precision.get("wire_dtype")))
         out, lse = self.plan.in_caller_order(self.rank, out), self.plan.in_caller_order(self.rank, lse, axis=-1)
@@ -296,7 +295,7 @@ class Ring:
             self._start_barrier(timeout)
         with self._running():
             grads = run_backward((dout, q, k, v, out, lses[0], delta.astype(q.dtype)), self.plan, self._rings,
-                                 scale, rec, timeout, pr, self._ring_options)
+                                 scale, rec, timeout, pr)
         grads = [self.plan.in_caller_order(self.rank, g.astype(pr.input, copy=False), kv=i > 0)
                  for i, g in enumerate(grads)]
         return tuple(np.moveaxis(g, -2, self.seq_axis) for g in grads)

@@ -9,10 +9,8 @@ edge of the graph. Layers, lowest first::
     core < plans < cost < mpi < parallel < top-level API < tools < __main__
 
 A module may import its own layer or lower ones, never a higher one, and the
-graph has no cycle. The one exception is ``UPWARD``: the grid calls the public
-``ring_attention`` (mpiring/parallel/__init__.py says why); it is left out of
-the cycle check too, as it closes the only cycle (handle -> parallel.run ->
-parallel.grid -> handle).
+graph has no cycle. No loop calls the public API: the grid runs the ring
+across its groups with the loop ``parallel.run`` hands it.
 """
 
 import ast
@@ -28,7 +26,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "mpiring"
 LAYERS = ["core", "plans", "cost", "mpi", "parallel", "api", "tools", "__main__"]  # lowest first
 SUBPACKAGES = {"core", "plans", "cost", "mpi", "parallel", "tools"}
-UPWARD = {("mpiring.parallel.grid", "mpiring.handle")}  # allowed, and the only ones
 MAX_TOP_LEVEL = 15
 MAX_LINES = 500
 
@@ -94,20 +91,19 @@ def test_the_graph_sees_the_package():
     assert ("mpiring.handle", "mpiring.parallel.run") in edges
     assert ("mpiring", "mpiring.handle") in edges  # a lazy name
     assert ("mpiring.__main__", "mpiring.tools.cli_run") in edges  # a command
-    assert UPWARD <= edges  # the exception still exists: drop it from UPWARD once it is gone
 
 
 def test_imports_flow_down():
-    """No module imports a higher layer (function-level imports included), but for ``UPWARD``."""
+    """No module imports a higher layer (function-level imports included)."""
     upward = [f"{MODULES[a].relative_to(ROOT)}:{line} ({layer(a)}) imports {b} ({layer(b)})"
               for a, targets in GRAPH.items() for b, line in targets
-              if LAYERS.index(layer(b)) > LAYERS.index(layer(a)) and (a, b) not in UPWARD]
+              if LAYERS.index(layer(b)) > LAYERS.index(layer(a))]
     assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(upward)
 
 
 def test_no_cycles():
-    """No import cycle, at module level or through function-level imports (``UPWARD`` left out)."""
-    edges = {a: sorted({b for b, _ in targets if (a, b) not in UPWARD}) for a, targets in GRAPH.items()}
+    """No import cycle, at module level or through function-level imports."""
+    edges = {a: sorted({b for b, _ in targets}) for a, targets in GRAPH.items()}
     cycles, state = [], {}
 
     def visit(node, path):

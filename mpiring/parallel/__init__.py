@@ -6,10 +6,7 @@
 heads, ``double_ring`` the ring per node and across nodes, ``grid`` ring x
 Ulysses.
 
-One import goes up, the only one in the package: ``grid.hybrid_forward`` and
-``grid.hybrid_backward`` run the ring across the Ulysses groups by calling
-the public ``mpiring.handle.ring_attention`` (``ring_attention_backward``)
-on the cross communicator, imported inside those two functions.
-``tests/test_layers.py`` allows exactly these two imports; a loop composed
-from ``ring``'s own would remove them.
+No loop calls the public API and no import goes up: the grid composes
+Ulysses' all-to-alls (``ulysses``) with the loop ``run`` hands it for the
+ring across its groups, on its own communicators (``tests/test_layers.py``).
 """

@@ -7,24 +7,31 @@ u consecutive ranks, and the cross ring, the ranks at the same place of
 every group. Every rank holds the tokens its layout gives it, as in every
 mode (``shard_indices``). The group's all-to-all gives each rank the
 group's tokens for Hq/u heads (``ulysses.heads_out``), member after member;
-the ring across groups is ``ring_attention`` (``ring_attention_backward``)
-itself on the cross communicator, with those tokens as its ``positions``
-(``heads.HybridPlan``); a second all-to-all brings every rank its tokens back.
-The inner call's events, tasks and counters join this call's record.
+the ring across groups is the ring modes' own loop (``run.run_forward``,
+``run_backward``, handed in: no loop calls the public API) over the plan of
+the groups, whose tokens are its ``positions`` (``heads.HybridPlan.ring_plan``),
+on duplicates of the cross communicator; a second all-to-all brings every
+rank its tokens back. The inner loop's events, tasks and counters join this
+call's record.
 
 A coded ``wire_dtype`` codes K/V on both: the group's all-to-all (each
 rank's own share stays exact) and the ring across groups (the inner call,
 given the same wire). A token from another member so crosses two coded
 hops, but coding is idempotent (a half rounding exactly; int8 to within
-float32 rounding of its scale), so it carries one coding's error.
+float32 rounding of its scale), so it carries one coding's error. The ring
+across groups keeps the default accumulation, as before this module ran it
+as a loop of its own (results bit for bit those of ``ring_attention`` on the
+cross communicator).
 Gradients come back in ``grad_wire_dtype``, which the inner ring's partials use too.
 """
 
 import numpy as np
 
 from ..core.precision import Precision
+from ..mpi.comm import HomeRing, RingComm
 from ..mpi.record import Record
 from ..plans.heads import kv_heads, query_heads
+from ..plans.layouts import take_rows
 from .ulysses import heads_out, result_dtypes, tokens_back
 
 __all__ = ["grid_comms", "hybrid_forward", "hybrid_backward"]
@@ -58,24 +65,38 @@ def _lengths(plan, rank, kv=False):
     return [len(shards[r]) for r in plan.members(plan.group(rank)[0])]
 
 
-def _inner(plan, rank, options):
-    """The options of the ring across groups: the group's tokens as positions, the plan's mask."""
+def _group_rings(cross, ring, timeout, backward):
+    """The ring across groups' communicators (duplicates of ``cross``), as a ``Ring`` handle makes them."""
+    rings = [RingComm(cross, timeout)]
+    if backward and ring.mode != "allgather":  # dK/dV onward and home (mpiring.parallel.backward)
+        rings += [RingComm(cross, timeout), HomeRing(cross, ring, timeout)]
+    return rings
+
+
+def _across(compute, arrays, rows, results, plan, rank, rings):
+    """``compute(arrays, ring plan, rings)`` over the ring across groups on this group's tokens: the rows
+    sorted by position first (``rows``, one letter per array: "q" query rows, "k" key rows, "l" query rows
+    on the last axis, as lse), its results (``results``: their letters) back in the group's order; the
+    ``rings`` (made by ``rings(ring plan)``) freed after."""
     g, _ = plan.group(rank)
     ring = plan.ring_plan
-    separate_kv = plan.kv_shards is not plan.shards
-    inner = {name: value for name, value in options.items() if name not in ("layout", "mode", "causal", "window",
-                                                                              "cu_seqlens")}
-    return dict(inner, mode=ring.mode, causal=ring.causal, window=ring.window, cu_seqlens=ring.cu_seqlens,
-                causal_block=ring.causal_block, positions=plan.group_positions(g),
-                kv_positions=plan.group_positions(g, kv=True) if separate_kv else None)
+    order = {"q": ring.orders[g], "k": ring.kv_orders[g], "l": ring.orders[g]}
+    arrays = [take_rows(np.ascontiguousarray(a), order[kind], -1 if kind == "l" else -2)
+              for a, kind in zip(arrays, rows)]
+    made = rings(ring)
+    try:
+        got = compute(arrays, ring, made)
+    finally:
+        for r in made:
+            r.free()
+    return [ring.in_caller_order(g, a, kv=kind == "k", axis=-1 if kind == "l" else -2)
+            for a, kind in zip(got, results)]
 
 
-def hybrid_forward(q, k, v, plan, comm, options, scale, rec, timeout, pr=None):
-    """This rank's (out, lse); ``options``: the ring's (layout, mode, causal, window, cu_seqlens); ``pr``: the
-    call's ``Precision`` (its wire)."""
-    from ..handle import ring_attention  # the one upward import (mpiring/parallel/__init__.py)
-
-    pr = pr or Precision(k.dtype)
+def hybrid_forward(q, k, v, plan, comm, scale, rec, timeout, pr, rotate, loop):
+    """This rank's (out, lse): the group's heads out, ``loop`` (``run.run_forward``) over the ring across
+    groups on the group's tokens, the results back; ``pr``: the call's ``Precision`` (its wire codes K/V on
+    both); ``rotate``: what the ring across groups passes ("kv" or "q")."""
     rank = comm.Get_rank()
     qs, ks = _heads(plan, q.shape[-3], k.shape[-3])
     lengths, kv_lengths = _lengths(plan, rank), _lengths(plan, rank, kv=True)
@@ -83,10 +104,14 @@ def hybrid_forward(q, k, v, plan, comm, options, scale, rec, timeout, pr=None):
     try:
         Q, K, V = heads_out(group, [q, k, v], [qs, ks, ks], [lengths, kv_lengths, kv_lengths],
                             [q.dtype, pr.wire, pr.wire], rec, timeout, 0)
-        K, V = (a.astype(q.dtype, copy=False) for a in (K, V))  # the inner call takes one dtype (half: as given)
-        inner = Record(rank)
-        out, lse = ring_attention(Q, K, V, cross, scale=scale, timeout=timeout, record=inner,
-                                  wire_dtype=pr.options["wire_dtype"], **_inner(plan, rank, options))
+        K, V = (a.astype(q.dtype, copy=False) for a in (K, V))  # one dtype across (half: as given)
+        inner, inner_pr = Record(rank), Precision(q.dtype, pr.options["wire_dtype"])
+
+        def forward(arrays, ring, rings):
+            return loop(*arrays, ring, rings[0], scale, inner, timeout, inner_pr, rotate=rotate)
+
+        out, lse = _across(forward, [Q, K, V], "qkk", "ql", plan, rank,
+                           lambda ring: _group_rings(cross, ring, timeout, False))
         _join(rec, inner)
         h = Q.shape[-3]
         got = tokens_back(group, [out, lse[..., None]], [[h] * len(lengths)] * 2, [lengths] * 2,
@@ -97,13 +122,10 @@ def hybrid_forward(q, k, v, plan, comm, options, scale, rec, timeout, pr=None):
     return np.concatenate([g[0] for g in got], axis=-3), np.concatenate([g[1][..., 0] for g in got], axis=-2)
 
 
-def hybrid_backward(dout, q, k, v, out, lse, plan, comm, options, scale, rec, timeout, pr=None):
-    """This rank's (dq, dk, dv): the group's heads out (q, dout, out, lse; k, v on the wire of ``pr``), the cross
-    ring's backward, the gradients back (in ``pr.grad``); dK, dV of a K/V head that several members held
-    (fewer K/V heads than u) add up."""
-    from ..handle import ring_attention_backward  # the one upward import (mpiring/parallel/__init__.py)
-
-    pr = pr or Precision(k.dtype)
+def hybrid_backward(dout, q, k, v, out, lse, plan, comm, scale, rec, timeout, pr, loop):
+    """This rank's (dq, dk, dv): the group's heads out (q, dout, out, lse; k, v on the wire of ``pr``),
+    ``loop`` (``run.run_backward``) over the ring across groups, the gradients back (in ``pr.grad``); dK, dV
+    of a K/V head that several members held (fewer K/V heads than u) add up."""
     rank = comm.Get_rank()
     qs, ks = _heads(plan, q.shape[-3], k.shape[-3])
     lengths, kv_lengths = _lengths(plan, rank), _lengths(plan, rank, kv=True)
@@ -111,9 +133,16 @@ def hybrid_backward(dout, q, k, v, out, lse, plan, comm, options, scale, rec, ti
     try:
         Q, dO, Out, L, K, V = heads_out(group, [q, dout, out, lse[..., None], k, v], [qs] * 4 + [ks] * 2,
                                       [lengths] * 4 + [kv_lengths] * 2, [q.dtype] * 4 + [pr.wire] * 2, rec, timeout, 0)
-        inner = Record(rank)
-        dq, dk, dv = ring_attention_backward(dO, Q, K, V, Out, L[..., 0], cross, scale=scale, timeout=timeout,
-                                             record=inner, **pr.options, **_inner(plan, rank, options))
+        inner, inner_pr = Record(rank), Precision.of(K.dtype, pr.options)
+
+        def backward(arrays, ring, rings):
+            dO, Q, K, V, Out, L = arrays
+            delta = np.einsum("...d,...d->...", dO, Out, dtype=np.float64)  # as a Ring's backward makes it
+            grads = loop((dO, Q, K, V, Out, L, delta.astype(Q.dtype)), ring, rings, scale, inner, timeout, inner_pr)
+            return [g.astype(inner_pr.input, copy=False) for g in grads]
+
+        dq, dk, dv = _across(backward, [dO, Q, K, V, Out, L[..., 0]], "qqkkql", "qkk", plan, rank,
+                             lambda ring: _group_rings(cross, ring, timeout, True))
         _join(rec, inner)
         kv = [len(range(k.shape[-3])[s]) for s in ks]
         got = tokens_back(group, [dq, dk, dv], [[Q.shape[-3]] * len(lengths), kv, kv],

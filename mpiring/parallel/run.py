@@ -50,21 +50,20 @@ def agree_outcome(comm, timeout, t0):
                           f"the timeout ({timeout:g} s): one was stalled and the others gave up on it")
 
 
-def run_forward(q, k, v, plan, ring, scale, rec, timeout, pr, options=None, rotate="kv"):
+def run_forward(q, k, v, plan, ring, scale, rec, timeout, pr, rotate="kv"):
     """The forward pass of contiguous, agreed arrays over ``ring`` (a RingComm), all ranks having just met.
 
     ``pr``: the call's ``Precision`` (its wire codes what travels in every
-    mode: K/V, or under pass-Q the query blocks); ``options``: the ring's
-    (layout, mode, causal, window, cu_seqlens) for the grid's ring across
-    Ulysses groups; ``rotate``: "kv" or "q" (the pass-Q ring, ``mpiring.parallel.passq``). Fills
-    ``rec`` (this call's events, bytes and times) and returns ``(out, lse)``.
+    mode: K/V, or under pass-Q the query blocks); ``rotate``: "kv" or "q"
+    (the pass-Q ring, ``mpiring.parallel.passq``; the grid's ring across its
+    groups passes what it says). Fills ``rec`` (this call's events, bytes and
+    times) and returns ``(out, lse)``.
     """
     rec.t0 = start = time.perf_counter()  # event times minus rec.t0 compare across ranks
     rec.wire_dtype, rec.rotate = pr.wire.name, rotate
     sent, messages, waited = ring.bytes_sent, ring.messages, ring.wait_time
     if isinstance(plan, HybridPlan):  # Ulysses in groups, the ring across them (mpiring.parallel.grid)
-        inner = dict(options or {}, rotate=rotate)  # the ring across the groups may pass the queries
-        out, lse = hybrid_forward(q, k, v, plan, ring.comm, inner, scale, rec, timeout, pr)
+        out, lse = hybrid_forward(q, k, v, plan, ring.comm, scale, rec, timeout, pr, rotate, run_forward)
     elif plan.mode == "allgather":
         out, lse = allgather_loop(q, k, v, plan, ring.comm, scale, rec, timeout, pr)
     elif plan.mode == "ulysses":  # heads move, not K/V blocks (mpiring.parallel.ulysses)
@@ -87,7 +86,7 @@ def run_forward(q, k, v, plan, ring, scale, rec, timeout, pr, options=None, rota
     return out, lse
 
 
-def run_backward(arrays, plan, rings, scale, rec, timeout, pr, options=None):
+def run_backward(arrays, plan, rings, scale, rec, timeout, pr):
     """The backward pass of contiguous, agreed ``arrays`` (dout, q, k, v, out, lse, delta), all ranks having met.
 
     ``rings``: the K/V RingComm, then (but for all-gather) the dK/dV onward
@@ -99,7 +98,8 @@ def run_backward(arrays, plan, rings, scale, rec, timeout, pr, options=None):
     counters = [(ring.bytes_sent, ring.messages, ring.wait_time) for ring in rings]
     dout, q, k, v, out, lse, delta = arrays
     if isinstance(plan, HybridPlan):  # Ulysses in groups, the ring across them (mpiring.parallel.grid)
-        dq, dk, dv = hybrid_backward(dout, q, k, v, out, lse, plan, rings[0].comm, options, scale, rec, timeout, pr)
+        dq, dk, dv = hybrid_backward(dout, q, k, v, out, lse, plan, rings[0].comm, scale, rec, timeout, pr,
+                                     run_backward)
     elif plan.mode == "allgather":
         dq, dk, dv = allgather_backward(*arrays, plan, rings[0].comm, scale, rec, timeout, pr)
     elif plan.mode == "ulysses":  # heads move, not K/V blocks (mpiring.parallel.ulysses)
