@@ -162,7 +162,7 @@ def _on_interrupt(rank):
 
 
 FINALIZE_WAIT = 10.0  # seconds an interrupted rank waits for the others in MPI_Finalize
-EXIT_GRACE = 2.0  # seconds an interrupted rank waits after finalizing, so the ranks leave together
+EXIT_GRACE = 5.0  # seconds an interrupted rank waits after finalizing, so the ranks leave together
 
 
 def _exit_after(seconds):
