@@ -24,7 +24,7 @@ import numpy as np
 
 __all__ = ["INPUT_DTYPES", "WIRE_DTYPES", "GRAD_WIRE_DTYPES", "ACCUMULATE", "KEYS", "named_dtype", "dtype_problem",
            "compute_dtype", "compute_itemsize", "canonical_precision", "without_precision", "row_bytes",
-           "default_grad_itemsize", "Wire", "Plain", "Precision"]
+           "Wire", "Plain", "Precision"]
 
 INPUT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 WIRE_DTYPES = ("float16", "bfloat16", "int8")
@@ -85,12 +85,9 @@ def row_bytes(wire_dtype, dim, itemsize):
 
 
 def compute_itemsize(itemsize):
-    """Bytes per element of the dtype tiles compute in, for inputs of ``itemsize``: 8 for float64, else float32's 4."""
-    return 8 if itemsize == 8 else 4
+    """Bytes per element of the dtype tiles compute in, for inputs of ``itemsize``: 8 for float64, else float32's 4.
 
-
-def default_grad_itemsize(itemsize):
-    """The default ``grad_wire_dtype``'s bytes for inputs of ``itemsize``: float64's 8 for 8, else float32's 4."""
+    Also the default ``grad_wire_dtype``'s: gradients travel in the compute dtype unless told otherwise."""
     return 8 if itemsize == 8 else 4
 
 
@@ -229,7 +226,7 @@ class Precision:
         self.input = np.dtype(input_dtype)
         self.compute = compute_dtype(self.input)
         self.wire = Wire(wire_dtype, self.input)
-        self.grad = np.dtype(grad_wire_dtype or ("float64" if self.input == np.float64 else "float32"))
+        self.grad = np.dtype(grad_wire_dtype) if grad_wire_dtype else self.compute  # default: the compute dtype
         self.out = self.input if accumulate == "input" else np.dtype(accumulate)
         self.lse = np.result_type(self.out, self.compute) if accumulate == "input" else self.out
         self.accumulate = accumulate

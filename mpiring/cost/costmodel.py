@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..core.precision import compute_itemsize
+
 __all__ = ["ring_attention_context_parallel", "predicted_bytes_sent", "predicted_backward_bytes", "Machine", "PRESETS",
            "TIME_VARIANTS",
            "block_flops", "time_model", "predict_plan", "format_time_model", "WIRE_BYTES", "format_wire_model"]
@@ -103,7 +105,7 @@ def predicted_backward_bytes(plan, kv_width, itemsize, grad_itemsize=None, grad_
     counts them, then every block but the rank's own once as dK/dV. ``grad_width``:
     elements of dK plus dV per token when K/V travel wider rows (an int8 wire's scales); default kv_width.
     """
-    grad_itemsize = (8 if itemsize == 8 else 4) if grad_itemsize is None else grad_itemsize
+    grad_itemsize = compute_itemsize(itemsize) if grad_itemsize is None else grad_itemsize
     grad_width = kv_width if grad_width is None else grad_width
     n = [len(s) for s in plan.kv_shards]
     sent = []
@@ -275,7 +277,7 @@ def predict_plan(plan, machine, *, batch, heads, kv_heads, head_dim, itemsize, b
     ``itemsize`` is 8). Used by ``run`` to put a prediction next to the measurement.
     """
     m = machine
-    grad_itemsize = (8 if itemsize == 8 else 4) if grad_itemsize is None else grad_itemsize
+    grad_itemsize = compute_itemsize(itemsize) if grad_itemsize is None else grad_itemsize
     work, traffic = (2.5, itemsize + grad_itemsize) if backward else (1.0, itemsize)
     flop_per_pair = work * 4 * batch * heads * head_dim
     per_token = 2 * batch * kv_heads * head_dim * traffic

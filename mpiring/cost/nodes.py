@@ -8,7 +8,7 @@ sums are ``heads.predicted_bytes``). With the node of every rank
 crosses between nodes: on a cluster, what the slow links carry.
 """
 
-from ..core.precision import compute_itemsize, default_grad_itemsize, row_bytes
+from ..core.precision import compute_itemsize, row_bytes
 from ..plans.heads import HEAD_MODES, HybridPlan, kv_heads, ulysses_pair_bytes
 from .costmodel import predicted_backward_bytes, predicted_bytes_sent
 
@@ -33,7 +33,7 @@ def traffic(plan, *, batch, hq, hk, dim, dim_v, itemsize, backward=False, grad_i
     P = plan.size
     n = [len(s) for s in plan.kv_shards]  # K/V blocks (and their dK/dV partials) are the keys' tokens
     matrix = [[0] * P for _ in range(P)]
-    grad_itemsize = default_grad_itemsize(itemsize) if grad_itemsize is None else grad_itemsize
+    grad_itemsize = compute_itemsize(itemsize) if grad_itemsize is None else grad_itemsize
     shape = dict(batch=batch, hq=hq, hk=hk, dim=dim, dim_v=dim_v, itemsize=itemsize, backward=backward,
                  grad_itemsize=grad_itemsize, wire_dtype=wire_dtype)
     if isinstance(plan, HybridPlan):
@@ -116,7 +116,7 @@ def _grid_traffic(plan, matrix, **shape):
 def predicted_bytes(plan, *, batch, hq, hk, dim, dim_v, itemsize, backward=False, grad_itemsize=None,
                     wire_dtype=None):
     """Bytes each rank sends under any plan: the row sums of ``traffic`` (all-gather: as a ring all-gather)."""
-    grad_itemsize = default_grad_itemsize(itemsize) if grad_itemsize is None else grad_itemsize
+    grad_itemsize = compute_itemsize(itemsize) if grad_itemsize is None else grad_itemsize
     shape = dict(batch=batch, hq=hq, hk=hk, dim=dim, dim_v=dim_v, itemsize=itemsize, backward=backward,
                  grad_itemsize=grad_itemsize, wire_dtype=wire_dtype)
     matrix = traffic(plan, **shape)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..core.precision import compute_itemsize, default_grad_itemsize, row_bytes
+from ..core.precision import compute_itemsize, row_bytes
 from .plan import Piece, Plan, Schedule, Task, problem_fields, ring_plan
 
 __all__ = ["HEAD_MODES", "UlyssesPlan", "ulysses_plan", "heads_problem", "query_heads", "kv_heads",
@@ -147,7 +147,7 @@ def ulysses_pair_bytes(plan, r, d, *, batch, hq, hk, dim, dim_v, itemsize, backw
     kv_row = row_bytes(wire_dtype, dim, itemsize) + row_bytes(wire_dtype, dim_v, itemsize)
     compute = compute_itemsize(itemsize)
     if backward:
-        grad_itemsize = default_grad_itemsize(itemsize) if grad_itemsize is None else grad_itemsize
+        grad_itemsize = compute_itemsize(itemsize) if grad_itemsize is None else grad_itemsize
         return batch * (n_r * hq_l * (dim + dim_v + 2) * compute + m_r * kv_d * kv_row
                         + (n_d * hq_l * dim + m_d * kv_r * (dim + dim_v)) * grad_itemsize)
     return batch * (n_r * hq_l * dim * itemsize + m_r * kv_d * kv_row + n_d * hq_l * (dim_v * itemsize + compute))
