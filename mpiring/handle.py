@@ -36,9 +36,10 @@ from .mpi.checks import (
     peaks,
     resolve_timeout,
 )
-from .mpi.comm import HomeRing, RingComm
+from .mpi.comm import RingComm
 from .mpi.record import Record
 from .mpi.waits import exclusive, wait_until
+from .parallel.backward import gradient_rings
 from .parallel.double_ring import nodes_of
 from .parallel.passq import chosen_rotation, rotate_problem
 from .parallel.run import run_backward, run_forward
@@ -129,9 +130,8 @@ class Ring:
             self._rings.append(RingComm(comm, agreement_timeout(timeout)))
             if plan.mode == "double_ring":  # ranks per node, as MPI placed them unless node_size says (collective)
                 self.plan = plan = nodes_of(plan, self._rings[0].comm, options.get("node_size"))
-            if backward and plan.mode in MODES and plan.mode != "allgather" and not isinstance(plan, HybridPlan):
-                self._rings += [RingComm(comm, agreement_timeout(timeout)), HomeRing(comm, plan,
-                                                                                     agreement_timeout(timeout))]
+            if backward and plan.mode in MODES and not isinstance(plan, HybridPlan):  # the flat ring modes
+                self._rings += gradient_rings(comm, plan, agreement_timeout(timeout))
         except BaseException:
             self.close()
             raise

@@ -22,11 +22,24 @@ from ..core.precision import Precision
 from ..core.tiles import filled
 from ..mpi.buffers import Buffers, flat_blocks, next_buffers
 from ..mpi.collectives import allgathered
-from ..mpi.comm import shift
+from ..mpi.comm import HomeRing, RingComm, shift
 from ..mpi.waits import wait_until
 from ..plans.plan import chunks_in_order, home_chunks, key_chunks
 
-__all__ = ["backward_ring_loop", "allgather_backward"]
+__all__ = ["backward_ring_loop", "allgather_backward", "gradient_rings"]
+
+
+def gradient_rings(comm, plan, timeout=None):
+    """The communicators the backward ring needs beside its K/V ring (``backward_ring_loop``'s ``rings[1:]``):
+    the dK/dV partials' onward ring and their hop home; none for the all-gather, which reduce-scatters."""
+    if plan.mode == "allgather":
+        return []
+    grads = RingComm(comm, timeout)
+    try:
+        return [grads, HomeRing(comm, plan, timeout)]
+    except BaseException:
+        grads.free()
+        raise
 
 
 def backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec, timeout, pr=None):

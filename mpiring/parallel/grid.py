@@ -28,11 +28,12 @@ Gradients come back in ``grad_wire_dtype``, which the inner ring's partials use 
 import numpy as np
 
 from ..core.precision import Precision
-from ..mpi.comm import HomeRing, RingComm
+from ..mpi.comm import RingComm
 from ..mpi.record import Record
 from ..plans.heads import kv_heads, query_heads
 from ..plans.layouts import take_rows
-from .ulysses import heads_out, result_dtypes, tokens_back
+from .backward import gradient_rings
+from .ulysses import gradients_home, heads_out, result_dtypes, tokens_back
 
 __all__ = ["grid_comms", "hybrid_forward", "hybrid_backward"]
 
@@ -65,29 +66,24 @@ def _lengths(plan, rank, kv=False):
     return [len(shards[r]) for r in plan.members(plan.group(rank)[0])]
 
 
-def _group_rings(cross, ring, timeout, backward):
-    """The ring across groups' communicators (duplicates of ``cross``), as a ``Ring`` handle makes them."""
-    rings = [RingComm(cross, timeout)]
-    if backward and ring.mode != "allgather":  # dK/dV onward and home (mpiring.parallel.backward)
-        rings += [RingComm(cross, timeout), HomeRing(cross, ring, timeout)]
-    return rings
-
-
-def _across(compute, arrays, rows, results, plan, rank, rings):
+def _across(compute, arrays, rows, results, plan, rank, cross, timeout, backward):
     """``compute(arrays, ring plan, rings)`` over the ring across groups on this group's tokens: the rows
     sorted by position first (``rows``, one letter per array: "q" query rows, "k" key rows, "l" query rows
-    on the last axis, as lse), its results (``results``: their letters) back in the group's order; the
-    ``rings`` (made by ``rings(ring plan)``) freed after."""
+    on the last axis, as lse), its results (``results``: their letters) back in the group's order. The
+    rings are duplicates of ``cross``, as a ``Ring`` handle makes them (``backward``: with the gradients'
+    rings), freed after."""
     g, _ = plan.group(rank)
     ring = plan.ring_plan
     order = {"q": ring.orders[g], "k": ring.kv_orders[g], "l": ring.orders[g]}
     arrays = [take_rows(np.ascontiguousarray(a), order[kind], -1 if kind == "l" else -2)
               for a, kind in zip(arrays, rows)]
-    made = rings(ring)
+    rings = [RingComm(cross, timeout)]
     try:
-        got = compute(arrays, ring, made)
+        if backward:
+            rings += gradient_rings(cross, ring, timeout)
+        got = compute(arrays, ring, rings)
     finally:
-        for r in made:
+        for r in rings:
             r.free()
     return [ring.in_caller_order(g, a, kv=kind == "k", axis=-1 if kind == "l" else -2)
             for a, kind in zip(got, results)]
@@ -110,8 +106,7 @@ def hybrid_forward(q, k, v, plan, comm, scale, rec, timeout, pr, rotate, loop):
         def forward(arrays, ring, rings):
             return loop(*arrays, ring, rings[0], scale, inner, timeout, inner_pr, rotate=rotate)
 
-        out, lse = _across(forward, [Q, K, V], "qkk", "ql", plan, rank,
-                           lambda ring: _group_rings(cross, ring, timeout, False))
+        out, lse = _across(forward, [Q, K, V], "qkk", "ql", plan, rank, cross, timeout, backward=False)
         _join(rec, inner)
         h = Q.shape[-3]
         got = tokens_back(group, [out, lse[..., None]], [[h] * len(lengths)] * 2, [lengths] * 2,
@@ -141,8 +136,8 @@ def hybrid_backward(dout, q, k, v, out, lse, plan, comm, scale, rec, timeout, pr
             grads = loop((dO, Q, K, V, Out, L, delta.astype(Q.dtype)), ring, rings, scale, inner, timeout, inner_pr)
             return [g.astype(inner_pr.input, copy=False) for g in grads]
 
-        dq, dk, dv = _across(backward, [dO, Q, K, V, Out, L[..., 0]], "qqkkql", "qkk", plan, rank,
-                             lambda ring: _group_rings(cross, ring, timeout, True))
+        dq, dk, dv = _across(backward, [dO, Q, K, V, Out, L[..., 0]], "qqkkql", "qkk", plan, rank, cross, timeout,
+                             backward=True)
         _join(rec, inner)
         kv = [len(range(k.shape[-3])[s]) for s in ks]
         got = tokens_back(group, [dq, dk, dv], [[Q.shape[-3]] * len(lengths), kv, kv],
@@ -150,8 +145,4 @@ def hybrid_backward(dout, q, k, v, out, lse, plan, comm, scale, rec, timeout, pr
     finally:
         group.Free()
         cross.Free()
-    dk_all, dv_all = np.zeros(k.shape, np.float64), np.zeros(v.shape, np.float64)
-    for s, (_, gk, gv) in enumerate(got):
-        dk_all[..., ks[s], :, :] += gk
-        dv_all[..., ks[s], :, :] += gv
-    return np.concatenate([g[0] for g in got], axis=-3), dk_all, dv_all
+    return gradients_home(got, ks, k.shape, v.shape)

@@ -19,7 +19,8 @@ from ..mpi.buffers import mpi_view
 from ..mpi.waits import wait_until
 from ..plans.heads import kv_heads, query_heads
 
-__all__ = ["exchange", "heads_out", "tokens_back", "result_dtypes", "ulysses_forward", "ulysses_backward"]
+__all__ = ["exchange", "heads_out", "tokens_back", "result_dtypes", "gradients_home", "ulysses_forward",
+           "ulysses_backward"]
 
 
 def exchange(comm, sends, shapes, dtype, rec, timeout, step, data):
@@ -205,9 +206,16 @@ def ulysses_backward(dout, q, k, v, lse, delta, plan, comm, scale, rec, timeout,
     kv = [len(range(k.shape[-3])[s]) for s in ks]
     got = tokens_back(comm, [dq, dK, dV], [[Q.shape[-3]] * size, kv, kv], [n, m, m], pr.grad, rec, timeout, 0,
                       "gradients back")
-    dq = np.concatenate([g[0] for g in got], axis=-3)
-    dk, dv = np.zeros(k.shape, GRAD_DTYPE), np.zeros(v.shape, GRAD_DTYPE)
+    dq, dk, dv = gradients_home(got, ks, k.shape, v.shape)
+    return (dq[0], dk[0], dv[0]) if flat else (dq, dk, dv)
+
+
+def gradients_home(got, ks, k_shape, v_shape):
+    """``(dq, dk, dv)`` of this rank's tokens from what ``tokens_back`` brought (``got[s]``: member s's dq,
+    dK, dV): dq's heads side by side; dK, dV of a K/V head that several members held (``ks[s]``: member s's,
+    fewer K/V heads than members) add up, in float64."""
+    dk, dv = np.zeros(k_shape, GRAD_DTYPE), np.zeros(v_shape, GRAD_DTYPE)
     for s, (_, gk, gv) in enumerate(got):  # replicated K/V heads: every replica's share adds up
         dk[..., ks[s], :, :] += gk
         dv[..., ks[s], :, :] += gv
-    return (dq[0], dk[0], dv[0]) if flat else (dq, dk, dv)
+    return np.concatenate([g[0] for g in got], axis=-3), dk, dv
