@@ -177,6 +177,10 @@ class HybridPlan(Plan):
     ulysses_size: int = 1
     ring_plan: Plan | None = None
 
+    @property
+    def strategy(self):
+        return "grid"
+
     def group(self, rank):
         """``(group, place in the group)`` of ``rank``."""
         return divmod(rank, self.ulysses_size)

@@ -125,6 +125,11 @@ class Plan:
     schedule: Schedule | None = None
 
     @property
+    def strategy(self):
+        """How blocks move: the mode, or "grid" for ring x Ulysses (``parallel.strategies`` has the loops)."""
+        return self.mode
+
+    @property
     def n_steps(self):
         return self.schedule.n_steps
 
