@@ -19,6 +19,7 @@ from .plans.layouts import LAYOUTS, shard, shard_indices, unshard
 from .plans.make import make_plan
 from .plans.masks import visible_keys
 from .plans.plan import MODES, Schedule, Task
+from .plans.spec import Spec
 from .simulate import ring_attention_simulate, simulate
 
 # MPI-backed names: module that defines each, imported on first use (PEP 562)
@@ -36,7 +37,7 @@ __all__ = [
     "ring_attention_context_parallel", "predicted_bytes_sent",
     "attention_block", "merge", "reference_attention", "visible_keys",
     "LAYOUTS", "shard", "shard_indices", "unshard",
-    "MODES", "Schedule", "Task", "make_plan", "balance", "release_workspace",
+    "MODES", "Schedule", "Task", "make_plan", "balance", "release_workspace", "Spec",
 ]
 __version__ = "0.1.0"
 

@@ -25,28 +25,18 @@ kv_positions[j] <= positions[i]: new tokens already appended to the cache see
 each other causally, as in a prefill.
 """
 
-import hashlib
 import time
 
 import numpy as np
 from mpi4py import MPI
 
 from .core.kernels import attention_block, default_scale
-from .mpi.agree import check_comm
-from .mpi.checks import (
-    AUTO_BASE,
-    AUTO_RATE,
-    agreement_timeout,
-    describe,
-    logit_problem,
-    scale_problem,
-    timeout_problem,
-    verdict,
-)
-from .mpi.collectives import allgather
+from .mpi.agree import agreed, check_comm
+from .mpi.checks import AUTO_BASE, AUTO_RATE, Shown, describe, logit_problem, scale_problem, shape_text, timeout_problem
 from .mpi.comm import RingComm
 from .mpi.record import Record
 from .mpi.waits import exclusive, wait_until
+from .plans.spec import Spec, digest, spec_problem
 
 __all__ = ["decode_attention", "MERGES", "lse_merge", "merge_partials", "local_partial", "decode_agreement",
            "decode_timeout"]
@@ -81,22 +71,6 @@ def _reduce(inbuf, inoutbuf, datatype):
               np.frombuffer(inoutbuf, np.float64).reshape(-1, width))
 
 
-_OPS = {}  # the op and the row datatypes, made once per process (MPI frees them at finalize)
-
-
-def _op():
-    if "op" not in _OPS:
-        _OPS["op"] = MPI.Op.Create(_reduce, commute=True)
-    return _OPS["op"]
-
-
-def _row_type(width):
-    """An MPI datatype of one row (``width`` float64): a reduction never splits a row between two calls."""
-    if width not in _OPS:
-        _OPS[width] = MPI.DOUBLE.Create_contiguous(width).Commit()
-    return _OPS[width]
-
-
 def packed(out, lse):
     """``(out, lse)`` as one float64 array of rows ``[out, lse]`` (..., Dv + 1) flattened to (rows, Dv + 1)."""
     rows = np.empty(lse.shape + (out.shape[-1] + 1,), np.float64)
@@ -118,9 +92,15 @@ def merge_partials(rows, comm, merge, timeout=None, ring=None, rec=None):
     start = time.perf_counter()
     if merge == "tree":
         result = np.empty_like(rows)
-        rtype = _row_type(rows.shape[1])
-        wait_until([comm.Iallreduce([rows, rows.shape[0], rtype], [result, rows.shape[0], rtype], op=_op())],
-                   timeout, rank, "decode merge (all-reduce)")
+        # the op, and a datatype of one row (a reduction never splits a row between two calls of the op);
+        # freed when the call ends (MPI keeps them for a reduction still pending after a timeout)
+        op, rtype = MPI.Op.Create(_reduce, commute=True), MPI.DOUBLE.Create_contiguous(rows.shape[1]).Commit()
+        try:
+            wait_until([comm.Iallreduce([rows, rows.shape[0], rtype], [result, rows.shape[0], rtype], op=op)],
+                       timeout, rank, "decode merge (all-reduce)")
+        finally:
+            rtype.Free()
+            op.Free()
         if rec is not None:
             rec.bytes_sent += rows.nbytes * int(np.ceil(np.log2(size)))  # recursive doubling, as modelled
             rec.messages += int(np.ceil(np.log2(size)))
@@ -181,12 +161,7 @@ def local_partial(q, blocks, scale, positions=None, causal=False, padded=False):
 
 
 def _digest(a):
-    return hashlib.sha1(np.ascontiguousarray(a).view(np.uint8)).hexdigest()[:16] if a is not None else None
-
-
-def _shape_text(a):
-    """A shape with its sequence axis (which may differ between ranks) as *."""
-    return "(" + ", ".join("*" if i == a.ndim - 2 else str(n) for i, n in enumerate(a.shape)) + ")"
+    return None if a is None else digest(np.ascontiguousarray(a).view(np.uint8))[:16]
 
 
 def _local_problem(q, k, v, scale, merge, causal, positions, kv_positions):
@@ -222,43 +197,49 @@ def _local_problem(q, k, v, scale, merge, causal, positions, kv_positions):
 
 
 def decode_agreement(comm, q, k, v, scale, timeout, merge="tree", causal=False, positions=None, kv_positions=None,
-                     extra=None, k_peak=None, problem=None):
+                     k_peak=None, problem=None):
     """Check this rank's arguments and agree with every rank (one all-gather): ``(scale, kv lengths)``.
 
     The same ValueError on every rank if any rank has a problem, if q (its
     bytes), its positions or an option differ from rank 0's, or if the logits
-    may overflow. ``extra``: more name -> value pairs every rank must share;
-    ``k_peak``: max |k| when k is only a stand-in for its shape (a cache's
+    may overflow. ``k_peak``: max |k| when k is only a stand-in for its shape (a cache's
     stored keys); ``problem``: one more of this rank's problems (or None).
     """
-    problem = values = peaks = None
+    values = peaks = None
     try:
         problem = (problem or timeout_problem(timeout)
                    or _local_problem(q, k, v, scale, merge, causal, positions, kv_positions))
         if problem is None:
-            values = {"q shape": str(q.shape), "k shape": _shape_text(k), "v shape": _shape_text(v),
-                      "dtype": str(q.dtype), "scale": repr(scale), "merge": repr(merge), "causal": repr(bool(causal)),
-                      "timeout": repr(timeout), "q (sha1 of its bytes)": _digest(q),
-                      "positions (sha1)": _digest(None if positions is None else np.asarray(positions, np.int64)),
-                      **(extra or {})}
+            values = {"q shape": Shown(q.shape), "k shape": Shown(*[shape_text(k)] * 2),
+                      "v shape": Shown(*[shape_text(v)] * 2), "dtype": Shown(str(q.dtype)), "scale": Shown(scale),
+                      "merge": Shown(merge), "causal": Shown(bool(causal)), "timeout": Shown(timeout),
+                      "q (sha1 of its bytes)": Shown(*[_digest(q)] * 2),
+                      "positions (sha1)": Shown(*[_digest(None if positions is None else
+                                                          np.asarray(positions, np.int64))] * 2)}
             if k_peak is None:
                 k_peak = float(np.abs(k).max()) if k.size else 0.0
             peaks = (float(np.abs(q).max()), k_peak, k.shape[-2])
     except Exception as exc:  # reported collectively, never raised alone
         problem, values = describe(exc), None
-    metas = allgather(comm, (problem, values, peaks), agreement_timeout(timeout))
-    message = verdict([m[0] for m in metas])
-    if not message:
-        ref = metas[0][1]
-        message = verdict([next((f"{name} {val} differs from rank 0's {ref[name]}" for name, val in m[1].items()
-                                 if val != ref[name]), None) for m in metas])
-    if message:
-        raise ValueError(message)
+    metas = agreed(comm, problem, values, timeout, peaks)
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
-    message = logit_problem(scale, q.shape[-1], max(m[2][0] for m in metas), max(m[2][1] for m in metas), q.dtype)
+    message = logit_problem(scale, q.shape[-1], max(m[0] for m in metas), max(m[1] for m in metas), q.dtype)
     if message:
         raise ValueError(message)
-    return scale, [m[2][2] for m in metas]
+    return scale, [m[2] for m in metas]
+
+
+DECODE_FIELDS = ("scale", "causal", "positions", "kv_positions")
+
+
+def spec_of(spec, *values, who="decode_attention"):
+    """``(scale, causal, positions, kv_positions)`` and this rank's problem: the values as given, or with a
+    ``spec`` its (values given beside it must be its own; the rest of the spec must be at its defaults)."""
+    if spec is None:
+        return values, None
+    agreed, problem = spec_problem(dict(zip(DECODE_FIELDS, values)), spec)
+    problem = problem or agreed.beyond(DECODE_FIELDS, who)
+    return (values if problem else tuple(getattr(agreed, name) for name in DECODE_FIELDS)), problem
 
 
 def decode_timeout(timeout, q, v, lengths):
@@ -276,7 +257,7 @@ def decode_attention(
     k: np.ndarray,  # (..., Hk, n, D): this rank's cache shard, any n >= 0
     v: np.ndarray,  # (..., Hk, n, Dv)
     comm=None, *, scale: float | None = None, merge: str = "tree", causal: bool = False, positions=None,
-    kv_positions=None, timeout: float | str | None = "auto", record: Record | None = None,
+    kv_positions=None, timeout: float | str | None = "auto", record: Record | None = None, spec: Spec | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:  # out (..., Hq, T, Dv), lse (..., Hq, T): the same bits on every rank
     """Attention of the same new tokens ``q`` (on every rank) over the KV cache sharded across the ranks.
 
@@ -294,13 +275,16 @@ def decode_attention(
             iff kv_positions[j] <= positions[i]. Off: every new token sees every key.
         timeout: as ``ring_attention``: seconds any wait may take, "auto" or None.
         record: a ``Record`` to fill ("compute" and "merge" events, bytes sent).
+        spec: a ``Spec`` giving ``scale``, ``causal``, ``positions`` and ``kv_positions`` instead (``spec_of``).
 
     Bad arguments on any rank (mismatched heads, q different across ranks, a
     bad option) raise the same ``ValueError`` on every rank.
     """
     comm = check_comm(comm)
     with exclusive(comm):
-        scale, lengths = decode_agreement(comm, q, k, v, scale, timeout, merge, causal, positions, kv_positions)
+        (scale, causal, positions, kv_positions), problem = spec_of(spec, scale, causal, positions, kv_positions)
+        scale, lengths = decode_agreement(comm, q, k, v, scale, timeout, merge, causal, positions, kv_positions,
+                                          problem=problem)
         timeout = decode_timeout(timeout, q, v, lengths)
         rec = Record(comm.Get_rank()) if record is None else record
         start = time.perf_counter()

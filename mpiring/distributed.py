@@ -3,12 +3,11 @@
     mpiexec -n 4 python -m mpiring run --causal --layout zigzag
 
 One agreement (``agree.agree_root``) checks root's arrays and every rank's
-options for both the forward and the backward call.
+spec; the forward and the backward call then run that spec.
 """
 
 import numpy as np
 
-from .core.precision import without_precision
 from .handle import ring_attention, ring_attention_backward
 from .mpi.agree import agree, agree_root, check_comm
 from .mpi.buffers import mpi_view
@@ -17,8 +16,8 @@ from .mpi.collectives import gather
 from .mpi.record import Record
 from .mpi.waits import CommTimeout, wait_until
 from .plans.layouts import shard, unshard
-from .plans.make import make_plan
 from .plans.plan import Schedule
+from .plans.spec import Spec, spec_problem
 
 __all__ = ["distributed_attention", "distributed_attention_backward"]
 
@@ -68,7 +67,7 @@ def distributed_attention(
     timeout: float | str | None = "auto", return_lse: bool = False, on_step=None, check_finite: bool = False,
     expected_size: int | None = None, wire_dtype: str | None = None, accumulate: str = "float64",
     causal_block: int | None = None, node_size: int | None = None, ulysses_size: int | None = None,
-    rotate: str = "kv",
+    rotate: str = "kv", spec: Spec | None = None,
 ) -> tuple:  # on root (out (..., Hq, S, Dv)[, lse], schedule); Nones elsewhere
     """Root scatters full Q, K, V, the ring runs, root gathers the output and the schedule.
 
@@ -79,7 +78,7 @@ def distributed_attention(
     is called on this rank after each of its ring steps (e.g. for a progress line).
     ``timeout``, ``check_finite`` (on root's full arrays), ``expected_size``,
     ``wire_dtype``, ``accumulate``, ``causal_block``, ``node_size``,
-    ``ulysses_size`` and ``rotate`` are as in ``ring_attention``; each rank
+    ``ulysses_size``, ``rotate`` and ``spec`` are as in ``ring_attention``; each rank
     gets the tokens ``shard_indices`` gives it under ``layout``, in every mode;
     options must be the same on every rank.
     """
@@ -87,23 +86,22 @@ def distributed_attention(
     rank, size = comm.Get_rank(), comm.Get_size()
 
     def check_root():
-        problem = root_problem(Q, K, V) or local_problem(Q, K, V, scale, check_finite)
+        problem = root_problem(Q, K, V) or local_problem(Q, K, V, None, check_finite)
         if problem is None and Q.shape[-2] < size:
             problem = f"sequence length {Q.shape[-2]} is shorter than the number of ranks {size}"
         meta = None if problem else [(a.shape[:-2], a.shape[-1], a.dtype) for a in (Q, K, V)] + [Q.shape[-2]]
         return problem, meta
 
-    options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens,
-                   wire_dtype=wire_dtype, accumulate=accumulate, causal_block=causal_block, node_size=node_size,
-                   ulysses_size=ulysses_size)
-    options, meta = agree_root(comm, root, check_root, options, timeout, expected_size, scale)
-    options.pop("grad_wire_dtype")  # a backward option
-    plan = make_plan(meta[3], size, **without_precision(options))  # the same everywhere, or raises everywhere
+    spec, problem = spec_problem(dict(
+        layout=layout, mode=mode, causal=causal, scale=scale, window=window, cu_seqlens=cu_seqlens,
+        wire_dtype=wire_dtype, accumulate=accumulate, causal_block=causal_block, node_size=node_size,
+        ulysses_size=ulysses_size, rotate=rotate), spec)
+    meta = agree_root(comm, root, check_root, spec, timeout, expected_size, problem)
+    plan = spec.plan(size, meta[3])  # the same everywhere, or raises everywhere
     wait = resolve_timeout(timeout, plan, int(np.prod(meta[0][0])), meta[0][1])  # for scatter and gather
     q, k, v = (_scatter(x, m, plan, comm, root, wait) for x, m in zip((Q, K, V), meta[:3]))
     rec = Record(rank, on_step=on_step)
-    out, lse = ring_attention(q, k, v, comm, scale=scale, timeout=timeout, record=rec,
-                              expected_size=expected_size, rotate=rotate, **options)
+    out, lse = ring_attention(q, k, v, comm, spec=spec, timeout=timeout, record=rec, expected_size=expected_size)
     pieces = [out, lse[..., None]]
     full_out, full_lse, schedule = _collect(comm, root, plan, pieces, rec, {}, wait)
     if rank != root:
@@ -138,7 +136,7 @@ def distributed_attention_backward(
     mode: str = "ring", window: tuple[int, int] | None = None, cu_seqlens=None,
     timeout: float | str | None = "auto", return_out: bool = False, wire_dtype: str | None = None,
     grad_wire_dtype: str | None = None, accumulate: str = "float64", causal_block: int | None = None,
-    node_size: int | None = None, ulysses_size: int | None = None,
+    node_size: int | None = None, ulysses_size: int | None = None, spec: Spec | None = None,
 ) -> tuple:  # on root ([out,] dQ, dK, dV, schedule); Nones elsewhere
     """Root scatters Q, K, V and dOut; the ring runs forward then backward; root gathers the gradients.
 
@@ -148,29 +146,27 @@ def distributed_attention_backward(
     times), with the forward pass's under ``"forward"``. With
     ``return_out=True`` root gets ``(out, dQ, dK, dV, schedule)``. ``wire_dtype``,
     ``accumulate``, ``causal_block``, ``node_size`` and ``ulysses_size`` are as
-    in ``ring_attention``, ``grad_wire_dtype`` as in ``ring_attention_backward``.
+    in ``ring_attention``, ``grad_wire_dtype`` as in ``ring_attention_backward``; ``spec`` holds them all instead.
     """
     comm = check_comm(comm)
     rank, size = comm.Get_rank(), comm.Get_size()
 
     def check_root():
-        problem = root_grad_problem(Q, K, V, dOut, scale, size)
+        problem = root_grad_problem(Q, K, V, dOut, None, size)
         meta = None if problem else [(a.shape[:-2], a.shape[-1], a.dtype) for a in (Q, K, V, dOut)] + [Q.shape[-2]]
         return problem, meta
 
-    options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens,
-                   wire_dtype=wire_dtype, grad_wire_dtype=grad_wire_dtype, accumulate=accumulate,
-                   causal_block=causal_block, node_size=node_size, ulysses_size=ulysses_size)
-    options, meta = agree_root(comm, root, check_root, options, timeout, scale=scale)
-    grad_wire, accumulate = options.pop("grad_wire_dtype"), options.pop("accumulate")
-    plan = make_plan(meta[4], size, **without_precision(options))  # the same everywhere, or raises everywhere
+    spec, problem = spec_problem(dict(
+        layout=layout, mode=mode, causal=causal, scale=scale, window=window, cu_seqlens=cu_seqlens,
+        wire_dtype=wire_dtype, grad_wire_dtype=grad_wire_dtype, accumulate=accumulate, causal_block=causal_block,
+        node_size=node_size, ulysses_size=ulysses_size), spec)
+    meta = agree_root(comm, root, check_root, spec, timeout, problem=problem)
+    plan = spec.plan(size, meta[4])  # the same everywhere, or raises everywhere
     wait = resolve_timeout(timeout, plan, int(np.prod(meta[0][0])), meta[0][1], factor=3.5)
     q, k, v, dout = (_scatter(x, m, plan, comm, root, wait) for x, m in zip((Q, K, V, dOut), meta[:4]))
     forward, backward = Record(rank), Record(rank)
-    out, lse = ring_attention(q, k, v, comm, scale=scale, timeout=timeout, record=forward, accumulate=accumulate,
-                              **options)
-    dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, comm, scale=scale, timeout=timeout,
-                                         record=backward, grad_wire_dtype=grad_wire, **options)
+    out, lse = ring_attention(q, k, v, comm, spec=spec, timeout=timeout, record=forward)
+    dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, comm, spec=spec, timeout=timeout, record=backward)
     pieces = ([out] if return_out else []) + [dq, dk, dv]
     *full, schedule = _collect(comm, root, plan, pieces, backward, {"forward": forward.summary()}, wait)
     if rank != root:

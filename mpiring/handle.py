@@ -21,10 +21,10 @@ import numpy as np
 
 from .core.block import GRAD_DTYPE
 from .core.kernels import default_scale
-from .core.precision import Precision, compute_dtype, without_precision
+from .core.precision import Precision, compute_dtype
 from .core.threads import limited, threads_for, threads_problem
 from .core.tiles import release_workspace
-from .lse import Lse, lse_problem, made_by, mismatch, plan_options
+from .lse import Lse, lse_problem, mismatch
 from .mpi.agree import check_call, check_comm, setup, setup_ring
 from .mpi.checks import (
     agreement_timeout,
@@ -36,18 +36,13 @@ from .mpi.checks import (
     peaks,
     resolve_timeout,
 )
-from .mpi.comm import RingComm
 from .mpi.record import Record
 from .mpi.waits import exclusive, wait_until
-from .parallel.backward import gradient_rings
-from .parallel.double_ring import nodes_of
-from .parallel.passq import chosen_rotation, rotate_problem
-from .parallel.run import run_backward, run_forward
-from .plans.heads import HybridPlan, grid_problem, heads_problem
+from .parallel.strategies import private_rings, rotation, run_backward, run_forward
 from .plans.layouts import LAYOUTS, shard, take_rows
-from .plans.plan import MODES
+from .plans.spec import Spec, spec_problem
 
-__all__ = ["Ring", "Lse", "ring_attention", "ring_attention_backward"]
+__all__ = ["Ring", "Lse", "Spec", "ring_attention", "ring_attention_backward"]
 
 
 def _axis_problem(arrays, seq_axis):
@@ -83,6 +78,9 @@ class Ring:
         threads: BLAS threads per rank inside every call: "auto" (the node's
             cores shared among its ranks; ``mpiring.core.threads``), an int, or None
             (leave BLAS alone).
+        spec: a ``Spec`` (``mpiring.plans.spec``) saying all of the above
+            that it holds (the problem and the strategy); options passed beside
+            it must equal its own.
 
     Construction is collective (one all-gather, and communicator duplicates
     freed by ``close()`` or on leaving a ``with`` block); so is every call.
@@ -97,44 +95,32 @@ class Ring:
                  wire_dtype: str | None = None, grad_wire_dtype: str | None = None, accumulate: str = "float64",
                  positions=None, kv_positions=None, causal_block: int | None = None, node_size: int | None = None,
                  ulysses_size: int | None = None, rotate: str = "kv", check_finite: bool = False,
-                 expected_size: int | None = None):
+                 expected_size: int | None = None, spec: Spec | None = None):
         comm = check_comm(comm)
-        options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens,
-                       wire_dtype=wire_dtype, grad_wire_dtype=grad_wire_dtype, accumulate=accumulate,
-                       positions=positions, kv_positions=kv_positions, causal_block=causal_block,
-                       node_size=node_size, ulysses_size=ulysses_size)
-        problem = _axis_problem({}, seq_axis) or threads_problem(threads) or rotate_problem(rotate, mode)
-        plan, hosts, options = setup_ring(comm, seq_len, options, scale, timeout, expected_size, problem,
-                                          values=dict(seq_axis=seq_axis, threads=threads, check_finite=check_finite,
-                                                      rotate=rotate))
-        options["rotate"] = rotate
-        self._start(comm, plan, scale, timeout, hosts, seq_axis, threads, options, check_finite, backward=True)
+        spec, problem = spec_problem(dict(
+            seq_len=seq_len, layout=layout, mode=mode, causal=causal, scale=scale, window=window,
+            cu_seqlens=cu_seqlens, wire_dtype=wire_dtype, grad_wire_dtype=grad_wire_dtype, accumulate=accumulate,
+            positions=positions, kv_positions=kv_positions, causal_block=causal_block, node_size=node_size,
+            ulysses_size=ulysses_size, rotate=rotate), spec)
+        problem = _axis_problem({}, seq_axis) or threads_problem(threads) or problem
+        plan, spec, hosts = setup_ring(comm, spec, timeout, expected_size, problem,
+                                       values=dict(seq_axis=seq_axis, threads=threads, check_finite=check_finite))
+        self._start(comm, plan, spec, timeout, hosts, seq_axis, threads, check_finite, backward=True)
 
     @classmethod
-    def _agreed(cls, comm, plan, scale, timeout, hosts, seq_axis, threads, options, backward):
+    def _agreed(cls, comm, plan, spec, timeout, hosts, seq_axis, threads, backward):
         """A handle for one call whose arguments were agreed already (``agree.setup``)."""
         ring = cls.__new__(cls)
-        ring._start(comm, plan, scale, timeout, hosts, seq_axis, threads, options, False, backward)
+        ring._start(comm, plan, spec, timeout, hosts, seq_axis, threads, False, backward)
         return ring
 
-    def _start(self, comm, plan, scale, timeout, hosts, seq_axis, threads, options, check_finite, backward):
-        self.plan, self.seq_axis, self.check_finite = plan, int(seq_axis), check_finite
-        self._precision = {key: value for key, value in options.items() if key not in without_precision(options)}
-        self._same_rows = options.get("kv_positions") is None
-        self._mode, self._ulysses_size = options.get("mode", plan.mode), options.get("ulysses_size")
-        self._rotate = options.get("rotate", "kv")
+    def _start(self, comm, plan, spec, timeout, hosts, seq_axis, threads, check_finite, backward):
+        self.plan, self.spec, self.seq_axis, self.check_finite = plan, spec, int(seq_axis), check_finite
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.threads = threads_for(threads, hosts, self.rank)
-        self._scale, self._timeout, self._failed, self._rings = scale, timeout, None, []
-        try:  # private duplicates: K/V; for a backward of the ring modes also dK/dV onward and dK/dV home
-            self._rings.append(RingComm(comm, agreement_timeout(timeout)))
-            if plan.mode == "double_ring":  # ranks per node, as MPI placed them unless node_size says (collective)
-                self.plan = plan = nodes_of(plan, self._rings[0].comm, options.get("node_size"))
-            if backward and plan.mode in MODES and not isinstance(plan, HybridPlan):  # the flat ring modes
-                self._rings += gradient_rings(comm, plan, agreement_timeout(timeout))
-        except BaseException:
-            self.close()
-            raise
+        self._timeout, self._failed, self._rings = timeout, None, []
+        # private duplicates: K/V; and what the strategy's backward needs (the ring modes: dK/dV onward and home)
+        self.plan, self._rings = private_rings(comm, plan, spec.node_size, agreement_timeout(timeout), backward)
 
     # ------------------------------------------------------------------ the handle's life
 
@@ -214,14 +200,13 @@ class Ring:
                 moved = [np.moveaxis(a, self.seq_axis, -2) for a in tensors.values()]
                 names = dict(zip(tensors, moved))
                 q, k, v = names["q"], names["k"], names["v"]
-                problem = (local_problem(q, k, v, None, self.check_finite, self._same_rows)
-                           or self._length_problem(q, k) or heads_problem(q, k, self.size, self._mode)
-                           or grid_problem(q, k, self.size, self._mode, self._ulysses_size))
+                problem = (local_problem(q, k, v, None, self.check_finite, self.spec.kv_positions is None)
+                           or self._length_problem(q, k) or self.spec.heads_problem(q, k, self.size))
                 if problem is None and lse is not None:
                     problem = (grad_problem(names["dout"], q, k, v, names["out"], lse)
                                or self._dlse_problem(dlse, lse)
-                               or mismatch(lse, made_by(plan_options(self.plan, self._precision), self.size,
-                                                        self._resolved_scale(q), self.plan.seq_len)))
+                               or mismatch(lse, self.spec.made_by(self.size, self._resolved_scale(q),
+                                                                  self.plan.seq_len)))
             if problem is None:  # may fail alone (MemoryError): agreed below
                 moved, lses = contiguous(dict(zip(tensors, moved)), [a for a in (lse, dlse) if a is not None])
                 moved, lses = self._sorted(list(tensors), moved, lses)
@@ -238,7 +223,7 @@ class Ring:
         return moved, lses, scale
 
     def _resolved_scale(self, q):
-        return default_scale(q.shape[-1]) if self._scale is None else float(self._scale)
+        return default_scale(q.shape[-1]) if self.spec.scale is None else self.spec.scale
 
     def _length_problem(self, q, k):
         for name, a, shards in (("q", q, self.plan.shards), ("k", k, self.plan.kv_shards)):
@@ -275,17 +260,16 @@ class Ring:
             self._start_barrier(timeout)
         with self._running():
             out, lse = run_forward(q, k, v, self.plan, self._rings[0], scale, rec, timeout,
-                                   Precision.of(q.dtype, self._precision),
-                                   chosen_rotation(self._rotate, self.plan, q, k, v,
-                                                   self._precision.get("wire_dtype")))
+                                   Precision.of(q.dtype, self.spec.precision),
+                                   rotation(self.spec.rotate, self.plan, q, k, v, self.spec.wire_dtype))
         out, lse = self.plan.in_caller_order(self.rank, out), self.plan.in_caller_order(self.rank, lse, axis=-1)
         lse = lse.view(Lse)
-        lse.made_by = made_by(plan_options(self.plan, self._precision), self.size, scale, self.plan.seq_len)
+        lse.made_by = self.spec.made_by(self.size, scale, self.plan.seq_len)
         return np.moveaxis(out, -2, self.seq_axis), lse
 
     def _backward(self, moved, lses, scale, record, checked):
         dout, q, k, v, out = moved
-        pr = Precision.of(k.dtype, self._precision)
+        pr = Precision.of(k.dtype, self.spec.precision)
         delta = np.einsum("...d,...d->...", dout, out, dtype=GRAD_DTYPE)  # no float64 copies of dout and out
         if len(lses) > 1:  # d lse / d score = p: the dlse term joins delta (ds = p * (dp - delta + dlse))
             delta -= lses[1]
@@ -313,7 +297,7 @@ def ring_attention(
     timeout: float | str | None = "auto", record: Record | None = None, check_finite: bool = False,
     expected_size: int | None = None, seq_axis: int = -2, threads="auto", wire_dtype: str | None = None,
     accumulate: str = "float64", positions=None, kv_positions=None, causal_block: int | None = None,
-    node_size: int | None = None, ulysses_size: int | None = None, rotate: str = "kv",
+    node_size: int | None = None, ulysses_size: int | None = None, rotate: str = "kv", spec: Spec | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:  # out (..., Hq, n, Dv), lse (..., Hq, n)
     """Attention of this rank's queries against the whole distributed sequence.
 
@@ -366,6 +350,8 @@ def ring_attention(
             every mode (Ulysses' and the grid's all-to-alls too); with ``rotate="q"`` the query
             blocks travel coded instead. What a rank holds itself is never coded.
         accumulate: "float64" (default), "float32" or "input": the running (out, lse)'s dtype.
+        spec: a ``Spec`` (``mpiring.plans.spec``) holding the problem and strategy options above instead;
+            options passed beside it must equal its own.
 
     float16 and bfloat16 inputs compute in float32: out comes back in the input
     dtype, lse in float32. Bad arguments on any rank raise the same ``ValueError`` on every rank,
@@ -374,25 +360,20 @@ def ring_attention(
     """
     comm = check_comm(comm)
     with exclusive(comm):  # one call per communicator at a time (threads: one Dup each)
-        options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens,
-                       wire_dtype=wire_dtype, accumulate=accumulate, positions=positions, kv_positions=kv_positions,
-                       causal_block=causal_block, node_size=node_size, ulysses_size=ulysses_size)
-        moved, problem = _moved({"q": q, "k": k, "v": v}, seq_axis, threads)
-        problem = (problem or _heads_problem(moved[0], moved[1], comm, mode, ulysses_size)
-                   or rotate_problem(rotate, mode))
+        spec, problem = spec_problem(dict(
+            layout=layout, mode=mode, causal=causal, scale=scale, window=window, cu_seqlens=cu_seqlens,
+            wire_dtype=wire_dtype, accumulate=accumulate, positions=positions, kv_positions=kv_positions,
+            causal_block=causal_block, node_size=node_size, ulysses_size=ulysses_size, rotate=rotate), spec)
+        moved, moved_problem = _moved({"q": q, "k": k, "v": v}, seq_axis, threads)
+        problem = moved_problem or problem or spec.heads_problem(moved[0], moved[1], comm.Get_size())
         hosts = []
-        plan, scale, (q, k, v) = setup(*moved, comm, scale, options, check_finite, expected_size, timeout,
-                                       prepare=lambda: [np.ascontiguousarray(a) for a in moved], problem=problem,
-                                       rows="qkk", hosts=hosts, compare={"rotate": rotate})
-        with Ring._agreed(comm, plan, scale, timeout, hosts, seq_axis, threads, dict(options, rotate=rotate),
-                          backward=False) as ring:
+        plan, spec, scale, (q, k, v) = setup(*moved, comm, spec, check_finite, expected_size, timeout,
+                                             prepare=lambda: [np.ascontiguousarray(a) for a in moved],
+                                             problem=problem, rows="qkk", hosts=hosts,
+                                             same_rows=(kv_positions if spec is None else spec.kv_positions) is None)
+        with Ring._agreed(comm, plan, spec, timeout, hosts, seq_axis, threads, backward=False) as ring:
             with limited(ring.threads):
                 return ring._forward(q, k, v, scale, record, checked=True)
-
-
-def _heads_problem(q, k, comm, mode, ulysses_size):
-    """Why the heads of q, k do not split as ``mode`` / ``ulysses_size`` need, or None (never raises)."""
-    return heads_problem(q, k, comm.Get_size(), mode) or grid_problem(q, k, comm.Get_size(), mode, ulysses_size)
 
 
 def _moved(tensors, seq_axis, threads):
@@ -412,7 +393,7 @@ def ring_attention_backward(
     timeout: float | str | None = "auto", record: Record | None = None, seq_axis: int = -2, threads="auto",
     dlse: np.ndarray | None = None, wire_dtype: str | None = None, grad_wire_dtype: str | None = None,
     positions=None, kv_positions=None, causal_block: int | None = None, node_size: int | None = None,
-    ulysses_size: int | None = None, rotate: str = "kv",
+    ulysses_size: int | None = None, rotate: str = "kv", spec: Spec | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # dq, dk, dv: the shapes of q, k, v
     """Gradients ``(dq, dk, dv)`` of this rank's shard, given the upstream gradient ``dout``.
 
@@ -434,25 +415,26 @@ def ring_attention_backward(
     """
     comm = check_comm(comm)
     with exclusive(comm):  # one call per communicator at a time (threads: one Dup each)
-        options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens,
-                       wire_dtype=wire_dtype, grad_wire_dtype=grad_wire_dtype, positions=positions,
-                       kv_positions=kv_positions, causal_block=causal_block, node_size=node_size,
-                       ulysses_size=ulysses_size)
+        spec, problem = spec_problem(dict(
+            layout=layout, mode=mode, causal=causal, scale=scale, window=window, cu_seqlens=cu_seqlens,
+            wire_dtype=wire_dtype, grad_wire_dtype=grad_wire_dtype, positions=positions, kv_positions=kv_positions,
+            causal_block=causal_block, node_size=node_size, ulysses_size=ulysses_size, rotate=rotate), spec)
         tensors = {"dout": dout, "q": q, "k": k, "v": v, "out": out}
-        moved, problem = _moved(tensors, seq_axis, threads)
-        if problem is None:
-            problem = (grad_problem(*moved, lse) or Ring._dlse_problem(dlse, lse)
-                       or _heads_problem(moved[1], moved[2], comm, mode, ulysses_size)
-                       or rotate_problem(rotate, mode)
-                       or lse_problem(lse, options, comm.Get_size(), scale, moved[1]))
+        moved, moved_problem = _moved(tensors, seq_axis, threads)
+        if moved_problem is None:
+            problem = (grad_problem(*moved, lse) or Ring._dlse_problem(dlse, lse) or problem
+                       or spec.heads_problem(moved[1], moved[2], comm.Get_size())
+                       or lse_problem(lse, spec, comm.Get_size(), moved[1]))
+        problem = moved_problem or problem
 
         def prepare():  # what may fail on one rank alone (MemoryError) is done before the agreement
             arrays, lses = contiguous(dict(zip(tensors, moved)), [a for a in (lse, dlse) if a is not None])
             return arrays + lses
 
         hosts = []
-        plan, scale, arrays = setup(*moved[1:4], comm, scale, options, timeout=timeout, prepare=prepare,
-                                    problem=problem, rows="qqkkq" + "l" * (1 if dlse is None else 2), hosts=hosts)
-        with Ring._agreed(comm, plan, scale, timeout, hosts, seq_axis, threads, options, backward=True) as ring:
+        plan, spec, scale, arrays = setup(*moved[1:4], comm, spec, timeout=timeout, prepare=prepare, problem=problem,
+                                          rows="qqkkq" + "l" * (1 if dlse is None else 2), hosts=hosts,
+                                          same_rows=(kv_positions if spec is None else spec.kv_positions) is None)
+        with Ring._agreed(comm, plan, spec, timeout, hosts, seq_axis, threads, backward=True) as ring:
             with limited(ring.threads):
                 return ring._backward(arrays[:5], arrays[5:], scale, record, checked=True)

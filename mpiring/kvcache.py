@@ -18,20 +18,20 @@ either way shards stay within one token of each other. ``attend`` is
   against 4 D for float32: 0.27 of it at D = 64.
 """
 
-import hashlib
 import time
 
 import numpy as np
 
-from .decode import decode_agreement, decode_timeout, local_partial, merge_partials, packed, unpacked
+from .decode import decode_agreement, decode_timeout, local_partial, merge_partials, packed, spec_of, unpacked
 from .handle import ring_attention
-from .mpi.agree import agree, check_comm
+from .mpi.agree import agree, agreed, check_comm
 from .mpi.checks import agreement_timeout, describe, timeout_problem, verdict
 from .mpi.collectives import allgather
 from .mpi.comm import RingComm
 from .mpi.record import Record
 from .mpi.waits import exclusive
 from .plans.layouts import layout_positions
+from .plans.spec import digest
 
 __all__ = ["KVCache", "PLACEMENTS", "QUANTIZE", "TILE", "ERROR_BOUND", "quantize"]
 
@@ -98,9 +98,8 @@ class KVCache:
         except Exception as exc:  # reported collectively, never raised alone
             problem = describe(exc)
         with exclusive(self.comm):
-            metas = allgather(self.comm, (problem, values), agreement_timeout(timeout))
-        message = verdict([m[0] for m in metas]) or verdict(
-            [None if m[1] == metas[0][1] else f"options {m[1]} differ from rank 0's {metas[0][1]}" for m in metas])
+            metas = agreed(self.comm, problem, None, timeout, values)
+        message = verdict([None if m == metas[0] else f"options {m} differ from rank 0's {metas[0]}" for m in metas])
         if message:
             raise ValueError(message)
         self.kv_heads, self.head_dim, self.value_dim = int(kv_heads), int(head_dim), int(value_dim)
@@ -180,10 +179,9 @@ class KVCache:
                     values = (k.shape, v.shape, _bytes_digest(k), _bytes_digest(v))
             except Exception as exc:  # reported collectively, never raised alone
                 problem = describe(exc)
-            metas = allgather(self.comm, (problem, values), agreement_timeout(self.timeout))
-            message = verdict([m[0] for m in metas]) or verdict(
-                [None if m[1] == metas[0][1] else "k and v differ from rank 0's: extend takes the same new tokens "
-                 "on every rank" for m in metas])
+            metas = agreed(self.comm, problem, None, self.timeout, values)
+            message = verdict([None if m == metas[0] else "k and v differ from rank 0's: extend takes the same new "
+                               "tokens on every rank" for m in metas])
             if message:
                 raise ValueError(message)
         first = len(self)
@@ -272,21 +270,25 @@ class KVCache:
             tiles.append(out)
         return tiles[0], tiles[1], self._pos[a:b]
 
-    def attend(self, q, *, causal=False, positions=None, merge="tree", scale=None, record=None):
+    def attend(self, q, *, causal=False, positions=None, merge="tree", scale=None, record=None, spec=None):
         """``decode_attention`` of ``q`` (..., Hq, T, D), the same on every rank, over the whole cache.
 
         Every rank returns the same ``(out, lse)``. With ``causal``, query i sees
         the cached tokens at positions <= positions[i] (default: the last T
-        positions, the tokens just added with ``extend``).
+        positions, the tokens just added with ``extend``). ``spec``: a ``Spec``
+        giving ``scale``, ``causal`` and ``positions`` instead (the cache knows
+        where its keys are).
         """
         with exclusive(self.comm):
+            (scale, causal, positions, _), problem = spec_of(spec, scale, causal, positions, None,
+                                                             who="KVCache.attend")
             if causal and positions is None:
                 positions = np.arange(len(self) - np.shape(q)[-2], len(self)) if np.ndim(q) >= 2 else None
             lead = self._lead if self._lead is not None else np.shape(q)[:-3]
             k_like, v_like = (np.broadcast_to(np.zeros((), self.dtype), lead + (self.kv_heads, self._n, d))
                               for d in (self.head_dim, self.value_dim))
-            problem = None if isinstance(q, np.ndarray) and q.dtype == self.dtype else \
-                f"q must be a {self.dtype} array, as the cache"
+            problem = problem or (None if isinstance(q, np.ndarray) and q.dtype == self.dtype else
+                                  f"q must be a {self.dtype} array, as the cache")
             scale, lengths = decode_agreement(self.comm, q, k_like, v_like, scale, self.timeout, merge, causal,
                                               positions, self._pos[:self._n], k_peak=self._k_peak, problem=problem)
             timeout = decode_timeout(self.timeout, q, v_like, lengths)
@@ -317,4 +319,4 @@ class KVCache:
 
 
 def _bytes_digest(a):
-    return hashlib.sha1(np.ascontiguousarray(a).view(np.uint8)).hexdigest()
+    return digest(np.ascontiguousarray(a).view(np.uint8))

@@ -4,9 +4,9 @@ import numpy as np
 
 from .core.block import accumulators, attend
 from .core.kernels import default_scale
-from .core.precision import INPUT_DTYPES, Precision, canonical_precision
+from .core.precision import INPUT_DTYPES, Precision
 from .mpi.record import Record
-from .plans.make import make_plan
+from .plans.spec import spec_problem
 
 __all__ = ["ring_attention_simulate", "simulate"]
 
@@ -21,7 +21,8 @@ def _as_float(name, a):
 
 
 def simulate(Q, K, V, num_devices, *, causal=False, scale=None, layout="contiguous", mode="ring",
-             window=None, cu_seqlens=None, causal_block=None, positions=None, wire_dtype=None, accumulate="float64"):
+             window=None, cu_seqlens=None, causal_block=None, positions=None, wire_dtype=None, accumulate="float64",
+             spec=None):
     """Run every device's part of the ring in turn; return ``(out, lse, schedule)``.
 
     ``schedule`` is the plan's Schedule: ``schedule.table[step][device]``
@@ -29,7 +30,15 @@ def simulate(Q, K, V, num_devices, *, causal=False, scale=None, layout="contiguo
     ``wire_dtype`` and ``accumulate`` are as in ``ring_attention``: every block
     a device gets from another is coded and decoded as the wire would.
     ``positions``: one array per device, the tokens it holds (instead of ``layout``).
+    ``spec``: a ``Spec`` holding the options instead (its ``positions``, if any: every device's, as agreed).
     """
+    spec, problem = spec_problem(dict(causal=causal, scale=scale, layout=layout, mode=mode, window=window,
+                                      cu_seqlens=cu_seqlens, causal_block=causal_block, wire_dtype=wire_dtype,
+                                      accumulate=accumulate), spec)
+    if problem:
+        raise ValueError(problem)
+    if positions is not None:  # one array per device: the agreed form of the spec's positions
+        spec = spec.replace(positions=positions)
     Q, K, V = (_as_float(n, a) for n, a in (("Q", Q), ("K", K), ("V", V)))
     if isinstance(num_devices, bool) or not isinstance(num_devices, (int, np.integer)) or num_devices < 1:
         raise ValueError(f"num_devices must be a positive integer, got {num_devices!r}")
@@ -44,10 +53,9 @@ def simulate(Q, K, V, num_devices, *, causal=False, scale=None, layout="contiguo
         raise ValueError(f"sequence length and head dim must be positive, got {Q.shape}")
     dtype = Q.dtype if Q.dtype == K.dtype == V.dtype else np.result_type(Q, K, V)
     Q, K, V = (a.astype(dtype, copy=False) for a in (Q, K, V))
-    pr = Precision(dtype, **canonical_precision({"wire_dtype": wire_dtype, "accumulate": accumulate}))
-    plan = make_plan(Q.shape[-2], int(num_devices), layout=layout, mode=mode, causal=causal,
-                     window=window, cu_seqlens=cu_seqlens, causal_block=causal_block, positions=positions)
-    scale = default_scale(Q.shape[-1]) if scale is None else float(scale)
+    pr = Precision.of(dtype, spec.precision)
+    plan = spec.plan(int(num_devices), Q.shape[-2])
+    scale = default_scale(Q.shape[-1]) if spec.scale is None else spec.scale
     P = plan.size
     wire = pr.wire  # the others get a block coded by its owner, decoded on arrival
     kv = [tuple(pr.widen(np.take(X, plan.kv_shards[j], axis=-2)) for X in (K, V)) for j in range(P)]  # sorted

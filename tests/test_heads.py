@@ -62,15 +62,25 @@ def test_bytes_by_hand():
 
 
 def test_heads_problems():
+    from mpiring import Spec
+
     q, k = np.zeros((1, 6, 4, 2)), np.zeros((1, 2, 4, 2))
-    assert heads_problem(q, k, 4, "ring") is None
-    assert "query heads (6) divisible by the number of ranks (4)" in heads_problem(q, k, 4, "ulysses")
-    assert heads_problem(q, k, 3, "ulysses") == "mode='ulysses' needs the K/V heads (2) to divide or be " \
-                                                "divisible by the number of ranks (3)"
-    assert heads_problem(q, k, 6, "ulysses") is None and heads_problem(q, k, 2, "ulysses") is None
-    assert "splits the heads axis" in heads_problem(q[0, 0], k[0, 0], 2, "ulysses")
-    assert heads_problem(q[0, 0], k[0, 0], 1, "ulysses") is None
-    assert heads_problem("not an array", k, 2, "ulysses") is None  # local_problem reports that one
+    ulysses = Spec.of(mode="ulysses")
+    assert Spec.of(mode="ring").heads_problem(q, k, 4) is None
+    assert "query heads (6) divisible by the number of ranks (4)" in ulysses.heads_problem(q, k, 4)
+    assert ulysses.heads_problem(q, k, 3) == "mode='ulysses' needs the K/V heads (2) to divide or be " \
+                                             "divisible by the number of ranks (3)"
+    assert ulysses.heads_problem(q, k, 6) is None and ulysses.heads_problem(q, k, 2) is None
+    assert "splits the heads axis" in ulysses.heads_problem(q[0, 0], k[0, 0], 2)
+    assert ulysses.heads_problem(q[0, 0], k[0, 0], 1) is None
+    assert ulysses.heads_problem("not an array", k, 2) is None  # local_problem reports that one
+    grid = Spec.of(ulysses_size=2)
+    assert grid.heads_problem(q, k, 3) == "ulysses_size 2 does not divide the 3 ranks"
+    assert grid.heads_problem(q, k, 4) is None
+    assert Spec.of(ulysses_size=4).heads_problem(q, k, 4) == ("ulysses_size 4 needs the query heads (6) divisible "
+                                                              "by ulysses_size (4)")
+    assert "combines with mode ring" in Spec.of(ulysses_size=2, mode="ulysses").heads_problem(q, k, 4)
+    assert heads_problem(q, k, 2, "who", "the parts") is None
 
 
 def test_schedule_command(capsys):

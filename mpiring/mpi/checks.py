@@ -1,26 +1,21 @@
 """Validation: what each rank finds wrong with its own arguments, and the messages that name every rank. No MPI.
 
-The ``*_problem`` checks return a message or None and never raise (``canonical``
+The ``*_problem`` checks return a message or None and never raise (``Spec.of``
 raises ValueError, and its callers catch it), so a rank's problem reaches the
 others through the agreement (``mpiring.mpi.agree``) before anyone raises: the
 same ValueError on every rank.
 """
 
-import hashlib
-
 import numpy as np
 
 from ..core.kernels import LSE_LIMIT
-from ..core.precision import canonical_precision, compute_dtype, dtype_problem, without_precision
-from ..plans.layouts import check_layout, sort_order
-from ..plans.masks import check_causal_block, check_window
-from ..plans.plan import ALL_MODES
+from ..core.precision import compute_dtype, dtype_problem
+from ..plans.spec import FIELDS, digest
 
 __all__ = ["local_problem", "is_real", "timeout_problem", "AUTO_AGREE", "AUTO_BASE", "AUTO_RATE", "agreement_timeout",
-           "resolve_timeout", "size_problem", "canonical", "ROW_OPTIONS", "row_order", "with_every_rank_positions",
-           "rows_problem", "Shown", "shape_text", "verdict", "differences", "describe", "compared", "logit_problem",
-           "grad_problem", "root_problem", "root_grad_problem", "scale_problem", "call_values", "values_digest",
-           "peaks"]
+           "resolve_timeout", "size_problem", "Shown", "shape_text", "verdict", "differences", "describe", "compared",
+           "logit_problem", "grad_problem", "root_problem", "root_grad_problem", "scale_problem", "call_values",
+           "values_digest", "peaks"]
 
 
 def local_problem(q, k, v, scale, check_finite=False, same_rows=True):
@@ -109,86 +104,6 @@ def size_problem(size, expected_size):
     return None
 
 
-def canonical(options):
-    """This rank's options in a form ranks can compare; raises ValueError on a bad one.
-
-    Only checks that need no other rank are made here; make_plan checks the rest
-    (cu_seqlens against the total length) once every rank holds the same options.
-    The precision options (``wire_dtype``, ...) are checked and kept when given.
-    """
-    check_layout(options["layout"])
-    if options["mode"] not in ALL_MODES:
-        raise ValueError(f"mode must be one of {', '.join(ALL_MODES)}; got {options['mode']!r}")
-    cu = options["cu_seqlens"]
-    if cu is not None:
-        cu = np.asarray(cu)
-        if cu.ndim != 1 or not np.issubdtype(cu.dtype, np.integer):
-            raise ValueError(f"cu_seqlens must be a 1-D integer array [0, ..., seq_len], got {cu!r}")
-        cu = cu.astype(np.int64)
-    if not isinstance(options["causal"], (bool, np.bool_)):
-        raise ValueError(f"causal must be True or False, got {options['causal']!r}")
-    rows = {name: _positions(name, options.get(name)) for name in ROW_OPTIONS}
-    if rows["kv_positions"] is not None and rows["positions"] is None:
-        raise ValueError("kv_positions needs positions: the query rows' own positions")
-    precision = canonical_precision(options) if len(without_precision(options)) < len(options) else {}
-    node_size = options.get("node_size")
-    if node_size is not None and (isinstance(node_size, bool) or not isinstance(node_size, (int, np.integer))
-                                  or node_size < 1):
-        raise ValueError(f"node_size must be a positive integer (ranks per node) or None, got {node_size!r}")
-    ulysses_size = options.get("ulysses_size")
-    if ulysses_size is not None and (isinstance(ulysses_size, bool) or not isinstance(ulysses_size, (int, np.integer))
-                                     or ulysses_size < 1):
-        raise ValueError(f"ulysses_size must be a positive integer or None, got {ulysses_size!r}")
-    return dict(layout=options["layout"], mode=options["mode"], causal=bool(options["causal"]),
-                window=check_window(options["window"]), cu_seqlens=cu,
-                causal_block=check_causal_block(options.get("causal_block"), options["causal"]), **rows, **precision,
-                node_size=None if node_size is None else int(node_size),
-                ulysses_size=None if ulysses_size is None else int(ulysses_size))
-
-
-ROW_OPTIONS = ("positions", "kv_positions")  # this rank's own: gathered from every rank, not compared
-
-
-def _positions(name, positions):
-    """This rank's positions as int64 (or None); ValueError unless a 1-D integer array."""
-    if positions is None:
-        return None
-    p = np.asarray(positions)
-    if p.ndim != 1 or not np.issubdtype(p.dtype, np.integer):
-        raise ValueError(f"{name} must be a 1-D integer array of global positions, got {p.dtype} of shape {p.shape}")
-    return p.astype(np.int64)
-
-
-def row_order(options, kind):
-    """The sort of this rank's rows of one kind ("q", "l": queries; "k": keys) by position (None: sorted)."""
-    name = "kv_positions" if kind == "k" and options["kv_positions"] is not None else "positions"
-    return sort_order(options[name])
-
-
-def with_every_rank_positions(options, held):
-    """Put every rank's positions (``held[rank]``, as the agreement gathered them) into ``options``.
-
-    Returns the keys' sequence length the positions imply (the total of the
-    k/v positions), or None when no positions were given (the layout's).
-    """
-    seq_len = None
-    for i, name in enumerate(ROW_OPTIONS):
-        if options[name] is not None:  # given on every rank: the agreement compared that
-            options[name] = [h[i] for h in held]
-            seq_len = sum(len(p) for p in options[name])
-    return seq_len
-
-
-def rows_problem(q, k, options):
-    """Why this rank's positions do not fit its q and k rows, or None."""
-    for name, a in (("positions", q), ("kv_positions", k)):
-        p = options[name]
-        if p is not None and len(p) != a.shape[-2]:
-            what = "q" if name == "positions" else "k and v"
-            return f"{name} has {len(p)} entries for the {a.shape[-2]} rows of {what}"
-    return None
-
-
 class Shown:
     """A value compared by content (cu_seqlens by digest) and shown briefly in messages."""
 
@@ -199,7 +114,7 @@ class Shown:
             items = value.tolist()
             self.text = str(items) if len(items) <= 8 else f"[{', '.join(map(str, items[:4]))}, ..., {items[-1]}]" \
                 f" ({len(items)} entries)"
-            self.key = (len(items), hashlib.sha1(value.tobytes()).hexdigest())
+            self.key = (len(items), digest(value))
         else:
             self.text, self.key = repr(value), value
 
@@ -243,10 +158,14 @@ def describe(exc):
     return str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
 
 
-def compared(options, timeout):
-    """The values every rank must pass identically, by argument name."""
-    values = dict(options, timeout=timeout)
-    return {name: Shown(val is not None, "given" if val is not None else "None") if name in ROW_OPTIONS
+def compared(spec, timeout):
+    """The values every rank must pass identically, by argument name: the spec's fields and the timeout.
+
+    Positions are each rank's own: only whether they were given is compared.
+    """
+    values = dict({name: getattr(spec, name) for name in FIELDS}, timeout=timeout)
+    rows = ("positions", "kv_positions")
+    return {name: Shown(val is not None, "given" if val is not None else "None") if name in rows
             else Shown(val) for name, val in values.items()}
 
 
@@ -339,7 +258,7 @@ def call_values(arrays):
 def values_digest(values):
     """``values`` as a number an all-reduce can compare: 48 bits of a hash, exact in a float64."""
     text = repr(sorted((name, repr(v.key)) for name, v in values.items())) if values else ""
-    return float(int.from_bytes(hashlib.blake2b(text.encode(), digest_size=6).digest(), "big"))
+    return float(int(digest(text.encode())[:12], 16))
 
 
 def peaks(*arrays):

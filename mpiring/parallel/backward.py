@@ -31,8 +31,9 @@ __all__ = ["backward_ring_loop", "allgather_backward", "gradient_rings"]
 
 def gradient_rings(comm, plan, timeout=None):
     """The communicators the backward ring needs beside its K/V ring (``backward_ring_loop``'s ``rings[1:]``):
-    the dK/dV partials' onward ring and their hop home; none for the all-gather, which reduce-scatters."""
-    if plan.mode == "allgather":
+    the dK/dV partials' onward ring and their hop home; none when no stream rotates (the all-gather, which
+    reduce-scatters)."""
+    if not plan.rounds:
         return []
     grads = RingComm(comm, timeout)
     try:

@@ -30,25 +30,9 @@ from ..core.precision import Wire, compute_dtype, row_bytes
 from ..mpi.buffers import Buffers, KVBuffers
 from ..mpi.comm import shift
 from ..mpi.waits import wait_until
-from ..plans.heads import HybridPlan
 from ..plans.plan import NEXT, Task
 
-__all__ = ["passq_loop", "ROTATE", "rotate_problem", "plan_bytes", "rank_bytes", "chosen_rotation", "q_rounds"]
-
-ROTATE = ("kv", "q", "auto")
-
-
-def rotate_problem(rotate, mode):
-    """Why ``rotate`` cannot run in ``mode``, or None."""
-    if not isinstance(rotate, str) or rotate not in ROTATE:
-        return f"rotate must be one of {', '.join(ROTATE)}; got {rotate!r}"
-    if rotate == "q" and mode != "ring":
-        why = {"ulysses": "Ulysses moves heads by all-to-all, not blocks round a ring: there is nothing to rotate"}
-        return (f"rotate='q' passes the queries one way round the ring: it needs mode='ring' (also across "
-                f"ulysses_size groups), got mode={mode!r}; "
-                + why.get(mode, "that movement has no pass-Q form (not built)"))
-    return None
-
+__all__ = ["passq_loop", "plan_bytes", "rank_bytes", "chosen_rotation", "q_rounds"]
 
 def passq_loop(q, k, v, plan, ring, scale, rec, timeout, wire=None):
     """The pass-Q ring: pass the held query block on, attend it to this rank's K/V, wait, swap; then send partials home.
@@ -171,12 +155,10 @@ def plan_bytes(plan, batch_heads, kv_heads_ratio, dim, value_dim, itemsize, wire
 
 
 def chosen_rotation(rotate, plan, q, k, v, wire_dtype=None):
-    """``rotate``, "auto" decided by ``plan_bytes`` on the call's wire ("kv" on ties and but for a flat mode "ring");
-    the same on every rank."""
+    """``rotate``, "auto" decided by ``plan_bytes`` on the call's wire ("kv" on ties), for a plan whose ring can
+    pass queries (``strategies.rotation`` asks only for those); the same on every rank."""
     if rotate != "auto":
         return rotate
-    if plan.mode != "ring" or isinstance(plan, HybridPlan):  # the grid's ring across groups: "kv"
-        return "kv"
     batch_heads = q.size // (q.shape[-2] * q.shape[-1])
     ratio = q.shape[-3] // k.shape[-3] if q.ndim >= 3 else 1
     b = plan_bytes(plan, batch_heads, ratio, q.shape[-1], v.shape[-1], q.dtype.itemsize, wire_dtype)

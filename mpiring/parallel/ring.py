@@ -3,7 +3,7 @@
     mpiexec -n 4 python -m mpiring run --seq-len 4096 --dim 64 --heads 8 --causal
 
 ``mpiring.Ring`` (and ``ring_attention``, in ``mpiring.handle``) checks the
-arguments and calls ``run_forward`` (``parallel.run``), which runs these loops
+arguments and calls ``run_forward`` (``parallel.strategies``), which runs these loops
 for the ring modes. The loop below is the whole algorithm: start passing the
 held blocks on, compute on them (``block.attend``: the kernel and the
 log-sum-exp merge; tests wrap it to inject faults), wait for the next ones,

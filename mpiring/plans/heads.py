@@ -31,32 +31,29 @@ from .plan import Piece, Plan, Schedule, Task, problem_fields, ring_plan
 
 __all__ = ["HEAD_MODES", "UlyssesPlan", "ulysses_plan", "heads_problem", "query_heads", "kv_heads",
            "ulysses_pair_bytes", "predicted_ulysses_bytes", "HybridPlan", "hybrid_plan",
-           "grid_problem", "sequence_pairs"]
+           "sequence_pairs"]
 
 HEAD_MODES = ("ulysses",)
 
 
-def heads_problem(q, k, size, mode, label=None):
-    """Why ``mode`` cannot split the heads of q, k over ``size`` ranks, or None (never raises).
+def heads_problem(q, k, parts, who, what):
+    """Why the heads of q, k do not split into ``parts`` (``who`` splits them, ``what`` names the parts), or None.
 
-    Called on each rank before the agreement; every rank has the same head
-    counts (the agreement compares shapes), so every rank finds the same
-    problem. ``label`` names what splits them (default: the mode and the ranks).
+    Never raises. Called on each rank before the agreement (``Spec.heads_problem``
+    says who splits the heads); every rank has the same head counts (the
+    agreement compares shapes), so every rank finds the same problem.
     """
-    if mode not in HEAD_MODES:
-        return None
-    who, parts = label or (f"mode={mode!r}", "the number of ranks")
     try:
         if q.ndim < 3:
-            return None if size == 1 else (f"{who} splits the heads axis over the ranks: q needs shape "
+            return None if parts == 1 else (f"{who} splits the heads axis over the ranks: q needs shape "
                                             f"(..., heads, seq, dim), got {q.shape}")
         hq, hk = q.shape[-3], k.shape[-3]
     except AttributeError:  # not arrays: local_problem reports it
         return None
-    if hq % size:
-        return f"{who} needs the query heads ({hq}) divisible by {parts} ({size})"
-    if hk % size and size % hk:
-        return f"{who} needs the K/V heads ({hk}) to divide or be divisible by {parts} ({size})"
+    if hq % parts:
+        return f"{who} needs the query heads ({hq}) divisible by {what} ({parts})"
+    if hk % parts and parts % hk:
+        return f"{who} needs the K/V heads ({hk}) to divide or be divisible by {what} ({parts})"
     return None
 
 
@@ -193,6 +190,9 @@ class HybridPlan(Plan):
         shards = self.kv_shards if kv else self.shards
         return np.concatenate([shards[r] for r in self.members(group)])
 
+    def sequence_pairs(self):
+        return self.ring_plan.sequence_pairs()
+
     def visible_pairs(self):
         """Per rank: its group's visible pairs, which it computes for its Hq/u heads."""
         return [self.ring_plan.visible_pairs()[r // self.ulysses_size] for r in range(self.size)]
@@ -210,7 +210,7 @@ class HybridPlan(Plan):
 
 def sequence_pairs(plan):
     """The whole sequence's visible (query, key) pairs, under any plan."""
-    return sum(map(sum, (plan.ring_plan if isinstance(plan, HybridPlan) else plan).pairs))
+    return plan.sequence_pairs()
 
 
 def hybrid_plan(base, ulysses_size, mode):
@@ -228,16 +228,3 @@ def hybrid_plan(base, ulysses_size, mode):
     grid.rounds = ring.rounds
     grid.schedule = Schedule([[ring.tasks(step, r // u) for r in range(P)] for step in range(ring.n_steps)])
     return grid
-
-
-def grid_problem(q, k, size, mode, ulysses_size):
-    """Why ``ulysses_size`` does not fit (or None): it must divide the ranks and split the heads."""
-    if ulysses_size is None:
-        return None
-    if mode not in ("ring", "bidirectional", "allgather"):
-        return f"ulysses_size combines with mode ring, bidirectional or allgather, not {mode!r}"
-    if isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int) or ulysses_size < 1:
-        return None  # canonical reports it
-    if size % ulysses_size:
-        return f"ulysses_size {ulysses_size} does not divide the {size} ranks"
-    return heads_problem(q, k, ulysses_size, "ulysses", (f"ulysses_size {ulysses_size}", "ulysses_size"))

@@ -185,6 +185,10 @@ class Plan:
         """Per rank: (query, key) pairs that the mask lets through."""
         return [int(sum(row)) for row in self.pairs]
 
+    def sequence_pairs(self):
+        """The whole sequence's visible (query, key) pairs."""
+        return int(sum(map(sum, self.pairs)))
+
     def messages_per_rank(self):
         """Point-to-point sends per rank (K and V are separate messages)."""
         return 2 * sum(self.rounds.values())
@@ -198,7 +202,7 @@ class Plan:
         shortest shard's length). All-gather counts its all-gather of K, V and
         reduce-scatter of dK, dV as ring collectives: P - 1 messages per array.
         """
-        if self.mode == "allgather":
+        if not self.rounds:  # no stream: the all-gather
             return 4 * (self.size - 1)
         chunks = home_chunks(self)
         # per stream: K and V, the partial onward (dK, dV), and its chunks home (dK, dV each)

@@ -21,6 +21,7 @@ import numpy as np
 
 from mpiring import (
     MODES,
+    Spec,
     predicted_backward_bytes,
     predicted_bytes_sent,
     ring_attention,
@@ -207,17 +208,17 @@ def run(comm, args):
     forward = Record(rank, on_step=progress if rank == 0 and not args.backward else None)
     got, meter, sent = {}, LinkMeter(comm), []  # sent: each node's bytes on its links, per call
     try:  # bad arguments: the library raises the same ValueError on every rank, before any transfer
+        spec = Spec.of(**options, wire_dtype=args.wire_dtype, grad_wire_dtype=args.grad_wire_dtype,
+                       accumulate=args.accumulate)  # one spec for both calls: the same on every rank
         meter.start()
-        got["out"], got["lse"] = ring_attention(q, k, v, comm, timeout=timeout, record=forward,
-                                                wire_dtype=args.wire_dtype, accumulate=args.accumulate, **options)
+        got["out"], got["lse"] = ring_attention(q, k, v, comm, timeout=timeout, record=forward, spec=spec)
         sent.append(meter.stop())
         if args.backward:
             backward = Record(rank)
             dout = inputs.tokens("dout", positions)
             meter.start()
             got["dq"], got["dk"], got["dv"] = ring_attention_backward(
-                dout, q, k, v, got["out"], got["lse"], comm, timeout=timeout, record=backward,
-                wire_dtype=args.wire_dtype, grad_wire_dtype=args.grad_wire_dtype, **options)
+                dout, q, k, v, got["out"], got["lse"], comm, timeout=timeout, record=backward, spec=spec)
             sent.append(meter.stop())
     except ValueError as exc:
         raise Agreed(str(exc)) from exc
