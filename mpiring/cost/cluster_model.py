@@ -25,9 +25,7 @@ tbf links) with this machine's measured FLOP rate.
 
 from dataclasses import dataclass
 
-from ..plans.heads import HEAD_MODES, HybridPlan, kv_heads
-from ..plans.make import make_plan
-from .nodes import traffic
+from .strategies import compared_plan, strategy_of
 
 __all__ = ["Cluster", "CLUSTERS", "emulated", "cluster_time", "compare_modes", "format_comparison", "COMPARED"]
 
@@ -90,71 +88,15 @@ def _transfer(cluster, sends):
     return max(t, default=0.0)
 
 
-def _step_sends(plan, step, per_token):
-    """[(src, dst, bytes)] started at ``step`` under a ring or double-ring plan."""
-    n = [len(s) for s in plan.shards]
-    if plan.mode == "double_ring":
-        return [(r, dest, n[source] * per_token) for r in range(plan.size)
-                for s, dest, source, _, _ in plan.sends(r) if s == step]
-    return [(r, (r + d) % plan.size, n[plan.held_source(r, d, step)] * per_token)
-            for r in range(plan.size) for d, rounds in plan.rounds.items() if step < rounds]
-
-
 def cluster_time(plan, cluster, *, batch, hq, hk, dim, dim_v, itemsize):
-    """Predicted forward time under ``plan`` on ``cluster``: dict of total, compute, exposed communication (s)."""
+    """Predicted forward time under ``plan`` on ``cluster``: dict of total, compute, exposed communication (s).
+
+    How a strategy's steps add up is its entry of ``strategies.STRATEGIES``; every transfer takes what ``_transfer``
+    says of the links."""
     if plan.size != cluster.size:
         raise ValueError(f"the plan is for {plan.size} ranks, the cluster has {cluster.size}")
-    pair = 4 * batch * hq * dim / cluster.flops  # seconds per (query, key) pair, all heads
-
-    def compute(rank, step):
-        return sum((p.q1 - p.q0) * (p.k1 - p.k0) for t in plan.tasks(step, rank)
-                   for p in plan.pieces(rank, t.source)) * pair
-
-    if isinstance(plan, HybridPlan):
-        return _grid_time(plan, cluster, traffic, batch=batch, hq=hq, hk=hk, dim=dim, dim_v=dim_v,
-                          itemsize=itemsize)
-    if plan.mode in HEAD_MODES:  # all-to-all in, compute (every pair, Hq/P heads), all-to-all back
-        half = dict(batch=batch, hq=hq, hk=hk, dim=dim, dim_v=dim_v, itemsize=itemsize)
-        matrix = traffic(plan, **half)
-        sends = [(r, d, b) for r, row in enumerate(matrix) for d, b in enumerate(row) if b]
-        work = max(plan.computed_pairs()) * pair / plan.size
-        comm = _transfer(cluster, sends)  # both all-to-alls' bytes, as one exchange's worth of link time
-        return {"total": work + comm, "compute": work, "exposed": comm}
-    per_token = batch * hk * (dim + dim_v) * itemsize
-    steps = [(max(compute(r, s) for r in range(plan.size)), _transfer(cluster, _step_sends(plan, s, per_token)))
-             for s in range(plan.n_steps)]
-    if plan.mode == "double_ring":  # the outer transfer, started at a round's first step, has the round to finish
-        total, n = 0.0, plan.node_size
-        for start in range(0, plan.n_steps, n):
-            inner = [(c, _transfer(cluster, [x for x in _step_sends(plan, start + i, per_token)
-                                             if x[0] // n == x[1] // n])) for i, (c, _) in
-                     enumerate(steps[start:start + n])]
-            outer = _transfer(cluster, [x for x in _step_sends(plan, start, per_token) if x[0] // n != x[1] // n])
-            total += max(sum(max(c, t) for c, t in inner), outer)
-    else:
-        total = sum(max(c, t) for c, t in steps)
-    work = sum(c for c, _ in steps)
-    return {"total": total, "compute": work, "exposed": max(0.0, total - work)}
-
-
-def _grid_time(plan, cluster, traffic, *, batch, hq, hk, dim, dim_v, itemsize):
-    """Ring x Ulysses: the group all-to-alls, then the ring of the groups (each step: compute or transfer)."""
-    u, ring = plan.ulysses_size, plan.ring_plan
-    matrix = traffic(plan, batch=batch, hq=hq, hk=hk, dim=dim, dim_v=dim_v, itemsize=itemsize)
-    a2a = _transfer(cluster, [(r, d, matrix[r][d]) for r in range(plan.size) for d in range(plan.size)
-                              if r // u == d // u and matrix[r][d]])
-    pair = 4 * batch * (hq // u) * dim / cluster.flops
-    total = work = 0.0
-    for step in range(ring.n_steps):
-        compute = max(sum((p.q1 - p.q0) * (p.k1 - p.k0) for t in ring.tasks(step, g) for p in ring.pieces(g, t.source))
-                      for g in range(ring.size)) * pair
-        sends = []
-        for j in range(u):  # place j of every group: its K/V heads of the group's tokens
-            per_token = batch * len(range(hk)[kv_heads(j, u, hk)]) * (dim + dim_v) * itemsize
-            sends += [(g * u + j, d * u + j, b) for g, d, b in _step_sends(ring, step, per_token)]
-        total += max(compute, _transfer(cluster, sends))
-        work += compute
-    return {"total": total + a2a, "compute": work, "exposed": max(0.0, total + a2a - work)}
+    shape = dict(batch=batch, hq=hq, hk=hk, dim=dim, dim_v=dim_v, itemsize=itemsize)
+    return strategy_of(plan).cluster_time(plan, cluster, lambda sends: _transfer(cluster, sends), shape)
 
 
 def compare_modes(seq_len, cluster, *, causal, batch, hq, hk, dim, dim_v, itemsize, modes=COMPARED):
@@ -162,15 +104,9 @@ def compare_modes(seq_len, cluster, *, causal, batch, hq, hk, dim, dim_v, itemsi
     out = {}
     layout = "zigzag" if causal else "contiguous"
     for mode in modes:
-        split = cluster.node_size if mode == "hybrid" else cluster.size  # the ranks that share out the heads
-        if mode in HEAD_MODES + ("hybrid",) and (hq % split or (hk % split and split % hk)):
+        plan = compared_plan(mode, seq_len, cluster, layout=layout, causal=causal, hq=hq, hk=hk)
+        if plan is None:  # its heads do not split over the ranks that share them out
             continue
-        if mode == "hybrid":
-            plan = make_plan(seq_len, cluster.size, layout=layout, mode="ring", causal=causal,
-                             ulysses_size=cluster.node_size)
-        else:
-            plan = make_plan(seq_len, cluster.size, layout=layout, mode=mode, causal=causal,
-                             node_size=cluster.node_size)
         out[mode] = cluster_time(plan, cluster, batch=batch, hq=hq, hk=hk, dim=dim, dim_v=dim_v, itemsize=itemsize)
     return out
 

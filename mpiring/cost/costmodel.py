@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.precision import compute_itemsize
+from .strategies import TIME_NOTES, TIME_VARIANTS, analytic, predicted_backward_bytes, predicted_bytes_sent, strategy_of
 
 __all__ = ["ring_attention_context_parallel", "predicted_bytes_sent", "predicted_backward_bytes", "Machine", "PRESETS",
            "TIME_VARIANTS",
@@ -75,53 +76,6 @@ def ring_attention_context_parallel(total_seq_len, num_gpus, hidden_dim, num_hea
     }
 
 
-def predicted_bytes_sent(plan, kv_width, itemsize):
-    """Bytes each rank sends under ``plan``; ``kv_width`` = elements of K plus V per token.
-
-    For an even split this is the cost report's total_comm_bytes (times batch) when
-    every ring step is needed; windows and packed documents can stop the ring
-    early, and the all-gather mode moves the same bytes in one collective.
-    """
-    sent = []
-    for rank in range(plan.size):
-        if plan.mode == "allgather":
-            blocks = [rank] * (plan.size - 1)
-        else:
-            blocks = [plan.held_source(rank, stream, step) for stream, rounds in plan.rounds.items()
-                      for step in range(rounds)]
-        sent.append(sum(len(plan.kv_shards[b]) for b in blocks) * kv_width * itemsize)
-    return sent
-
-
-# ---------------------------------------------------------------- time model: alpha-beta links, FLOP rate
-
-def predicted_backward_bytes(plan, kv_width, itemsize, grad_itemsize=None, grad_width=None):
-    """Bytes each rank sends in the backward pass; ``kv_width`` = elements of K plus V per token.
-
-    Ring modes: at steps 0 .. R-1 of a stream the rank sends the K/V block it
-    holds, at steps 1 .. R the dK/dV partial of the block it holds (in
-    ``grad_itemsize`` bytes per element: by default float32's 4, float64's 8
-    when ``itemsize`` is 8, as ``grad_wire_dtype`` defaults). All-gather: K/V as the forward pass
-    counts them, then every block but the rank's own once as dK/dV. ``grad_width``:
-    elements of dK plus dV per token when K/V travel wider rows (an int8 wire's scales); default kv_width.
-    """
-    grad_itemsize = compute_itemsize(itemsize) if grad_itemsize is None else grad_itemsize
-    grad_width = kv_width if grad_width is None else grad_width
-    n = [len(s) for s in plan.kv_shards]
-    sent = []
-    for rank, kv_bytes in enumerate(predicted_bytes_sent(plan, kv_width, itemsize)):  # K/V: as forward
-        if plan.mode == "allgather":
-            grads = sum(n) - n[rank]
-        else:
-            grads = sum(n[plan.held_source(rank, d, s)] for d, rounds in plan.rounds.items()
-                        for s in range(1, rounds + 1))
-        sent.append(kv_bytes + grad_width * grads * grad_itemsize)
-    return sent
-
-
-TIME_VARIANTS = ("contiguous", "zigzag", "striped", "bidirectional", "allgather")
-
-
 @dataclass(frozen=True)
 class Machine:
     """One device and its link: a FLOP rate, a latency alpha and a bandwidth beta.
@@ -167,11 +121,6 @@ def block_flops(tokens_q, tokens_k, heads, head_dim, batch=1):
     return 4 * batch * heads * tokens_q * tokens_k * head_dim
 
 
-def _check_variant(variant):
-    if variant not in TIME_VARIANTS:
-        raise ValueError(f"variant must be one of {', '.join(TIME_VARIANTS)}; got {variant!r}")
-
-
 def time_model(total_seq_len, num_devices, *, heads, head_dim, kv_heads=None, batch=1, bytes_per_element=2,
                machine="nvlink", variant="contiguous", causal=False, backward=False, grad_bytes_per_element=None):
     """Predicted time of one attention pass (forward or backward) over ``num_devices``.
@@ -202,7 +151,7 @@ def time_model(total_seq_len, num_devices, *, heads, head_dim, kv_heads=None, ba
     hides behind compute (communication-bound below it).
     """
     m = PRESETS[machine] if isinstance(machine, str) else machine
-    _check_variant(variant)
+    model = analytic(variant).model
     for name, value in (("total_seq_len", total_seq_len), ("num_devices", num_devices), ("heads", heads),
                         ("head_dim", head_dim), ("batch", batch)):
         _positive_int(name, value)
@@ -224,33 +173,14 @@ def time_model(total_seq_len, num_devices, *, heads, head_dim, kv_heads=None, ba
     balanced = causal and variant != "contiguous"
     later = 0.5 if balanced else 1.0  # fraction of a block the busiest device computes at step >= 1
     first = 0.5 if causal else 1.0  # step 0: the diagonal block
-    compute, transfer = [], []
-    if variant == "allgather":
-        compute = [first * full] + [later * full] * (P - 1)
-        transfer = [(P - 1) * m.transfer_time(kv_bytes)] + [0.0] * (P - 1)  # K/V gathered once
-    elif variant == "bidirectional":
-        fwd, bwd = P // 2, (P - 1) // 2  # transfers along each stream
-        for s in range(P // 2 + 1):
-            blocks = 1 if s == 0 else 1 + (s <= bwd)
-            compute.append((first if s == 0 else later) * full * blocks)
-            sends = (s < fwd) + (s < bwd)
-            transfer.append(m.transfer_time(sends * blk_bytes) if sends else 0.0)
-    else:
-        compute = [first * full] + [later * full] * (P - 1)
-        transfer = [m.transfer_time(blk_bytes)] * (P - 1) + [0.0]
+    compute, transfer, hops_home, hide_terms = model(P, m, first, later, full, blk_bytes, kv_bytes, b, n)
     steps = [max(c, t) for c, t in zip(compute, transfer)]
     total = sum(steps)
     if backward and P > 1:  # dK/dV go home
-        total += (P - 1 if variant == "allgather" else 1) * m.transfer_time(grad_bytes)
+        total += hops_home * m.transfer_time(grad_bytes)
     useful = a * n * n * (P / 2 if causal else P)  # the device's share of the visible pairs
     # steady state: k blocks of compute against c blocks sent; solve k*f*a*n^2 = c*alpha + c*b*n/beta
-    if variant == "allgather":  # the local block against the whole all-gather
-        k_blocks, sends, f, per_token = 1, P - 1, first, kv_bytes / n
-    elif variant == "bidirectional":
-        k_blocks, sends, f, per_token = 2, 2, later, b
-    else:
-        k_blocks, sends, f, per_token = 1, 1, later, b
-    latencies = sends if variant == "allgather" else 1  # a ring all-gather is P-1 transfers in a row
+    k_blocks, sends, f, per_token, latencies = hide_terms
     A, B, C = k_blocks * f * a, sends * per_token / m.beta, latencies * m.alpha
     hide = float((B + np.sqrt(B * B + 4 * A * C)) / (2 * A)) if sends and P > 1 else 0.0
     return {
@@ -291,20 +221,22 @@ def predict_plan(plan, machine, *, batch, heads, kv_heads, head_dim, itemsize, b
                               for (a, b, c, d, _, _), rate in zip(plan.pieces(r, j), rates))
         return cache[r, j]
 
+    started = [{} for _ in range(plan.size)]  # per rank: step -> tokens of each transfer it starts then
+    for r, at in enumerate(started):
+        for step, sources in strategy_of(plan).kv_transfers(plan, r):
+            at.setdefault(step, []).append(sum(lengths[b] for b in sources))
     out = []
     for step in range(plan.n_steps):
         compute = max(sum(seconds(r, t.source) for t in plan.tasks(step, r)) for r in range(plan.size))
-        transfer = 0.0
-        for r in range(plan.size):
-            if plan.mode == "allgather":
-                sent = [lengths[r]] * (plan.size - 1) if step == 0 else []
-                t = sum(m.transfer_time(x * per_token) for x in sent)
-            else:
-                sent = [lengths[plan.held_source(r, d, step)] for d, rounds in plan.rounds.items() if step < rounds]
-                t = m.transfer_time(sum(sent) * per_token) if sent else 0.0
-            transfer = max(transfer, t)
+        transfer = max(sum((m.transfer_time(x * per_token) for x in at.get(step, ())), 0.0) for at in started)
         out.append((compute, transfer, max(compute, transfer)))
     return out
+
+
+def _steady(r):
+    """The step of a ``time_model`` result the tables show: the first after the diagonal, or step 0 when every
+    transfer is made up front (the all-gather)."""
+    return 1 if r["steps"] > 1 and not analytic(r["variant"]).up_front else 0
 
 
 def _fmt_time(seconds):
@@ -334,16 +266,15 @@ def format_time_model(total_seq_len, num_devices, *, heads, head_dim, kv_heads=N
                 r = time_model(total_seq_len, num_devices, heads=heads, head_dim=head_dim, kv_heads=kv_heads,
                                batch=batch, bytes_per_element=bytes_per_element, machine=m, variant=variant,
                                causal=causal, backward=backward)
-                steady = 1 if r["steps"] > 1 and variant != "allgather" else 0
-                c, t = r["compute_s"][steady], r["transfer_s"][0 if variant == "allgather" else steady]
+                steady = _steady(r)
+                c, t = r["compute_s"][steady], r["transfer_s"][steady]
                 lines.append(f"{variant:<14}{'backward' if backward else 'forward':<9}{r['steps']:>5}  "
                              f"{_fmt_time(c):>12}  {_fmt_time(t):>13}  {_fmt_time(r['step_time_s']):>9}  "
                              f"{_fmt_time(r['total_s']):>9}  {r['efficiency']:>6.0%}  "
                              f"{'transfer' if r['comm_bound'] else 'compute':<8}  "
                              f"{r['hide_above_tokens']:,.0f} tokens/device")
     lines.append("")
-    lines.append("allgather: transfer/step is the whole all-gather, hidden only behind the local block; "
-                 "it keeps all P K/V blocks in memory.")
+    lines += TIME_NOTES
     return "\n".join(lines)
 
 
@@ -372,9 +303,9 @@ def format_wire_model(total_seq_len, num_devices, *, heads, head_dim, kv_heads=N
                                  batch=batch, bytes_per_element=size(head_dim), machine=m, variant=variant,
                                  causal=causal) for wire, size in WIRE_BYTES.items()}
         for wire, r in rows.items():
-            steady = 1 if r["steps"] > 1 and variant != "allgather" else 0
+            steady = _steady(r)
             lines.append(f"{m.name:<11}{wire:<10}{WIRE_BYTES[wire](head_dim):>8.3g}  "
-                         f"{_fmt_time(r['transfer_s'][0 if variant == 'allgather' else steady]):>13}  "
+                         f"{_fmt_time(r['transfer_s'][steady]):>13}  "
                          f"{_fmt_time(r['compute_s'][steady]):>12}  {_fmt_time(r['total_s']):>9}  "
                          f"{rows['bfloat16']['total_s'] / r['total_s']:>6.2f}x  "
                          f"{'transfer' if r['comm_bound'] else 'compute':<8}  {r['hide_above_tokens']:,.0f} tokens")
