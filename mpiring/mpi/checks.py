@@ -12,6 +12,7 @@ import numpy as np
 
 from ..core.kernels import LSE_LIMIT
 from ..core.precision import canonical_precision, compute_dtype, dtype_problem, without_precision
+from ..core.ranks import ranks_text
 from ..plans.layouts import check_layout, sort_order
 from ..plans.masks import check_causal_block, check_window
 from ..plans.plan import ALL_MODES
@@ -221,8 +222,7 @@ def verdict(problems, prefix="rank"):
     for r, p in enumerate(problems):
         if p:
             by_text.setdefault(p, []).append(r)
-    parts = [f"{prefix} {ranks[0]}: {p}" if len(ranks) == 1 else f"{prefix}s {', '.join(map(str, ranks))}: {p}"
-             for p, ranks in by_text.items()]
+    parts = [f"{ranks_text(ranks, prefix)}: {p}" for p, ranks in by_text.items()]
     return "; ".join(parts) or None
 
 

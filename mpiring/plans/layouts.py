@@ -15,6 +15,8 @@ The ring keeps each rank's rows in position order (``sort_order``,
 
 import numpy as np
 
+from ..core.ranks import ranks_text
+
 __all__ = ["LAYOUTS", "block_range", "shard_indices", "shard", "unshard", "layout_positions", "positions_problem",
            "sort_order", "take_rows", "put_rows", "position_runs"]
 
@@ -120,8 +122,8 @@ def positions_problem(parts, seq_len, name="positions", partition=True):
     counts = np.bincount(np.concatenate(parts), minlength=seq_len)  # every position is in range here
     twice = np.flatnonzero(counts > 1)
     if twice.size:
-        holders = [r for r, p in enumerate(parts) for _ in range(int(np.sum(p == twice[0])))]
-        return (f"{name}: position {int(twice[0])} is held more than once (by ranks {', '.join(map(str, holders))}); "
+        holders = [r for r, p in enumerate(parts) if np.any(p == twice[0])]
+        return (f"{name}: position {int(twice[0])} is held more than once (by {ranks_text(holders)}); "
                 f"each must be held once")
     if partition and counts.size and counts.min() == 0:
         return f"{name} must hold every position 0 .. {seq_len - 1} once; no rank holds {int(np.argmin(counts))}"
