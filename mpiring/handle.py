@@ -129,7 +129,8 @@ class Ring:
         try:  # private duplicates: K/V; for a backward of the ring modes also dK/dV onward and dK/dV home
             self._rings.append(RingComm(comm, agreement_timeout(timeout)))
             if plan.mode == "double_ring":  # ranks per node, as MPI placed them unless node_size says (collective)
-                self.plan = plan = nodes_of(plan, self._rings[0].comm, options.get("node_size"))
+                self.plan = plan = nodes_of(plan, self._rings[0].comm, options.get("node_size"),
+                                             agreement_timeout(timeout))
             if backward and plan.mode in MODES and not isinstance(plan, HybridPlan):  # the flat ring modes
                 self._rings += gradient_rings(comm, plan, agreement_timeout(timeout))
         except BaseException:
