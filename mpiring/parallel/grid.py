@@ -19,9 +19,8 @@ rank's own share stays exact) and the ring across groups (the inner call,
 given the same wire). A token from another member so crosses two coded
 hops, but coding is idempotent (a half rounding exactly; int8 to within
 float32 rounding of its scale), so it carries one coding's error. The ring
-across groups keeps the default accumulation, as before this module ran it
-as a loop of its own (results bit for bit those of ``ring_attention`` on the
-cross communicator).
+across groups accumulates as ``accumulate=`` says, as the ring modes do
+(results bit for bit those of ``ring_attention`` on the cross communicator).
 Gradients come back in ``grad_wire_dtype``, which the inner ring's partials use too.
 """
 
@@ -108,7 +107,7 @@ def hybrid_forward(q, k, v, plan, comm, scale, rec, timeout, pr, rotate, loop):
         Q, K, V = heads_out(group, [q, k, v], [qs, ks, ks], [lengths, kv_lengths, kv_lengths],
                             [q.dtype, pr.wire, pr.wire], rec, timeout, 0)
         K, V = (a.astype(q.dtype, copy=False) for a in (K, V))  # one dtype across (half: as given)
-        inner, inner_pr = Record(rank), Precision(q.dtype, pr.options["wire_dtype"])
+        inner, inner_pr = Record(rank), Precision(q.dtype, pr.options["wire_dtype"], accumulate=pr.accumulate)
 
         def forward(arrays, ring, rings):
             return loop(*arrays, ring, rings[0], scale, inner, timeout, inner_pr, rotate=rotate)

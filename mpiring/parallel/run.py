@@ -71,7 +71,7 @@ def run_forward(q, k, v, plan, ring, scale, rec, timeout, pr, rotate="kv"):
     elif plan.mode == "double_ring":  # an inner ring per node, an outer ring across (mpiring.parallel.double_ring)
         out, lse = double_ring_forward(q, k, v, plan, ring, scale, rec, timeout, pr)
     elif rotate == "q":  # the queries travel, K/V stay; the partial results go home (mpiring.parallel.passq)
-        out, lse = passq_loop(q, k, v, plan, ring, scale, rec, timeout, pr.wire)
+        out, lse = passq_loop(q, k, v, plan, ring, scale, rec, timeout, pr)
         rec.bytes_sent += ring.bytes_sent - sent  # passq_loop counted the partials' bytes and messages home
         rec.messages += ring.messages - messages
         rec.wait_time = ring.wait_time - waited
