@@ -32,7 +32,7 @@ from ..mpi.buffers import Buffers, KVBuffers
 from ..mpi.comm import shift
 from ..mpi.waits import wait_until
 from ..plans.heads import HybridPlan
-from ..plans.plan import NEXT, Task
+from ..plans.plan import NEXT, Task, reach
 
 __all__ = ["passq_loop", "ROTATE", "rotate_problem", "plan_bytes", "rank_bytes", "chosen_rotation", "q_rounds"]
 
@@ -96,9 +96,8 @@ def q_rounds(plan):
     As the K/V ring stops early (``plan.rounds``), so does this one: with a
     sliding window the blocks stop once no rank further round needs them.
     """
-    size = plan.size
-    return max([s for s in range(size) if any(plan.kinds[(r - s) % size][r] != "skip" for r in range(size))],
-               default=0)
+    first = reach(plan).first(1, plan.size - 1)  # rank r holds the queries of r - s: offset P - s
+    return 0 if first is None else plan.size - first
 
 
 def _home(partials, q, v, plan, comm, rec, timeout, pr):
