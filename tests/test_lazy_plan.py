@@ -143,3 +143,12 @@ def test_make_plan_at_1024_ranks_takes_under_a_tenth_of_a_second():
     plan = make_plan(256 * 1024, 1024, causal=True, layout="zigzag")
     assert plan.n_steps == 1024
     assert time.process_time() - start < 0.1
+
+
+def test_planbench_prints_a_row_per_size(capsys):
+    from mpiring.__main__ import main
+
+    assert main(["planbench", "-P", "4", "16", "--repeats", "1", "--causal", "--layout", "zigzag"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 4 |") or
+            line.startswith("| 16 |")]
+    assert len(rows) == 2 and rows[1].split("|")[5].strip() == "16"  # 16 steps

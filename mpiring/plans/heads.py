@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.precision import compute_itemsize, row_bytes
-from .plan import Piece, Plan, Schedule, Task, problem_fields, ring_plan
+from .plan import Piece, Plan, PlannedSchedule, Schedule, Task, problem_fields, ring_plan
 
 __all__ = ["HEAD_MODES", "UlyssesPlan", "ulysses_plan", "heads_problem", "query_heads", "kv_heads",
            "ulysses_pair_bytes", "predicted_ulysses_bytes", "HybridPlan", "hybrid_plan",
@@ -222,7 +222,7 @@ def hybrid_plan(base, ulysses_size, mode):
     grid.kinds = [ring.kinds[r // u] for r in range(P)]
     grid.pairs = [ring.pairs[r // u] for r in range(P)]
     grid.rounds = ring.rounds
-    grid.schedule = Schedule([[ring.tasks(step, r // u) for r in range(P)] for step in range(ring.n_steps)])
+    grid.schedule = PlannedSchedule(ring.n_steps, P, lambda step, r: ring.tasks(step, r // u))
     return grid
 
 
