@@ -48,6 +48,7 @@ COMMANDS = {
     "schedule": ("cli_plan", False, "print the ring schedule (no MPI needed)"),
     "cost": ("cli_plan", False, "the analytical cost report, then the time model (no MPI needed)"),
     "bench": ("bench", True, "benchmark table under mpiexec -n 1 / -n 2 (see run/bench)"),
+    "planbench": ("planbench", False, "one rank's planning time as P grows: make_plan and its own steps (no MPI)"),
     "tune": ("cli_tune", False, "time GEMM backends and tile sizes on this CPU, cache the fastest (no MPI)"),
     "percore": ("percore", False, "one core, one block: the kernel against its own GEMMs and exp2, the limit, "
                 "and torch (no MPI)"),

@@ -17,6 +17,7 @@ import functools
 import os
 import re
 import shutil
+import signal
 import subprocess
 
 MPIEXEC = shutil.which("mpiexec")
@@ -86,3 +87,19 @@ def clean_env(environ=None, **extra):
         env.update(flags("Open MPI", os.geteuid())[1])
     env.update(extra)
     return env
+
+
+def run_limited(cmd, limit, stderr=subprocess.PIPE, cwd=None):
+    """``(exit code, stdout, stderr)`` of ``cmd`` in a fresh launch environment (``stderr=subprocess.STDOUT``:
+    joined to stdout); a job still running after ``limit`` seconds is killed with every process it started,
+    and AssertionError says it hung."""
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=clean_env(), cwd=cwd,
+                           start_new_session=True)
+    try:
+        out, err = job.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        out, err = job.communicate()
+        raise AssertionError(f"job hung (killed after {limit:g} s): {' '.join(cmd)}\n{out}\n{(err or '')[-3000:]}") \
+            from None
+    return job.returncode, out, err

@@ -114,7 +114,7 @@ def test_queries_against_a_longer_kv_plan():
     ([[0, 1], [2], [3]], None, "no rank holds 4"),
     ([[0, 1], [], [2, 3, 4]], None, "rank 1 is empty"),
     ([[0.0, 1.0], [2, 3], [4]], None, "1-D integer array"),
-    ([[0], [1], [2]], [[0, 1], [2, 3], [4, 4]], "kv_positions: position 4 is held more than once \\(by ranks 2, 2\\)"),
+    ([[0], [1], [2]], [[0, 1], [2, 3], [4, 4]], "kv_positions: position 4 is held more than once \\(by rank 2\\)"),
     (None, [[0, 1], [2, 3], [4]], "kv_positions needs positions"),
 ])
 def test_bad_positions(positions, kv, message):

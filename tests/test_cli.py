@@ -65,6 +65,22 @@ def test_run_verifies(args):
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
+@pytest.mark.parametrize("args", [
+    ["--dtype", "float32"],  # docs/cluster.md's example: it exited 1 (float64 gradients modelled, float32 sent)
+    ["--dtype", "float64"],
+    ["--dtype", "float32", "--grad-wire-dtype", "float64", "--accumulate", "float32", "--layout", "zigzag"],
+])
+def test_grid_backward_verifies_with_its_options(args):
+    """ring x Ulysses with --backward: results and the bytes the model predicts, with the options honoured."""
+    result = _mpirun(4, "--seq-len", "256", "--heads", "4", "--dim", "16", "--causal", "--ulysses-size", "2",
+                     "--backward", *args)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "VERIFIED" in result.stdout and "recorded schedule equals the plan: yes" in result.stdout
+    if "--accumulate" in args:
+        assert "running (out, lse): float32, float32; dK/dV partials on the wire: float64" in result.stdout
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
 def test_run_prints_the_same_schedule_as_the_schedule_command(capsys):
     options = ["--causal", "--layout", "striped", "--window", "100", "0", "--cu-seqlens", "0", "50", "300"]
     assert main(["schedule", "-P", "3", "--seq-len", "300", *options]) == 0

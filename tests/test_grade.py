@@ -11,10 +11,8 @@ ring, the causal mask and the work checks at several. The work checks count prod
 so their verdicts are the same on every run, however loaded the machine.
 """
 
-import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -22,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import MPIEXEC, clean_env, mpiexec_argv
+from launch import MPIEXEC, mpiexec_argv, run_limited
 
 ROOT = Path(__file__).resolve().parent.parent
 STUDENTS = ROOT / "tests" / "students"
@@ -36,17 +34,9 @@ pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
 def launch(P, module, *args, limit=LIMIT):
     """Run ``mpiexec -n P python -m module args``; return (exit code, stdout + stderr, seconds)."""
     cmd = mpiexec_argv(P, sys.executable, "-m", module, *args)
-    env = clean_env()  # a fresh launch: no MPI variables from a parent that may itself run under mpiexec
     start = time.perf_counter()
-    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
-                           start_new_session=True)
-    try:
-        output, _ = job.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        os.killpg(job.pid, signal.SIGKILL)
-        output, _ = job.communicate()
-        raise AssertionError(f"hung: {shlex.join(cmd)}\n{output}") from None
-    return job.returncode, output, time.perf_counter() - start
+    code, output, _ = run_limited(cmd, limit, stderr=subprocess.STDOUT, cwd=ROOT)
+    return code, output, time.perf_counter() - start
 
 
 def grade(P, student, *options):

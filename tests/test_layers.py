@@ -153,3 +153,45 @@ def test_planning_names_need_no_mpi(name):
     code = f"import sys, mpiring; mpiring.{name}; print('mpi4py' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "False", done.stdout + done.stderr
+
+
+PLAN_CLASSES = {"HybridPlan", "UlyssesPlan", "DoubleRingPlan"}
+LOOKS_AT_THE_MODE = {"mpiring.plans.spec", "mpiring.plans.make", "mpiring.parallel.strategies",
+                     "mpiring.cost.strategies"}  # the spec, the plan builder, the strategy table, the cost builder
+
+
+def _names_the_mode(node):
+    """``mode``, ``strategy``, ``x.mode`` or ``x.strategy``: an expression that names the strategy."""
+    return (isinstance(node, ast.Name) and node.id in ("mode", "strategy")) or \
+        (isinstance(node, ast.Attribute) and node.attr in ("mode", "strategy"))
+
+
+def mode_looks(source):
+    """Lines of ``source`` that branch on the strategy: compare the mode (or the strategy's name), look it up in a
+    table, or test a plan's class."""
+    tree = ast.parse(source)
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and any(map(_names_the_mode, [node.left, *node.comparators])):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and _names_the_mode(node.slice):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2 \
+                and {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)} & PLAN_CLASSES:
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_only_the_spec_the_tables_and_the_builders_look_at_the_mode():
+    """At most 4 package modules outside tools/ tell the strategies apart; the rest ask the tables."""
+    looks = {name: mode_looks(path.read_text()) for name, path in MODULES.items()
+             if layer(name) not in ("tools", "__main__")}
+    looking = {name: lines for name, lines in looks.items() if lines}
+    assert set(looking) <= LOOKS_AT_THE_MODE, {n: lines for n, lines in looking.items() if n not in LOOKS_AT_THE_MODE}
+    assert len(LOOKS_AT_THE_MODE) <= 4
+
+
+def test_the_mode_detector_sees_each_kind_of_look():
+    source = "if plan.mode == 'ulysses':\n    pass\nx = TABLE[plan.strategy]\ny = isinstance(plan, (Plan, HybridPlan))\n"
+    assert mode_looks(source) == [1, 3, 4]
+    assert mode_looks("if merge == 'ring':\n    pass\nz = plan.mode\nout[mode] = 1\n") == []  # naming is not looking

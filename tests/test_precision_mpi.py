@@ -215,3 +215,38 @@ def test_bad_precision_option_raises_on_every_rank(comm, name, value, text):
         with pytest.raises(ValueError, match=f"rank {b}: {name} '{good}' differs from rank 0's"):
             call(*args, comm, **({name: good} if comm.rank == b else {}))
     assert comm.allreduce(1) == comm.size  # the communicator still works
+
+
+def _strategies(P):
+    """Every strategy that runs on P ranks: the ring modes, pass-Q, Ulysses, the double ring, the grid."""
+    out = {mode: dict(mode=mode) for mode in MODES}
+    out.update({"pass-q": dict(rotate="q"), "ulysses": dict(mode="ulysses"),
+                "double_ring": dict(mode="double_ring", node_size=2 if P % 2 == 0 else 1)})
+    if P % 2 == 0 and P > 2:  # (at P = 2 the ring across groups holds one block: nothing to merge)
+        out["grid"] = dict(ulysses_size=2)
+    return out
+
+
+def test_every_strategy_honours_accumulate(comm):
+    """accumulate= changes every strategy's result as it changes the ring's: float32 running outputs round at
+    every merge, so out differs from float64's in its last bits, both within tolerance (issue 34: Ulysses, the
+    double ring, the grid and pass-Q kept float64 whatever was asked)."""
+    P = comm.size
+    if P == 1:
+        pytest.skip("one rank merges one block: nothing to round between blocks")
+    S = 64 * P
+    Q, K, V, _ = _full(4 * P, S, "float32", heads=P)
+    ref, _ = reference(*_f64((Q, K, V)), causal=True)
+    rows = np.arange(S)[:, None]
+    for name, strategy in _strategies(P).items():
+        layout = "zigzag"
+        q, k, v = (local(x, comm, layout) for x in (Q, K, V))
+        mine = local(rows, comm, layout)[:, 0]
+        outs = {}
+        for accumulate in ("float64", "float32"):
+            out, lse = ring_attention(q, k, v, comm, causal=True, layout=layout, accumulate=accumulate, **strategy)
+            assert out.dtype == np.float32
+            assert_attention_close(out, ref[..., mine, :], np.float32, f"{name} out, accumulate {accumulate}")
+            outs[accumulate] = out
+        differs = comm.allreduce(int(not np.array_equal(outs["float32"], outs["float64"])), op=MPI.SUM)
+        assert differs > 0, f"{name}: accumulate='float32' gave float64's results bit for bit: it was ignored"

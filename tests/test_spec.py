@@ -78,7 +78,7 @@ def test_options_beside_a_spec_must_be_its_own():
     assert spec_problem(dict(window=[4, 0], cu_seqlens=np.array([0, 8, 16])), spec)[0] is spec
     got, why = spec_problem(dict(scale=0.25), spec)
     assert got is None and why == "scale=0.25 differs from the spec's 0.125: give it in the spec only"
-    assert "causal_block=2 differs" in spec_problem(dict(causal_block=2), spec)[1]
+    assert "window=(3, 0) differs from the spec's (4, 0)" in spec_problem(dict(window=(3, 0)), spec)[1]
     assert "cu_seqlens" in spec_problem(dict(cu_seqlens=[0, 9, 16]), spec)[1]
     assert spec_problem({}, "not a spec")[1] == "spec must be an mpiring.Spec, got str"
     filled, why = spec_problem(dict(seq_len=16), spec)  # a field the spec leaves open is filled

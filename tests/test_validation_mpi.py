@@ -21,7 +21,7 @@ def _inputs(comm, heads=2, dim=8, per_rank=4, dtype=np.float64):
 
 
 def _all_ranks(P):
-    return "rank 0" if P == 1 else f"ranks {', '.join(map(str, range(P)))}"
+    return {1: "rank 0", 2: "ranks 0, 1"}.get(P, f"ranks 0-{P - 1}")  # three or more in a row: first-last
 
 
 def _nan_q(q):

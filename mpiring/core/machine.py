@@ -38,7 +38,8 @@ def cache_path():
     return os.path.join(base, "mpiring", "tune.json")
 
 
-def _cpu_model():
+def cpu_model():
+    """This CPU's model name, as /proc/cpuinfo (or the platform) gives it."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -56,7 +57,7 @@ def machine_key():
 
     blas = sorted(f"{p.get('internal_api')} {p.get('version')} {p.get('architecture')}"
                   for p in threadpool_info() if p.get("user_api") == "blas")
-    return " | ".join([_cpu_model(), f"numpy {np.__version__}", *blas, "mkl" if mkl_library() else "no mkl"])
+    return " | ".join([cpu_model(), f"numpy {np.__version__}", *blas, "mkl" if mkl_library() else "no mkl"])
 
 
 @functools.cache

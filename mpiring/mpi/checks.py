@@ -10,6 +10,7 @@ import numpy as np
 
 from ..core.kernels import LSE_LIMIT
 from ..core.precision import compute_dtype, dtype_problem
+from ..core.ranks import ranks_text
 from ..plans.spec import FIELDS, digest
 
 __all__ = ["local_problem", "is_real", "timeout_problem", "AUTO_AGREE", "AUTO_BASE", "AUTO_RATE", "agreement_timeout",
@@ -136,8 +137,7 @@ def verdict(problems, prefix="rank"):
     for r, p in enumerate(problems):
         if p:
             by_text.setdefault(p, []).append(r)
-    parts = [f"{prefix} {ranks[0]}: {p}" if len(ranks) == 1 else f"{prefix}s {', '.join(map(str, ranks))}: {p}"
-             for p, ranks in by_text.items()]
+    parts = [f"{ranks_text(ranks, prefix)}: {p}" for p, ranks in by_text.items()]
     return "; ".join(parts) or None
 
 

@@ -11,7 +11,17 @@ import numpy as np
 from .buffers import flat_blocks, mpi_view
 from .waits import test_all, wait_until
 
-__all__ = ["allgather", "gather", "start_allgather", "allgathered", "wait_allgather"]
+__all__ = ["together", "allgather", "gather", "start_allgather", "allgathered", "wait_allgather"]
+
+
+def together(comm, timeout, what):
+    """Every rank of ``comm`` has come here (a non-blocking barrier; CommTimeout after ``timeout``).
+
+    For the collectives MPI has no non-blocking form of (``Split``,
+    ``Split_type``): called right before one, a rank that failed or stalled
+    before it makes the others raise instead of waiting in it forever.
+    """
+    wait_until([comm.Ibarrier()], timeout, comm.Get_rank(), what, sync=True)
 
 
 def allgather(comm, obj, timeout=None):

@@ -21,26 +21,34 @@ from ..core.block import GRAD_DTYPE, add_grads, count_pairs
 from ..core.precision import Precision
 from ..cost.nodes import node_ids
 from ..mpi.buffers import kv_slots, payload_bytes
+from ..mpi.collectives import together
 from ..mpi.comm import RingComm
+from ..mpi.waits import wait_until
 from ..plans.hierarchy import INNER, OUTER, double_ring_plan
 
 __all__ = ["nodes_of", "double_ring_forward", "double_ring_backward"]
 
 
-def nodes_of(plan, comm, node_size):
+def nodes_of(plan, comm, node_size, timeout=None):
     """The plan with MPI's ranks per node (``Split_type(COMM_TYPE_SHARED)``) unless ``node_size`` was given.
 
-    Collective; called after the agreement, so every rank calls it. Nodes of
-    unequal size or with ranks out of order raise the same ValueError on every rank.
+    Collective; called after the agreement, so every rank calls it. Every wait
+    gives up after ``timeout`` (CommTimeout): MPI has no non-blocking split, so
+    the ranks first meet in a non-blocking barrier (``collectives.together``).
+    Nodes of unequal size or with ranks out of order raise the same ValueError on every rank.
     """
     if node_size is not None:
         return plan
+    rank = comm.Get_rank()
+    together(comm, timeout, "node grouping")
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    leader, leaders = np.array([rank]), np.empty(comm.Get_size(), int)
     try:
-        leader = node.allreduce(comm.Get_rank(), op=MPI.MIN)
+        wait_until([node.Iallreduce(np.array([rank]), leader, op=MPI.MIN)], timeout, rank, "node grouping", sync=True)
     finally:
         node.Free()
-    node_of = node_ids(comm.allgather(leader))
+    wait_until([comm.Iallgather(leader, leaders)], timeout, rank, "node grouping", sync=True)
+    node_of = node_ids(leaders.tolist())
     n = node_of.count(0)
     if node_of != [r // n for r in range(plan.size)]:
         raise ValueError(f"mode='double_ring' needs nodes of equal size holding consecutive ranks; MPI places the "
@@ -64,10 +72,11 @@ def _shift(ring, send, recv, rec, step, link, data="K/V", pad=0):
               bytes=sum(payload_bytes(a, pad) for a in send))
 
 
-def _wait(rings, rec, step, data="K/V"):
+def _wait(rings, rec, step, timeout, data="K/V"):
+    """Complete the transfers of ``rings``, each within ``timeout`` (CommTimeout otherwise)."""
     start = time.perf_counter()
     for ring in rings:
-        ring.wait()
+        ring.wait(timeout)
     rec.event("wait", start, step=step, data=data)
 
 
@@ -83,7 +92,7 @@ def double_ring_forward(q, k, v, plan, ring, scale, rec, timeout, pr=None):
     before = (inner.bytes_sent, inner.messages, inner.wait_time)  # the caller's ring may have served earlier calls
     try:
         rank = inner.rank
-        acc = block.accumulators(q, v)
+        acc = block.accumulators(q, v, pr.out, pr.lse)  # accumulate= as in the ring modes
         longest = max(len(s) for s in plan.kv_shards)
         inner_slots, outer_slots = kv_slots(wire, (k, v), longest), kv_slots(wire, (k, v), longest)
         first = outer_slots.hold((k, v))  # a round's first block: this rank's own, then what the outer ring brings
@@ -111,7 +120,7 @@ def double_ring_forward(q, k, v, plan, ring, scale, rec, timeout, pr=None):
             if i == n - 1 and o < m - 1:
                 waiting.append(outer)
             if waiting:
-                _wait(waiting, rec, step)
+                _wait(waiting, rec, step, timeout)
             if i < n - 1:
                 held = incoming
             elif o < m - 1:
@@ -181,24 +190,25 @@ def double_ring_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec,
             if i == 0:  # the first visitor in this node; with one rank per node the own block's share stays here
                 total = own if source == rank and n == 1 else block_of(source, pr.grad)
             else:
-                _wait([grads_inner], rec, step, "dK/dV")
+                _wait([grads_inner], rec, step, timeout, "dK/dV")
                 total = arriving
             add_grads(total, grads)
             if i == n - 1 and o < m - 1:
                 kv_waiting.append(kv_outer)
             if kv_waiting:
-                _wait(kv_waiting, rec, step)
+                _wait(kv_waiting, rec, step, timeout)
             if i < n - 1:  # the partial goes on with its block
                 arriving = block_of(plan.source_at(rank, step + 1), pr.grad)
                 _shift(grads_inner, total, arriving, rec, step, INNER, "dK/dV")
             elif source != rank:  # the node's last visitor: the partial goes home, one comes home
-                coming_home = _home(home, total, coming_home, own, plan, o, rec, step, block_of(rank, pr.grad))
+                coming_home = _home(home, total, coming_home, own, plan, o, rec, step, block_of(rank, pr.grad),
+                                    timeout)
             if i < n - 1:
                 held = incoming
             elif o < m - 1:
                 first = held = nxt
             rec.step_done(step, plan.n_steps)
-        _home(home, None, coming_home, own, plan, m, rec, plan.n_steps - 1, None)
+        _home(home, None, coming_home, own, plan, m, rec, plan.n_steps - 1, None, timeout)
         rec.bytes_sent = sum(ring.bytes_sent for ring in rings)
         rec.messages = sum(ring.messages for ring in rings)
         rec.wait_time = sum(ring.wait_time for ring in rings)
@@ -208,13 +218,13 @@ def double_ring_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec,
     return dq, own[0], own[1]
 
 
-def _home(home, total, coming_home, own, plan, rnd, rec, step, receive):
+def _home(home, total, coming_home, own, plan, rnd, rec, step, receive, timeout):
     """The hop home of round ``rnd``: finish the previous one (add it into ``own``), start this one (if ``total``).
 
     Returns the arrays the own block's partial is arriving in (None when nothing was started).
     """
     if coming_home is not None:
-        _wait([home], rec, step, "dK/dV home")
+        _wait([home], rec, step, timeout, "dK/dV home")
         own[0][...] += coming_home[0]
         own[1][...] += coming_home[1]
     if total is None:

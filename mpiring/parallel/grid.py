@@ -19,15 +19,15 @@ rank's own share stays exact) and the ring across groups (the inner call,
 given the same wire). A token from another member so crosses two coded
 hops, but coding is idempotent (a half rounding exactly; int8 to within
 float32 rounding of its scale), so it carries one coding's error. The ring
-across groups keeps the default accumulation, as before this module ran it
-as a loop of its own (results bit for bit those of ``ring_attention`` on the
-cross communicator).
+across groups accumulates as ``accumulate=`` says, as the ring modes do
+(results bit for bit those of ``ring_attention`` on the cross communicator).
 Gradients come back in ``grad_wire_dtype``, which the inner ring's partials use too.
 """
 
 import numpy as np
 
 from ..core.precision import Precision
+from ..mpi.collectives import together
 from ..mpi.comm import RingComm
 from ..mpi.record import Record
 from ..plans.heads import kv_heads, query_heads
@@ -40,9 +40,15 @@ __all__ = ["grid_comms", "hybrid_forward", "hybrid_backward"]
 SUMS = ("bytes_sent", "messages", "wait_time", "compute_time", "computed_pairs", "visible_pairs")
 
 
-def grid_comms(comm, plan):
-    """``(group, cross)``: this rank's group of u and its ring across groups (collective; free both after)."""
+def grid_comms(comm, plan, timeout=None):
+    """``(group, cross)``: this rank's group of u and its ring across groups (collective; free both after).
+
+    MPI has no non-blocking ``Split``: the ranks first meet in a non-blocking
+    barrier waited for with ``timeout`` (``collectives.together``), so a rank
+    that failed before it makes the others raise CommTimeout, not wait forever.
+    """
     g, j = plan.group(comm.Get_rank())
+    together(comm, timeout, "grid communicators")
     return comm.Split(g, j), comm.Split(j, g)
 
 
@@ -96,12 +102,12 @@ def hybrid_forward(q, k, v, plan, comm, scale, rec, timeout, pr, rotate, loop):
     rank = comm.Get_rank()
     qs, ks = _heads(plan, q.shape[-3], k.shape[-3])
     lengths, kv_lengths = _lengths(plan, rank), _lengths(plan, rank, kv=True)
-    group, cross = grid_comms(comm, plan)
+    group, cross = grid_comms(comm, plan, timeout)
     try:
         Q, K, V = heads_out(group, [q, k, v], [qs, ks, ks], [lengths, kv_lengths, kv_lengths],
                             [q.dtype, pr.wire, pr.wire], rec, timeout, 0)
         K, V = (a.astype(q.dtype, copy=False) for a in (K, V))  # one dtype across (half: as given)
-        inner, inner_pr = Record(rank), Precision(q.dtype, pr.options["wire_dtype"])
+        inner, inner_pr = Record(rank), Precision(q.dtype, pr.options["wire_dtype"], accumulate=pr.accumulate)
 
         def forward(arrays, ring, rings):
             return loop(*arrays, ring, rings[0], scale, inner, timeout, inner_pr, rotate=rotate)
@@ -124,7 +130,7 @@ def hybrid_backward(dout, q, k, v, out, lse, plan, comm, scale, rec, timeout, pr
     rank = comm.Get_rank()
     qs, ks = _heads(plan, q.shape[-3], k.shape[-3])
     lengths, kv_lengths = _lengths(plan, rank), _lengths(plan, rank, kv=True)
-    group, cross = grid_comms(comm, plan)
+    group, cross = grid_comms(comm, plan, timeout)
     try:
         Q, dO, Out, L, K, V = heads_out(group, [q, dout, out, lse[..., None], k, v], [qs] * 4 + [ks] * 2,
                                       [lengths] * 4 + [kv_lengths] * 2, [q.dtype] * 4 + [pr.wire] * 2, rec, timeout, 0)
@@ -141,7 +147,7 @@ def hybrid_backward(dout, q, k, v, out, lse, plan, comm, scale, rec, timeout, pr
         _join(rec, inner)
         kv = [len(range(k.shape[-3])[s]) for s in ks]
         got = tokens_back(group, [dq, dk, dv], [[Q.shape[-3]] * len(lengths), kv, kv],
-                          [lengths, kv_lengths, kv_lengths], pr.grad, rec, timeout, plan.n_steps - 1)
+                          [lengths, kv_lengths, kv_lengths], pr.grad, rec, timeout, plan.n_steps - 1, "gradients back")
     finally:
         group.Free()
         cross.Free()

@@ -4,15 +4,16 @@
 
 At step s rank r holds the queries of rank j = r - s and attends them to its
 own K/V (``block.attend``: the same kernel and merge as the K/V ring, with the
-plan's pieces of j's queries against r's keys), keeping one float64 partial
-``(out, lse)`` per visiting block. After the ring, one all-to-all sends every
-partial home (none where the mask hides all of r's keys from j's queries),
-and every rank merges its partials in rank order with the log-sum-exp rule.
+plan's pieces of j's queries against r's keys), keeping one partial
+``(out, lse)`` per visiting block (float64, or as ``accumulate=`` says). After
+the ring, one all-to-all sends every partial home (none where the mask hides
+all of r's keys from j's queries), and every rank merges its partials in rank
+order with the log-sum-exp rule, into accumulators of the same dtype.
 
 With a ``wire_dtype`` the query blocks travel coded as K/V blocks do in the
 K/V ring (``precision.Wire``: coded once by their owner, decoded by every rank
 they reach); every rank attends its own queries exactly. The partials go
-home in float64, as without one.
+home as float64 values, as without one.
 
 Pass-Q pays off when the queries are fewer than the keys: a prefill of T new
 tokens against a cache of C (Meta, "Context Parallelism for Scalable
@@ -26,22 +27,24 @@ import numpy as np
 
 from ..core import block
 from ..core.kernels import merge
-from ..core.precision import Wire, compute_dtype, row_bytes
+from ..core.precision import Precision, compute_dtype, row_bytes
 from ..mpi.buffers import Buffers, KVBuffers
 from ..mpi.comm import shift
 from ..mpi.waits import wait_until
-from ..plans.plan import NEXT, Task
+from ..plans.plan import NEXT, Task, reach
 
 __all__ = ["passq_loop", "plan_bytes", "rank_bytes", "chosen_rotation", "q_rounds"]
 
-def passq_loop(q, k, v, plan, ring, scale, rec, timeout, wire=None):
+def passq_loop(q, k, v, plan, ring, scale, rec, timeout, pr=None):
     """The pass-Q ring: pass the held query block on, attend it to this rank's K/V, wait, swap; then send partials home.
 
-    ``wire``: how the query blocks travel (a ``precision.Wire``; default: as they are).
+    ``pr``: the call's ``Precision``: its wire codes the travelling query blocks, the partials and their merge
+    accumulate in its ``out`` and ``lse`` dtypes (``accumulate=``; default float64).
     Returns this rank's merged ``(out, lse)`` in q's dtype, rows in position order.
     """
     rank, size = ring.rank, ring.size
-    wire = wire or Wire(None, q.dtype)
+    pr = pr or Precision(q.dtype)
+    wire = pr.wire
     own_kv = KVBuffers((k, v), k.shape[-2]).hold((k, v))  # [k | 1]^T, [v | 1]^T: the kernel's form, made once
     buffers = Buffers((wire.template(q),), max(len(s) for s in plan.shards))
     mine = wire.own((q,))  # this rank's queries, attended exactly
@@ -58,7 +61,7 @@ def passq_loop(q, k, v, plan, ring, scale, rec, timeout, wire=None):
         queries = None
         if task.kind != "skip":
             queries = (mine if source == rank else wire.arrived(held))[0]
-            partials[source] = block.accumulators(queries, v)
+            partials[source] = block.accumulators(queries, v, pr.out, pr.lse)
         block.attend(queries, own_kv, task, plan.pieces(source, rank), scale, partials.get(source), rec,
                      ring.progress, step, padded=True)
         start = time.perf_counter()
@@ -67,7 +70,7 @@ def passq_loop(q, k, v, plan, ring, scale, rec, timeout, wire=None):
             rec.event("wait", start, step=step)
             held = incoming
         rec.step_done(step, rounds + 1)
-    out, lse = _home(partials, q, v, plan, ring.comm, rec, timeout)
+    out, lse = _home(partials, q, v, plan, ring.comm, rec, timeout, pr)
     return out.astype(q.dtype, copy=False), lse.astype(compute_dtype(q.dtype), copy=False)
 
 
@@ -77,12 +80,11 @@ def q_rounds(plan):
     As the K/V ring stops early (``plan.rounds``), so does this one: with a
     sliding window the blocks stop once no rank further round needs them.
     """
-    size = plan.size
-    return max([s for s in range(size) if any(plan.kinds[(r - s) % size][r] != "skip" for r in range(size))],
-               default=0)
+    first = reach(plan).first(1, plan.size - 1)  # rank r holds the queries of r - s: offset P - s
+    return 0 if first is None else plan.size - first
 
 
-def _home(partials, q, v, plan, comm, rec, timeout):
+def _home(partials, q, v, plan, comm, rec, timeout, pr):
     """The all-to-all of the partials to their queries' ranks, and their merge there, in rank order."""
     rank, size = comm.Get_rank(), comm.Get_size()
     width = q.size // q.shape[-2] // q.shape[-1] * (v.shape[-1] + 1)  # float64 values per query row
@@ -101,7 +103,7 @@ def _home(partials, q, v, plan, comm, rec, timeout):
     rec.bytes_sent += send.nbytes
     rec.messages += sum(1 for n in send_counts if n)
     rec.event("send", start, step=size, data="partials home", bytes=send.nbytes, dest="all")
-    out, lse = block.accumulators(q, v)
+    out, lse = block.accumulators(q, v, pr.out, pr.lse)
     offset = 0
     for j in range(size):
         if j == rank and j in partials:

@@ -58,7 +58,7 @@ class Strategy:
     backward: Callable
     rings: Callable = lambda comm, plan, timeout: []
     rotates: bool = False  # rotate="auto" may pick pass-Q for it
-    place: Callable = lambda plan, comm, node_size: plan  # the plan once MPI has placed the ranks (collective)
+    place: Callable = lambda plan, comm, node_size, timeout: plan  # the plan once MPI placed the ranks (collective)
 
 
 def _counted(assign=True):
@@ -92,7 +92,7 @@ def _ring_backward(arrays, c):
 
 @_counted(assign=False)
 def _passq_forward(arrays, c):
-    return passq_loop(*arrays, c.plan, c.rings[0], c.scale, c.rec, c.timeout, c.pr.wire)
+    return passq_loop(*arrays, c.plan, c.rings[0], c.scale, c.rec, c.timeout, c.pr)
 
 
 def _grid_forward(arrays, c):
@@ -148,7 +148,7 @@ def private_rings(comm, plan, node_size, timeout, backward):
     rings = [RingComm(comm, timeout)]
     try:
         strategy = STRATEGIES[plan.strategy]
-        plan = strategy.place(plan, rings[0].comm, node_size)
+        plan = strategy.place(plan, rings[0].comm, node_size, timeout)
         if backward:
             rings += strategy.rings(comm, plan, timeout)
     except BaseException:

@@ -137,7 +137,7 @@ def ulysses_forward(q, k, v, plan, comm, scale, rec, timeout, pr=None):
     ks = [kv_heads(d, size, k.shape[-3]) for d in range(size)]
     queries, keys, values = heads_out(comm, [q, k, v], [qs, ks, ks], [n, m, m], [q.dtype, pr.wire, pr.wire], rec,
                                       timeout, 0)
-    acc = block.accumulators(queries, values)
+    acc = block.accumulators(queries, values, pr.out, pr.lse)  # accumulate= as in the ring modes
     for task in plan.tasks(0, rank):  # key block j: the tokens rank j held
         j = _block(plan, task.source)
         block.attend(queries, (keys[..., j, :], values[..., j, :]), task, plan.block_pieces(task.source), scale,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.precision import compute_itemsize, row_bytes
-from .plan import Piece, Plan, Schedule, Task, problem_fields, ring_plan
+from .plan import Piece, Plan, PlannedSchedule, Schedule, Task, problem_fields, ring_plan
 
 __all__ = ["HEAD_MODES", "UlyssesPlan", "ulysses_plan", "heads_problem", "query_heads", "kv_heads",
            "ulysses_pair_bytes", "predicted_ulysses_bytes", "HybridPlan", "hybrid_plan",
@@ -213,8 +213,9 @@ def sequence_pairs(plan):
     return plan.sequence_pairs()
 
 
-def hybrid_plan(base, ulysses_size, mode):
-    """The u x (P/u) grid over the tokens and masks of ``base`` (a plan of the P ranks): a ``mode`` ring of groups."""
+def hybrid_plan(base, ulysses_size, mode, rounds):
+    """The u x (P/u) grid over the tokens and masks of ``base`` (a plan of the P ranks): a ``mode`` ring of groups
+    whose streams follow ``rounds`` (``ring_plan``'s)."""
     u, P = ulysses_size, base.size
     grid = HybridPlan(**problem_fields(base), mode=mode, ulysses_size=u)
     groups = range(P // u)
@@ -222,9 +223,9 @@ def hybrid_plan(base, ulysses_size, mode):
     grid.ring_plan = ring = ring_plan(
         base.seq_len, P // u, mode=mode, causal=base.causal, window=base.window, cu_seqlens=base.cu_seqlens,
         causal_block=base.causal_block, positions=[grid.group_positions(g) for g in groups],
-        kv_positions=[grid.group_positions(g, kv=True) for g in groups] if separate_kv else None)
+        kv_positions=[grid.group_positions(g, kv=True) for g in groups] if separate_kv else None, rounds=rounds)
     grid.kinds = [ring.kinds[r // u] for r in range(P)]
     grid.pairs = [ring.pairs[r // u] for r in range(P)]
     grid.rounds = ring.rounds
-    grid.schedule = Schedule([[ring.tasks(step, r // u) for r in range(P)] for step in range(ring.n_steps)])
+    grid.schedule = PlannedSchedule(ring.n_steps, P, lambda step, r: ring.tasks(step, r // u))
     return grid

@@ -22,7 +22,7 @@ adds up m partials, one per node (its own node's too).
 
 from dataclasses import dataclass
 
-from .plan import NEXT, Plan, Schedule, Task, problem_fields
+from .plan import NEXT, Plan, PlannedSchedule, Task, problem_fields
 
 __all__ = ["DoubleRingPlan", "double_ring_plan", "INNER", "OUTER"]
 
@@ -104,6 +104,9 @@ def double_ring_plan(base, node_size):
         raise ValueError(f"node_size {node_size} does not divide the {base.size} ranks into whole nodes")
     fields = problem_fields(base)
     plan = DoubleRingPlan(**fields, mode="double_ring", rounds={NEXT: base.size - 1}, node_size=node_size)
-    plan.schedule = Schedule([[(Task(j, plan.kinds[r][j]),) for r in range(plan.size)
-                               for j in [plan.source_at(r, step)]] for step in range(plan.size)])
+    def tasks(step, rank):
+        source = plan.source_at(rank, step)
+        return (Task(source, plan.kinds[rank][source]),)
+
+    plan.schedule = PlannedSchedule(plan.size, plan.size, tasks)
     return plan

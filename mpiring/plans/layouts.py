@@ -15,8 +15,10 @@ The ring keeps each rank's rows in position order (``sort_order``,
 
 import numpy as np
 
+from ..core.ranks import ranks_text
+
 __all__ = ["LAYOUTS", "block_range", "shard_indices", "shard", "unshard", "layout_positions", "positions_problem",
-           "sort_order", "take_rows", "put_rows", "position_runs"]
+           "sort_order", "take_rows", "put_rows"]
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
 
@@ -120,8 +122,8 @@ def positions_problem(parts, seq_len, name="positions", partition=True):
     counts = np.bincount(np.concatenate(parts), minlength=seq_len)  # every position is in range here
     twice = np.flatnonzero(counts > 1)
     if twice.size:
-        holders = [r for r, p in enumerate(parts) for _ in range(int(np.sum(p == twice[0])))]
-        return (f"{name}: position {int(twice[0])} is held more than once (by ranks {', '.join(map(str, holders))}); "
+        holders = [r for r, p in enumerate(parts) if np.any(p == twice[0])]
+        return (f"{name}: position {int(twice[0])} is held more than once (by {ranks_text(holders)}); "
                 f"each must be held once")
     if partition and counts.size and counts.min() == 0:
         return f"{name} must hold every position 0 .. {seq_len - 1} once; no rank holds {int(np.argmin(counts))}"
@@ -151,29 +153,3 @@ def put_rows(a, order, axis=-2):
     moved = np.moveaxis(out, axis, 0)
     moved[order] = np.moveaxis(a, axis, 0)
     return out
-
-
-MAX_RUNS = 32  # beyond this many runs a rank's rows are one run (striped): the kernel's tiles skip inside it
-
-
-def position_runs(shards):
-    """Per rank, the row ranges ``(a, b)`` its sorted positions fall into, for tight key ranges per run.
-
-    Runs of consecutive positions, each cut into runs about as long as the
-    typical (median) one: zigzag's last rank, whose two chunks meet, keeps two
-    runs like every other rank. Too many runs (striped) make one.
-    """
-    bounds = [[0, *(np.flatnonzero(np.diff(s) != 1) + 1).tolist(), len(s)] for s in shards]
-    lengths = sorted(b - a for bs in bounds for a, b in zip(bs, bs[1:]))
-    unit = lengths[(len(lengths) - 1) // 2]
-    runs = []
-    for s, bs in zip(shards, bounds):
-        if len(bs) - 1 > min(MAX_RUNS, max(2, len(s) // 2)):  # mostly single tokens (striped): one run
-            runs.append([(0, len(s))])
-            continue
-        mine = []
-        for a, b in zip(bs, bs[1:]):
-            n, parts = b - a, max(1, int((b - a) / unit + 0.5))
-            mine += [(a + -(-i * n // parts), a + -(-(i + 1) * n // parts)) for i in range(parts)]
-        runs.append(mine if len(mine) <= MAX_RUNS else [(a, b) for a, b in zip(bs, bs[1:])])
-    return runs

@@ -10,9 +10,15 @@ their own order.
 
 from .heads import hybrid_plan, ulysses_plan
 from .hierarchy import double_ring_plan
-from .plan import ALL_MODES, MODES, Plan, ring_plan
+from .plan import ALL_MODES, Plan, both_ways, gathered, one_way, ring_plan
 
-__all__ = ["make_plan"]
+__all__ = ["make_plan", "RING_MODES", "PLANS"]
+
+# the plan builder's two tables: how each ring mode's blocks move, and the strategies that visit the base
+# plan's blocks in their own order (each from the all-gather's plan of the same tokens and masks)
+RING_MODES = {"ring": one_way, "bidirectional": both_ways, "allgather": gathered}
+PLANS = {"ulysses": lambda base, node_size: ulysses_plan(base),
+         "double_ring": lambda base, node_size: double_ring_plan(base, base.size if node_size is None else node_size)}
 
 
 def make_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str = "ring", causal: bool = False,
@@ -29,21 +35,18 @@ def make_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str 
     if mode not in ALL_MODES:
         raise ValueError(f"mode must be one of {', '.join(ALL_MODES)}; got {mode!r}")
     if ulysses_size is not None:  # a u x (P/u) grid: the ring plan of the groups (mpiring.plans.heads.HybridPlan)
-        if mode not in MODES:
+        if mode not in RING_MODES:
             raise ValueError(f"ulysses_size combines with mode ring, bidirectional or allgather, not {mode!r}")
         if isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int) or ulysses_size < 1:
             raise ValueError(f"ulysses_size must be a positive integer, got {ulysses_size!r}")
         if size % ulysses_size:
             raise ValueError(f"ulysses_size {ulysses_size} does not divide the {size} ranks")
-    if mode in ("ulysses", "double_ring") or ulysses_size is not None:
-        # the tokens every rank holds and their masks, as the flat ring's; visited in the strategy's own order
-        base = ring_plan(seq_len, size, layout=layout, mode="allgather", causal=causal, window=window,
-                         cu_seqlens=cu_seqlens, causal_block=causal_block, positions=positions,
-                         kv_positions=kv_positions)
-        if ulysses_size is not None:
-            return hybrid_plan(base, ulysses_size, mode)
-        if mode == "ulysses":
-            return ulysses_plan(base)
-        return double_ring_plan(base, size if node_size is None else node_size)
-    return ring_plan(seq_len, size, layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens,
-                     causal_block=causal_block, positions=positions, kv_positions=kv_positions)
+    problem = dict(layout=layout, causal=causal, window=window, cu_seqlens=cu_seqlens, causal_block=causal_block,
+                   positions=positions, kv_positions=kv_positions)
+    if mode in RING_MODES and ulysses_size is None:
+        return ring_plan(seq_len, size, mode=mode, rounds=RING_MODES[mode], **problem)
+    # the tokens every rank holds and their masks, as the flat ring's; visited in the strategy's own order
+    base = ring_plan(seq_len, size, mode="allgather", rounds=gathered, **problem)
+    if ulysses_size is not None:
+        return hybrid_plan(base, ulysses_size, mode, RING_MODES[mode])
+    return PLANS[mode](base, node_size)

@@ -31,10 +31,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .layouts import check_layout, layout_positions, position_runs, positions_problem, put_rows, sort_order
+from .layouts import check_layout, positions_problem, put_rows, shard_indices, sort_order
 from .masks import block_kind, check_causal_block, check_cu_seqlens, check_window, visible_keys
+from .rows import PairTable, Reach, Rows, layout_owners, owners, run_unit, runs_of, visible_per_rank
 
-__all__ = ["MODES", "ALL_MODES", "NEXT", "PREV", "HOME_CHUNKS", "Task", "Piece", "Schedule", "Plan", "ring_plan",
+__all__ = ["MODES", "ALL_MODES", "NEXT", "PREV", "HOME_CHUNKS", "Task", "Piece", "Schedule", "PlannedSchedule",
+           "Plan", "ring_plan", "reach", "one_way", "both_ways", "gathered",
            "home_chunks", "key_chunks", "cut_to_keys", "chunks_in_order", "problem_fields"]
 
 MODES = ("ring", "bidirectional", "allgather")  # the ring modes: K/V blocks travel (the simulator's too)
@@ -75,6 +77,9 @@ class Schedule:
         self.records = records
         self.plan = plan
 
+    def tasks(self, step, rank):
+        return self.table[step][rank]
+
     def __eq__(self, other):
         return isinstance(other, Schedule) and self.table == other.table
 
@@ -102,9 +107,31 @@ class Schedule:
         return "\n".join(lines)
 
 
+class PlannedSchedule(Schedule):
+    """A plan's schedule: ``tasks(step, rank)`` made when asked (a rank asks for its own), ``table`` when first read."""
+
+    def __init__(self, n_steps, size, tasks):
+        self._n_steps, self._size, self._tasks, self._table = n_steps, size, tasks, None
+        self.records = self.plan = None
+
+    @property
+    def table(self):
+        if self._table is None:
+            self._table = [[self._tasks(step, r) for r in range(self._size)] for step in range(self._n_steps)]
+        return self._table
+
+    def tasks(self, step, rank):
+        return self._tasks(step, rank)
+
+    @property
+    def n_steps(self):
+        return self._n_steps
+
+
 @dataclass
 class Plan:
-    """Everything the ring needs to know, identical on every rank."""
+    """Everything the ring needs to know, the same on every rank; per-rank rows are made when first read
+    (``plans.rows``): a rank that runs reads its own."""
 
     seq_len: int
     size: int
@@ -134,7 +161,17 @@ class Plan:
         return self.schedule.n_steps
 
     def tasks(self, step, rank):
-        return self.schedule.table[step][rank]
+        return self.schedule.tasks(step, rank)
+
+    def _pair(self, rank, source):
+        """``(kind, visible pairs)`` of rank's queries against source's keys."""
+        klo, khi = self.mask(rank, source)
+        kind, pairs = block_kind(klo, khi, len(self.kv_shards[source]))
+        return kind, len(self.shards[rank]) * len(self.kv_shards[source]) if pairs is None else pairs
+
+    def _mask_options(self):
+        return dict(causal=self.causal, window=self.window, cu_seqlens=self.cu_seqlens,
+                    causal_block=self.causal_block)
 
     def mask(self, rank, source):
         """``(klo, khi)`` for rank's queries against source's keys."""
@@ -182,12 +219,29 @@ class Plan:
                 for r in range(self.size)]
 
     def visible_pairs(self):
-        """Per rank: (query, key) pairs that the mask lets through."""
-        return [int(sum(row)) for row in self.pairs]
+        """Per rank: (query, key) pairs that the mask lets through (from the whole sequence at once: O(S))."""
+        return visible_per_rank(self.seq_len, self.size, self.q_owner, self._mask_options())
+
+    @property
+    def q_owner(self):
+        """``q_owner[p]``: the rank holding query position p (-1: none), made once."""
+        if getattr(self, "_q_owner", None) is None:
+            self._q_owner = (layout_owners(self.seq_len, self.size, self.layout) if self.layout != "positions"
+                             else owners(self.seq_len, self.shards))
+        return self._q_owner
+
+    @property
+    def k_owner(self):
+        """``k_owner[p]``: the rank holding key position p."""
+        if self.kv_shards is self.shards:
+            return self.q_owner
+        if getattr(self, "_k_owner", None) is None:
+            self._k_owner = owners(self.seq_len, self.kv_shards)
+        return self._k_owner
 
     def sequence_pairs(self):
         """The whole sequence's visible (query, key) pairs."""
-        return int(sum(map(sum, self.pairs)))
+        return int(sum(self.visible_pairs()))
 
     def messages_per_rank(self):
         """Point-to-point sends per rank (K and V are separate messages)."""
@@ -218,15 +272,6 @@ def problem_fields(plan):
     return {name: getattr(plan, name) for name in PROBLEM_FIELDS}
 
 
-def _last_needed(kinds, size, stream, max_step):
-    """Last step at which some rank needs the block that ``stream`` brings."""
-    last = 0
-    for s in range(1, max_step + 1):
-        if any(kinds[r][(r - stream * s) % size] != "skip" for r in range(size)):
-            last = s
-    return last
-
-
 def _held(parts, seq_len, size, name, partition):
     """``(sorted positions, orders)`` of every rank from its positions as passed; ValueError if not valid."""
     if len(parts) != size:
@@ -245,7 +290,7 @@ def _held(parts, seq_len, size, name, partition):
 
 def ring_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str = "ring", causal: bool = False,
               window: tuple[int, int] | None = None, cu_seqlens=None, causal_block: int | None = None,
-              positions=None, kv_positions=None) -> Plan:
+              positions=None, kv_positions=None, rounds=None) -> Plan:
     """The plan of a ring mode (``MODES``: K/V blocks travel) for ``size`` ranks over ``seq_len`` tokens (keys).
 
     ``mpiring.plans.make.make_plan`` takes every mode and calls this one for the
@@ -256,10 +301,12 @@ def ring_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str 
     positions of the key/value rows when they are not the queries' (a
     partition of range(seq_len)); the query positions are then distinct
     positions of that range. ``causal_block=F`` (with ``causal``): key j is
-    visible to query i iff j // F <= i // F.
+    visible to query i iff j // F <= i // F. ``rounds(plan) -> {stream:
+    transfers}``: how the blocks move (``one_way``, ``both_ways`` or
+    ``gathered``; ``make.RING_MODES`` gives each mode's); ``mode`` names it.
     """
-    if mode not in MODES:
-        raise ValueError(f"a ring plan's mode is one of {', '.join(MODES)}; got {mode!r}")
+    if rounds is None:
+        raise ValueError(f"a ring plan needs the rule of its streams (make.RING_MODES: {', '.join(MODES)})")
     if positions is None:
         check_layout(layout)
     if size < 1 or seq_len < size:
@@ -269,41 +316,55 @@ def ring_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str 
     plan = Plan(seq_len, size, "positions" if positions is not None else layout, mode, bool(causal),
                 check_window(window), check_cu_seqlens(cu_seqlens, seq_len), check_causal_block(causal_block, causal))
     if positions is None:
-        plan.shards, plan.orders = layout_positions(seq_len, size, layout), [None] * size
+        plan.shards, plan.orders = Rows(size, lambda r: shard_indices(seq_len, size, r, layout)), [None] * size
     else:
         plan.shards, plan.orders = _held(positions, seq_len, size, "positions", kv_positions is None)
     plan.kv_shards, plan.kv_orders = plan.shards, plan.orders
     if kv_positions is not None:
         plan.kv_shards, plan.kv_orders = _held(kv_positions, seq_len, size, "kv_positions", True)
-    plan.runs = position_runs(plan.shards)
-    for r in range(size):
-        row_kinds, row_pairs = [], []
-        for j in range(size):
-            klo, khi = plan.mask(r, j)
-            kind, pairs = block_kind(klo, khi, len(plan.kv_shards[j]))
-            row_kinds.append(kind)
-            row_pairs.append(len(plan.shards[r]) * len(plan.kv_shards[j]) if pairs is None else pairs)
-        plan.kinds.append(row_kinds)
-        plan.pairs.append(row_pairs)
-
-    if mode == "ring":
-        plan.rounds = {NEXT: _last_needed(plan.kinds, size, NEXT, size - 1)}
-    elif mode == "bidirectional":
-        plan.rounds = {NEXT: _last_needed(plan.kinds, size, NEXT, size // 2),
-                       PREV: _last_needed(plan.kinds, size, PREV, (size - 1) // 2)}
-    else:
-        plan.rounds = {}
-
-    table = []
-    n_steps = size if mode == "allgather" else 1 + max(plan.rounds.values(), default=0)
-    for step in range(n_steps):
-        row = []
-        for r in range(size):
-            streams = [NEXT] if step == 0 or mode == "allgather" else [d for d in plan.rounds if step <= plan.rounds[d]]
-            row.append(tuple(Task(j, plan.kinds[r][j], d) for d in streams for j in [plan.held_source(r, d, step)]))
-        table.append(row)
-    plan.schedule = Schedule(table)
+    plan.runs = Rows(size, lambda r: runs_of(plan.shards[r], _run_unit(plan)))
+    plan.kinds, plan.pairs = PairTable(size, plan._pair, 0), PairTable(size, plan._pair, 1)
+    plan.rounds = rounds(plan)
+    n_steps = size if not plan.rounds else 1 + max(plan.rounds.values(), default=0)  # no stream: the all-gather
+    plan.schedule = PlannedSchedule(n_steps, size, lambda step, r: _ring_tasks(plan, step, r))
     return plan
+
+
+def _run_unit(plan):
+    """The length ``runs_of`` cuts runs to, from every rank's positions: found once, when first needed."""
+    if getattr(plan, "_unit", None) is None:
+        plan._unit = run_unit(plan.q_owner)
+    return plan._unit
+
+
+def reach(plan):
+    """The plan's ``rows.Reach``: which ring offsets some rank needs (made once)."""
+    if getattr(plan, "_reach", None) is None:
+        plan._reach = Reach(plan.seq_len, plan.size, plan.q_owner, plan.k_owner, plan._mask_options())
+    return plan._reach
+
+
+def one_way(plan):
+    """The ring's stream: transfers up to the last step at which some rank needs the block it brings."""
+    return {NEXT: reach(plan).last(1, plan.size - 1) or 0}
+
+
+def both_ways(plan):
+    """The bidirectional ring's two streams, each up to the last step at which some rank needs its block."""
+    size = plan.size  # the PREV stream brings source r + s: offset P - s, the last s the first offset
+    prev = reach(plan).first(size - (size - 1) // 2, size - 1)
+    return {NEXT: reach(plan).last(1, size // 2) or 0, PREV: 0 if prev is None else size - prev}
+
+
+def gathered(plan):
+    """No stream: the all-gather brings every block at once."""
+    return {}
+
+
+def _ring_tasks(plan, step, r):
+    """The Tasks of rank r at ``step`` of a ring mode's plan."""
+    streams = [NEXT] if step == 0 or not plan.rounds else [d for d in plan.rounds if step <= plan.rounds[d]]
+    return tuple(Task(j, plan.kinds[r][j], d) for d in streams for j in [plan.held_source(r, d, step)])
 
 
 # ---------------------------------------------------------------- key chunks of the backward's hop home

@@ -31,6 +31,7 @@ import numpy as np
 
 from mpiring.core.precision import INPUT_DTYPES, WIRE_DTYPES, named_dtype
 from mpiring.core.reference import definition_mask, dense_attention, dense_attention_backward
+from mpiring.mpi.checks import verdict
 from mpiring.mpi.record import Record
 from mpiring.plans.layouts import LAYOUTS, shard_indices
 from mpiring.plans.plan import ALL_MODES, MODES
@@ -240,8 +241,7 @@ def _verdict(comm, call, record, compare, keep_going):
     said = comm.allgather((message, moved, worst))
     messages = [m for m, _, _ in said]
     if len(set(messages)) > 1:
-        return None, "WRONG: ranks raised different errors: " + "; ".join(f"rank {r}: {m or 'returned'}"
-                                                                          for r, m in enumerate(messages))
+        return None, "WRONG: ranks raised different errors: " + verdict([m or "returned" for m in messages])
     if message is not None:
         if message.startswith("crashed: "):
             return None, f"WRONG: {message}"

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ...core.ranks import ranks_text
 from .wire import size_text
 
 __all__ = ["ALLOWANCE", "Verdict", "output_verdict", "ranks_text", "safety_verdict", "traffic_model",
@@ -24,10 +25,6 @@ class Verdict:
     short: str = ""
     details: list = field(default_factory=list)
     hints: list = field(default_factory=list)
-
-
-def ranks_text(ranks):
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 def safety_verdict(runs):
