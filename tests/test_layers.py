@@ -192,6 +192,7 @@ def test_only_the_spec_the_tables_and_the_builders_look_at_the_mode():
 
 
 def test_the_mode_detector_sees_each_kind_of_look():
-    source = "if plan.mode == 'ulysses':\n    pass\nx = TABLE[plan.strategy]\ny = isinstance(plan, (Plan, HybridPlan))\n"
+    source = ("if plan.mode == 'ulysses':\n    pass\n"
+              "x = TABLE[plan.strategy]\ny = isinstance(plan, (Plan, HybridPlan))\n")
     assert mode_looks(source) == [1, 3, 4]
     assert mode_looks("if merge == 'ring':\n    pass\nz = plan.mode\nout[mode] = 1\n") == []  # naming is not looking
