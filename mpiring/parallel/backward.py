@@ -43,6 +43,81 @@ def gradient_rings(comm, plan, timeout=None):
         raise
 
 
+class _Partials:
+    """The dK/dV partials of the blocks a rank visits: started by a block's first visitor, added to by each
+    visitor, passed on with the block one step behind it (``grad_ring``), and sent home in key chunks from the
+    last visitor (``home_ring``), whose receives are posted before the ring starts."""
+
+    def __init__(self, plan, rank, k, v, grad, rings, rec, timeout):
+        self.plan, self.rank, self.rec, self.timeout, self.grad = plan, rank, rec, timeout, grad
+        _, self.grad_ring, self.home_ring = rings
+        self.rings, self.k, self.v = rings, k, v
+        longest = max(len(s) for s in plan.kv_shards)
+        empty = tuple(np.empty(a.shape[:-2] + (0, a.shape[-1]), grad) for a in (k, v))
+        self.buffers = {stream: Buffers(empty, longest, f"bwd.grad{stream}") for stream in plan.rounds}
+        self.arriving = {}  # stream -> the dK/dV partial of the held block, sent by its previous visitor
+        self.homecoming = {}  # stream -> this rank's block's partial, from its last visitor on that stream
+        self.due = False  # partials sent by the previous visitors still to wait for
+        chunks = home_chunks(plan)
+        for stream, rounds in plan.rounds.items():
+            if rounds > 0:  # its receives, one per key chunk (dK and dV), are posted now
+                # written now, so the pages are mapped before the last chunk lands
+                self.homecoming[stream] = (filled(f"bwd.home{stream}k", k.shape, grad, 0),
+                                           filled(f"bwd.home{stream}v", v.shape, grad, 0))
+                self.home_ring.expect(stream, self.homecoming[stream], key_chunks(k.shape[-2], chunks))
+
+    def progress(self):
+        for ring in self.rings:
+            ring.progress()
+
+    def wait_for(self, waited, step, data):
+        start = time.perf_counter()
+        for ring in waited:
+            ring.wait(self.timeout)
+        self.rec.event("wait", start, step=step, data=data)
+
+    def of(self, step, stream, n, own):
+        """The partial a visit at ``step`` adds to: the own block's (step 0), a new one (the first visitor,
+        step 1), or the one that arrived with the block."""
+        if step == 0:
+            return own
+        if step == 1:
+            return tuple(filled(f"bwd.start{stream}{name}", a.shape[:-2] + (n, a.shape[-1]), self.grad, 0)
+                         for name, a in (("k", self.k), ("v", self.v)))
+        return self.arriving[stream]  # added to only after ``wait_once``
+
+    def wait_once(self, step):
+        """Wait for the partials the previous visitors sent, once a step: when first needed, after a compute."""
+        if self.due:
+            self.wait_for([self.grad_ring], step, "dK/dV")
+            self.due = False
+
+    def send_home(self, stream, total, chunk, lo, hi, step):
+        posted = time.perf_counter()
+        sent = self.home_ring.send_chunk(stream, total, chunk, lo, hi)
+        self.rec.event("send", posted, step=step, stream=stream, data="dK/dV home",
+                       dest=self.home_ring.send_rank[stream], bytes=sent, keys=f"{lo}:{hi}")
+
+    def pass_on(self, step, onward):
+        """Each partial goes on with its block; the next ones arrive with the next blocks."""
+        self.arriving = {}
+        for stream in onward:
+            source = self.plan.held_source(self.rank, stream, step + 1)
+            self.arriving[stream] = self.buffers[stream].take(len(self.plan.kv_shards[source]))
+        shift(self.grad_ring, onward, self.arriving, self.rec, step, "dK/dV")
+        self.due = step + 1 >= 2  # the first visitor (step 1) starts its partial; later ones wait for theirs
+
+    def home(self, own):
+        """This rank's dK, dV: its own block's share plus what came home (only the last chunks can still be on
+        their way)."""
+        if self.homecoming:
+            self.wait_for([self.grad_ring, self.home_ring], self.plan.n_steps - 1, "dK/dV home")
+        for dk, dv in self.homecoming.values():
+            own[0] += dk
+            own[1] += dv
+        return own
+
+
 def backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec, timeout, pr=None):
     """Start passing K/V on, compute, wait, swap; a block's dK/dV follows it one step behind, then goes home.
 
@@ -50,11 +125,10 @@ def backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec, 
     chunk's dK/dV is sent home as soon as its keys are done, while the next
     chunk computes: only the last chunk's transfer is left to wait for.
     """
-    kv_ring, grad_ring, home_ring = rings
+    kv_ring = rings[0]
     pr = pr or Precision(k.dtype)  # the call's dtypes: defaults for k's dtype unless given
-    rank, wire = kv_ring.rank, pr.wire
+    rank, wire, chunks = kv_ring.rank, pr.wire, home_chunks(plan)
     queries = (dout, q, out, lse, delta)
-    chunks = home_chunks(plan)
     # the sums are kept buffers (no page faults: docs/performance.md §11) when the caller converts them to a copy;
     # dq and the K/V slots take the forward ring's names, whose buffers are free while a backward runs
     keep = pr.input != GRAD_DTYPE
@@ -64,83 +138,40 @@ def backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec, 
     mine = wire.own((k, v))  # the own block, computed on exactly
     coded = (wire.encode(k), wire.encode(v))  # as the wire carries it: coded once, here
     held = {stream: coded for stream in plan.rounds or [+1]}  # the K/V block each stream holds now
-    arriving = {}  # stream -> the dK/dV partial of the held block, sent by its previous visitor
     longest = max(len(s) for s in plan.kv_shards)
-    empty = tuple(np.empty(a.shape[:-2] + (0, a.shape[-1]), pr.grad) for a in (k, v))
     kv_buffers = {stream: Buffers(coded, longest, f"ring.kv{stream}") for stream in plan.rounds}
-    grad_buffers = {stream: Buffers(empty, longest, f"bwd.grad{stream}") for stream in plan.rounds}
-    homecoming = {}  # stream -> this rank's block's partial, from its last visitor on that stream
-    for stream, rounds in plan.rounds.items():
-        if rounds > 0:  # its receives, one per key chunk (dK and dV), are posted now
-            # written now, so the pages are mapped before the last chunk lands
-            homecoming[stream] = (filled(f"bwd.home{stream}k", k.shape, pr.grad, 0),
-                                  filled(f"bwd.home{stream}v", v.shape, pr.grad, 0))
-            home_ring.expect(stream, homecoming[stream], key_chunks(k.shape[-2], chunks))
-
-    def progress():
-        for ring in rings:
-            ring.progress()
-
-    def wait_for(waited, step, data):
-        start = time.perf_counter()
-        for ring in waited:
-            ring.wait(timeout)
-        rec.event("wait", start, step=step, data=data)
-
-    def send_home(stream, total, chunk, lo, hi, step):
-        posted = time.perf_counter()
-        sent = home_ring.send_chunk(stream, total, chunk, lo, hi)
-        rec.event("send", posted, step=step, stream=stream, data="dK/dV home", dest=home_ring.send_rank[stream],
-                  bytes=sent, keys=f"{lo}:{hi}")
-
+    partials = _Partials(plan, rank, k, v, pr.grad, rings, rec, timeout)
     for step in range(plan.n_steps):
         incoming = next_buffers(plan, rank, step, kv_buffers)
-        shift(kv_ring, {s: held[s] for s in incoming}, incoming, rec, step, "K/V")
-        partials_due = step >= 2  # partials the previous visitors sent (the first visitor, step 1, starts them)
+        shift(kv_ring, {s: held[s] for s in incoming}, incoming, rec, step, "K/V")  # pass K/V on
         onward = {}
         for task in plan.tasks(step, rank):
             stream, n = task.stream, len(plan.kv_shards[task.source])
             pieces = plan.pieces(rank, task.source)
             count_pairs(rec, pieces)
             kv = mine if task.source == rank else wire.arrived(held[stream])
-            if step == 0:
-                total = own  # the own block's share stays here
-            elif step == 1:  # the first visitor starts the partial
-                total = tuple(filled(f"bwd.start{stream}{name}", a.shape[:-2] + (n, a.shape[-1]), pr.grad, 0)
-                              for name, a in (("k", k), ("v", v)))
-            else:
-                total = arriving[stream]  # added to only after the wait below
-            going_home = step > 0 and step == plan.rounds[stream]
+            total = partials.of(step, stream, n, own)
+            going_home = step > 0 and step == plan.rounds[stream]  # the last visitor: key chunks, sent home
             work = chunks_in_order(pieces, n, chunks) if going_home else [(None, 0, n, pieces)]
             for chunk, lo, hi, cut in work:
-                grads = block.grads_of(queries, kv, task, cut, scale, dq, rec, progress, step,
-                                 **({"keys": f"{lo}:{hi}"} if going_home else {}))
-                if partials_due and (grads or going_home):  # once, when first needed: after a compute
-                    wait_for([grad_ring], step, "dK/dV")
-                    partials_due = False
+                grads = block.grads_of(queries, kv, task, cut, scale, dq, rec, partials.progress, step,
+                                       **({"keys": f"{lo}:{hi}"} if going_home else {}))
+                if grads or going_home:
+                    partials.wait_once(step)
                 add_grads(total, grads)
                 if going_home:  # keys lo:hi are done: off they go, while the next chunk computes
-                    send_home(stream, total, chunk, lo, hi, step)
+                    partials.send_home(stream, total, chunk, lo, hi, step)
             if 0 < step < plan.rounds[stream]:
                 onward[stream] = total
             rec.tasks.append((step, task))
-        if partials_due:  # skips only: the partials are passed on unchanged
-            wait_for([grad_ring], step, "dK/dV")
+        partials.wait_once(step)  # skips only: the partials are passed on unchanged
         if incoming:
-            wait_for([kv_ring], step, "K/V")
-        held.update(incoming)
-        arriving = {}  # pass each partial on with its block
-        for stream in onward:
-            source = plan.held_source(rank, stream, step + 1)
-            arriving[stream] = grad_buffers[stream].take(len(plan.kv_shards[source]))
-        shift(grad_ring, onward, arriving, rec, step, "dK/dV")
+            partials.wait_for([kv_ring], step, "K/V")
+        held.update(incoming)  # swap
+        partials.pass_on(step, onward)
         rec.step_done(step, plan.n_steps)
-    if homecoming:  # only the last chunks can still be on their way
-        wait_for([grad_ring, home_ring], plan.n_steps - 1, "dK/dV home")
-    for dk, dv in homecoming.values():
-        own[0] += dk
-        own[1] += dv
-    return dq, own[0], own[1]
+    dk, dv = partials.home(own)
+    return dq, dk, dv
 
 
 def allgather_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec, timeout, pr=None):
