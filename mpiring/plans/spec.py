@@ -244,7 +244,8 @@ class Spec:
     # ------------------------------------------------------------------ what the lse remembers
 
     def made_by(self, size, scale, seq_len=None):
-        """What a forward's lse depends on besides q, k, v: compared field by field by the backward.
+        """What a forward's lse depends on besides q, k, v, and its digest: the record an ``Lse`` carries, which
+        the backward compares with its own (field by field when the digests differ).
 
         ``scale``: the call's (the default resolved); ``seq_len``: the sequence's, when known.
         """
@@ -257,6 +258,7 @@ class Spec:
                "wire_dtype": self.wire_dtype}
         if seq_len is not None:
             tag["seq_len"] = seq_len
+        tag["digest"] = digest(repr(sorted(tag.items())).encode())[:16]  # the whole record, compared first
         return tag
 
     @property
