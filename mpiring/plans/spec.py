@@ -23,6 +23,7 @@ is not part of what it computes and stays with the call.
 """
 
 import dataclasses
+import functools
 import hashlib
 from dataclasses import dataclass
 
@@ -261,7 +262,7 @@ class Spec:
         tag["digest"] = digest(repr(sorted(tag.items())).encode())[:16]  # the whole record, compared first
         return tag
 
-    @property
+    @functools.cached_property
     def digest(self):
         """16 hex digits of every field (positions by content): equal specs have equal digests."""
         return digest(repr([(name, _key(getattr(self, name))) for name in FIELDS]).encode())[:16]
