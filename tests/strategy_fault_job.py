@@ -17,6 +17,7 @@ one JSON line per case: ``{"case", "seconds": [per rank], "outcomes": [per rank]
 """
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -27,6 +28,7 @@ from mpi4py import MPI
 import mpiring
 import mpiring.handle
 import mpiring.parallel.grid
+import mpiring.parallel.strategies
 from mpiring.core import block
 
 STRATEGIES = {"ring": {}, "bidirectional": dict(mode="bidirectional"), "allgather": dict(mode="allgather"),
@@ -56,12 +58,15 @@ def _no_split(rank):
     def refuse(*args, **kwargs):
         raise RuntimeError(f"injected fault on rank {rank}")
 
-    saved = mpiring.parallel.grid.grid_comms, mpiring.handle.nodes_of
+    table = mpiring.parallel.strategies.STRATEGIES
+    saved = mpiring.parallel.grid.grid_comms, table["double_ring"]
     mpiring.parallel.grid.grid_comms = refuse
-    mpiring.handle.nodes_of = lambda plan, comm, node_size, *rest: refuse() if node_size is None else plan
+    # the double ring's placement (nodes_of: Split_type when node_size is not given), as the strategy table holds it
+    table["double_ring"] = dataclasses.replace(
+        saved[1], place=lambda plan, comm, node_size, *rest: refuse() if node_size is None else plan)
 
     def undo():
-        mpiring.parallel.grid.grid_comms, mpiring.handle.nodes_of = saved
+        mpiring.parallel.grid.grid_comms, table["double_ring"] = saved
     return undo
 
 
