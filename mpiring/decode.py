@@ -32,18 +32,16 @@ import numpy as np
 from mpi4py import MPI
 
 from .core.kernels import attention_block, default_scale
-from .mpi.agree import check_comm
+from .mpi.agree import check_comm, gather_entry
 from .mpi.checks import (
     AUTO_BASE,
     AUTO_RATE,
-    agreement_timeout,
     describe,
     logit_problem,
     scale_problem,
     timeout_problem,
     verdict,
 )
-from .mpi.collectives import allgather
 from .mpi.comm import RingComm
 from .mpi.record import Record
 from .mpi.waits import exclusive, wait_until
@@ -246,7 +244,7 @@ def decode_agreement(comm, q, k, v, scale, timeout, merge="tree", causal=False, 
             peaks = (float(np.abs(q).max()), k_peak, k.shape[-2])
     except Exception as exc:  # reported collectively, never raised alone
         problem, values = describe(exc), None
-    metas = allgather(comm, (problem, values, peaks), agreement_timeout(timeout))
+    metas = gather_entry(comm, (problem, values, peaks), timeout)
     message = verdict([m[0] for m in metas])
     if not message:
         ref = metas[0][1]

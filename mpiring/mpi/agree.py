@@ -22,6 +22,7 @@ from .checks import (
     compared,
     describe,
     differences,
+    entry_timeout,
     is_real,
     local_problem,
     logit_problem,
@@ -37,9 +38,9 @@ from .checks import (
     with_every_rank_positions,
 )
 from .collectives import allgather
-from .waits import wait_until
+from .waits import abandon, completed, wait_entry, wait_until
 
-__all__ = ["agree", "setup", "agree_root", "setup_ring", "check_call", "check_comm", "comm_problem"]
+__all__ = ["agree", "gather_entry", "setup", "agree_root", "setup_ring", "check_call", "check_comm", "comm_problem"]
 
 
 def comm_problem(comm):
@@ -65,9 +66,23 @@ def check_comm(comm):
     return comm
 
 
-def agree(comm, problem, timeout=None):
-    """Collective: raise the same ValueError on every rank if any rank has a problem."""
-    message = verdict(allgather(comm, problem, agreement_timeout(timeout)))
+def gather_entry(comm, obj, timeout):
+    """The all-gather that opens a call: every rank's ``obj``, waiting for every rank to enter as ``timeout`` says.
+
+    ``timeout`` is the caller's: "auto" waits without limit for the others to
+    reach the call (``checks.entry_timeout``; ``waits.wait_entry`` logs the
+    wait), a number that long; the rest of the all-gather, once every rank is
+    in, is bounded (``checks.agreement_timeout``).
+    """
+    rank = comm.Get_rank()
+    return allgather(comm, obj, agreement_timeout(timeout),
+                     enter=lambda first: wait_entry(first, entry_timeout(timeout), rank, "agreement"))
+
+
+def agree(comm, problem, timeout=None, entry=False):
+    """Collective: raise the same ValueError on every rank if any rank has a problem (``entry``: it opens a call)."""
+    message = verdict(gather_entry(comm, problem, timeout) if entry
+                      else allgather(comm, problem, agreement_timeout(timeout)))
     if message:
         raise ValueError(message)
 
@@ -98,9 +113,9 @@ def setup(q, k, v, comm, scale, options, check_finite=False, expected_size=None,
     values = n_local = peak = prepared = held = None
     try:
         size = comm.Get_size()
-        problem = (comm_problem(comm) or timeout_problem(timeout)
+        problem = (comm_problem(comm) or timeout_problem(timeout) or problem
                    or local_problem(q, k, v, scale, check_finite, options.get("kv_positions") is None)
-                   or problem or size_problem(size, expected_size))
+                   or size_problem(size, expected_size))
         if problem is None:
             options = canonical(options)
             problem = rows_problem(q, k, options)
@@ -119,8 +134,7 @@ def setup(q, k, v, comm, scale, options, check_finite=False, expected_size=None,
             peak = peaks(q, k)
     except Exception as exc:  # whatever goes wrong here is reported collectively, never raised alone
         problem, values = describe(exc), None
-    metas = allgather(comm, (problem, values, n_local, peak, held, MPI.Get_processor_name()),
-                      agreement_timeout(timeout))
+    metas = gather_entry(comm, (problem, values, n_local, peak, held, MPI.Get_processor_name()), timeout)
     message = verdict([m[0] for m in metas]) or verdict(differences([m[1] for m in metas], 0))
     if message:
         raise ValueError(message)
@@ -163,7 +177,7 @@ def agree_root(comm, root, check_root, options, timeout=None, expected_size=None
                 root_found, meta = check_root()
     except Exception as exc:  # reported collectively, never raised alone
         problem, values = describe(exc), None
-    gathered = allgather(comm, (problem, values, root_found, meta), agreement_timeout(timeout))
+    gathered = gather_entry(comm, (problem, values, root_found, meta), timeout)
     message = verdict([g[0] for g in gathered]) or verdict(differences([g[1] for g in gathered], 0))
     if not message and gathered[root][2]:
         message = f"root rank {root}: {gathered[root][2]}"
@@ -197,7 +211,7 @@ def setup_ring(comm, seq_len, options, scale, timeout, expected_size=None, probl
                          scale=Shown(scale), **{name: Shown(value) for name, value in (values or {}).items()})
     except Exception as exc:  # reported collectively, never raised alone
         problem, shown = describe(exc), None
-    gathered = allgather(comm, (problem, shown, MPI.Get_processor_name(), held), agreement_timeout(timeout))
+    gathered = gather_entry(comm, (problem, shown, MPI.Get_processor_name(), held), timeout)
     message = verdict([g[0] for g in gathered]) or verdict(differences([g[1] for g in gathered], 0))
     if message:
         raise ValueError(message)
@@ -206,6 +220,9 @@ def setup_ring(comm, seq_len, options, scale, timeout, expected_size=None, probl
         raise ValueError(f"seq_len={seq_len} but the ranks' positions hold {implied} tokens")
     plan = make_plan(implied or int(seq_len), comm.Get_size(), **without_precision(options))  # raises everywhere
     return plan, [g[2] for g in gathered], options
+
+
+ENTRY_TAG = 7  # a Ring call's entry notices; the ring's own messages use tags 0-3 and, homeward, 4 per chunk and up
 
 
 def check_call(comm, problem, values, peaks, timeout):
@@ -217,12 +234,30 @@ def check_call(comm, problem, values, peaks, timeout):
     all-gather, collect the messages, so the ValueError names each rank as
     ``setup``'s does. Returns the largest peaks over all ranks. Every rank has
     arrived when it returns, as after a barrier.
+
+    ``comm`` is the handle's private communicator, so each rank also sends an
+    empty notice to every other one: while they have not all arrived, the wait
+    (``waits.wait_entry``: without limit for "auto", logged) can say which
+    ranks have not entered the call. Once all have, the all-reduce's wait is
+    bounded (``checks.agreement_timeout``). If this rank gives up, its pending
+    requests are abandoned (``waits.abandon``), never freed.
     """
+    rank, size = comm.Get_rank(), comm.Get_size()
     digest = values_digest(values)
     mine = np.array([1.0 if problem else 0.0, digest, -digest, *peaks])
     every = np.empty_like(mine)
-    wait_until([comm.Iallreduce(mine, every, op=MPI.MAX)], agreement_timeout(timeout), comm.Get_rank(), "agreement",
-               sync=True)
+    peers = [r for r in range(size) if r != rank]
+    notices = np.empty((size, 0), np.uint8)
+    heard = [comm.Irecv(notices[r], source=r, tag=ENTRY_TAG) for r in peers]
+    told = [comm.Isend(notices[rank], dest=r, tag=ENTRY_TAG) for r in peers]
+    reduce = comm.Iallreduce(mine, every, op=MPI.MAX)
+    try:
+        wait_entry(heard, entry_timeout(timeout), rank, "agreement",
+                   absent=lambda: [r for r, request in zip(peers, heard) if not completed([request])])
+        wait_until([reduce, *told], agreement_timeout(timeout), rank, "agreement", sync=True)
+    except BaseException:
+        abandon((comm, [*heard, *told, reduce], notices, mine, every))  # MPI may still use them: kept for good
+        raise
     if every[0] or every[1] != -every[2]:
         gathered = allgather(comm, (problem, values), agreement_timeout(timeout))
         raise ValueError(verdict([g[0] for g in gathered]) or verdict(differences([g[1] for g in gathered], 0))
