@@ -26,6 +26,7 @@ from .core.threads import limited, threads_for, threads_problem
 from .core.tiles import release_workspace
 from .lse import Lse, lse_problem, made_by, mismatch, plan_options
 from .mpi.agree import check_call, check_comm, setup, setup_ring
+from .mpi.axes import axis_problem, seq_index
 from .mpi.checks import (
     agreement_timeout,
     call_values,
@@ -38,7 +39,8 @@ from .mpi.checks import (
 )
 from .mpi.comm import RingComm
 from .mpi.record import Record
-from .mpi.waits import exclusive, wait_until
+from .mpi.waits import CommTimeout, exclusive, wait_until
+from .options import options_problem
 from .parallel.backward import gradient_rings
 from .parallel.double_ring import nodes_of
 from .parallel.passq import chosen_rotation, rotate_problem
@@ -48,18 +50,6 @@ from .plans.layouts import LAYOUTS, shard, take_rows
 from .plans.plan import MODES
 
 __all__ = ["Ring", "Lse", "ring_attention", "ring_attention_backward"]
-
-
-def _axis_problem(arrays, seq_axis):
-    """Why ``seq_axis`` is not a sequence axis of every array (not the last, the feature axis), or None."""
-    if isinstance(seq_axis, bool) or not isinstance(seq_axis, (int, np.integer)):
-        return f"seq_axis must be an int, got {seq_axis!r}"
-    for name, a in arrays.items():
-        if not isinstance(a, np.ndarray):
-            return f"{name} must be a NumPy array, got {type(a).__name__}"
-        if not -a.ndim <= seq_axis < a.ndim - 1 or seq_axis == -1:
-            return f"seq_axis={seq_axis} is not an axis of {name} {a.shape} other than its last (the head dim)"
-    return None
 
 
 def contiguous(tensors, lses):
@@ -79,7 +69,8 @@ class Ring:
         causal, scale, layout, mode, window, cu_seqlens, timeout, check_finite,
             expected_size: as ``ring_attention``; the same on every rank.
         seq_axis: the sequence axis of q, k, v, out and dout (-2: ``(..., S, D)``;
-            -3: flash-attn's ``(B, S, H, D)``). lse is always ``(..., H, S)``.
+            -3: flash-attn's ``(B, S, H, D)``), or the axes named, "bshd" or "bhsd"
+            (``mpiring.mpi.axes``). lse is always ``(..., H, S)``.
         threads: BLAS threads per rank inside every call: "auto" (the node's
             cores shared among its ranks; ``mpiring.core.threads``), an int, or None
             (leave BLAS alone).
@@ -103,7 +94,7 @@ class Ring:
                        wire_dtype=wire_dtype, grad_wire_dtype=grad_wire_dtype, accumulate=accumulate,
                        positions=positions, kv_positions=kv_positions, causal_block=causal_block,
                        node_size=node_size, ulysses_size=ulysses_size)
-        problem = _axis_problem({}, seq_axis) or threads_problem(threads) or rotate_problem(rotate, mode)
+        problem = axis_problem({}, seq_axis) or threads_problem(threads) or rotate_problem(rotate, mode)
         plan, hosts, options = setup_ring(comm, seq_len, options, scale, timeout, expected_size, problem,
                                           values=dict(seq_axis=seq_axis, threads=threads, check_finite=check_finite,
                                                       rotate=rotate))
@@ -118,7 +109,8 @@ class Ring:
         return ring
 
     def _start(self, comm, plan, scale, timeout, hosts, seq_axis, threads, options, check_finite, backward):
-        self.plan, self.seq_axis, self.check_finite = plan, int(seq_axis), check_finite
+        self.plan, self.check_finite = plan, check_finite
+        self.seq_axis = seq_axis if isinstance(seq_axis, str) else int(seq_axis)
         self._precision = {key: value for key, value in options.items() if key not in without_precision(options)}
         self._same_rows = options.get("kv_positions") is None
         self._mode, self._ulysses_size = options.get("mode", plan.mode), options.get("ulysses_size")
@@ -151,6 +143,28 @@ class Ring:
         self._rings = []
         self._failed = self._failed or "it was closed"
 
+    # ------------------------------------------------------------------ the options, read-only
+
+    @property
+    def options(self):
+        """The options a call may repeat (``mpiring.options.CALL_OPTIONS``), as this Ring holds them."""
+        return {"scale": self.scale, "causal": self.causal, "layout": self.layout, "mode": self.mode,
+                "window": self.window, "cu_seqlens": self.cu_seqlens, "causal_block": self.plan.causal_block,
+                "timeout": self._timeout, "seq_axis": self.seq_axis, "rotate": self._rotate,
+                "ulysses_size": self._ulysses_size, "check_finite": self.check_finite,
+                **{name: self._precision.get(name, default) for name, default in
+                   (("wire_dtype", None), ("grad_wire_dtype", None), ("accumulate", "float64"))}}
+
+    scale = property(lambda self: None if self._scale is None else float(self._scale),
+                     doc="The softmax scale given to the Ring, a float; None: each call's 1/sqrt(head dim of q).")
+    causal = property(lambda self: self.plan.causal)
+    layout = property(lambda self: self.plan.layout)
+    mode = property(lambda self: self._mode)
+    window = property(lambda self: tuple(self.plan.window), doc="(left, right), -1 unbounded.")
+    cu_seqlens = property(lambda self: self.plan.cu_seqlens)
+    seq_len = property(lambda self: self.plan.seq_len)
+    timeout = property(lambda self: self._timeout)
+
     @property
     def positions(self):
         """The global positions of this rank's query rows (for RoPE or position embeddings), in its row order."""
@@ -161,7 +175,7 @@ class Ring:
 
         A view for the contiguous and striped layouts, a copy otherwise (``mpiring.shard``).
         """
-        axis = self.seq_axis if axis is None else axis
+        axis = seq_index(self.seq_axis if axis is None else axis, np.ndim(x))
         if self.plan.layout in LAYOUTS:  # the layout's tokens, in every mode
             return shard(x, self.size, self.rank, self.plan.layout, axis)
         return np.take(x, self.positions, axis=0 if np.ndim(x) == 1 else axis)
@@ -179,42 +193,52 @@ class Ring:
         try:
             yield
         except BaseException as exc:
-            self._failed = f"a call failed in the ring ({type(exc).__name__}: {exc})"
-            for ring in self._rings:
-                ring.free()
-            self._rings = []
-            release_workspace()  # an abandoned receive may still land in a kept buffer: none is used again
+            self._fail(exc)
             raise
+
+    def _fail(self, exc):
+        self._failed = f"a call failed in the ring ({type(exc).__name__}: {exc})"
+        for ring in self._rings:
+            ring.free()
+        self._rings = []
+        release_workspace()  # an abandoned receive may still land in a kept buffer: none is used again
 
     # ------------------------------------------------------------------ calls
 
-    def forward(self, q, k, v, *, record: Record | None = None):
-        """This rank's ``(out, lse)``: out shaped as q with v's head dim, lse ``(..., Hq, n)`` (an ``Lse``)."""
+    def forward(self, q, k, v, *, record: Record | None = None, problem: str | None = None, **options):
+        """This rank's ``(out, lse)``: out shaped as q with v's head dim, lse ``(..., Hq, n)`` (an ``Lse``).
+
+        ``options``: any of the Ring's own (``scale=``, ``causal=``, ...; ``mpiring.options``), as a
+        model passes them at every call: equal to the Ring's or refused. ``problem``: this rank's
+        own problem with the call, found by the caller (an adapter): every rank raises it as bad input.
+        """
         with self._call():
-            (q, k, v), _, scale = self._agree_call({"q": q, "k": k, "v": v}, None, None)
+            (q, k, v), _, scale = self._agree_call({"q": q, "k": k, "v": v}, None, None, options, problem)
             return self._forward(q, k, v, scale, record, checked=False)
 
-    def backward(self, dout, q, k, v, out, lse, *, dlse=None, record: Record | None = None):
+    def backward(self, dout, q, k, v, out, lse, *, dlse=None, record: Record | None = None, problem=None, **options):
         """This rank's ``(dq, dk, dv)`` (shapes and dtypes of q, k, v) from the forward's out and lse.
 
         ``dlse``: the loss's gradient with respect to lse, when lse is used
-        too (as by a PyTorch graph); it enters as ``delta - dlse``.
+        too (as by a PyTorch graph); it enters as ``delta - dlse``. ``options``, ``problem``: as ``forward``.
         """
         with self._call():
             arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out}
-            moved, lses, scale = self._agree_call(arrays, lse, dlse)
+            moved, lses, scale = self._agree_call(arrays, lse, dlse, options, problem)
             return self._backward(moved, lses, scale, record, checked=False)
 
-    def _agree_call(self, tensors, lse, dlse):
+    def _agree_call(self, tensors, lse, dlse, options, problem):
         """Move the sequence to axis -2, check on this rank, agree on every rank; contiguous arrays and the scale."""
-        problem, moved, lses, values, peak = None, [], [], None, [0.0, 0.0]
+        moved, lses, values, peak = [], [], None, [0.0, 0.0]
         try:
-            problem = _axis_problem(tensors, self.seq_axis)
+            tokens = {"q": len(self.plan.shards[self.rank]), "k": len(self.plan.kv_shards[self.rank])}
+            problem = problem or axis_problem(tensors, self.seq_axis, tokens, self._same_rows, lse)
             if problem is None:
-                moved = [np.moveaxis(a, self.seq_axis, -2) for a in tensors.values()]
+                moved = [np.moveaxis(a, seq_index(self.seq_axis, a.ndim), -2) for a in tensors.values()]
                 names = dict(zip(tensors, moved))
                 q, k, v = names["q"], names["k"], names["v"]
                 problem = (local_problem(q, k, v, None, self.check_finite, self._same_rows)
+                           or options_problem(options, self.options, q)
                            or self._length_problem(q, k) or heads_problem(q, k, self.size, self._mode)
                            or grid_problem(q, k, self.size, self._mode, self._ulysses_size))
                 if problem is None and lse is not None:
@@ -229,7 +253,11 @@ class Ring:
                 peak = peaks(names["q"], names["k"])
         except Exception as exc:  # reported collectively, never raised alone
             problem = describe(exc)
-        highest = check_call(self._rings[0].comm, problem, values, peak, self._timeout)
+        try:
+            highest = check_call(self._rings[0].comm, problem, values, peak, self._timeout)
+        except CommTimeout as exc:  # its communicator keeps a pending all-reduce: the handle cannot serve again
+            self._fail(exc)
+            raise
         q = moved[list(tensors).index("q")]
         scale = self._resolved_scale(q)
         message = logit_problem(scale, q.shape[-1], highest[0], highest[1], q.dtype)
@@ -281,7 +309,7 @@ class Ring:
         out, lse = self.plan.in_caller_order(self.rank, out), self.plan.in_caller_order(self.rank, lse, axis=-1)
         lse = lse.view(Lse)
         lse.made_by = made_by(plan_options(self.plan, self._precision), self.size, scale, self.plan.seq_len)
-        return np.moveaxis(out, -2, self.seq_axis), lse
+        return np.moveaxis(out, -2, seq_index(self.seq_axis, out.ndim)), lse
 
     def _backward(self, moved, lses, scale, record, checked):
         dout, q, k, v, out = moved
@@ -298,7 +326,7 @@ class Ring:
                                  scale, rec, timeout, pr)
         grads = [self.plan.in_caller_order(self.rank, g.astype(pr.input, copy=False), kv=i > 0)
                  for i, g in enumerate(grads)]
-        return tuple(np.moveaxis(g, -2, self.seq_axis) for g in grads)
+        return tuple(np.moveaxis(g, -2, seq_index(self.seq_axis, g.ndim)) for g in grads)
 
 
 # ---------------------------------------------------------------------- the plain functions
@@ -313,7 +341,7 @@ def ring_attention(
     timeout: float | str | None = "auto", record: Record | None = None, check_finite: bool = False,
     expected_size: int | None = None, seq_axis: int = -2, threads="auto", wire_dtype: str | None = None,
     accumulate: str = "float64", positions=None, kv_positions=None, causal_block: int | None = None,
-    node_size: int | None = None, ulysses_size: int | None = None, rotate: str = "kv",
+    node_size: int | None = None, ulysses_size: int | None = None, rotate: str = "kv", problem: str | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:  # out (..., Hq, n, Dv), lse (..., Hq, n)
     """Attention of this rank's queries against the whole distributed sequence.
 
@@ -347,18 +375,20 @@ def ring_attention(
             stay and the partial results go home, ``mpiring.parallel.passq``; mode "ring"
             only), or "auto": whichever sends fewer bytes under the plan
             (``passq.plan_bytes``); the choice is in ``record.rotate``.
-        timeout: seconds a rank may wait for the others (each transfer, a final
-            check) before raising ``CommTimeout``; an error or stall on one rank
-            then raises on every rank still alive: the failed rank its own error
-            at once, the others CommTimeout within 2.5 x timeout. "auto" (the
-            default): 60 s for ranks to arrive, then 60 s plus the busiest rank's
-            FLOPs at 1e8 FLOP/s for every wait (``agree.resolve_timeout``). None
-            waits forever. Must be the same on every rank and exceed the
-            longest compute step.
+        timeout: seconds a rank may wait for the others (to reach the call, each
+            transfer, a final check) before raising ``CommTimeout``; an error or
+            stall on one rank then raises on every rank still alive: the failed
+            rank its own error at once, the others CommTimeout within 2.5 x
+            timeout. "auto" (the default): no limit for every rank to reach the
+            call (a rank busy before it is not a failed one; the wait is logged
+            every minute, doubling), then 60 s for the agreement and 60 s plus the
+            busiest rank's FLOPs at 1e8 FLOP/s for every wait in the ring
+            (``checks.resolve_timeout``). None waits forever. Must be the same on
+            every rank and exceed the longest compute step.
         record: a ``Record`` to fill with tasks, events and traffic counters.
         check_finite: also reject NaN/Inf in q, k, v (one extra pass over them).
         expected_size: raise unless the communicator has this many ranks.
-        seq_axis: the sequence axis of q, k, v and out (-3 for ``(B, S, H, D)``).
+        seq_axis: the sequence axis of q, k, v and out (-3 or "bshd" for ``(B, S, H, D)``).
         threads: BLAS threads per rank during the call ("auto": the node's
             cores shared among its ranks; ``mpiring.core.threads``), or None.
         wire_dtype: "float16", "bfloat16" or "int8": K/V travel coded so (int8: with a
@@ -366,6 +396,8 @@ def ring_attention(
             every mode (Ulysses' and the grid's all-to-alls too); with ``rotate="q"`` the query
             blocks travel coded instead. What a rank holds itself is never coded.
         accumulate: "float64" (default), "float32" or "input": the running (out, lse)'s dtype.
+        problem: this rank's own problem with the call, found by its caller (an adapter): every rank
+            raises it, as bad input.
 
     float16 and bfloat16 inputs compute in float32: out comes back in the input
     dtype, lse in float32. Bad arguments on any rank raise the same ``ValueError`` on every rank,
@@ -377,8 +409,8 @@ def ring_attention(
         options = dict(layout=layout, mode=mode, causal=causal, window=window, cu_seqlens=cu_seqlens,
                        wire_dtype=wire_dtype, accumulate=accumulate, positions=positions, kv_positions=kv_positions,
                        causal_block=causal_block, node_size=node_size, ulysses_size=ulysses_size)
-        moved, problem = _moved({"q": q, "k": k, "v": v}, seq_axis, threads)
-        problem = (problem or _heads_problem(moved[0], moved[1], comm, mode, ulysses_size)
+        moved, found = _moved({"q": q, "k": k, "v": v}, seq_axis, threads, kv_positions is None)
+        problem = (problem or found or _heads_problem(moved[0], moved[1], comm, mode, ulysses_size)
                    or rotate_problem(rotate, mode))
         hosts = []
         plan, scale, (q, k, v) = setup(*moved, comm, scale, options, check_finite, expected_size, timeout,
@@ -395,12 +427,12 @@ def _heads_problem(q, k, comm, mode, ulysses_size):
     return heads_problem(q, k, comm.Get_size(), mode) or grid_problem(q, k, comm.Get_size(), mode, ulysses_size)
 
 
-def _moved(tensors, seq_axis, threads):
+def _moved(tensors, seq_axis, threads, same_rows=True, lse=None):
     """The arrays with the sequence on axis -2 (unchanged if ``seq_axis`` is bad), and this rank's problem."""
-    problem = _axis_problem(tensors, seq_axis) or threads_problem(threads)
+    problem = axis_problem(tensors, seq_axis, same_rows=same_rows, lse=lse) or threads_problem(threads)
     if problem:
         return list(tensors.values()), problem
-    return [np.moveaxis(a, seq_axis, -2) for a in tensors.values()], None
+    return [np.moveaxis(a, seq_index(seq_axis, a.ndim), -2) for a in tensors.values()], None
 
 
 def ring_attention_backward(
@@ -412,7 +444,7 @@ def ring_attention_backward(
     timeout: float | str | None = "auto", record: Record | None = None, seq_axis: int = -2, threads="auto",
     dlse: np.ndarray | None = None, wire_dtype: str | None = None, grad_wire_dtype: str | None = None,
     positions=None, kv_positions=None, causal_block: int | None = None, node_size: int | None = None,
-    ulysses_size: int | None = None, rotate: str = "kv",
+    ulysses_size: int | None = None, rotate: str = "kv", problem: str | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # dq, dk, dv: the shapes of q, k, v
     """Gradients ``(dq, dk, dv)`` of this rank's shard, given the upstream gradient ``dout``.
 
@@ -439,7 +471,8 @@ def ring_attention_backward(
                        kv_positions=kv_positions, causal_block=causal_block, node_size=node_size,
                        ulysses_size=ulysses_size)
         tensors = {"dout": dout, "q": q, "k": k, "v": v, "out": out}
-        moved, problem = _moved(tensors, seq_axis, threads)
+        moved, found = _moved(tensors, seq_axis, threads, kv_positions is None, lse)
+        problem = problem or found
         if problem is None:
             problem = (grad_problem(*moved, lse) or Ring._dlse_problem(dlse, lse)
                        or _heads_problem(moved[1], moved[2], comm, mode, ulysses_size)
