@@ -114,7 +114,7 @@ def train(comm, layout, mode, documents, steps):
     reference.load_state_dict(model.state_dict())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    ring = mpiring.Ring(comm, SEQ, causal=True, layout=layout, mode=mode, cu_seqlens=cu, seq_axis=-3)
+    ring = mpiring.Ring(comm, SEQ, causal=True, layout=layout, mode=mode, cu_seqlens=cu, seq_axis="bshd")
     my_tokens, my_labels = (ring.shard(x.numpy(), axis=-1) for x in (tokens, labels))
     my_positions = torch.from_numpy(position_ids(ring.positions, cu))
     all_positions = torch.from_numpy(position_ids(np.arange(SEQ), cu))

@@ -221,7 +221,7 @@ def decode_agreement(comm, q, k, v, scale, timeout, merge="tree", causal=False, 
             peaks = (float(np.abs(q).max()), k_peak, k.shape[-2])
     except Exception as exc:  # reported collectively, never raised alone
         problem, values = describe(exc), None
-    metas = agreed(comm, problem, values, timeout, peaks)
+    metas = agreed(comm, problem, values, timeout, peaks, entry=True)
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
     message = logit_problem(scale, q.shape[-1], max(m[0] for m in metas), max(m[1] for m in metas), q.dtype)
     if message:

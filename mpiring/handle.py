@@ -26,6 +26,7 @@ from .core.threads import limited, threads_for, threads_problem
 from .core.tiles import release_workspace
 from .lse import Lse, lse_problem, mismatch
 from .mpi.agree import check_call, check_comm, setup, setup_ring
+from .mpi.axes import axis_problem, seq_index
 from .mpi.checks import (
     agreement_timeout,
     call_values,
@@ -37,24 +38,13 @@ from .mpi.checks import (
     resolve_timeout,
 )
 from .mpi.record import Record
-from .mpi.waits import exclusive, wait_until
+from .mpi.waits import CommTimeout, exclusive, wait_until
+from .options import options_problem
 from .parallel.strategies import private_rings, rotation, run_backward, run_forward
 from .plans.layouts import LAYOUTS, shard, take_rows
 from .plans.spec import Spec, spec_problem
 
 __all__ = ["Ring", "Lse", "Spec", "ring_attention", "ring_attention_backward"]
-
-
-def _axis_problem(arrays, seq_axis):
-    """Why ``seq_axis`` is not a sequence axis of every array (not the last, the feature axis), or None."""
-    if isinstance(seq_axis, bool) or not isinstance(seq_axis, (int, np.integer)):
-        return f"seq_axis must be an int, got {seq_axis!r}"
-    for name, a in arrays.items():
-        if not isinstance(a, np.ndarray):
-            return f"{name} must be a NumPy array, got {type(a).__name__}"
-        if not -a.ndim <= seq_axis < a.ndim - 1 or seq_axis == -1:
-            return f"seq_axis={seq_axis} is not an axis of {name} {a.shape} other than its last (the head dim)"
-    return None
 
 
 def contiguous(tensors, lses):
@@ -74,7 +64,8 @@ class Ring:
         causal, scale, layout, mode, window, cu_seqlens, timeout, check_finite,
             expected_size: as ``ring_attention``; the same on every rank.
         seq_axis: the sequence axis of q, k, v, out and dout (-2: ``(..., S, D)``;
-            -3: flash-attn's ``(B, S, H, D)``). lse is always ``(..., H, S)``.
+            -3: flash-attn's ``(B, S, H, D)``), or the axes named, "bshd" or "bhsd"
+            (``mpiring.mpi.axes``). lse is always ``(..., H, S)``.
         threads: BLAS threads per rank inside every call: "auto" (the node's
             cores shared among its ranks; ``mpiring.core.threads``), an int, or None
             (leave BLAS alone).
@@ -102,7 +93,7 @@ class Ring:
             cu_seqlens=cu_seqlens, wire_dtype=wire_dtype, grad_wire_dtype=grad_wire_dtype, accumulate=accumulate,
             positions=positions, kv_positions=kv_positions, causal_block=causal_block, node_size=node_size,
             ulysses_size=ulysses_size, rotate=rotate), spec)
-        problem = _axis_problem({}, seq_axis) or threads_problem(threads) or problem
+        problem = axis_problem({}, seq_axis) or threads_problem(threads) or problem
         plan, spec, hosts = setup_ring(comm, spec, timeout, expected_size, problem,
                                        values=dict(seq_axis=seq_axis, threads=threads, check_finite=check_finite))
         self._start(comm, plan, spec, timeout, hosts, seq_axis, threads, check_finite, backward=True)
@@ -115,7 +106,8 @@ class Ring:
         return ring
 
     def _start(self, comm, plan, spec, timeout, hosts, seq_axis, threads, check_finite, backward):
-        self.plan, self.spec, self.seq_axis, self.check_finite = plan, spec, int(seq_axis), check_finite
+        self.plan, self.spec, self.check_finite = plan, spec, check_finite
+        self.seq_axis = seq_axis if isinstance(seq_axis, str) else int(seq_axis)
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.threads = threads_for(threads, hosts, self.rank)
         self._timeout, self._failed, self._rings = timeout, None, []
@@ -137,6 +129,27 @@ class Ring:
         self._rings = []
         self._failed = self._failed or "it was closed"
 
+    # ------------------------------------------------------------------ the options, read-only
+
+    @property
+    def options(self):
+        """The options a call may repeat (``mpiring.options.CALL_OPTIONS``), as this Ring holds them."""
+        spec = self.spec
+        return {"scale": self.scale, "causal": spec.causal, "layout": self.layout, "mode": spec.mode,
+                "window": tuple(spec.window), "cu_seqlens": spec.cu_seqlens, "causal_block": spec.causal_block,
+                "timeout": self._timeout, "seq_axis": self.seq_axis, "rotate": spec.rotate,
+                "ulysses_size": spec.ulysses_size, "check_finite": self.check_finite, **spec.precision}
+
+    scale = property(lambda self: self.spec.scale,
+                     doc="The softmax scale given to the Ring, a float; None: each call's 1/sqrt(head dim of q).")
+    causal = property(lambda self: self.spec.causal)
+    layout = property(lambda self: self.plan.layout, doc="The layout, or 'positions' when positions were given.")
+    mode = property(lambda self: self.spec.mode)
+    window = property(lambda self: tuple(self.spec.window), doc="(left, right), -1 unbounded.")
+    cu_seqlens = property(lambda self: self.spec.cu_seqlens)
+    seq_len = property(lambda self: self.plan.seq_len)
+    timeout = property(lambda self: self._timeout)
+
     @property
     def positions(self):
         """The global positions of this rank's query rows (for RoPE or position embeddings), in its row order."""
@@ -147,7 +160,7 @@ class Ring:
 
         A view for the contiguous and striped layouts, a copy otherwise (``mpiring.shard``).
         """
-        axis = self.seq_axis if axis is None else axis
+        axis = seq_index(self.seq_axis if axis is None else axis, np.ndim(x))
         if self.plan.layout in LAYOUTS:  # the layout's tokens, in every mode
             return shard(x, self.size, self.rank, self.plan.layout, axis)
         return np.take(x, self.positions, axis=0 if np.ndim(x) == 1 else axis)
@@ -165,42 +178,53 @@ class Ring:
         try:
             yield
         except BaseException as exc:
-            self._failed = f"a call failed in the ring ({type(exc).__name__}: {exc})"
-            for ring in self._rings:
-                ring.free()
-            self._rings = []
-            release_workspace()  # an abandoned receive may still land in a kept buffer: none is used again
+            self._fail(exc)
             raise
+
+    def _fail(self, exc):
+        self._failed = f"a call failed in the ring ({type(exc).__name__}: {exc})"
+        for ring in self._rings:
+            ring.free()
+        self._rings = []
+        release_workspace()  # an abandoned receive may still land in a kept buffer: none is used again
 
     # ------------------------------------------------------------------ calls
 
-    def forward(self, q, k, v, *, record: Record | None = None):
-        """This rank's ``(out, lse)``: out shaped as q with v's head dim, lse ``(..., Hq, n)`` (an ``Lse``)."""
+    def forward(self, q, k, v, *, record: Record | None = None, problem: str | None = None, **options):
+        """This rank's ``(out, lse)``: out shaped as q with v's head dim, lse ``(..., Hq, n)`` (an ``Lse``).
+
+        ``options``: any of the Ring's own (``scale=``, ``causal=``, ...; ``mpiring.options``), as a
+        model passes them at every call: equal to the Ring's or refused. ``problem``: this rank's
+        own problem with the call, found by the caller (an adapter): every rank raises it as bad input.
+        """
         with self._call():
-            (q, k, v), _, scale = self._agree_call({"q": q, "k": k, "v": v}, None, None)
+            (q, k, v), _, scale = self._agree_call({"q": q, "k": k, "v": v}, None, None, options, problem)
             return self._forward(q, k, v, scale, record, checked=False)
 
-    def backward(self, dout, q, k, v, out, lse, *, dlse=None, record: Record | None = None):
+    def backward(self, dout, q, k, v, out, lse, *, dlse=None, record: Record | None = None, problem=None, **options):
         """This rank's ``(dq, dk, dv)`` (shapes and dtypes of q, k, v) from the forward's out and lse.
 
         ``dlse``: the loss's gradient with respect to lse, when lse is used
-        too (as by a PyTorch graph); it enters as ``delta - dlse``.
+        too (as by a PyTorch graph); it enters as ``delta - dlse``. ``options``, ``problem``: as ``forward``.
         """
         with self._call():
             arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out}
-            moved, lses, scale = self._agree_call(arrays, lse, dlse)
+            moved, lses, scale = self._agree_call(arrays, lse, dlse, options, problem)
             return self._backward(moved, lses, scale, record, checked=False)
 
-    def _agree_call(self, tensors, lse, dlse):
+    def _agree_call(self, tensors, lse, dlse, options, problem):
         """Move the sequence to axis -2, check on this rank, agree on every rank; contiguous arrays and the scale."""
-        problem, moved, lses, values, peak = None, [], [], None, [0.0, 0.0]
+        moved, lses, values, peak = [], [], None, [0.0, 0.0]
+        same_rows = self.spec.kv_positions is None
         try:
-            problem = _axis_problem(tensors, self.seq_axis)
+            tokens = {"q": len(self.plan.shards[self.rank]), "k": len(self.plan.kv_shards[self.rank])}
+            problem = problem or axis_problem(tensors, self.seq_axis, tokens, same_rows, lse)
             if problem is None:
-                moved = [np.moveaxis(a, self.seq_axis, -2) for a in tensors.values()]
+                moved = [np.moveaxis(a, seq_index(self.seq_axis, a.ndim), -2) for a in tensors.values()]
                 names = dict(zip(tensors, moved))
                 q, k, v = names["q"], names["k"], names["v"]
-                problem = (local_problem(q, k, v, None, self.check_finite, self.spec.kv_positions is None)
+                problem = (local_problem(q, k, v, None, self.check_finite, same_rows)
+                           or options_problem(options, self.options, q)
                            or self._length_problem(q, k) or self.spec.heads_problem(q, k, self.size))
                 if problem is None and lse is not None:
                     problem = (grad_problem(names["dout"], q, k, v, names["out"], lse)
@@ -214,7 +238,11 @@ class Ring:
                 peak = peaks(names["q"], names["k"])
         except Exception as exc:  # reported collectively, never raised alone
             problem = describe(exc)
-        highest = check_call(self._rings[0].comm, problem, values, peak, self._timeout)
+        try:
+            highest = check_call(self._rings[0].comm, problem, values, peak, self._timeout)
+        except CommTimeout as exc:  # its communicator keeps a pending all-reduce: the handle cannot serve again
+            self._fail(exc)
+            raise
         q = moved[list(tensors).index("q")]
         scale = self._resolved_scale(q)
         message = logit_problem(scale, q.shape[-1], highest[0], highest[1], q.dtype)
@@ -265,7 +293,7 @@ class Ring:
         out, lse = self.plan.in_caller_order(self.rank, out), self.plan.in_caller_order(self.rank, lse, axis=-1)
         lse = lse.view(Lse)
         lse.made_by = self.spec.made_by(self.size, scale, self.plan.seq_len)
-        return np.moveaxis(out, -2, self.seq_axis), lse
+        return np.moveaxis(out, -2, seq_index(self.seq_axis, out.ndim)), lse
 
     def _backward(self, moved, lses, scale, record, checked):
         dout, q, k, v, out = moved
@@ -282,7 +310,7 @@ class Ring:
                                  scale, rec, timeout, pr)
         grads = [self.plan.in_caller_order(self.rank, g.astype(pr.input, copy=False), kv=i > 0)
                  for i, g in enumerate(grads)]
-        return tuple(np.moveaxis(g, -2, self.seq_axis) for g in grads)
+        return tuple(np.moveaxis(g, -2, seq_index(self.seq_axis, g.ndim)) for g in grads)
 
 
 # ---------------------------------------------------------------------- the plain functions
@@ -298,6 +326,7 @@ def ring_attention(
     expected_size: int | None = None, seq_axis: int = -2, threads="auto", wire_dtype: str | None = None,
     accumulate: str = "float64", positions=None, kv_positions=None, causal_block: int | None = None,
     node_size: int | None = None, ulysses_size: int | None = None, rotate: str = "kv", spec: Spec | None = None,
+    problem: str | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:  # out (..., Hq, n, Dv), lse (..., Hq, n)
     """Attention of this rank's queries against the whole distributed sequence.
 
@@ -352,6 +381,8 @@ def ring_attention(
         accumulate: "float64" (default), "float32" or "input": the running (out, lse)'s dtype.
         spec: a ``Spec`` (``mpiring.plans.spec``) holding the problem and strategy options above instead;
             options passed beside it must equal its own.
+        problem: this rank's own problem with the call, found by its caller (an adapter): every rank
+            raises it, as bad input.
 
     float16 and bfloat16 inputs compute in float32: out comes back in the input
     dtype, lse in float32. Bad arguments on any rank raise the same ``ValueError`` on every rank,
@@ -360,28 +391,30 @@ def ring_attention(
     """
     comm = check_comm(comm)
     with exclusive(comm):  # one call per communicator at a time (threads: one Dup each)
+        first = problem  # the caller's: before any other
         spec, problem = spec_problem(dict(
             layout=layout, mode=mode, causal=causal, scale=scale, window=window, cu_seqlens=cu_seqlens,
             wire_dtype=wire_dtype, accumulate=accumulate, positions=positions, kv_positions=kv_positions,
             causal_block=causal_block, node_size=node_size, ulysses_size=ulysses_size, rotate=rotate), spec)
-        moved, moved_problem = _moved({"q": q, "k": k, "v": v}, seq_axis, threads)
+        same_rows = (kv_positions if spec is None else spec.kv_positions) is None
+        moved, moved_problem = _moved({"q": q, "k": k, "v": v}, seq_axis, threads, same_rows)
         problem = moved_problem or problem or spec.heads_problem(moved[0], moved[1], comm.Get_size())
         hosts = []
         plan, spec, scale, (q, k, v) = setup(*moved, comm, spec, check_finite, expected_size, timeout,
                                              prepare=lambda: [np.ascontiguousarray(a) for a in moved],
-                                             problem=problem, rows="qkk", hosts=hosts,
-                                             same_rows=(kv_positions if spec is None else spec.kv_positions) is None)
+                                             problem=problem, rows="qkk", hosts=hosts, same_rows=same_rows,
+                                             first=first)
         with Ring._agreed(comm, plan, spec, timeout, hosts, seq_axis, threads, backward=False) as ring:
             with limited(ring.threads):
                 return ring._forward(q, k, v, scale, record, checked=True)
 
 
-def _moved(tensors, seq_axis, threads):
+def _moved(tensors, seq_axis, threads, same_rows=True, lse=None):
     """The arrays with the sequence on axis -2 (unchanged if ``seq_axis`` is bad), and this rank's problem."""
-    problem = _axis_problem(tensors, seq_axis) or threads_problem(threads)
+    problem = axis_problem(tensors, seq_axis, same_rows=same_rows, lse=lse) or threads_problem(threads)
     if problem:
         return list(tensors.values()), problem
-    return [np.moveaxis(a, seq_axis, -2) for a in tensors.values()], None
+    return [np.moveaxis(a, seq_index(seq_axis, a.ndim), -2) for a in tensors.values()], None
 
 
 def ring_attention_backward(
@@ -393,7 +426,7 @@ def ring_attention_backward(
     timeout: float | str | None = "auto", record: Record | None = None, seq_axis: int = -2, threads="auto",
     dlse: np.ndarray | None = None, wire_dtype: str | None = None, grad_wire_dtype: str | None = None,
     positions=None, kv_positions=None, causal_block: int | None = None, node_size: int | None = None,
-    ulysses_size: int | None = None, rotate: str = "kv", spec: Spec | None = None,
+    ulysses_size: int | None = None, rotate: str = "kv", spec: Spec | None = None, problem: str | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # dq, dk, dv: the shapes of q, k, v
     """Gradients ``(dq, dk, dv)`` of this rank's shard, given the upstream gradient ``dout``.
 
@@ -415,12 +448,14 @@ def ring_attention_backward(
     """
     comm = check_comm(comm)
     with exclusive(comm):  # one call per communicator at a time (threads: one Dup each)
+        first = problem  # the caller's: before any other
         spec, problem = spec_problem(dict(
             layout=layout, mode=mode, causal=causal, scale=scale, window=window, cu_seqlens=cu_seqlens,
             wire_dtype=wire_dtype, grad_wire_dtype=grad_wire_dtype, positions=positions, kv_positions=kv_positions,
             causal_block=causal_block, node_size=node_size, ulysses_size=ulysses_size, rotate=rotate), spec)
+        same_rows = (kv_positions if spec is None else spec.kv_positions) is None
         tensors = {"dout": dout, "q": q, "k": k, "v": v, "out": out}
-        moved, moved_problem = _moved(tensors, seq_axis, threads)
+        moved, moved_problem = _moved(tensors, seq_axis, threads, same_rows, lse)
         if moved_problem is None:
             problem = (grad_problem(*moved, lse) or Ring._dlse_problem(dlse, lse) or problem
                        or spec.heads_problem(moved[1], moved[2], comm.Get_size())
@@ -434,7 +469,7 @@ def ring_attention_backward(
         hosts = []
         plan, spec, scale, arrays = setup(*moved[1:4], comm, spec, timeout=timeout, prepare=prepare, problem=problem,
                                           rows="qqkkq" + "l" * (1 if dlse is None else 2), hosts=hosts,
-                                          same_rows=(kv_positions if spec is None else spec.kv_positions) is None)
+                                          same_rows=same_rows, first=first)
         with Ring._agreed(comm, plan, spec, timeout, hosts, seq_axis, threads, backward=True) as ring:
             with limited(ring.threads):
                 return ring._backward(arrays[:5], arrays[5:], scale, record, checked=True)

@@ -24,9 +24,8 @@ import numpy as np
 
 from .decode import decode_agreement, decode_timeout, local_partial, merge_partials, packed, spec_of, unpacked
 from .handle import ring_attention
-from .mpi.agree import agree, agreed, check_comm
-from .mpi.checks import agreement_timeout, describe, timeout_problem, verdict
-from .mpi.collectives import allgather
+from .mpi.agree import agree, agreed, check_comm, gather_entry
+from .mpi.checks import describe, timeout_problem, verdict
 from .mpi.comm import RingComm
 from .mpi.record import Record
 from .mpi.waits import exclusive
@@ -98,7 +97,7 @@ class KVCache:
         except Exception as exc:  # reported collectively, never raised alone
             problem = describe(exc)
         with exclusive(self.comm):
-            metas = agreed(self.comm, problem, None, timeout, values)
+            metas = agreed(self.comm, problem, None, timeout, values, entry=True)
         message = verdict([None if m == metas[0] else f"options {m} differ from rank 0's {metas[0]}" for m in metas])
         if message:
             raise ValueError(message)
@@ -152,15 +151,15 @@ class KVCache:
         Returns this rank's ``(out, lse)`` in the order of its rows. ``options``
         go to ``ring_attention`` (e.g. ``rotate``).
         """
+        opens = positions is not None  # else the all-gather of the prompt's length opens the call
         if positions is None:
             with exclusive(self.comm):
-                total = sum(allgather(self.comm, int(np.shape(q)[-2]) if np.ndim(q) >= 2 else 0,
-                                      agreement_timeout(self.timeout)))
+                total = sum(gather_entry(self.comm, int(np.shape(q)[-2]) if np.ndim(q) >= 2 else 0, self.timeout))
             positions = self.prompt_positions(total)
         rec = Record(self.rank) if record is None else record
         problem = None if not len(self) else f"prefill needs an empty cache; it holds {len(self)} tokens"
         with exclusive(self.comm):
-            agree(self.comm, problem or self._shape_problem(k, v), self.timeout)
+            agree(self.comm, problem or self._shape_problem(k, v), self.timeout, entry=opens)
         out, lse = ring_attention(q, k, v, self.comm, causal=causal, scale=scale, positions=positions,
                                   timeout=self.timeout, record=rec, **options)
         self.lengths = [len(s) for s in rec.plan.kv_shards]
@@ -179,7 +178,7 @@ class KVCache:
                     values = (k.shape, v.shape, _bytes_digest(k), _bytes_digest(v))
             except Exception as exc:  # reported collectively, never raised alone
                 problem = describe(exc)
-            metas = agreed(self.comm, problem, None, self.timeout, values)
+            metas = agreed(self.comm, problem, None, self.timeout, values, entry=True)
             message = verdict([None if m == metas[0] else "k and v differ from rank 0's: extend takes the same new "
                                "tokens on every rank" for m in metas])
             if message:

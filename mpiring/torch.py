@@ -7,34 +7,55 @@
 
 Tensors and NumPy arrays share memory both ways (``Tensor.numpy()``,
 ``torch.from_numpy``): nothing is copied on the way in or out, except what
-the ring copies anyway to make a strided input contiguous. float32 and float64
-tensors on the CPU. Every rank must run the same graph: the backward of each
+the ring copies anyway to make a strided input contiguous. float16, float32
+and float64 tensors on the CPU (bfloat16 has no NumPy dtype). Every rank must run the same graph: the backward of each
 attention call is collective, as its forward is.
 """
+
+import inspect
 
 import numpy as np
 import torch
 
 from .handle import ring_attention as _ring_attention
 from .handle import ring_attention_backward as _ring_attention_backward
+from .options import foreign_problem
 
-__all__ = ["ring_attention"]
+__all__ = ["ring_attention", "DTYPES"]
+
+DTYPES = (torch.float16, torch.float32, torch.float64)  # what NumPy shares: bfloat16 has no NumPy dtype
+FUNCTION_OPTIONS = set(inspect.signature(_ring_attention).parameters) - {"q", "k", "v", "problem"}
+BACKWARD_OPTIONS = set(inspect.signature(_ring_attention_backward).parameters)
 
 
 def _numpy(t, name):
-    """A tensor's memory as a NumPy array (no copy), or a clear error for what NumPy cannot share."""
+    """``(array, None)``: a tensor's memory as a NumPy array (no copy), or ``(None, why not)``."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        return None, f"{name} must be a torch.Tensor, got {type(t).__name__}"
     if t.device.type != "cpu":
-        raise ValueError(f"{name} is on {t.device}: mpiring computes on the CPU; move it with .cpu() first")
-    return t.detach().numpy()
+        return None, f"{name} is on {t.device}: mpiring computes on the CPU; move it with .cpu() first"
+    if t.dtype not in DTYPES:
+        return None, (f"{name} is {t.dtype}: mpiring.torch takes float16, float32 and float64 CPU tensors "
+                      f"(bfloat16 has no NumPy dtype to share its memory); convert it with .float() or .double()")
+    return t.detach().numpy(), None
+
+
+def _arrays(tensors, names):
+    """The tensors as NumPy arrays and the first problem found (arrays None then)."""
+    found = [_numpy(t, name) for t, name in zip(tensors, names)]
+    problem = next((why for _, why in found if why), None)
+    return [None if problem else a for a, _ in found], problem
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring, options):
-        arrays = [_numpy(t, name) for t, name in zip((q, k, v), "qkv")]
-        out, lse = ring.forward(*arrays) if ring is not None else _ring_attention(*arrays, **options)
+    def forward(ctx, q, k, v, ring, options, problem):
+        arrays, found = _arrays((q, k, v), "qkv")
+        problem = problem or found  # reported by every rank, through the call's agreement
+        if ring is not None:
+            out, lse = ring.forward(*arrays, problem=problem, **options)
+        else:
+            out, lse = _ring_attention(*arrays, problem=problem, **options)
         out_t = torch.from_numpy(out)
         ctx.save_for_backward(q, k, v, out_t)
         ctx.ring, ctx.options, ctx.lse = ring, options, lse  # lse as returned: it carries the forward's options
@@ -44,14 +65,15 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out = ctx.saved_tensors
-        arrays = [_numpy(t, name) for t, name in zip((q, k, v), "qkv")]
-        dout = np.zeros(out.shape, arrays[0].dtype) if dout is None else _numpy(dout, "the gradient of out")
-        dlse = None if dlse is None else _numpy(dlse, "the gradient of lse")
+        dout = torch.zeros_like(out) if dout is None else dout
+        arrays, problem = _arrays((dout, q, k, v, out), ("the gradient of out", "q", "k", "v", "out"))
+        dlse, found = (None, None) if dlse is None else _numpy(dlse, "the gradient of lse")
         if ctx.ring is not None:
-            grads = ctx.ring.backward(dout, *arrays, _numpy(out, "out"), ctx.lse, dlse=dlse)
+            grads = ctx.ring.backward(*arrays, ctx.lse, dlse=dlse, problem=problem or found)
         else:
-            grads = _ring_attention_backward(dout, *arrays, _numpy(out, "out"), ctx.lse, dlse=dlse, **ctx.options)
-        return (*(torch.from_numpy(g) for g in grads), None, None)
+            options = {name: value for name, value in ctx.options.items() if name in BACKWARD_OPTIONS}
+            grads = _ring_attention_backward(*arrays, ctx.lse, dlse=dlse, problem=problem or found, **options)
+        return (*(torch.from_numpy(g) for g in grads), None, None, None)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring=None, *, return_lse: bool = False,
@@ -59,12 +81,19 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring=None,
     """Context-parallel attention of this rank's q, k, v tensors, differentiable.
 
     ``ring``: an ``mpiring.Ring`` (agreed once, its options and ``seq_axis``
-    used); or None, and ``options`` are those of ``mpiring.ring_attention``
-    (``comm``, ``causal``, ``layout``, ...), agreed at every call. Returns
-    ``out``, or ``(out, lse)`` with ``return_lse=True``; gradients flow
-    through both (lse's enters the backward as ``delta - dlse``).
+    used); ``options`` may repeat the Ring's own (``scale=``, ``causal=``,
+    ..., as a model passes them at every call): equal values are accepted, a
+    differing one raises ValueError on every rank. Or ``ring`` None, and
+    ``options`` are those of ``mpiring.ring_attention`` (``comm``, ``causal``,
+    ``layout``, ...), agreed at every call. An option mpiring does not have
+    (``attn_mask``, ``dropout_p``, ...) or a tensor it cannot take (bfloat16,
+    on a GPU) raises ValueError on every rank, saying what is supported.
+    Returns ``out``, or ``(out, lse)`` with ``return_lse=True``; gradients
+    flow through both (lse's enters the backward as ``delta - dlse``).
     """
-    if ring is not None and options:
-        raise TypeError(f"give the options to the Ring, not here: {sorted(options)}")
-    out, lse = _RingAttention.apply(q, k, v, ring, options)
+    unknown = [name for name in options if name not in FUNCTION_OPTIONS]
+    problem = foreign_problem(unknown[0], "the options of a Ring go to mpiring.Ring(...)" if ring is not None else
+                              "without a Ring, this call takes those of mpiring.ring_attention") if unknown else None
+    options = {name: value for name, value in options.items() if name not in unknown}
+    out, lse = _RingAttention.apply(q, k, v, ring, options, problem)
     return (out, lse) if return_lse else out

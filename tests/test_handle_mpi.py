@@ -158,8 +158,10 @@ def test_bad_construction_raises_everywhere(comm):
         Ring(comm, comm.size - 1)
     with pytest.raises(ValueError, match="threads must be"):
         Ring(comm, 8, threads=0)
-    with pytest.raises(ValueError, match="seq_axis must be an int"):
-        Ring(comm, 8, seq_axis="bshd")
+    with pytest.raises(ValueError, match="seq_axis must be an int or a string such as 'bshd' or 'bhsd', got 1.5"):
+        Ring(comm, 8, seq_axis=1.5)
+    with pytest.raises(ValueError, match="seq_axis must be an int or a string naming every axis, 's' the sequence"):
+        Ring(comm, 8, seq_axis="bthd")
     if comm.size > 1:
         with pytest.raises(ValueError, match="rank 1: causal True differs from rank 0's False"):
             Ring(comm, 8, causal=comm.rank == 1)

@@ -9,6 +9,7 @@ torch = pytest.importorskip("torch", reason="the PyTorch adapter needs torch (pi
 
 import mpiring  # noqa: E402
 import mpiring.torch  # noqa: E402
+from mpiring.core.ranks import ranks_text  # noqa: E402
 
 from conftest import dense_mask  # noqa: E402
 
@@ -62,6 +63,52 @@ def test_shares_memory_and_bshd(comm):
     x = torch.randn(1, S // comm.size, 2, 8, dtype=torch.float64)  # (B, S, H, D)
     with mpiring.Ring(comm, S, seq_axis=-3) as ring:
         out = mpiring.torch.ring_attention(x, x, x, ring)
+        assert out.shape == x.shape
+        with pytest.raises(ValueError, match="causal=True given to this call differs from the Ring's False"):
+            mpiring.torch.ring_attention(x, x, x, ring, causal=True)
+
+
+def _ranks(comm):
+    return ranks_text(range(comm.size))
+
+
+def test_per_call_options_equal_to_the_rings_are_accepted(comm):
+    """transformers passes its scaling at every call: the Ring's own value is served, another refused."""
+    S = 4 * comm.size
+    x = torch.randn(1, 2, S // comm.size, 8, dtype=torch.float64, requires_grad=True)  # (B, H, S, D)
+    with mpiring.Ring(comm, S, causal=True, scale=0.125) as ring:
+        out = mpiring.torch.ring_attention(x, x, x, ring, scale=0.125, causal=True)
+        out.sum().backward()
+        with pytest.raises(ValueError) as raised:
+            mpiring.torch.ring_attention(x, x, x, ring, scale=0.25)
+        assert str(raised.value) == (
+            f"{_ranks(comm)}: scale=0.25 given to this call differs from the Ring's 0.125: the Ring would compute "
+            f"something else; build the Ring with scale=0.25 (a Ring's options are fixed)")
+
+
+@pytest.mark.parametrize("use_ring", [True, False])
+def test_unsupported_arguments_and_dtypes_say_what_is_supported(comm, use_ring):
+    S = 4 * comm.size
+    x = torch.randn(1, 2, S // comm.size, 8, dtype=torch.float32)
+    ring = mpiring.Ring(comm, S) if use_ring else None
+    options = {} if use_ring else {"comm": comm}
+    where = ("the options of a Ring go to mpiring.Ring(...)" if use_ring
+             else "without a Ring, this call takes those of mpiring.ring_attention")
+    with pytest.raises(ValueError) as raised:
+        mpiring.torch.ring_attention(x, x, x, ring, attn_mask=torch.ones(S, S, dtype=torch.bool), **options)
+    assert str(raised.value) == (
+        f"{_ranks(comm)}: attn_mask is not an option of mpiring (arbitrary attention masks are not supported; the "
+        f"masks mpiring computes are causal=True, window=(left, right), cu_seqlens= (packed documents), "
+        f"causal_block= (frames) or positions= (any token order)); {where}")
+    with pytest.raises(ValueError, match="dropout_p is not an option of mpiring .attention dropout is not supported"):
+        mpiring.torch.ring_attention(x, x, x, ring, dropout_p=0.1, **options)
+    b = x.to(torch.bfloat16)
+    with pytest.raises(ValueError) as raised:
+        mpiring.torch.ring_attention(b, b, b, ring, **options)
+    assert str(raised.value) == (
+        f"{_ranks(comm)}: q is torch.bfloat16: mpiring.torch takes float16, float32 and float64 CPU tensors "
+        f"(bfloat16 has no NumPy dtype to share its memory); convert it with .float() or .double()")
+    out = mpiring.torch.ring_attention(x, x, x, ring, **options)  # nothing was left behind: the next call works
     assert out.shape == x.shape
-    with pytest.raises(TypeError, match="give the options to the Ring"):
-        mpiring.torch.ring_attention(x, x, x, ring, causal=True)
+    if ring is not None:
+        ring.close()

@@ -19,6 +19,7 @@ from .checks import (
     compared,
     describe,
     differences,
+    entry_timeout,
     is_real,
     local_problem,
     logit_problem,
@@ -30,9 +31,10 @@ from .checks import (
     verdict,
 )
 from .collectives import allgather
-from .waits import wait_until
+from .waits import abandon, completed, wait_entry, wait_until
 
-__all__ = ["agreed", "agree", "setup", "agree_root", "setup_ring", "check_call", "check_comm", "comm_problem"]
+__all__ = ["agreed", "agree", "gather_entry", "setup", "agree_root", "setup_ring", "check_call", "check_comm",
+           "comm_problem"]
 
 
 def comm_problem(comm):
@@ -58,29 +60,45 @@ def check_comm(comm):
     return comm
 
 
-def agreed(comm, problem, values=None, timeout=None, extra=None):
+def gather_entry(comm, obj, timeout):
+    """The all-gather that opens a call: every rank's ``obj``, waiting for every rank to enter as ``timeout`` says.
+
+    ``timeout`` is the caller's: "auto" waits without limit for the others to
+    reach the call (``checks.entry_timeout``; ``waits.wait_entry`` logs the
+    wait), a number that long; the rest of the all-gather, once every rank is
+    in, is bounded (``checks.agreement_timeout``).
+    """
+    rank = comm.Get_rank()
+    return allgather(comm, obj, agreement_timeout(timeout),
+                     enter=lambda first: wait_entry(first, entry_timeout(timeout), rank, "agreement"))
+
+
+def agreed(comm, problem, values=None, timeout=None, extra=None, entry=False):
     """The agreement: raise the same ValueError on every rank, or return every rank's ``extra``. Collective.
 
     ``problem``: what this rank found wrong, or None; ``values``: a dict of
     what every rank must pass alike (``Shown`` or plain values), compared with
     rank 0's; ``extra``: anything else to gather (lengths, positions, host
-    names). The message names each rank with a problem (ranks with the same
-    one share a line), else each rank whose values differ from rank 0's.
+    names); ``entry``: this all-gather opens a call (``gather_entry``: under
+    "auto" it waits for every rank without limit). The message names each rank
+    with a problem (ranks with the same one share a line), else each rank
+    whose values differ from rank 0's.
     """
-    gathered = allgather(comm, (problem, values, extra), agreement_timeout(timeout))
+    gathered = (gather_entry(comm, (problem, values, extra), timeout) if entry
+                else allgather(comm, (problem, values, extra), agreement_timeout(timeout)))
     message = verdict([g[0] for g in gathered]) or verdict(differences([g[1] for g in gathered], 0))
     if message:
         raise ValueError(message)
     return [g[2] for g in gathered]
 
 
-def agree(comm, problem, timeout=None):
-    """Collective: raise the same ValueError on every rank if any rank has a problem."""
-    agreed(comm, problem, None, timeout)
+def agree(comm, problem, timeout=None, entry=False):
+    """Collective: raise the same ValueError on every rank if any rank has a problem (``entry``: it opens a call)."""
+    agreed(comm, problem, None, timeout, entry=entry)
 
 
 def setup(q, k, v, comm, spec, check_finite=False, expected_size=None, timeout=None, prepare=None,
-          problem=None, rows=None, hosts=None, same_rows=True):
+          problem=None, rows=None, hosts=None, same_rows=True, first=None):
     """Validate on every rank, agree collectively (one all-gather), and build the shared plan.
 
     Every rank ends with the same verdict: either ``(plan, spec, scale,
@@ -94,7 +112,8 @@ def setup(q, k, v, comm, spec, check_finite=False, expected_size=None, timeout=N
     reported by every rank too; its result is returned as ``prepared``.
     ``problem``: one more of this rank's problems, found by the caller (or None).
     ``hosts``: a list to fill with every rank's processor name (who shares a node).
-    ``same_rows``: k holds q's tokens (no ``kv_positions``).
+    ``same_rows``: k holds q's tokens (no ``kv_positions``). ``first``: a
+    problem the caller's caller found (an adapter's), reported before the arrays'.
     ``rows``: one letter per prepared array, "q" (query rows), "k" (key/value
     rows) or "l" (query rows on the last axis: lse); they come back sorted by
     position, the order the ring works in (``Plan.in_caller_order`` undoes it;
@@ -106,7 +125,7 @@ def setup(q, k, v, comm, spec, check_finite=False, expected_size=None, timeout=N
     values = n_local = peak = prepared = held = None
     try:
         size = comm.Get_size()
-        problem = (comm_problem(comm) or timeout_problem(timeout)
+        problem = (comm_problem(comm) or timeout_problem(timeout) or first
                    or local_problem(q, k, v, None, check_finite, same_rows)
                    or problem or size_problem(size, expected_size))
         if problem is None:
@@ -124,7 +143,7 @@ def setup(q, k, v, comm, spec, check_finite=False, expected_size=None, timeout=N
             peak = peaks(q, k)
     except Exception as exc:  # whatever goes wrong here is reported collectively, never raised alone
         problem, values = describe(exc), None
-    metas = agreed(comm, problem, values, timeout, (n_local, peak, held, MPI.Get_processor_name()))
+    metas = agreed(comm, problem, values, timeout, (n_local, peak, held, MPI.Get_processor_name()), entry=True)
     if hosts is not None:
         hosts[:] = [m[3] for m in metas]
     scale = default_scale(q.shape[-1]) if spec.scale is None else spec.scale
@@ -163,7 +182,7 @@ def agree_root(comm, root, check_root, spec, timeout=None, expected_size=None, p
                 root_found, meta = check_root()
     except Exception as exc:  # reported collectively, never raised alone
         problem, values = describe(exc), None
-    gathered = agreed(comm, problem, values, timeout, (root_found, meta))
+    gathered = agreed(comm, problem, values, timeout, (root_found, meta), entry=True)
     if gathered[root][0]:
         raise ValueError(f"root rank {root}: {gathered[root][0]}")
     return gathered[root][1]
@@ -191,12 +210,15 @@ def setup_ring(comm, spec, timeout, expected_size=None, problem=None, values=Non
             shown = dict(compared(spec, timeout), **{name: Shown(value) for name, value in (values or {}).items()})
     except Exception as exc:  # reported collectively, never raised alone
         problem, shown = describe(exc), None
-    gathered = agreed(comm, problem, shown, timeout, (MPI.Get_processor_name(), held))
+    gathered = agreed(comm, problem, shown, timeout, (MPI.Get_processor_name(), held), entry=True)
     spec, implied = spec.with_ranks([g[1] for g in gathered])
     if spec.seq_len is not None and implied is not None and implied != spec.seq_len:  # the same data everywhere
         raise ValueError(f"seq_len={spec.seq_len} but the ranks' positions hold {implied} tokens")
     plan = spec.plan(comm.Get_size(), implied or spec.seq_len)  # raises everywhere
     return plan, spec, [g[0] for g in gathered]
+
+
+ENTRY_TAG = 7  # a Ring call's entry notices; the ring's own messages use tags 0-3 and, homeward, 4 per chunk and up
 
 
 def check_call(comm, problem, values, peaks, timeout):
@@ -208,12 +230,30 @@ def check_call(comm, problem, values, peaks, timeout):
     ``agreed``, collect the messages, so the ValueError names each rank as
     ``setup``'s does. Returns the largest peaks over all ranks. Every rank has
     arrived when it returns, as after a barrier.
+
+    ``comm`` is the handle's private communicator, so each rank also sends an
+    empty notice to every other one: while they have not all arrived, the wait
+    (``waits.wait_entry``: without limit for "auto", logged) can say which
+    ranks have not entered the call. Once all have, the all-reduce's wait is
+    bounded (``checks.agreement_timeout``). If this rank gives up, its pending
+    requests are abandoned (``waits.abandon``), never freed.
     """
+    rank, size = comm.Get_rank(), comm.Get_size()
     digest = values_digest(values)
     mine = np.array([1.0 if problem else 0.0, digest, -digest, *peaks])
     every = np.empty_like(mine)
-    wait_until([comm.Iallreduce(mine, every, op=MPI.MAX)], agreement_timeout(timeout), comm.Get_rank(), "agreement",
-               sync=True)
+    peers = [r for r in range(size) if r != rank]
+    notices = np.empty((size, 0), np.uint8)
+    heard = [comm.Irecv(notices[r], source=r, tag=ENTRY_TAG) for r in peers]
+    told = [comm.Isend(notices[rank], dest=r, tag=ENTRY_TAG) for r in peers]
+    reduce = comm.Iallreduce(mine, every, op=MPI.MAX)
+    try:
+        wait_entry(heard, entry_timeout(timeout), rank, "agreement",
+                   absent=lambda: [r for r, request in zip(peers, heard) if not completed([request])])
+        wait_until([reduce, *told], agreement_timeout(timeout), rank, "agreement", sync=True)
+    except BaseException:
+        abandon((comm, [*heard, *told, reduce], notices, mine, every))  # MPI may still use them: kept for good
+        raise
     if every[0] or every[1] != -every[2]:
         agreed(comm, problem, values, timeout)
         raise ValueError("the ranks passed arrays of different shapes or dtypes")

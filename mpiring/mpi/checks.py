@@ -13,10 +13,10 @@ from ..core.precision import compute_dtype, dtype_problem
 from ..core.ranks import ranks_text
 from ..plans.spec import FIELDS, digest
 
-__all__ = ["local_problem", "is_real", "timeout_problem", "AUTO_AGREE", "AUTO_BASE", "AUTO_RATE", "agreement_timeout",
-           "resolve_timeout", "size_problem", "Shown", "shape_text", "verdict", "differences", "describe", "compared",
-           "logit_problem", "grad_problem", "root_problem", "root_grad_problem", "scale_problem", "call_values",
-           "values_digest", "peaks"]
+__all__ = ["local_problem", "is_real", "timeout_problem", "AUTO_AGREE", "AUTO_BASE", "AUTO_RATE", "AUTO_ENTRY",
+           "agreement_timeout", "entry_timeout", "resolve_timeout", "size_problem", "Shown", "shape_text", "verdict",
+           "differences", "describe", "compared", "logit_problem", "grad_problem", "root_problem", "root_grad_problem",
+           "scale_problem", "call_values", "values_digest", "peaks"]
 
 
 def local_problem(q, k, v, scale, check_finite=False, same_rows=True):
@@ -70,20 +70,31 @@ def timeout_problem(timeout):
     return None
 
 
-# timeout="auto": how long a rank waits for the others. Generous: a hang ends, a slow run never does.
-AUTO_AGREE = 60.0  # seconds for ranks to arrive at a call (they may have other work before it)
+# timeout="auto": how long a rank waits for the others. A slow rank is not a failed one: every rank may do
+# other work before a call (an evaluation, a checkpoint), so the entry, until every rank has reached the
+# call, waits without limit (AUTO_ENTRY None; waits.wait_entry logs who is missing every minute, doubling);
+# once every rank is in the call, each wait is bounded, generously: a hang ends, a slow run never does.
+AUTO_ENTRY = None  # seconds for every rank to reach a call: None, no limit
+AUTO_AGREE = 60.0  # seconds for each wait of the agreement once every rank has entered (the Idup, a second round)
 AUTO_BASE = 60.0  # seconds for any transfer, plus ...
 AUTO_RATE = 1e8  # ... the whole call's FLOPs at this rate (FLOP/s): 100x below a CPU core's GEMM speed
 
 
 def agreement_timeout(timeout):
-    """The timeout of the agreement itself, before the plan is known.
+    """The timeout of each wait of the agreement once every rank has entered the call, before the plan is known.
 
     A bad timeout waits forever here: the agreement is what reports it, to every rank.
     """
     if timeout_problem(timeout):
         return None
     return AUTO_AGREE if isinstance(timeout, str) else timeout
+
+
+def entry_timeout(timeout):
+    """How long a rank waits for every rank to enter a call: ``timeout`` itself, or AUTO_ENTRY (no limit) for "auto"."""
+    if timeout_problem(timeout):
+        return None
+    return AUTO_ENTRY if isinstance(timeout, str) else timeout
 
 
 def resolve_timeout(timeout, plan, batch_heads, dim, factor=1.0):

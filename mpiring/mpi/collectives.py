@@ -24,17 +24,24 @@ def together(comm, timeout, what):
     wait_until([comm.Ibarrier()], timeout, comm.Get_rank(), what, sync=True)
 
 
-def allgather(comm, obj, timeout=None):
+def allgather(comm, obj, timeout=None, enter=None):
     """``comm.allgather(obj)`` that raises CommTimeout if some rank does not join in time.
 
     Always non-blocking collectives (they never match blocking ones), so ranks
-    with and without a timeout still pair up.
+    with and without a timeout still pair up. ``enter(requests)``: when this
+    all-gather opens a call, how to wait for its first stage (every rank's
+    size), which completes when every rank has entered (``agree.gather_entry``);
+    ``timeout`` then bounds the second.
     """
     start, rank = time.perf_counter(), comm.Get_rank()
     data = _pickled(obj)
     sizes = np.empty(comm.Get_size(), np.int64)
-    wait_until([comm.Iallgather(np.array([data.size], np.int64), sizes)], timeout, rank, "agreement", start,
-               sync=True)
+    first = [comm.Iallgather(np.array([data.size], np.int64), sizes)]
+    if enter is None:
+        wait_until(first, timeout, rank, "agreement", start, sync=True)
+    else:
+        enter(first)
+        start = time.perf_counter()
     flat = np.empty(int(sizes.sum()), np.uint8)
     wait_until([comm.Iallgatherv(data, [flat, sizes])], timeout, rank, "agreement", start, sync=True)
     return _unpickled(flat, sizes)

@@ -8,6 +8,7 @@ exception on every live rank (docs/reliability.md).
 import contextlib
 import ctypes
 import functools
+import logging
 import threading
 import time
 
@@ -15,8 +16,8 @@ from mpi4py import MPI
 
 from ..core.threads import cores, launcher_local_ranks
 
-__all__ = ["CommTimeout", "CAUSES", "wait_until", "test_all", "completed", "exclusive", "abandon", "ABANDONED",
-           "shares_cores"]
+__all__ = ["CommTimeout", "CAUSES", "wait_until", "wait_entry", "test_all", "completed", "exclusive", "abandon",
+           "ABANDONED", "shares_cores"]
 
 
 # what a timed-out wait says when it knows no better
@@ -33,6 +34,13 @@ SPIN_SECONDS = 0.1
 BURST_SECONDS = 1e-3
 SYNC_SPIN_SECONDS = 0.02
 NAP_SECONDS = (5e-5, 1e-3)
+# A call's entry (every rank reaching it) may wait minutes, for another rank's evaluation or
+# checkpoint: past LONG_WAIT_SECONDS it polls every LONG_NAP_SECONDS, and with timeout="auto"
+# it logs a warning after ENTRY_REPORT_SECONDS, then each time the wait doubles.
+LONG_WAIT_SECONDS = 1.0
+LONG_NAP_SECONDS = 0.01
+ENTRY_REPORT_SECONDS = 60.0
+LOG = logging.getLogger("mpiring")
 
 
 @functools.cache
@@ -115,13 +123,25 @@ def wait_until(requests, timeout, rank, what, start=None, note=None, sync=False)
     requests carry no bulk data, so the polls start sleeping sooner (SYNC_SPIN_SECONDS).
     """
     start = time.perf_counter() if start is None else start
+    for now in _polls(requests, rank, what, sync):
+        if timeout is not None and now - start > timeout:
+            raise CommTimeout(f"rank {rank}: {what} not complete after {timeout:g} s ({note or CAUSES})")
+
+
+def _polls(requests, rank, what, sync, patient=False):
+    """Poll ``requests`` until they complete, yielding the time of each poll that found them pending.
+
+    ``patient``: a wait that may last minutes (a call's entry) naps LONG_NAP_SECONDS once it has
+    lasted LONG_WAIT_SECONDS, so a rank waiting for another's evaluation or checkpoint costs no core.
+    """
     spin, burst = (SYNC_SPIN_SECONDS, 0.0) if sync else (SPIN_SECONDS, BURST_SECONDS)
     polled, nap = time.perf_counter(), NAP_SECONDS[0]
     while not test_all(requests, rank, what):
         now = time.perf_counter()
-        if timeout is not None and now - start > timeout:
-            raise CommTimeout(f"rank {rank}: {what} not complete after {timeout:g} s ({note or CAUSES})")
-        if shares_cores():  # more ranks than cores here: a spinning rank would slow the one computing
+        yield now
+        if patient and now - polled > LONG_WAIT_SECONDS:
+            time.sleep(LONG_NAP_SECONDS)
+        elif shares_cores():  # more ranks than cores here: a spinning rank would slow the one computing
             time.sleep(1e-4)
         elif now - polled > spin:  # the others are still computing: leave the core to them
             time.sleep(nap)
@@ -129,6 +149,39 @@ def wait_until(requests, timeout, rank, what, start=None, note=None, sync=False)
             until = time.perf_counter() + burst  # data: a burst of polls after each nap keeps it moving
             while time.perf_counter() < until and not test_all(requests, rank, what):
                 pass
+
+
+def wait_entry(requests, timeout, rank, what, absent=None):
+    """Wait for every rank to enter a call (``requests``: its first collective, or every rank's notice).
+
+    ``timeout`` None waits without limit (``timeout="auto"``: a rank busy before the call, with an
+    evaluation or a checkpoint, is not a failed one); every ENTRY_REPORT_SECONDS, doubling, the wait
+    is logged as a warning on the ``mpiring`` logger. A number raises CommTimeout past it. Both say
+    for how long this rank has waited and, when ``absent()`` can tell (a ``Ring``'s notices), which
+    ranks have not entered the call.
+    """
+    start = time.perf_counter()
+    report = ENTRY_REPORT_SECONDS
+    for now in _polls(requests, rank, what, sync=True, patient=True):
+        waited = now - start
+        if timeout is not None and waited > timeout:
+            raise CommTimeout(f"rank {rank}: {what} not complete after {timeout:g} s: {_not_entered(absent)} (it may "
+                              f"have failed, or be busy before the call: timeout={timeout:g} bounds that wait too; "
+                              f"timeout='auto' waits without limit)")
+        if waited > report:
+            LOG.warning("rank %d: %s waiting for %.0f s: %s (with timeout='auto' a call waits without limit for every "
+                        "rank to reach it: a rank busy with an evaluation or a checkpoint is fine, a failed one is "
+                        "not; docs/training.md)", rank, what, waited, _not_entered(absent))
+            report *= 2
+
+
+def _not_entered(absent):
+    """Who has not entered the call, as far as this rank can tell."""
+    ranks = absent() if absent is not None else None
+    if not ranks:
+        return "not every rank has entered the call"
+    who = f"rank {ranks[0]} has" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))} have"
+    return f"{who} not entered the call"
 
 
 def completed(requests):
