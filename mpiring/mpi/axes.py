@@ -69,8 +69,10 @@ def axis_problem(arrays, seq_axis, tokens=None, same_rows=True, lse=None):
     ``tokens``: this rank's query and key counts when known (a ``Ring``), as
     ``{"q": n, "k": m}``; ``lse`` the backward's (``(..., H, S)`` whatever the
     axis). The message names the axis and the shapes, and the axis that would
-    fit when one does. An int axis whose arrays hold as many heads as tokens
-    is refused: it cannot be told from the heads axis (a string can).
+    fit when one does. An int axis other than the default -2 (the native
+    ``(..., H, S, D)``) whose arrays hold as many heads as tokens is refused:
+    it cannot be told from the heads axis (a string can). The default is taken
+    at its word, as documented.
     """
     problem = _spelling_problem(seq_axis)
     if problem:
@@ -101,7 +103,7 @@ def axis_problem(arrays, seq_axis, tokens=None, same_rows=True, lse=None):
         return (f"seq_axis={seq_axis!r} does not fit the arrays (read so, {why}); {_named(fit[0], ndim)} "
                 f"does: {_shapes(arrays)}")
     swapped = {-3: -2, -2: -3}.get(axis)
-    if (isinstance(seq_axis, str) or ndim < 4 or arrays["q"].shape[axis] == 1
+    if (isinstance(seq_axis, str) or axis == -2 or ndim < 4 or arrays["q"].shape[axis] == 1
             or any(a.shape[axis] != a.shape[swapped] for a in arrays.values()) or swapped not in others()):
         return None
     return (f"seq_axis={seq_axis} cannot be told from the heads axis: axes -3 and -2 have the same length in "
