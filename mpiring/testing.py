@@ -67,7 +67,7 @@ def tolerance(dtype, wire=None):
 # ---------------------------------------------------------------- the dense reference
 
 
-def dense_mask(q_positions, k_positions, *, causal=False, window=None, cu_seqlens=None, causal_block=None):
+def dense_mask(q_positions, k_positions, *, causal=False, window=None, cu_seqlens=None, causal_block=None, mask=()):
     """Boolean (len(q_positions), len(k_positions)) mask: True where query i may see key j.
 
     Straight from the definitions (``mpiring.core.reference.definition_mask``), with i, j global
@@ -79,7 +79,7 @@ def dense_mask(q_positions, k_positions, *, causal=False, window=None, cu_seqlen
         if bounds.ndim != 1 or len(bounds) < 2 or bounds[0] != 0 or np.any(np.diff(bounds) < 0):
             raise ValueError(f"cu_seqlens must be [0, e1, ..., S], non-decreasing; got {cu_seqlens!r}")
     return definition_mask(q_positions, k_positions, causal=causal, window=window, cu_seqlens=cu_seqlens,
-                           causal_block=causal_block)
+                           causal_block=causal_block, mask=mask)
 
 
 def _prepare(q, k, v, q_positions, k_positions, mask_options):
@@ -100,7 +100,7 @@ def _prepare(q, k, v, q_positions, k_positions, mask_options):
 
 
 def reference(q, k, v, *, causal=False, window=None, cu_seqlens=None, q_positions=None, k_positions=None,
-              scale=None, causal_block=None):
+              scale=None, causal_block=None, mask=()):
     """Dense attention in float64: ``(out, lse)`` (``mpiring.core.reference.dense_attention``).
 
     q (..., Hq, Sq, D), k (..., Hk, Sk, D), v (..., Hk, Sk, Dv), Hq a multiple of Hk (head h uses
@@ -110,24 +110,24 @@ def reference(q, k, v, *, causal=False, window=None, cu_seqlens=None, q_position
     Rows that see no key get out 0 and lse -inf. The default scale is 1/sqrt(D). BLAS threads
     are shared out among the ranks on this node during the call, as in ``ring_attention``.
     """
-    mask = _prepare(q, k, v, q_positions, k_positions, dict(causal=causal, window=window, cu_seqlens=cu_seqlens,
-                                                            causal_block=causal_block))
+    rows = _prepare(q, k, v, q_positions, k_positions, dict(causal=causal, window=window, cu_seqlens=cu_seqlens,
+                                                            causal_block=causal_block, mask=mask))
     with limited(node_threads()):
-        return dense_attention(q, k, v, scale, mask)
+        return dense_attention(q, k, v, scale, rows)
 
 
 def reference_backward(dout, q, k, v, *, causal=False, window=None, cu_seqlens=None, q_positions=None,
-                       k_positions=None, scale=None, causal_block=None):
+                       k_positions=None, scale=None, causal_block=None, mask=()):
     """Dense gradients of ``reference``'s output in float64: ``(dq, dk, dv)`` for the loss sum(dout * out).
 
     dP = dout v^T, dS = P * (dP - rowsum(dout * out)), dq = scale dS k, dk = scale dS^T q, dv = P^T dout;
     grouped-query K/V gradients are summed over the query heads that share them
     (``mpiring.core.reference.dense_attention_backward``).
     """
-    mask = _prepare(q, k, v, q_positions, k_positions, dict(causal=causal, window=window, cu_seqlens=cu_seqlens,
-                                                            causal_block=causal_block))
+    rows = _prepare(q, k, v, q_positions, k_positions, dict(causal=causal, window=window, cu_seqlens=cu_seqlens,
+                                                            causal_block=causal_block, mask=mask))
     with limited(node_threads()):
-        return dense_attention_backward(dout, q, k, v, scale, mask)
+        return dense_attention_backward(dout, q, k, v, scale, rows)
 
 
 # ---------------------------------------------------------------- comparing

@@ -16,11 +16,12 @@ from mpiring.plans import masks
 from mpiring.plans import plan as plans
 
 
-def _ignore_window(q_pos, k_pos, *, causal=False, window=(-1, -1), cu_seqlens=None, causal_block=None):
-    return masks.visible_keys(q_pos, k_pos, causal=causal, cu_seqlens=cu_seqlens, causal_block=causal_block)
+def _ignore_window(q_pos, k_pos, *, causal=False, window=(-1, -1), cu_seqlens=None, causal_block=None, mask=()):
+    return masks.visible_keys(q_pos, k_pos, causal=causal, cu_seqlens=cu_seqlens, causal_block=causal_block,
+                              mask=mask)
 
 
-def _wrapping_window(q_pos, k_pos, *, causal=False, window=(-1, -1), cu_seqlens=None, causal_block=None):
+def _wrapping_window(q_pos, k_pos, *, causal=False, window=(-1, -1), cu_seqlens=None, causal_block=None, mask=()):
     """The old overflow: q_pos + right computed in int64 wraps to a negative end."""
     left, right = window
     with np.errstate(over="ignore"):

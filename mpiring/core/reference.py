@@ -11,14 +11,15 @@ __all__ = ["definition_mask", "dense_attention", "dense_attention_backward", "re
            "reference_attention_backward"]
 
 
-def definition_mask(q_pos, k_pos, *, causal=False, window=None, cu_seqlens=None, causal_block=None):
+def definition_mask(q_pos, k_pos, *, causal=False, window=None, cu_seqlens=None, causal_block=None, mask=()):
     """Boolean (len(q_pos), len(k_pos)): may query position i see key position j?
 
     causal: j <= i; with causal_block F: j // F <= i // F (j's frame is not after i's).
     window (left, right), -1 or None unbounded: i - left <= j <= i + right
     (j - i is compared with the window as a Python integer: nothing wraps around).
     cu_seqlens [0, e1, ..., S]: i and j in the same document, document d holding
-    positions cu[d] <= p < cu[d + 1].
+    positions cu[d] <= p < cu[d + 1]. ``mask``: more pieces (``plans.masks.MaskPiece``), each by its own
+    definition (``allows``).
     """
     gap = np.asarray(k_pos, np.int64)[None, :] - np.asarray(q_pos, np.int64)[:, None]  # j - i
     ok = np.ones(gap.shape, bool)
@@ -37,6 +38,8 @@ def definition_mask(q_pos, k_pos, *, causal=False, window=None, cu_seqlens=None,
         doc_q = (np.asarray(q_pos, np.int64)[:, None] >= ends[None, :]).sum(axis=1)
         doc_k = (np.asarray(k_pos, np.int64)[:, None] >= ends[None, :]).sum(axis=1)
         ok &= doc_q[:, None] == doc_k[None, :]
+    for piece in mask:
+        ok &= piece.allows(np.asarray(q_pos, np.int64)[:, None], np.asarray(k_pos, np.int64)[None, :])
     return ok
 
 

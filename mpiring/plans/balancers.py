@@ -21,7 +21,7 @@ import numpy as np
 
 from .layouts import LAYOUTS, block_range, layout_positions
 from .make import make_plan
-from .masks import check_causal_block, check_cu_seqlens, check_window, row_work
+from .masks import check_causal_block, check_cu_seqlens, check_mask, check_window, row_work
 
 __all__ = ["METHODS", "balance", "work", "imbalance", "GREEDY_CHUNKS", "WORKLOADS", "markdown_table"]
 
@@ -29,7 +29,8 @@ METHODS = LAYOUTS + ("headtail", "greedy")
 GREEDY_CHUNKS = 16  # greedy: chunks per rank (more: finer balance, more runs per rank)
 
 
-def balance(seq_len, size, *, causal=False, window=None, cu_seqlens=None, causal_block=None, method="greedy"):
+def balance(seq_len, size, *, causal=False, window=None, cu_seqlens=None, causal_block=None, method="greedy",
+            mask=()):
     """``size`` sorted position arrays that partition range(seq_len), dealt out by ``method`` (see the module)."""
     for name, value in (("seq_len", seq_len), ("size", size)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -40,7 +41,7 @@ def balance(seq_len, size, *, causal=False, window=None, cu_seqlens=None, causal
         raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
     cu = check_cu_seqlens(cu_seqlens, seq_len)
     mask = dict(causal=bool(causal), window=check_window(window), cu_seqlens=cu,
-                causal_block=check_causal_block(causal_block, causal))
+                causal_block=check_causal_block(causal_block, causal), mask=check_mask(mask))
     if method in LAYOUTS:
         return layout_positions(seq_len, size, method)
     docs = [(0, seq_len)] if cu is None else [(int(a), int(b)) for a, b in zip(cu[:-1], cu[1:]) if b > a]
@@ -83,11 +84,11 @@ def _greedy(docs, size, rows):
     return parts
 
 
-def work(parts, seq_len=None, *, causal=False, window=None, cu_seqlens=None, causal_block=None):
+def work(parts, seq_len=None, *, causal=False, window=None, cu_seqlens=None, causal_block=None, mask=()):
     """Visible (query, key) pairs of every rank holding the positions ``parts`` (keys: the whole sequence)."""
     seq_len = sum(len(p) for p in parts) if seq_len is None else seq_len
     rows = row_work(seq_len, causal=causal, window=check_window(window),
-                    cu_seqlens=check_cu_seqlens(cu_seqlens, seq_len), causal_block=causal_block)
+                    cu_seqlens=check_cu_seqlens(cu_seqlens, seq_len), causal_block=causal_block, mask=check_mask(mask))
     return [int(rows[np.asarray(p, np.int64)].sum()) for p in parts]
 
 

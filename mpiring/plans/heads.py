@@ -222,7 +222,7 @@ def hybrid_plan(base, ulysses_size, mode, rounds):
     separate_kv = base.kv_shards is not base.shards
     grid.ring_plan = ring = ring_plan(
         base.seq_len, P // u, mode=mode, causal=base.causal, window=base.window, cu_seqlens=base.cu_seqlens,
-        causal_block=base.causal_block, positions=[grid.group_positions(g) for g in groups],
+        causal_block=base.causal_block, mask=base.mask_pieces, positions=[grid.group_positions(g) for g in groups],
         kv_positions=[grid.group_positions(g, kv=True) for g in groups] if separate_kv else None, rounds=rounds)
     grid.kinds = [ring.kinds[r // u] for r in range(P)]
     grid.pairs = [ring.pairs[r // u] for r in range(P)]

@@ -24,13 +24,14 @@ PLANS = {"ulysses": lambda base, node_size: ulysses_plan(base),
 def make_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str = "ring", causal: bool = False,
               window: tuple[int, int] | None = None, cu_seqlens=None, causal_block: int | None = None,
               positions=None, kv_positions=None, node_size: int | None = None,
-              ulysses_size: int | None = None) -> Plan:
+              ulysses_size: int | None = None, mask=()) -> Plan:
     """Build the plan for ``size`` ranks over a sequence of ``seq_len`` tokens (keys), in any mode.
 
     ``layout``, ``positions``, ``kv_positions`` and the mask: as ``plans.plan.ring_plan``
     takes them; every mode holds the same tokens under them (``shard_indices``).
     ``node_size``: ranks per node of the double ring (None: all ranks on one node); other modes ignore it.
     ``ulysses_size``: Ulysses inside groups of that many ranks, the ring mode across them (mpiring.plans.heads).
+    ``mask``: more mask pieces (``masks.MaskPiece``), all of which must allow a key.
     """
     if mode not in ALL_MODES:
         raise ValueError(f"mode must be one of {', '.join(ALL_MODES)}; got {mode!r}")
@@ -42,7 +43,7 @@ def make_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str 
         if size % ulysses_size:
             raise ValueError(f"ulysses_size {ulysses_size} does not divide the {size} ranks")
     problem = dict(layout=layout, causal=causal, window=window, cu_seqlens=cu_seqlens, causal_block=causal_block,
-                   positions=positions, kv_positions=kv_positions)
+                   mask=mask, positions=positions, kv_positions=kv_positions)
     if mode in RING_MODES and ulysses_size is None:
         return ring_plan(seq_len, size, mode=mode, rounds=RING_MODES[mode], **problem)
     # the tokens every rank holds and their masks, as the flat ring's; visited in the strategy's own order

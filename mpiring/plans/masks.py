@@ -6,15 +6,24 @@ rule allows an interval of positions, so the keys one query may see always
 form one contiguous run of local key indices. A block
 mask is therefore two integer arrays ``klo, khi``: row i sees keys
 ``klo[i] <= j < khi[i]``. This covers every option with one representation.
+
+Each kind of mask is a ``MaskPiece``: ``bounds(q_pos)`` gives the first and
+last key position each query may see (both non-decreasing in the query's
+position), ``allows(q_pos, k_pos)`` the same from the definition, for the
+references. A call's mask is the pieces its options name (``pieces``:
+``Causal``, ``Window``, ``Documents``) and any it is given (``Spec.of(mask=...)``),
+all of which must allow a key: their intervals intersect. A new kind is one
+such class (docs/extending.md); the plans, the balancers, the cost model and
+the references take it as they are.
 """
 
 import numpy as np
 
 __all__ = ["visible_keys", "block_kind", "doc_ids", "check_window", "check_cu_seqlens", "check_causal_block",
-           "row_work"]
+           "row_work", "MaskPiece", "Causal", "Window", "Documents", "pieces", "check_mask"]
 
 _INT64_MAX = int(np.iinfo(np.int64).max)
-_BIG = _INT64_MAX // 4  # beyond any position: q_pos +/- _BIG cannot wrap around
+BIG = _INT64_MAX // 4  # beyond any position: q_pos +/- BIG cannot wrap around
 
 
 def check_window(window):
@@ -69,30 +78,134 @@ def doc_ids(pos, cu_seqlens):
     return np.searchsorted(cu_seqlens, pos, side="right") - 1
 
 
-def visible_keys(q_pos, k_pos, *, causal=False, window=(-1, -1), cu_seqlens=None, causal_block=None):
+class MaskPiece:
+    """One kind of mask: query position q sees key positions ``lo(q) .. hi(q)`` (inclusive, both non-decreasing
+    in q). Subclasses define ``bounds``, ``allows`` and ``__repr__``; pieces are equal when their fields are."""
+
+    def bounds(self, q_pos):
+        """``(lo, hi)`` int64 arrays for the query positions ``q_pos`` (int64); +-``BIG``: unbounded."""
+        raise NotImplementedError
+
+    def allows(self, q_pos, k_pos):
+        """Whether query position q may see key position k, from the mask's definition (broadcasting)."""
+        raise NotImplementedError
+
+    def key(self):
+        """What the piece is, comparable: its class and its fields (arrays by their values)."""
+        return (type(self).__qualname__, tuple((name, (value.dtype.str, value.shape, value.tobytes())
+                                               if isinstance(value, np.ndarray) else value)
+                                              for name, value in sorted(vars(self).items())))
+
+    def __eq__(self, other):
+        return isinstance(other, MaskPiece) and other.key() == self.key()
+
+    def __hash__(self):
+        return hash(self.key())
+
+
+class Causal(MaskPiece):
+    """Key j visible to query i iff j <= i; ``frame=F``: iff j // F <= i // F (block-causal video frames)."""
+
+    def __init__(self, frame=None):
+        self.frame = frame
+
+    def bounds(self, q_pos):  # the last key of the query's frame; a frame of 1 token: the query itself
+        hi = q_pos if not self.frame else (q_pos // self.frame + 1) * self.frame - 1
+        return np.full(q_pos.shape, -BIG, np.int64), hi
+
+    def allows(self, q_pos, k_pos):
+        return k_pos // self.frame <= q_pos // self.frame if self.frame else k_pos <= q_pos
+
+    def __repr__(self):
+        return f"Causal(frame={self.frame})"
+
+
+class Window(MaskPiece):
+    """Keys i - left .. i + right visible to query i (flash-attn's window; -1: that side unbounded)."""
+
+    def __init__(self, left, right):
+        self.left, self.right = left, right
+
+    def bounds(self, q_pos):  # a window wider than any sequence is clipped: q_pos +/- w must not wrap around
+        lo = q_pos - min(self.left, BIG) if self.left >= 0 else np.full(q_pos.shape, -BIG, np.int64)
+        hi = q_pos + min(self.right, BIG) if self.right >= 0 else np.full(q_pos.shape, BIG, np.int64)
+        return lo, hi
+
+    def allows(self, q_pos, k_pos):
+        ok = np.ones(np.broadcast_shapes(np.shape(q_pos), np.shape(k_pos)), bool)
+        if self.left >= 0:
+            ok &= k_pos >= q_pos - self.left
+        if self.right >= 0:
+            ok &= k_pos <= q_pos + self.right
+        return ok
+
+    def __repr__(self):
+        return f"Window({self.left}, {self.right})"
+
+
+class Documents(MaskPiece):
+    """Packed documents ``cu_seqlens = [0, e1, ..., S]``: query i sees the keys of its own document only."""
+
+    def __init__(self, cu_seqlens):
+        self.cu = np.asarray(cu_seqlens, np.int64)
+
+    def bounds(self, q_pos):
+        d = doc_ids(q_pos, self.cu)
+        return self.cu[d], self.cu[d + 1] - 1
+
+    def allows(self, q_pos, k_pos):  # the document of p: how many document ends cu[1:] are <= p
+        ends = self.cu[1:]
+        return np.searchsorted(ends, q_pos, side="right") == np.searchsorted(ends, k_pos, side="right")
+
+    def __repr__(self):
+        items = self.cu.tolist()
+        return f"Documents({items if len(items) <= 8 else f'[{items[0]}, {items[1]}, ..., {items[-1]}]'})"
+
+
+def pieces(causal=False, window=(-1, -1), cu_seqlens=None, causal_block=None, mask=()):
+    """The mask pieces a call's options name, then those it is given (``mask``)."""
+    named = [Causal(causal_block)] if causal else []
+    if window[0] >= 0 or window[1] >= 0:
+        named.append(Window(*window))
+    if cu_seqlens is not None:
+        named.append(Documents(cu_seqlens))
+    return tuple(named) + tuple(mask)
+
+
+def check_mask(mask):
+    """``mask`` (None, a piece, or pieces) as a tuple of ``MaskPiece``; ValueError otherwise."""
+    if mask is None:
+        return ()
+    found = (mask,) if isinstance(mask, MaskPiece) else mask
+    try:
+        found = tuple(found)
+    except TypeError:
+        found = (found,)
+    bad = [m for m in found if not isinstance(m, MaskPiece)]
+    if bad:
+        raise ValueError(f"mask must be mask pieces (mpiring.plans.masks.MaskPiece: Causal, Window, Documents, "
+                         f"or a class of your own), got {bad[0]!r}")
+    return found
+
+
+def visible_keys(q_pos, k_pos, *, causal=False, window=(-1, -1), cu_seqlens=None, causal_block=None, mask=()):
     """Per-query half-open ranges [klo, khi) of visible local key indices.
 
     ``q_pos`` are the global positions of a query block, ``k_pos`` the sorted
     global positions of a key block. ``causal_block=F``: key j is visible to
-    query i iff j // F <= i // F (frame-causal). Returns ``(None, None)`` when
-    nothing is masked at all.
+    query i iff j // F <= i // F (frame-causal). ``mask``: more pieces, all of
+    which must allow a key. Returns ``(None, None)`` when nothing is masked at all.
     """
-    left, right = window
-    if not causal and left < 0 and right < 0 and cu_seqlens is None:
+    every = pieces(causal, window, cu_seqlens, causal_block, mask)
+    if not every:
         return None, None
     q_pos = np.asarray(q_pos, dtype=np.int64)
-    lo = np.full(q_pos.shape, -_BIG, dtype=np.int64)  # first visible position (inclusive)
-    hi = np.full(q_pos.shape, _BIG, dtype=np.int64)  # last visible position (inclusive)
-    if causal:  # the last key of the query's frame; a frame of 1 token: the query itself
-        np.minimum(hi, q_pos if not causal_block else (q_pos // causal_block + 1) * causal_block - 1, out=hi)
-    if right >= 0:  # a window wider than any sequence is clipped: q_pos + right must not wrap around
-        np.minimum(hi, q_pos + min(right, _BIG), out=hi)
-    if left >= 0:
-        np.maximum(lo, q_pos - min(left, _BIG), out=lo)
-    if cu_seqlens is not None:
-        d = doc_ids(q_pos, cu_seqlens)
-        np.maximum(lo, cu_seqlens[d], out=lo)
-        np.minimum(hi, cu_seqlens[d + 1] - 1, out=hi)
+    lo = np.full(q_pos.shape, -BIG, dtype=np.int64)  # first visible position (inclusive)
+    hi = np.full(q_pos.shape, BIG, dtype=np.int64)  # last visible position (inclusive)
+    for piece in every:
+        first, last = piece.bounds(q_pos)
+        np.maximum(lo, first, out=lo)
+        np.minimum(hi, last, out=hi)
     klo = np.searchsorted(k_pos, lo, side="left")
     khi = np.searchsorted(k_pos, hi, side="right")
     return klo, np.maximum(khi, klo)
@@ -110,9 +223,9 @@ def block_kind(klo, khi, n_keys):
     return "masked", pairs
 
 
-def row_work(seq_len, *, causal=False, window=(-1, -1), cu_seqlens=None, causal_block=None):
+def row_work(seq_len, *, causal=False, window=(-1, -1), cu_seqlens=None, causal_block=None, mask=()):
     """Visible keys of every query position 0 .. seq_len-1 against the whole sequence (int64)."""
     pos = np.arange(seq_len, dtype=np.int64)
     klo, khi = visible_keys(pos, pos, causal=causal, window=check_window(window), cu_seqlens=cu_seqlens,
-                            causal_block=causal_block)
+                            causal_block=causal_block, mask=mask)
     return np.full(seq_len, seq_len, np.int64) if klo is None else khi - klo

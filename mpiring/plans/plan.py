@@ -32,7 +32,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .layouts import check_layout, positions_problem, put_rows, shard_indices, sort_order
-from .masks import block_kind, check_causal_block, check_cu_seqlens, check_window, visible_keys
+from .masks import block_kind, check_causal_block, check_cu_seqlens, check_mask, check_window, visible_keys
 from .rows import PairTable, Reach, Rows, layout_owners, owners, run_unit, runs_of, visible_per_rank
 
 __all__ = ["MODES", "ALL_MODES", "NEXT", "PREV", "HOME_CHUNKS", "Task", "Piece", "Schedule", "PlannedSchedule",
@@ -141,6 +141,7 @@ class Plan:
     window: tuple = (-1, -1)
     cu_seqlens: np.ndarray | None = None
     causal_block: int | None = None  # frame size of a block-causal mask (None: token-causal)
+    mask_pieces: tuple = ()  # more mask pieces (masks.MaskPiece), all of which must allow a key
     shards: list = field(default_factory=list)  # sorted global positions of each rank's queries
     kv_shards: list = field(default_factory=list)  # ... and of its keys/values (the same list unless kv_positions)
     orders: list = field(default_factory=list)  # per rank: the sort of its query rows as passed (None: sorted)
@@ -171,12 +172,13 @@ class Plan:
 
     def _mask_options(self):
         return dict(causal=self.causal, window=self.window, cu_seqlens=self.cu_seqlens,
-                    causal_block=self.causal_block)
+                    causal_block=self.causal_block, mask=self.mask_pieces)
 
     def mask(self, rank, source):
         """``(klo, khi)`` for rank's queries against source's keys."""
         return visible_keys(self.shards[rank], self.kv_shards[source], causal=self.causal,
-                            window=self.window, cu_seqlens=self.cu_seqlens, causal_block=self.causal_block)
+                            window=self.window, cu_seqlens=self.cu_seqlens, causal_block=self.causal_block,
+                            mask=self.mask_pieces)
 
     def in_caller_order(self, rank, a, kv=False, axis=-2):
         """``rank``'s results, computed on its rows sorted by position, back in the order it passed them.
@@ -263,7 +265,8 @@ class Plan:
         return sum(2 * rounds + 2 * (rounds - 1) + 2 * chunks for rounds in self.rounds.values() if rounds > 0)
 
 
-PROBLEM_FIELDS = ("seq_len", "size", "layout", "causal", "window", "cu_seqlens", "causal_block", "shards", "kv_shards",
+PROBLEM_FIELDS = ("seq_len", "size", "layout", "causal", "window", "cu_seqlens", "causal_block", "mask_pieces",
+                  "shards", "kv_shards",
                   "orders", "kv_orders", "runs", "kinds", "pairs")  # what a call computes; the rest is how
 
 
@@ -290,7 +293,7 @@ def _held(parts, seq_len, size, name, partition):
 
 def ring_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str = "ring", causal: bool = False,
               window: tuple[int, int] | None = None, cu_seqlens=None, causal_block: int | None = None,
-              positions=None, kv_positions=None, rounds=None) -> Plan:
+              positions=None, kv_positions=None, rounds=None, mask=()) -> Plan:
     """The plan of a ring mode (``MODES``: K/V blocks travel) for ``size`` ranks over ``seq_len`` tokens (keys).
 
     ``mpiring.plans.make.make_plan`` takes every mode and calls this one for the
@@ -314,7 +317,8 @@ def ring_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str 
     if kv_positions is not None and positions is None:
         raise ValueError("kv_positions needs positions: the query rows' own positions")
     plan = Plan(seq_len, size, "positions" if positions is not None else layout, mode, bool(causal),
-                check_window(window), check_cu_seqlens(cu_seqlens, seq_len), check_causal_block(causal_block, causal))
+                check_window(window), check_cu_seqlens(cu_seqlens, seq_len), check_causal_block(causal_block, causal),
+                check_mask(mask))
     if positions is None:
         plan.shards, plan.orders = Rows(size, lambda r: shard_indices(seq_len, size, r, layout)), [None] * size
     else:

@@ -14,7 +14,8 @@ ranks' specs field by field (``shown``) and gathers their positions
 
 The problem: which tokens each rank holds (``seq_len`` and ``layout``, or
 ``positions`` / ``kv_positions``), the mask (``causal``, ``window``,
-``cu_seqlens``, ``causal_block``), the softmax ``scale`` and the precision
+``cu_seqlens``, ``causal_block``, and ``mask``: more pieces of any kind,
+``plans.masks.MaskPiece``), the softmax ``scale`` and the precision
 options (``wire_dtype``, ``grad_wire_dtype``, ``accumulate``). The strategy:
 ``mode`` (ring, bidirectional, allgather, ulysses, double_ring), ``rotate``
 (pass-Q), ``ulysses_size`` (the ring x Ulysses grid) and ``node_size`` (the
@@ -33,7 +34,7 @@ from ..core.precision import canonical_precision
 from .heads import heads_problem
 from .layouts import check_layout, sort_order
 from .make import make_plan
-from .masks import check_causal_block, check_window
+from .masks import MaskPiece, check_causal_block, check_mask, check_window
 from .plan import ALL_MODES, MODES
 
 __all__ = ["Spec", "ROTATE", "FIELDS", "spec_problem"]
@@ -89,6 +90,7 @@ class Spec:
     window: tuple = (-1, -1)
     cu_seqlens: np.ndarray | None = None
     causal_block: int | None = None
+    mask: tuple = ()  # more mask pieces (plans.masks.MaskPiece), all of which must allow a key
     scale: float | None = None  # None: 1/sqrt(head dim)
     wire_dtype: str | None = None
     grad_wire_dtype: str | None = None
@@ -138,6 +140,7 @@ class Spec:
         return cls(seq_len=None if seq_len is None else int(seq_len), layout=given["layout"], **rows,
                    causal=bool(given["causal"]), window=check_window(given["window"]), cu_seqlens=cu,
                    causal_block=check_causal_block(given["causal_block"], given["causal"]),
+                   mask=check_mask(given["mask"]),
                    scale=None if scale is None else float(scale), **canonical_precision(given), mode=mode,
                    rotate=given["rotate"], node_size=_count("node_size", given["node_size"], " (ranks per node)"),
                    ulysses_size=_count("ulysses_size", given["ulysses_size"], ""))
@@ -200,7 +203,8 @@ class Spec:
     def plan_options(self):
         """What ``plans.make.make_plan`` takes besides the length and the ranks."""
         return dict(layout=self.layout, mode=self.mode, causal=self.causal, window=self.window,
-                    cu_seqlens=self.cu_seqlens, causal_block=self.causal_block, positions=self.positions,
+                    cu_seqlens=self.cu_seqlens, causal_block=self.causal_block, mask=self.mask,
+                    positions=self.positions,
                     kv_positions=self.kv_positions, node_size=self.node_size, ulysses_size=self.ulysses_size)
 
     def plan(self, size, seq_len=None):
@@ -255,7 +259,9 @@ class Spec:
             cu = cu.tolist() if len(cu) <= 8 else f"{len(cu)} entries, sha1 {digest(cu)[:12]}"
         layout = "positions" if self.positions is not None else self.layout
         tag = {"layout": layout, "mode": self.mode, "causal": self.causal, "window": tuple(self.window),
-               "cu_seqlens": cu, "causal_block": self.causal_block, "ranks": size, "scale": float(scale),
+               "cu_seqlens": cu, "causal_block": self.causal_block,
+               "mask": tuple(f"{piece!r} ({digest(repr(piece.key()).encode())[:8]})" for piece in self.mask),
+               "ranks": size, "scale": float(scale),
                "wire_dtype": self.wire_dtype}
         if seq_len is not None:
             tag["seq_len"] = seq_len
@@ -271,8 +277,10 @@ class Spec:
 def _key(value):
     if isinstance(value, np.ndarray):
         return ("array", value.shape, digest(value))
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)):
         return [_key(v) for v in value]
+    if isinstance(value, MaskPiece):
+        return value.key()
     return value
 
 
