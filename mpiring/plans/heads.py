@@ -111,8 +111,11 @@ class UlyssesPlan(Plan):
         return slice(start, start + len(self.kv_shards[source]))
 
     def offsets(self, kv=False):
-        """Where each rank's query (``kv``: key) tokens start in the gathered (shard-ordered) sequence."""
-        return _starts(self.kv_shards if kv else self.shards)
+        """Where each rank's query (``kv``: key) tokens start in the gathered (shard-ordered) sequence, made once."""
+        name = "_kv_starts" if kv else "_q_starts"
+        if getattr(self, name, None) is None:
+            setattr(self, name, _starts(self.kv_shards if kv else self.shards))
+        return getattr(self, name)
 
     def block_tasks(self):
         """Every rank's one step: every key block, "skip" when no query sees it (the same for every rank)."""
@@ -191,7 +194,7 @@ class UlyssesPlan(Plan):
 
 def _starts(shards):
     """Where each shard starts when the shards are laid one after the other."""
-    return [sum(len(s) for s in shards[:i]) for i in range(len(shards))]
+    return [int(x) for x in np.cumsum([0] + [len(s) for s in shards])[:-1]]
 
 
 def ulysses_plan(base):
