@@ -8,6 +8,7 @@ import pytest
 
 from mpiring import LAYOUTS, make_plan
 from mpiring.__main__ import main
+from mpiring.core.reference import definition_mask
 from mpiring.cost.nodes import predicted_bytes
 from mpiring.plans.heads import heads_problem, kv_heads, query_heads
 
@@ -23,15 +24,79 @@ def test_every_rank_does_every_visible_pair_once_for_its_heads(P, layout):
     assert plan.n_steps == 1 and plan.rounds == {}
     assert plan.visible_pairs() == [sum(ring.visible_pairs())] * P  # the whole sequence's, for its heads
     gathered = np.concatenate(plan.shards)  # positions in the order the all-to-all leaves them
+    ordered = gathered if plan.order() is None else gathered[plan.order()]  # ... and once the rank sorts them
+    np.testing.assert_array_equal(ordered, np.arange(S))
     seen = np.zeros((S, S), int)
     for j in range(P):
-        keys = plan.shards[j]
-        for a, b, c, d, klo, khi in plan.block_pieces(j):
+        keys = ordered[plan.key_block(j)]
+        pieces = plan.block_pieces(j)
+        assert len(pieces) == 1 and plan.tasks(0, j % P)[j].kind == "masked"  # one kernel call per key block
+        for a, b, c, d, klo, khi in pieces:
             for row in range(a, b):
                 lo, hi = (c, d) if klo is None else (c + klo[row - a], c + khi[row - a])
-                seen[gathered[row], keys[lo:hi]] += 1
+                seen[ordered[row], keys[lo:hi]] += 1
     i, j = np.meshgrid(np.arange(S), np.arange(S), indexing="ij")
     np.testing.assert_array_equal(seen, ((j <= i) & (j >= i - 7)).astype(int))
+    assert plan.computed_pairs() == [sum((p.q1 - p.q0) * (p.k1 - p.k0) for j in range(P)
+                                         for p in plan.block_pieces(j))] * P
+
+
+OPTIONS = [dict(), dict(causal=True), dict(causal=True, window=(5, 0)), dict(window=(2, 3)),
+           dict(cu_seqlens=[0, 7, 20, 21]), dict(causal=True, causal_block=4), dict(causal=True, cu_seqlens=[0, 9, 40])]
+
+
+@pytest.mark.parametrize("P", [1, 3, 4])
+@pytest.mark.parametrize("options", OPTIONS)
+@pytest.mark.parametrize("layout", LAYOUTS + ("positions",))
+def test_block_pieces_cover_every_visible_pair_of_the_sorted_sequence_once(P, options, layout):
+    """Whatever the layout and mask: key block j's one piece (or none) covers exactly its visible pairs, the
+    kinds say which blocks are skipped or full, and the counts agree with the pieces."""
+    S = 40 if options.get("cu_seqlens", [0, 40])[-1] == 40 else 21
+    rng = np.random.default_rng([P, S, len(options)])
+    if layout == "positions":  # scattered queries against a partition of the keys of their own
+        perm, keys = rng.permutation(S), rng.permutation(S)
+        queries = np.sort(perm[:S - P])
+        kw = dict(positions=[queries[r::P] for r in range(P)], kv_positions=[keys[r::P] for r in range(P)])
+    else:
+        kw = dict(layout=layout)
+    plan = make_plan(S, P, mode="ulysses", **kw, **options)
+    q_pos = np.sort(np.concatenate(plan.shards))
+    k_pos = np.sort(np.concatenate(plan.kv_shards))
+    for kv, pos in ((False, q_pos), (True, k_pos)):
+        gathered = np.concatenate(plan.kv_shards if kv else plan.shards)
+        order = plan.order(kv)
+        np.testing.assert_array_equal(gathered if order is None else gathered[order], pos)
+    window = options.get("window")
+    want = definition_mask(q_pos, k_pos, causal=options.get("causal", False), window=window,
+                           cu_seqlens=options.get("cu_seqlens"), causal_block=options.get("causal_block"))
+    seen = np.zeros(want.shape, int)
+    for j, task in enumerate(plan.tasks(0, P - 1)):
+        block = plan.key_block(j)
+        pieces = plan.block_pieces(j)
+        assert task.source == j and len(pieces) <= 1
+        sees = want[:, block]
+        kind = "skip" if not sees.any() else "full" if sees.all() else "masked"
+        assert task.kind == kind and (kind == "skip") == (not pieces)
+        for a, b, c, d, klo, khi in pieces:
+            assert (klo is None) == bool(sees[a:b, c:d].all())
+            for row in range(a, b):
+                lo, hi = (c, d) if klo is None else (c + klo[row - a], c + khi[row - a])
+                seen[row, block.start + lo:block.start + hi] += 1
+    np.testing.assert_array_equal(seen, want.astype(int))
+    assert plan.visible_pairs() == [int(want.sum())] * P
+    assert plan.computed_pairs() == [sum((p.q1 - p.q0) * (p.k1 - p.k0) for j in range(P)
+                                         for p in plan.block_pieces(j))] * P
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "striped"])
+def test_ulysses_calls_the_kernel_at_most_once_per_key_block(layout):
+    """Issue 34: with zigzag or striped shards in shard order Ulysses gave the kernel a piece per query shard
+    and key block, 6,176 at P = 64 (causal zigzag). Sorted, one piece per key block: at most P a pass."""
+    P = 64
+    plan = make_plan(256 * P, P, layout=layout, mode="ulysses", causal=True)
+    assert sum(len(plan.block_pieces(t.source)) for t in plan.tasks(0, 5)) == P
+    visible = plan.visible_pairs()[0]
+    assert visible < plan.computed_pairs()[0] < visible * (1 + 1.5 / P)  # the pieces hug the causal triangle
 
 
 def test_heads_split_and_kv_heads_replicated_when_fewer_than_ranks():

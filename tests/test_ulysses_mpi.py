@@ -94,3 +94,33 @@ def test_heads_that_do_not_split_raise_on_every_rank(comm, rng):
     q, k, v, _ = (_local(x, comm, "contiguous") for x in _problem(rng, 4 * P, 2 * P, 1))
     out, lse = ring_attention(q, k, v, comm, mode="ulysses", timeout=30)  # and it still works afterwards
     assert out.shape == q.shape[:-1] + (6,)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "striped"])
+def test_a_rank_calls_the_kernel_at_most_once_per_key_block(comm, rng, monkeypatch, layout):
+    """Issue 34: with zigzag or striped shards Ulysses called the kernel once per query shard and key block,
+    about 1.5 P^2 times a pass (100 at P = 8, causal zigzag); with the rows in position order it is once per
+    key block, at most P times, forward and backward."""
+    from mpiring.core import block
+
+    P = comm.size
+    calls = {"forward": 0, "backward": 0}
+
+    def counted(name, kernel):
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return kernel(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(block, "attention_block", counted("forward", block.attention_block))
+    monkeypatch.setattr(block, "attention_block_backward", counted("backward", block.attention_block_backward))
+    S = 32 * P
+    Q, K, V, dOut = _problem(rng, S, 2 * P, 2 * P)
+    q, k, v, dout = (_local(x, comm, layout) for x in (Q, K, V, dOut))
+    options = dict(layout=layout, mode="ulysses", causal=True, timeout=60)
+    out, lse = ring_attention(q, k, v, comm, **options)
+    ring_attention_backward(dout, q, k, v, out, lse, comm, **options)
+    assert 1 <= calls["forward"] <= P and 1 <= calls["backward"] <= P, calls
+    mask = dense_mask(S, causal=True)
+    np.testing.assert_allclose(out, _local(dense_attention(Q, K, V, None, lambda a, b: mask[a:b])[0], comm, layout),
+                               atol=1e-12, rtol=0)

@@ -4,8 +4,10 @@
 
 ``ring_attention`` and ``ring_attention_backward`` call these when the plan's
 mode is "ulysses" (``mpiring.plans.heads`` has the plan, the head split and the
-bytes). The blocks are the ring's: one key block per source rank, through
-``block.attend`` and ``block.grads_of``; only the movement differs.
+bytes). Between the all-to-alls the gathered rows are put in position order
+(``UlyssesPlan.order``) and the block code is the ring's: one kernel call per
+key block (the j-th run of sorted keys), through ``block.attend`` and
+``block.grads_of``; the results go back to shard order for the second all-to-all.
 """
 
 import time
@@ -18,6 +20,7 @@ from ..core.precision import Plain, Precision, Wire, compute_dtype
 from ..mpi.buffers import mpi_view
 from ..mpi.waits import wait_until
 from ..plans.heads import kv_heads, query_heads
+from ..plans.layouts import put_rows, take_rows
 
 __all__ = ["exchange", "heads_out", "tokens_back", "result_dtypes", "gradients_home", "ulysses_forward",
            "ulysses_backward"]
@@ -137,24 +140,26 @@ def ulysses_forward(q, k, v, plan, comm, scale, rec, timeout, pr=None):
     ks = [kv_heads(d, size, k.shape[-3]) for d in range(size)]
     queries, keys, values = heads_out(comm, [q, k, v], [qs, ks, ks], [n, m, m], [q.dtype, pr.wire, pr.wire], rec,
                                       timeout, 0)
+    [queries], [keys, values] = _in_order(plan, [queries]), _in_order(plan, [keys, values], kv=True)
     acc = block.accumulators(queries, values, pr.out, pr.lse)  # accumulate= as in the ring modes
-    for task in plan.tasks(0, rank):  # key block j: the tokens rank j held
-        j = _block(plan, task.source)
+    for task in plan.tasks(0, rank):  # key block j: the j-th run of keys in position order
+        j = plan.key_block(task.source)
         block.attend(queries, (keys[..., j, :], values[..., j, :]), task, plan.block_pieces(task.source), scale,
                      acc, rec, _no_progress, 0)
     rec.step_done(0, plan.n_steps)
     h = queries.shape[-3]
-    got = tokens_back(comm, [acc[0], acc[1][..., None]], [[h] * size] * 2, [n, n], result_dtypes(q.dtype), rec,
-                      timeout, 0)
+    order = plan.order()
+    got = tokens_back(comm, [put_rows(acc[0], order), put_rows(acc[1], order, axis=-1)[..., None]],
+                      [[h] * size] * 2, [n, n], result_dtypes(q.dtype), rec, timeout, 0)
     out = np.concatenate([g[0] for g in got], axis=-3)
     lse = np.concatenate([g[1][..., 0] for g in got], axis=-2)
     return (out[0], lse[0]) if flat else (out, lse)
 
 
-def _block(plan, source):
-    """Where rank ``source``'s keys sit in the gathered keys."""
-    start = plan.offsets(kv=True)[source]
-    return slice(start, start + len(plan.kv_shards[source]))
+def _in_order(plan, arrays, kv=False):
+    """The gathered (shard-ordered) query (``kv``: key) rows of ``arrays`` in position order (``plan.order``)."""
+    order = plan.order(kv)
+    return [take_rows(a, order) for a in arrays]
 
 
 def result_dtypes(dtype):
@@ -191,12 +196,13 @@ def ulysses_backward(dout, q, k, v, lse, delta, plan, comm, scale, rec, timeout,
     ks = [kv_heads(d, size, k.shape[-3]) for d in range(size)]
     Q, dO, L, De, K, V = heads_out(comm, [q, dout, lse[..., None], delta[..., None], k, v], [qs] * 4 + [ks] * 2,
                                    [n] * 4 + [m] * 2, [q.dtype] * 4 + [pr.wire] * 2, rec, timeout, 0)
+    (Q, dO, L, De), (K, V) = _in_order(plan, [Q, dO, L, De]), _in_order(plan, [K, V], kv=True)
     # out is read only to compute delta, which is given: a zero-size stand-in of its shape
     queries = (dO, Q, np.broadcast_to(np.zeros((), q.dtype), dO.shape), L[..., 0], De[..., 0])
     dq = np.zeros(Q.shape, GRAD_DTYPE)
     dK, dV = np.zeros(K.shape, GRAD_DTYPE), np.zeros(V.shape, GRAD_DTYPE)
     for task in plan.tasks(0, rank):
-        j = _block(plan, task.source)
+        j = plan.key_block(task.source)
         pieces = plan.block_pieces(task.source)
         count_pairs(rec, pieces)
         grads = block.grads_of(queries, (K[..., j, :], V[..., j, :]), task, pieces, scale, dq, rec, _no_progress, 0)
@@ -204,6 +210,7 @@ def ulysses_backward(dout, q, k, v, lse, delta, plan, comm, scale, rec, timeout,
         rec.tasks.append((0, task))
     rec.step_done(0, plan.n_steps)
     kv = [len(range(k.shape[-3])[s]) for s in ks]
+    dq, dK, dV = put_rows(dq, plan.order()), put_rows(dK, plan.order(kv=True)), put_rows(dV, plan.order(kv=True))
     got = tokens_back(comm, [dq, dK, dV], [[Q.shape[-3]] * size, kv, kv], [n, m, m], pr.grad, rec, timeout, 0,
                       "gradients back")
     dq, dk, dv = gradients_home(got, ks, k.shape, v.shape)

@@ -5,13 +5,22 @@
 One all-to-all turns every rank's sequence shard of all heads into all tokens
 of its share of the heads: rank d gets query heads ``d*Hq/P .. (d+1)*Hq/P``
 of every rank's tokens. It attends them over the whole sequence with the same
-block code as the ring (one key block per source rank, ``block.attend`` /
-``block.grads_of``), and a second all-to-all returns each rank's tokens.
+block code as the ring (``block.attend`` / ``block.grads_of``), and a second
+all-to-all returns each rank's tokens.
 
 After the first all-to-all a rank holds the tokens in shard order (rank 0's
-positions, then rank 1's, ...), so every layout works unchanged: query shard
-i against key block j is the ring plan's ``pieces(i, j)``, moved to the rows
-where shard i sits (``UlyssesPlan.block_pieces``).
+positions, then rank 1's, ...). It puts the rows in position order once
+(``UlyssesPlan.order``: a permutation, None for the contiguous layout, whose
+shards already are), so that whatever the layout every query sees one
+interval of the sorted keys (``masks.visible_keys``). Key block j is then the
+j-th run of sorted keys, as many as rank j holds (rank j's own keys with the
+contiguous layout), and the queries against it are one piece: the rows that
+see some of its keys, with each row's interval (``UlyssesPlan.block_pieces``).
+So a rank calls the kernel once per key block that some query sees, at most
+P times a pass, whatever the layout (with zigzag or striped shards in shard
+order it was once per query shard and key block, O(P^2)); the kernel's tiles
+skip what the intervals leave out, as under the ring's diagonal blocks. The
+results go back to shard order before the second all-to-all.
 
 K/V heads: with Hk divisible by P each rank gets Hk/P of them, the ones its
 query heads use. With fewer K/V heads than ranks (P divisible by Hk), each
@@ -27,7 +36,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.precision import compute_itemsize, row_bytes
-from .plan import Piece, Plan, PlannedSchedule, Schedule, Task, problem_fields, ring_plan
+from .layouts import sort_order
+from .masks import visible_keys
+from .plan import Piece, Plan, PlannedSchedule, Task, problem_fields, ring_plan
 
 __all__ = ["HEAD_MODES", "UlyssesPlan", "ulysses_plan", "heads_problem", "query_heads", "kv_heads",
            "ulysses_pair_bytes", "predicted_ulysses_bytes", "HybridPlan", "hybrid_plan",
@@ -73,24 +84,53 @@ def kv_heads(rank, size, hk):
 
 @dataclass
 class UlyssesPlan(Plan):
-    """A ring plan's shards, masks and pieces, followed in one step: every rank does every block, for its heads."""
+    """A ring plan's shards and masks, followed in one step: every rank does every key block of the whole
+    sequence in position order, for its heads."""
+
+    def order(self, kv=False):
+        """The permutation that puts the gathered (shard-ordered) query (``kv``: key) rows in position order,
+        or None when they already are (the contiguous layout); ``layouts.take_rows`` applies it."""
+        return self._sorted(kv)[1]
 
     def block_pieces(self, source):
-        """Every query shard against key block ``source``, rows moved to where the shard sits after the all-to-all."""
-        starts = self.offsets()
-        return [Piece(a + starts[i], b + starts[i], c, d, klo, khi)
-                for i in range(self.size) for a, b, c, d, klo, khi in self.pieces(i, source)]
+        """The sorted queries against key block ``source`` (``key_block``): one ``Piece`` of the rows that see
+        some of its keys, keys relative to the block; [] when no query sees it."""
+        span = self._span(source)
+        if span is None:
+            return []
+        a, b, c, d, full = span
+        if full:
+            return [Piece(a, b, c, d)]
+        klo, khi = self._intervals()
+        s = self.key_block(source).start
+        return [Piece(a, b, c, d, np.clip(klo[a:b] - s, c, d) - c, np.clip(khi[a:b] - s, c, d) - c)]
+
+    def key_block(self, source):
+        """Where key block ``source`` sits in the sorted keys: the source-th run, as many keys as rank source holds."""
+        start = self.offsets(kv=True)[source]
+        return slice(start, start + len(self.kv_shards[source]))
 
     def offsets(self, kv=False):
-        """Where each rank's query (``kv``: key) tokens start in the gathered (shard-ordered) sequence."""
-        return _starts(self.kv_shards if kv else self.shards)
+        """Where each rank's query (``kv``: key) tokens start in the gathered (shard-ordered) sequence, made once."""
+        name = "_kv_starts" if kv else "_q_starts"
+        if getattr(self, name, None) is None:
+            setattr(self, name, _starts(self.kv_shards if kv else self.shards))
+        return getattr(self, name)
+
+    def block_tasks(self):
+        """Every rank's one step: every key block, "skip" when no query sees it (the same for every rank)."""
+        if getattr(self, "_tasks", None) is None:
+            self._tasks = tuple(Task(j, self._kind(j), 0) for j in range(self.size))
+        return self._tasks
 
     def visible_pairs(self):
         """Per rank: (query, key) pairs its kernel is given the mask of, for its heads: the whole sequence's."""
-        return [int(sum(map(sum, self.pairs)))] * self.size
+        klo, khi = self._intervals()
+        total = len(self._sorted()[0]) * len(self._sorted(kv=True)[0]) if klo is None else int(np.sum(khi - klo))
+        return [total] * self.size
 
     def computed_pairs(self):
-        total = sum((p.q1 - p.q0) * (p.k1 - p.k0) for j in range(self.size) for p in self.block_pieces(j))
+        total = sum((b - a) * (d - c) for a, b, c, d, _ in filter(None, map(self._span, range(self.size))))
         return [total] * self.size
 
     def messages_per_rank(self):
@@ -100,25 +140,67 @@ class UlyssesPlan(Plan):
     def backward_messages_per_rank(self):
         return 2 * (self.size - 1)
 
+    def _sorted(self, kv=False):
+        """``(positions in order, order)`` of the gathered query (``kv``: key) rows, made once."""
+        name = "_kv_sorted" if kv else "_q_sorted"
+        if getattr(self, name, None) is None:
+            if kv and self.kv_shards is self.shards:
+                setattr(self, name, self._sorted())
+            else:
+                gathered = np.concatenate(self.kv_shards if kv else self.shards)
+                order = sort_order(gathered)
+                setattr(self, name, (gathered if order is None else gathered[order], order))
+        return getattr(self, name)
+
+    def _intervals(self):
+        """Each sorted query's visible keys ``[klo, khi)`` in the sorted keys, or (None, None): nothing masked.
+        Both never decrease from row to row (every mask's interval of positions does: ``plans.rows``)."""
+        if getattr(self, "_klo_khi", None) is None:
+            self._klo_khi = visible_keys(self._sorted()[0], self._sorted(kv=True)[0], **self._mask_options())
+        return self._klo_khi
+
+    def _seen(self):
+        """The sorted query rows that see some key: their indices, increasing."""
+        if getattr(self, "_seen_rows", None) is None:
+            klo, khi = self._intervals()
+            self._seen_rows = np.flatnonzero(khi > klo)
+        return self._seen_rows
+
+    def _span(self, source):
+        """``(a, b, c, d, full)`` of key block ``source``'s piece (rows a:b, keys c:d of the block; ``full``: every
+        row sees every key), or None when no query sees it. From the intervals' monotony: O(log S)."""
+        block = self.key_block(source)
+        n_q, s, e = len(self._sorted()[0]), block.start, block.stop
+        klo, khi = self._intervals()
+        if klo is None or not n_q or e <= s:
+            return (0, n_q, 0, e - s, True) if n_q and e > s else None
+        seen = self._seen()  # rows with khi > s and klo < e that see some key: they see some key of s:e
+        first = np.searchsorted(seen, np.searchsorted(khi, s, side="right"))
+        last = np.searchsorted(seen, np.searchsorted(klo, e, side="left")) - 1
+        if last < first:
+            return None
+        a, b = int(seen[first]), int(seen[last]) + 1
+        c, d = max(int(klo[a]), s), min(int(khi[b - 1]), e)
+        return a, b, c - s, d - s, bool(klo[b - 1] <= c and khi[a] >= d)
+
+    def _kind(self, source):
+        span = self._span(source)
+        if span is None:
+            return "skip"
+        a, b, c, d, full = span
+        return "full" if full and (a, b, c, d) == (0, len(self._sorted()[0]), 0, len(self.kv_shards[source])) \
+            else "masked"
+
 
 def _starts(shards):
     """Where each shard starts when the shards are laid one after the other."""
-    return [sum(len(s) for s in shards[:i]) for i in range(len(shards))]
-
-
-def _column_kind(kinds, source):
-    column = {row[source] for row in kinds}
-    if column == {"skip"}:
-        return "skip"
-    return "full" if column == {"full"} else "masked"
+    return [int(x) for x in np.cumsum([0] + [len(s) for s in shards])[:-1]]
 
 
 def ulysses_plan(base):
     """The Ulysses plan over the shards and masks of ``base`` (a ring plan of the same options)."""
-    fields = problem_fields(base)
-    plan = UlyssesPlan(**fields, mode="ulysses", rounds={})
-    tasks = tuple(Task(j, _column_kind(base.kinds, j), 0) for j in range(base.size))
-    plan.schedule = Schedule([[tasks] * base.size])
+    plan = UlyssesPlan(**problem_fields(base), mode="ulysses", rounds={})
+    plan.schedule = PlannedSchedule(1, base.size, lambda step, r: plan.block_tasks())
     return plan
 
 
