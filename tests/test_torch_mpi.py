@@ -112,3 +112,21 @@ def test_unsupported_arguments_and_dtypes_say_what_is_supported(comm, use_ring):
     assert out.shape == x.shape
     if ring is not None:
         ring.close()
+
+
+def test_a_spec_serves_the_adapter_as_its_keywords(comm):
+    """``spec=`` through autograd: the same bits, forward and backward, as the keywords it holds."""
+    S = 8 * comm.size
+    gen = torch.Generator().manual_seed(0)
+    Q, K, V = (torch.randn(1, 4, S, 8, dtype=torch.float64, generator=gen) for _ in range(3))
+    rows = torch.as_tensor(mpiring.shard_indices(S, comm.size, comm.rank, "zigzag"))
+
+    def run(**options):
+        q, k, v = (x[..., rows, :].clone().requires_grad_() for x in (Q, K, V))
+        out = mpiring.torch.ring_attention(q, k, v, comm=comm, **options)
+        out.sum().backward()
+        return out.detach(), q.grad, k.grad, v.grad
+
+    keywords = dict(causal=True, layout="zigzag", window=(5, 0))
+    for got, want in zip(run(spec=mpiring.Spec.of(**keywords)), run(**keywords)):
+        assert torch.equal(got, want)

@@ -201,6 +201,7 @@ def ulysses_plan(base):
     """The Ulysses plan over the shards and masks of ``base`` (a ring plan of the same options)."""
     plan = UlyssesPlan(**problem_fields(base), mode="ulysses", rounds={})
     plan.schedule = PlannedSchedule(1, base.size, lambda step, r: plan.block_tasks())
+    plan.schedule.legend = "key block j: the j-th run of the sorted keys, as long as rank j's shard"
     return plan
 
 

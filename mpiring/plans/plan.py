@@ -72,6 +72,8 @@ class Schedule:
     counters, ``records[rank]`` (``Record.summary()``), and the ``plan``.
     """
 
+    legend = "source rank of the K/V block"  # what an entry of ``format`` names
+
     def __init__(self, table, records=None, plan=None):
         self.table = [[tuple(tasks) for tasks in row] for row in table]
         self.records = records
@@ -103,7 +105,7 @@ class Schedule:
         lines = ["step  " + " ".join(f"rank {r}".rjust(width) for r in range(size))]
         for step, row in enumerate(cells):
             lines.append(f"{step:>4}  " + " ".join(c.rjust(width) for c in row))
-        lines.append("(entry = source rank of the K/V block; m = masked, - = skipped, no compute)")
+        lines.append(f"(entry = {self.legend}; m = masked, - = skipped, no compute)")
         return "\n".join(lines)
 
 
