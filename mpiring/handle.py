@@ -392,11 +392,10 @@ def ring_attention(
     comm = check_comm(comm)
     with exclusive(comm):  # one call per communicator at a time (threads: one Dup each)
         first = problem  # the caller's: before any other
-        spec, problem = spec_problem(dict(
-            layout=layout, mode=mode, causal=causal, scale=scale, window=window, cu_seqlens=cu_seqlens,
+        spec, problem, same_rows = _call_spec(
+            spec, layout=layout, mode=mode, causal=causal, scale=scale, window=window, cu_seqlens=cu_seqlens,
             wire_dtype=wire_dtype, accumulate=accumulate, positions=positions, kv_positions=kv_positions,
-            causal_block=causal_block, node_size=node_size, ulysses_size=ulysses_size, rotate=rotate), spec)
-        same_rows = (kv_positions if spec is None else spec.kv_positions) is None
+            causal_block=causal_block, node_size=node_size, ulysses_size=ulysses_size, rotate=rotate)
         moved, moved_problem = _moved({"q": q, "k": k, "v": v}, seq_axis, threads, same_rows)
         problem = moved_problem or problem or spec.heads_problem(moved[0], moved[1], comm.Get_size())
         hosts = []
@@ -407,6 +406,13 @@ def ring_attention(
         with Ring._agreed(comm, plan, spec, timeout, hosts, seq_axis, threads, backward=False) as ring:
             with limited(ring.threads):
                 return ring._forward(q, k, v, scale, record, checked=True)
+
+
+def _call_spec(spec, **keywords):
+    """A function call's spec (``spec_problem``), this rank's problem with it, and whether k holds q's tokens
+    (no ``kv_positions``: from the keywords when the spec could not be made)."""
+    spec, problem = spec_problem(keywords, spec)
+    return spec, problem, (keywords["kv_positions"] if spec is None else spec.kv_positions) is None
 
 
 def _moved(tensors, seq_axis, threads, same_rows=True, lse=None):
@@ -449,11 +455,10 @@ def ring_attention_backward(
     comm = check_comm(comm)
     with exclusive(comm):  # one call per communicator at a time (threads: one Dup each)
         first = problem  # the caller's: before any other
-        spec, problem = spec_problem(dict(
-            layout=layout, mode=mode, causal=causal, scale=scale, window=window, cu_seqlens=cu_seqlens,
+        spec, problem, same_rows = _call_spec(
+            spec, layout=layout, mode=mode, causal=causal, scale=scale, window=window, cu_seqlens=cu_seqlens,
             wire_dtype=wire_dtype, grad_wire_dtype=grad_wire_dtype, positions=positions, kv_positions=kv_positions,
-            causal_block=causal_block, node_size=node_size, ulysses_size=ulysses_size, rotate=rotate), spec)
-        same_rows = (kv_positions if spec is None else spec.kv_positions) is None
+            causal_block=causal_block, node_size=node_size, ulysses_size=ulysses_size, rotate=rotate)
         tensors = {"dout": dout, "q": q, "k": k, "v": v, "out": out}
         moved, moved_problem = _moved(tensors, seq_axis, threads, same_rows, lse)
         if moved_problem is None:

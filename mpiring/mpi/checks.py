@@ -11,7 +11,7 @@ import numpy as np
 from ..core.kernels import LSE_LIMIT
 from ..core.precision import compute_dtype, dtype_problem
 from ..core.ranks import ranks_text
-from ..plans.spec import FIELDS, digest
+from ..plans.spec import FIELDS, digest, is_real, scale_problem
 
 __all__ = ["local_problem", "is_real", "timeout_problem", "AUTO_AGREE", "AUTO_BASE", "AUTO_RATE", "AUTO_ENTRY",
            "agreement_timeout", "entry_timeout", "resolve_timeout", "size_problem", "Shown", "shape_text", "verdict",
@@ -56,10 +56,6 @@ def local_problem(q, k, v, scale, check_finite=False, same_rows=True):
                 first = tuple(int(i) for i in np.argwhere(bad)[0])
                 return f"{name} has {int(bad.sum())} NaN/Inf values, the first at index {first}"
     return None
-
-
-def is_real(x):
-    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
 
 
 def timeout_problem(timeout):
@@ -249,13 +245,6 @@ def root_grad_problem(Q, K, V, dOut, scale, size):
         return f"dOut must be a {Q.dtype} array of shape {want}, got {got}"
     if Q.shape[-2] < size:
         return f"sequence length {Q.shape[-2]} is shorter than the number of ranks {size}"
-    return None
-
-
-def scale_problem(scale):
-    """Why ``scale`` is not a valid softmax scale, or None (None means the default)."""
-    if scale is not None and not (is_real(scale) and np.isfinite(scale) and scale > 0):
-        return f"scale must be a finite positive number, got {scale!r}"
     return None
 
 

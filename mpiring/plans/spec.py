@@ -37,7 +37,7 @@ from .make import make_plan
 from .masks import MaskPiece, check_causal_block, check_mask, check_window
 from .plan import ALL_MODES, MODES
 
-__all__ = ["Spec", "ROTATE", "FIELDS", "spec_problem"]
+__all__ = ["Spec", "ROTATE", "FIELDS", "spec_problem", "digest", "is_real", "scale_problem"]
 
 ROTATE = ("kv", "q", "auto")
 ROW_OPTIONS = ("positions", "kv_positions")  # this rank's own: gathered from every rank, not compared
@@ -63,8 +63,15 @@ def _positions(name, positions):
     return p.astype(np.int64)
 
 
-def _real(x):
+def is_real(x):
     return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+
+
+def scale_problem(scale):
+    """Why ``scale`` is not a valid softmax scale, or None (None means the default)."""
+    if scale is not None and not (is_real(scale) and np.isfinite(scale) and scale > 0):
+        return f"scale must be a finite positive number, got {scale!r}"
+    return None
 
 
 def _rotate_problem(rotate, mode):
@@ -132,9 +139,7 @@ class Spec:
                                     or not isinstance(seq_len, (int, np.integer))):
             raise ValueError(f"seq_len must be the number of tokens of the whole sequence (an int), got {seq_len!r}")
         scale = given["scale"]
-        if scale is not None and not (_real(scale) and np.isfinite(scale) and scale > 0):
-            raise ValueError(f"scale must be a finite positive number, got {scale!r}")
-        problem = _rotate_problem(given["rotate"], mode)
+        problem = scale_problem(scale) or _rotate_problem(given["rotate"], mode)
         if problem:
             raise ValueError(problem)
         return cls(seq_len=None if seq_len is None else int(seq_len), layout=given["layout"], **rows,
