@@ -18,10 +18,12 @@ wrong gradients.
 import contextlib
 
 import numpy as np
+from mpi4py import MPI
 
 from .core.block import GRAD_DTYPE
 from .core.kernels import default_scale
 from .core.precision import Precision, compute_dtype
+from .core.scores import Score, sink_grads, with_sinks
 from .core.threads import limited, threads_for, threads_problem
 from .core.tiles import release_workspace
 from .lse import Lse, lse_problem, mismatch
@@ -37,6 +39,7 @@ from .mpi.checks import (
     peaks,
     resolve_timeout,
 )
+from .mpi.collectives import allreduced
 from .mpi.record import Record
 from .mpi.waits import CommTimeout, exclusive, wait_until
 from .options import options_problem
@@ -86,13 +89,15 @@ class Ring:
                  wire_dtype: str | None = None, grad_wire_dtype: str | None = None, accumulate: str = "float64",
                  positions=None, kv_positions=None, causal_block: int | None = None, node_size: int | None = None,
                  ulysses_size: int | None = None, rotate: str = "kv", check_finite: bool = False,
-                 expected_size: int | None = None, spec: Spec | None = None):
+                 expected_size: int | None = None, mask=None, softcap: float | None = None, bias=None, sinks=None,
+                 dropout: float = 0.0, seed: int = 0, return_max_logit: bool = False, spec: Spec | None = None):
         comm = check_comm(comm)
         spec, problem = spec_problem(dict(
             seq_len=seq_len, layout=layout, mode=mode, causal=causal, scale=scale, window=window,
             cu_seqlens=cu_seqlens, wire_dtype=wire_dtype, grad_wire_dtype=grad_wire_dtype, accumulate=accumulate,
             positions=positions, kv_positions=kv_positions, causal_block=causal_block, node_size=node_size,
-            ulysses_size=ulysses_size, rotate=rotate), spec)
+            ulysses_size=ulysses_size, rotate=rotate, mask=mask, softcap=softcap, bias=bias, sinks=sinks,
+            dropout=dropout, seed=seed, return_max_logit=return_max_logit), spec)
         problem = axis_problem({}, seq_axis) or threads_problem(threads) or problem
         plan, spec, hosts = setup_ring(comm, spec, timeout, expected_size, problem,
                                        values=dict(seq_axis=seq_axis, threads=threads, check_finite=check_finite))
@@ -225,7 +230,8 @@ class Ring:
                 q, k, v = names["q"], names["k"], names["v"]
                 problem = (local_problem(q, k, v, None, self.check_finite, same_rows)
                            or options_problem(options, self.options, q)
-                           or self._length_problem(q, k) or self.spec.heads_problem(q, k, self.size))
+                           or self._length_problem(q, k) or self.spec.heads_problem(q, k, self.size)
+                           or self.spec.scores_problem(q))
                 if problem is None and lse is not None:
                     problem = (grad_problem(names["dout"], q, k, v, names["out"], lse)
                                or self._dlse_problem(dlse, lse)
@@ -286,14 +292,23 @@ class Ring:
         rec = Record(self.rank) if record is None else record
         if checked:
             self._start_barrier(timeout)
+        score = Score.of(self.spec, scale, q)
         with self._running():
-            out, lse = run_forward(q, k, v, self.plan, self._rings[0], scale, rec, timeout,
+            out, lse = run_forward(q, k, v, self.plan, self._rings[0], score, rec, timeout,
                                    Precision.of(q.dtype, self.spec.precision),
                                    rotation(self.spec.rotate, self.plan, q, k, v, self.spec.wire_dtype))
+            if self.spec.sinks is not None:  # once per row, after every block
+                out, lse = with_sinks(out, lse, self.spec.sinks)
+            top = None
+            if self.spec.return_max_logit:  # every rank's largest, the same on every rank
+                top = allreduced(self._rings[0].comm, score.max_logit, MPI.MAX, timeout, "max logit")
         out, lse = self.plan.in_caller_order(self.rank, out), self.plan.in_caller_order(self.rank, lse, axis=-1)
         lse = lse.view(Lse)
         lse.made_by = self.spec.made_by(self.size, scale, self.plan.seq_len)
-        return np.moveaxis(out, -2, seq_index(self.seq_axis, out.ndim)), lse
+        out = np.moveaxis(out, -2, seq_index(self.seq_axis, out.ndim))
+        if top is not None:
+            return out, lse, (top[0] if q.ndim == 2 else top)
+        return out, lse
 
     def _backward(self, moved, lses, scale, record, checked):
         dout, q, k, v, out = moved
@@ -305,12 +320,17 @@ class Ring:
         rec = Record(self.rank) if record is None else record
         if checked:
             self._start_barrier(timeout)
+        score = Score.of(self.spec.replace(return_max_logit=False), scale)
         with self._running():
             grads = run_backward((dout, q, k, v, out, lses[0], delta.astype(q.dtype)), self.plan, self._rings,
-                                 scale, rec, timeout, pr)
+                                 score, rec, timeout, pr)
+            if self.spec.sinks is not None:  # each rank's rows' share, summed over the ranks: once per row
+                dsinks = allreduced(self._rings[0].comm, sink_grads(lses[0], delta, self.spec.sinks), MPI.SUM,
+                                    timeout, "sink gradients")
         grads = [self.plan.in_caller_order(self.rank, g.astype(pr.input, copy=False), kv=i > 0)
                  for i, g in enumerate(grads)]
-        return tuple(np.moveaxis(g, -2, seq_index(self.seq_axis, g.ndim)) for g in grads)
+        grads = tuple(np.moveaxis(g, -2, seq_index(self.seq_axis, g.ndim)) for g in grads)
+        return grads + (dsinks,) if self.spec.sinks is not None else grads
 
 
 # ---------------------------------------------------------------------- the plain functions
@@ -325,8 +345,9 @@ def ring_attention(
     timeout: float | str | None = "auto", record: Record | None = None, check_finite: bool = False,
     expected_size: int | None = None, seq_axis: int = -2, threads="auto", wire_dtype: str | None = None,
     accumulate: str = "float64", positions=None, kv_positions=None, causal_block: int | None = None,
-    node_size: int | None = None, ulysses_size: int | None = None, rotate: str = "kv", spec: Spec | None = None,
-    problem: str | None = None,
+    node_size: int | None = None, ulysses_size: int | None = None, rotate: str = "kv", mask=None,
+    softcap: float | None = None, bias=None, sinks=None, dropout: float = 0.0, seed: int = 0,
+    return_max_logit: bool = False, spec: Spec | None = None, problem: str | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:  # out (..., Hq, n, Dv), lse (..., Hq, n)
     """Attention of this rank's queries against the whole distributed sequence.
 
@@ -352,6 +373,19 @@ def ring_attention(
             position once; q positions are then distinct positions among them).
         causal_block: with ``causal``, key j is visible to query i iff
             j // causal_block <= i // causal_block (frame-causal video masks).
+        mask: mask pieces (``mpiring.masks``: ``causal()``, ``window(l, r)``, ``prefix(n)``, ``padding(lengths)``,
+            ``function(fn)``, ... combined with ``&`` and ``|``), all of which must allow a key, beside the options
+            above (docs/masks.md).
+        softcap: logits become softcap * tanh(logits / softcap) (Gemma 2).
+        bias: ``fn(heads, q_pos, k_pos)`` -> an additive bias broadcastable to (heads, queries, keys): the
+            query heads' global indices (heads, 1, 1), the global positions (1, queries, 1) and (1, 1, keys)
+            (``mpiring.masks.alibi(H)`` is ALiBi's).
+        sinks: one logit per query head added once to each row's softmax denominator (gpt-oss); the backward
+            then returns ``(dq, dk, dv, dsinks)``.
+        dropout, seed: drop attention weights with probability ``dropout``; which ones is a hash of
+            (seed, batch entry, head, query position, key position): the same for any ranks, layout, strategy.
+        return_max_logit: also return the largest visible ``scale * q.k`` per batch entry and head over the
+            whole sequence, the same on every rank (``(out, lse, max_logit)``; for QK-clip).
         node_size: ranks per node for the double ring; None: as MPI places them (``COMM_TYPE_SHARED``).
         ulysses_size: u: Ulysses inside groups of u consecutive ranks, the ring ``mode`` across the P/u
             groups (``mpiring.plans.heads.HybridPlan``); every rank holds the tokens ``layout`` gives it, as in
@@ -395,9 +429,11 @@ def ring_attention(
         spec, problem, same_rows = _call_spec(
             spec, layout=layout, mode=mode, causal=causal, scale=scale, window=window, cu_seqlens=cu_seqlens,
             wire_dtype=wire_dtype, accumulate=accumulate, positions=positions, kv_positions=kv_positions,
-            causal_block=causal_block, node_size=node_size, ulysses_size=ulysses_size, rotate=rotate)
+            causal_block=causal_block, node_size=node_size, ulysses_size=ulysses_size, rotate=rotate, mask=mask,
+            softcap=softcap, bias=bias, sinks=sinks, dropout=dropout, seed=seed, return_max_logit=return_max_logit)
         moved, moved_problem = _moved({"q": q, "k": k, "v": v}, seq_axis, threads, same_rows)
-        problem = moved_problem or problem or spec.heads_problem(moved[0], moved[1], comm.Get_size())
+        problem = moved_problem or problem or spec.heads_problem(moved[0], moved[1], comm.Get_size()) \
+            or spec.scores_problem(moved[0])
         hosts = []
         plan, spec, scale, (q, k, v) = setup(*moved, comm, spec, check_finite, expected_size, timeout,
                                              prepare=lambda: [np.ascontiguousarray(a) for a in moved],
@@ -432,8 +468,9 @@ def ring_attention_backward(
     timeout: float | str | None = "auto", record: Record | None = None, seq_axis: int = -2, threads="auto",
     dlse: np.ndarray | None = None, wire_dtype: str | None = None, grad_wire_dtype: str | None = None,
     positions=None, kv_positions=None, causal_block: int | None = None, node_size: int | None = None,
-    ulysses_size: int | None = None, rotate: str = "kv", spec: Spec | None = None, problem: str | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # dq, dk, dv: the shapes of q, k, v
+    ulysses_size: int | None = None, rotate: str = "kv", mask=None, softcap: float | None = None, bias=None,
+    sinks=None, dropout: float = 0.0, seed: int = 0, spec: Spec | None = None, problem: str | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # dq, dk, dv (, dsinks): the shapes of q, k, v
     """Gradients ``(dq, dk, dv)`` of this rank's shard, given the upstream gradient ``dout``.
 
     ``out`` and ``lse`` are what ``ring_attention`` returned on this rank, with
@@ -458,12 +495,13 @@ def ring_attention_backward(
         spec, problem, same_rows = _call_spec(
             spec, layout=layout, mode=mode, causal=causal, scale=scale, window=window, cu_seqlens=cu_seqlens,
             wire_dtype=wire_dtype, grad_wire_dtype=grad_wire_dtype, positions=positions, kv_positions=kv_positions,
-            causal_block=causal_block, node_size=node_size, ulysses_size=ulysses_size, rotate=rotate)
+            causal_block=causal_block, node_size=node_size, ulysses_size=ulysses_size, rotate=rotate, mask=mask,
+            softcap=softcap, bias=bias, sinks=sinks, dropout=dropout, seed=seed)
         tensors = {"dout": dout, "q": q, "k": k, "v": v, "out": out}
         moved, moved_problem = _moved(tensors, seq_axis, threads, same_rows, lse)
         if moved_problem is None:
             problem = (grad_problem(*moved, lse) or Ring._dlse_problem(dlse, lse) or problem
-                       or spec.heads_problem(moved[1], moved[2], comm.Get_size())
+                       or spec.heads_problem(moved[1], moved[2], comm.Get_size()) or spec.scores_problem(moved[1])
                        or lse_problem(lse, spec, comm.Get_size(), moved[1]))
         problem = moved_problem or problem
 

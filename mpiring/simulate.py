@@ -5,6 +5,7 @@ import numpy as np
 from .core.block import accumulators, attend
 from .core.kernels import default_scale
 from .core.precision import INPUT_DTYPES, Precision
+from .core.scores import Score, with_sinks
 from .mpi.record import Record
 from .plans.spec import spec_problem
 
@@ -22,7 +23,7 @@ def _as_float(name, a):
 
 def simulate(Q, K, V, num_devices, *, causal=False, scale=None, layout="contiguous", mode="ring",
              window=None, cu_seqlens=None, causal_block=None, positions=None, wire_dtype=None, accumulate="float64",
-             spec=None):
+             mask=None, softcap=None, bias=None, sinks=None, dropout=0.0, seed=0, spec=None):
     """Run every device's part of the ring in turn; return ``(out, lse, schedule)``.
 
     ``schedule`` is the plan's Schedule: ``schedule.table[step][device]``
@@ -30,11 +31,14 @@ def simulate(Q, K, V, num_devices, *, causal=False, scale=None, layout="contiguo
     ``wire_dtype`` and ``accumulate`` are as in ``ring_attention``: every block
     a device gets from another is coded and decoded as the wire would.
     ``positions``: one array per device, the tokens it holds (instead of ``layout``).
+    ``mask``, ``softcap``, ``bias``, ``sinks``, ``dropout``, ``seed``: as in ``ring_attention`` (the same
+    kernels: the same dropped entries).
     ``spec``: a ``Spec`` holding the options instead (its ``positions``, if any: every device's, as agreed).
     """
     spec, problem = spec_problem(dict(causal=causal, scale=scale, layout=layout, mode=mode, window=window,
                                       cu_seqlens=cu_seqlens, causal_block=causal_block, wire_dtype=wire_dtype,
-                                      accumulate=accumulate), spec)
+                                      accumulate=accumulate, mask=mask, softcap=softcap, bias=bias, sinks=sinks,
+                                      dropout=dropout, seed=seed), spec)
     if problem:
         raise ValueError(problem)
     if positions is not None:  # one array per device: the agreed form of the spec's positions
@@ -56,6 +60,10 @@ def simulate(Q, K, V, num_devices, *, causal=False, scale=None, layout="contiguo
     pr = Precision.of(dtype, spec.precision)
     plan = spec.plan(int(num_devices), Q.shape[-2])
     scale = default_scale(Q.shape[-1]) if spec.scale is None else spec.scale
+    problem = spec.scores_problem(Q)
+    if problem:
+        raise ValueError(problem)
+    score = Score.of(spec.replace(return_max_logit=False), scale)
     P = plan.size
     wire = pr.wire  # the others get a block coded by its owner, decoded on arrival
     kv = [tuple(pr.widen(np.take(X, plan.kv_shards[j], axis=-2)) for X in (K, V)) for j in range(P)]  # sorted
@@ -69,7 +77,9 @@ def simulate(Q, K, V, num_devices, *, causal=False, scale=None, layout="contiguo
         for step in range(plan.n_steps):
             for task in plan.tasks(step, device):
                 block = kv[device] if task.source == device else sent[task.source]
-                attend(q, block, task, plan.pieces(device, task.source), scale, acc, rec, None, step)
+                attend(q, block, task, plan.pieces(device, task.source), score, acc, rec, None, step)
+        if spec.sinks is not None:
+            acc = with_sinks(*acc, spec.sinks)
         outs.append(acc[0].astype(pr.input, copy=False))
         lses.append(acc[1].astype(pr.compute, copy=False))
     out = np.empty(Q.shape[:-1] + V.shape[-1:], pr.input)

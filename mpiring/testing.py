@@ -19,9 +19,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .core.reference import definition_mask, dense_attention, dense_attention_backward
+from .core.reference import definition_mask, dense_attention, dense_attention_backward, scored_attention
 from .core.threads import limited, node_threads
 from .plans.layouts import shard, shard_indices
+from .plans.masks import MaskPiece
 
 # and ``ring_comm``, made on first import (it needs pytest)
 __all__ = ["TOLERANCE", "AttentionProblem", "assert_attention_close", "attention_error", "attention_problems",
@@ -100,7 +101,8 @@ def _prepare(q, k, v, q_positions, k_positions, mask_options):
 
 
 def reference(q, k, v, *, causal=False, window=None, cu_seqlens=None, q_positions=None, k_positions=None,
-              scale=None, causal_block=None, mask=()):
+              scale=None, causal_block=None, mask=(), softcap=None, bias=None, sinks=None, dropout=0.0, seed=0,
+              return_max_logit=False):
     """Dense attention in float64: ``(out, lse)`` (``mpiring.core.reference.dense_attention``).
 
     q (..., Hq, Sq, D), k (..., Hk, Sk, D), v (..., Hk, Sk, Dv), Hq a multiple of Hk (head h uses
@@ -109,25 +111,63 @@ def reference(q, k, v, *, causal=False, window=None, cu_seqlens=None, q_position
     the whole sequence: ``reference(q_local, K, V, q_positions=shard_indices(S, P, rank), causal=True)``.
     Rows that see no key get out 0 and lse -inf. The default scale is 1/sqrt(D). BLAS threads
     are shared out among the ranks on this node during the call, as in ``ring_attention``.
+    ``mask`` (pieces of ``mpiring.masks``, one or a tuple), ``softcap``, ``bias``, ``sinks``, ``dropout``,
+    ``seed``, ``return_max_logit``: as ``ring_attention`` takes them (``core.reference.scored_attention``,
+    from their definitions; dropout's entries are global: pass the whole sequence's rows, or
+    ``q_positions``, with the batch entries and heads of the call).
     """
-    rows = _prepare(q, k, v, q_positions, k_positions, dict(causal=causal, window=window, cu_seqlens=cu_seqlens,
-                                                            causal_block=causal_block, mask=mask))
+    options = dict(causal=causal, window=window, cu_seqlens=cu_seqlens, causal_block=causal_block,
+                   mask=_pieces(mask))
+    scores = dict(softcap=softcap, bias=bias, sinks=sinks, dropout=dropout, seed=seed)
+    if _scored(options, scores) or return_max_logit:
+        out, lse, top = _scored_call(q, k, v, q_positions, k_positions, options, scores, scale)
+        return (out, lse, top) if return_max_logit else (out, lse)
+    rows = _prepare(q, k, v, q_positions, k_positions, options)
     with limited(node_threads()):
         return dense_attention(q, k, v, scale, rows)
 
 
 def reference_backward(dout, q, k, v, *, causal=False, window=None, cu_seqlens=None, q_positions=None,
-                       k_positions=None, scale=None, causal_block=None, mask=()):
+                       k_positions=None, scale=None, causal_block=None, mask=(), softcap=None, bias=None, sinks=None,
+                       dropout=0.0, seed=0):
     """Dense gradients of ``reference``'s output in float64: ``(dq, dk, dv)`` for the loss sum(dout * out).
 
     dP = dout v^T, dS = P * (dP - rowsum(dout * out)), dq = scale dS k, dk = scale dS^T q, dv = P^T dout;
     grouped-query K/V gradients are summed over the query heads that share them
-    (``mpiring.core.reference.dense_attention_backward``).
+    (``mpiring.core.reference.dense_attention_backward``). With ``sinks``: ``(dq, dk, dv, dsinks)``.
     """
-    rows = _prepare(q, k, v, q_positions, k_positions, dict(causal=causal, window=window, cu_seqlens=cu_seqlens,
-                                                            causal_block=causal_block, mask=mask))
+    options = dict(causal=causal, window=window, cu_seqlens=cu_seqlens, causal_block=causal_block,
+                   mask=_pieces(mask))
+    scores = dict(softcap=softcap, bias=bias, sinks=sinks, dropout=dropout, seed=seed)
+    if _scored(options, scores):
+        grads = _scored_call(q, k, v, q_positions, k_positions, options, scores, scale, dout)
+        return grads if sinks is not None else grads[:3]
+    rows = _prepare(q, k, v, q_positions, k_positions, options)
     with limited(node_threads()):
         return dense_attention_backward(dout, q, k, v, scale, rows)
+
+
+def _pieces(mask):
+    return () if mask is None else (mask,) if isinstance(mask, MaskPiece) else tuple(mask)
+
+
+def _scored(options, scores):
+    """Whether the dense scored reference is needed: a score modifier, or a mask that differs per batch entry."""
+    modified = any(scores[name] is not None for name in ("softcap", "bias", "sinks")) or bool(scores["dropout"])
+    return modified or any(p.batched for p in options["mask"])
+
+
+def _scored_call(q, k, v, q_positions, k_positions, options, scores, scale, dout=None):
+    _prepare(q, k, v, q_positions, k_positions, dict(options, mask=()))  # the shape checks
+    qp = np.arange(np.shape(q)[-2]) if q_positions is None else np.asarray(q_positions, np.int64)
+    kp = np.arange(np.shape(k)[-2]) if k_positions is None else np.asarray(k_positions, np.int64)
+    flat = dict(options, mask=tuple(p for p in options["mask"] if not p.batched))
+    allowed = dense_mask(qp, kp, **flat)
+    for piece in options["mask"]:
+        if piece.batched:  # (batch..., Sq, Sk): a head axis before the rows
+            allowed = allowed & piece.allows(qp[:, None], kp[None, :])[..., None, :, :]
+    with limited(node_threads()):
+        return scored_attention(q, k, v, allowed, scale=scale, q_pos=qp, k_pos=kp, dout=dout, **scores)
 
 
 # ---------------------------------------------------------------- comparing

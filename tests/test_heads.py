@@ -31,7 +31,7 @@ def test_every_rank_does_every_visible_pair_once_for_its_heads(P, layout):
         keys = ordered[plan.key_block(j)]
         pieces = plan.block_pieces(j)
         assert len(pieces) == 1 and plan.tasks(0, j % P)[j].kind == "masked"  # one kernel call per key block
-        for a, b, c, d, klo, khi in pieces:
+        for a, b, c, d, klo, khi, _ in pieces:
             for row in range(a, b):
                 lo, hi = (c, d) if klo is None else (c + klo[row - a], c + khi[row - a])
                 seen[ordered[row], keys[lo:hi]] += 1
@@ -77,7 +77,7 @@ def test_block_pieces_cover_every_visible_pair_of_the_sorted_sequence_once(P, op
         sees = want[:, block]
         kind = "skip" if not sees.any() else "full" if sees.all() else "masked"
         assert task.kind == kind and (kind == "skip") == (not pieces)
-        for a, b, c, d, klo, khi in pieces:
+        for a, b, c, d, klo, khi, _ in pieces:
             assert (klo is None) == bool(sees[a:b, c:d].all())
             for row in range(a, b):
                 lo, hi = (c, d) if klo is None else (c + klo[row - a], c + khi[row - a])

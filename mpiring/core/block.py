@@ -9,7 +9,9 @@ import time
 
 import numpy as np
 
+from ..plans.masks import count_visible
 from .kernels import attention_block, attention_block_backward
+from .scores import Score, attend_general, grads_general
 from .tiles import filled, kernel_dtype, scratch
 
 __all__ = ["GRAD_DTYPE", "KEPT_OUT", "accumulators", "count_pairs", "attend", "block_grads", "add_grads", "grads_of"]
@@ -30,9 +32,23 @@ def accumulators(q, v, out_dtype=np.float64, lse_dtype=None, keep=False):
 
 def count_pairs(rec, pieces):
     """Note the score entries of a block's pieces, and how many of them the mask lets through."""
-    for a, b, c, d, klo, khi in pieces:
+    for a, b, c, d, klo, khi, where in pieces:
         rec.computed_pairs += (b - a) * (d - c)
-        rec.visible_pairs += (b - a) * (d - c) if klo is None else int(np.sum(khi - klo))
+        if where is not None and where.mask is not None:  # holes: counted from the mask's definition
+            mask = {"mask": (where.mask,)}
+            rec.visible_pairs += int(count_visible(where.q_pos[a:b], where.k_pos[c:d], mask,
+                                                   *_envelope(klo, khi, b - a, d - c))[0].sum())
+        else:
+            rec.visible_pairs += (b - a) * (d - c) if klo is None else int(np.sum(khi - klo))
+
+
+def _envelope(klo, khi, n, m):
+    return (np.zeros(n, np.int64), np.full(n, m, np.int64)) if klo is None else (klo, khi)
+
+
+def general(scale, piece):
+    """Whether a piece needs the general kernel (``core.scores``): a score modifier, or a mask with holes."""
+    return isinstance(scale, Score) or (piece.where is not None and piece.where.mask is not None)
 
 
 def attend(q, kv, task, pieces, scale, acc, rec, progress, step=None, padded=False):
@@ -46,7 +62,11 @@ def attend(q, kv, task, pieces, scale, acc, rec, progress, step=None, padded=Fal
         start = time.perf_counter()
         k, v = kv
         count_pairs(rec, pieces)
-        for a, b, c, d, klo, khi in pieces:
+        for piece in pieces:
+            if general(scale, piece):
+                attend_general(q, k, v, piece, scale, acc[:2], padded)
+                continue
+            a, b, c, d, klo, khi, _ = piece
             keys = np.s_[..., c:d] if padded else np.s_[..., c:d, :]  # padded: tokens on the last axis
             attention_block(q[..., a:b, :], k[keys], v[keys], scale, klo, khi, padded=padded,
                             into=(acc[0][..., a:b, :], acc[1][..., a:b]), progress=progress)
@@ -66,7 +86,14 @@ def block_grads(queries, kv, pieces, scale, dq, progress):
     k, v = kv
     grads = []
     dt = kernel_dtype(q.dtype)
-    for i, (a, b, c, d, klo, khi) in enumerate(pieces):  # the kernel writes into kept buffers, one set per piece
+    for i, piece in enumerate(pieces):  # the kernel writes into kept buffers, one set per piece
+        a, b, c, d, klo, khi, _ = piece
+        if general(scale, piece):
+            bq, bk, bv = grads_general(dout, q, k, v, out, lse, delta, piece, scale)
+            dq[..., a:b, :] += bq
+            grads.append((c, d, bk, bv))
+            progress()
+            continue
         kept = (scratch("grads.q", q[..., a:b, :].shape, dt), scratch(f"grads.k{i}", k[..., c:d, :].shape, dt),
                 scratch(f"grads.v{i}", v[..., c:d, :].shape, dt))
         bq, bk, bv = attention_block_backward(dout[..., a:b, :], q[..., a:b, :], k[..., c:d, :], v[..., c:d, :],

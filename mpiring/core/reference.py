@@ -117,3 +117,71 @@ def reference_attention(q, k, v, scale=None, klo=None, khi=None, *, row_chunk=10
 def reference_attention_backward(dout, q, k, v, scale=None, klo=None, khi=None, *, row_chunk=256):
     """``dense_attention_backward`` with the mask given as per-row key ranges, as ``reference_attention``."""
     return dense_attention_backward(dout, q, k, v, scale, _ranges(klo, khi, np.shape(k)[-2]), row_chunk=row_chunk)
+
+
+def scored_attention(q, k, v, allowed, *, scale=None, softcap=None, bias=None, sinks=None, dropout=0.0, seed=0,
+                     q_pos=None, k_pos=None, dout=None):
+    """Attention with every score modifier, dense in float64, from the definitions (no tiles, no online softmax).
+
+    ``allowed``: bool, broadcastable to (..., Hq, Sq, Sk) (a batched mask: (B, 1, Sq, Sk)). The logit
+    r = scale q.k becomes softcap * tanh(r / softcap), plus ``bias(heads, q_pos, k_pos)``; hidden keys drop
+    out; ``sinks`` (one logit per query head) join each row's denominator; dropout keeps the entries
+    ``core.scores.dropout_keep`` draws (the one definition of which entries drop) and scales them by
+    1 / (1 - dropout). Returns ``(out, lse, max_logit)`` (max_logit: the largest visible r per batch entry
+    and head), and with ``dout`` also ``(dq, dk, dv, dsinks)`` of the loss sum(dout * out), by the chain rule.
+    """
+    from .scores import dropout_keep  # the generator is the definition of the dropped entries
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    flat = q.ndim == 2
+    if flat:
+        q, k, v = q[None], k[None], v[None]
+        allowed = None if allowed is None else np.asarray(allowed)[None] if np.ndim(allowed) == 2 else allowed
+    hq, hk, n, m = q.shape[-3], k.shape[-3], q.shape[-2], k.shape[-2]
+    g = hq // hk
+    kk, vv = np.repeat(k, g, axis=-3), np.repeat(v, g, axis=-3)
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else float(scale)
+    q_pos = np.arange(n) if q_pos is None else np.asarray(q_pos, np.int64)
+    k_pos = np.arange(m) if k_pos is None else np.asarray(k_pos, np.int64)
+    r = scale * (q @ np.swapaxes(kk, -1, -2))
+    ok = np.ones(r.shape, bool) if allowed is None else np.broadcast_to(allowed, r.shape)
+    max_logit = np.where(ok, r, -np.inf).max(axis=(-2, -1))
+    t = np.tanh(r / softcap) if softcap is not None else None
+    s = softcap * t if softcap is not None else r.copy()
+    if bias is not None:
+        s = s + np.asarray(bias(np.arange(hq)[:, None, None], q_pos[None, :, None], k_pos[None, None, :]),
+                           np.float64)
+    s = np.where(ok, s, -np.inf)
+    top = s.max(axis=-1, keepdims=True)
+    sink = None if sinks is None else np.asarray(sinks, np.float64)[:, None, None] * np.ones((n, 1))
+    if sink is not None:
+        top = np.maximum(top, sink)
+    top = np.where(np.isfinite(top), top, 0)
+    e = np.exp(s - top)
+    den = e.sum(axis=-1, keepdims=True) + (0 if sink is None else np.exp(sink - top))
+    lse = np.where(den > 0, top + np.log(np.where(den > 0, den, 1)), -np.inf)
+    p = np.where(den > 0, e / np.where(den > 0, den, 1), 0)
+    z = 1.0
+    if dropout:
+        batch = int(np.prod(q.shape[:-3], dtype=np.int64))
+        z = dropout_keep(seed, dropout, batch, np.arange(hq), q_pos, k_pos).reshape(r.shape) / (1.0 - dropout)
+    out = (p * z) @ vv
+    if dout is None:
+        return (out[0], lse[0, ..., 0], max_logit[0]) if flat else (out, lse[..., 0], max_logit)
+    do = np.asarray(dout, np.float64)
+    do = do[None] if flat else do
+    dv = np.swapaxes(p * z, -1, -2) @ do
+    dp = z * (do @ np.swapaxes(vv, -1, -2))
+    delta = np.sum(do * out, axis=-1, keepdims=True)
+    ds = p * (dp - delta)
+    dsinks = None
+    if sinks is not None:
+        p_sink = np.where(den > 0, np.exp(sink - lse), 0)
+        dsinks = -(p_sink * delta).reshape(-1, hq, n).sum(axis=(0, 2))
+    if softcap is not None:
+        ds = ds * (1 - t * t)
+    dq = scale * ds @ kk
+    dk = scale * np.swapaxes(ds, -1, -2) @ q
+    dk = dk.reshape(dk.shape[:-3] + (hk, g) + dk.shape[-2:]).sum(axis=-3)
+    dv = dv.reshape(dv.shape[:-3] + (hk, g) + dv.shape[-2:]).sum(axis=-3)
+    grads = (dq, dk, dv) if not flat else (dq[0], dk[0], dv[0])
+    return grads + (dsinks,)

@@ -216,9 +216,9 @@ def predict_plan(plan, machine, *, batch, heads, kv_heads, head_dim, itemsize, b
 
     def seconds(r, j):
         if (r, j) not in cache:
-            rates = [m.flops if klo is None else m.masked_flops or m.flops for *_, klo, _ in plan.pieces(r, j)]
+            rates = [m.flops if p.klo is None else m.masked_flops or m.flops for p in plan.pieces(r, j)]
             cache[r, j] = sum((b - a) * (d - c) * flop_per_pair / rate
-                              for (a, b, c, d, _, _), rate in zip(plan.pieces(r, j), rates))
+                              for (a, b, c, d, *_), rate in zip(plan.pieces(r, j), rates))
         return cache[r, j]
 
     started = [{} for _ in range(plan.size)]  # per rank: step -> tokens of each transfer it starts then

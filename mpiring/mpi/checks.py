@@ -172,7 +172,9 @@ def compared(spec, timeout):
     """
     values = dict({name: getattr(spec, name) for name in FIELDS}, timeout=timeout)
     rows = ("positions", "kv_positions")
+    by_key = ("mask", "bias")  # functions inside: compared by what they are (``Spec.field_key``), not pickled
     return {name: Shown(val is not None, "given" if val is not None else "None") if name in rows
+            else Shown(spec.field_key(name), repr(val)) if name in by_key
             else Shown(val) for name, val in values.items()}
 
 

@@ -24,6 +24,15 @@ def together(comm, timeout, what):
     wait_until([comm.Ibarrier()], timeout, comm.Get_rank(), what, sync=True)
 
 
+def allreduced(comm, values, op, timeout, what):
+    """``values`` (a float64 array) reduced with ``op`` over every rank of ``comm``: a new array, the same on
+    every rank (a non-blocking all-reduce; CommTimeout after ``timeout``)."""
+    values = np.ascontiguousarray(values, np.float64)
+    result = np.empty_like(values)
+    wait_until([comm.Iallreduce(values, result, op=op)], timeout, comm.Get_rank(), what, sync=True)
+    return result
+
+
 def allgather(comm, obj, timeout=None, enter=None):
     """``comm.allgather(obj)`` that raises CommTimeout if some rank does not join in time.
 

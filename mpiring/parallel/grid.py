@@ -27,6 +27,7 @@ Gradients come back in ``grad_wire_dtype``, which the inner ring's partials use 
 import numpy as np
 
 from ..core.precision import Precision
+from ..core.scores import for_heads
 from ..mpi.collectives import together
 from ..mpi.comm import RingComm
 from ..mpi.record import Record
@@ -103,6 +104,7 @@ def hybrid_forward(q, k, v, plan, comm, scale, rec, timeout, pr, rotate, loop):
     qs, ks = _heads(plan, q.shape[-3], k.shape[-3])
     lengths, kv_lengths = _lengths(plan, rank), _lengths(plan, rank, kv=True)
     group, cross = grid_comms(comm, plan, timeout)
+    scale = for_heads(scale, qs[group.Get_rank()])  # a score's bias and dropout see the global heads
     try:
         Q, K, V = heads_out(group, [q, k, v], [qs, ks, ks], [lengths, kv_lengths, kv_lengths],
                             [q.dtype, pr.wire, pr.wire], rec, timeout, 0)
@@ -131,6 +133,7 @@ def hybrid_backward(dout, q, k, v, out, lse, plan, comm, scale, rec, timeout, pr
     qs, ks = _heads(plan, q.shape[-3], k.shape[-3])
     lengths, kv_lengths = _lengths(plan, rank), _lengths(plan, rank, kv=True)
     group, cross = grid_comms(comm, plan, timeout)
+    scale = for_heads(scale, qs[group.Get_rank()])  # a score's bias and dropout see the global heads
     try:
         Q, dO, Out, L, K, V = heads_out(group, [q, dout, out, lse[..., None], k, v], [qs] * 4 + [ks] * 2,
                                       [lengths] * 4 + [kv_lengths] * 2, [q.dtype] * 4 + [pr.wire] * 2, rec, timeout, 0)

@@ -17,6 +17,7 @@ import numpy as np
 from ..core import block
 from ..core.block import GRAD_DTYPE, add_grads, count_pairs
 from ..core.precision import Plain, Precision, Wire, compute_dtype
+from ..core.scores import for_heads
 from ..mpi.buffers import mpi_view
 from ..mpi.waits import wait_until
 from ..plans.heads import kv_heads, query_heads
@@ -138,6 +139,7 @@ def ulysses_forward(q, k, v, plan, comm, scale, rec, timeout, pr=None):
     n, m = [len(s) for s in plan.shards], [len(s) for s in plan.kv_shards]
     qs = [query_heads(d, size, q.shape[-3]) for d in range(size)]
     ks = [kv_heads(d, size, k.shape[-3]) for d in range(size)]
+    scale = for_heads(scale, qs[rank])  # a score's bias and dropout see the global heads
     queries, keys, values = heads_out(comm, [q, k, v], [qs, ks, ks], [n, m, m], [q.dtype, pr.wire, pr.wire], rec,
                                       timeout, 0)
     [queries], [keys, values] = _in_order(plan, [queries]), _in_order(plan, [keys, values], kv=True)
@@ -194,6 +196,7 @@ def ulysses_backward(dout, q, k, v, lse, delta, plan, comm, scale, rec, timeout,
     n, m = [len(s) for s in plan.shards], [len(s) for s in plan.kv_shards]
     qs = [query_heads(d, size, q.shape[-3]) for d in range(size)]
     ks = [kv_heads(d, size, k.shape[-3]) for d in range(size)]
+    scale = for_heads(scale, qs[rank])
     Q, dO, L, De, K, V = heads_out(comm, [q, dout, lse[..., None], delta[..., None], k, v], [qs] * 4 + [ks] * 2,
                                    [n] * 4 + [m] * 2, [q.dtype] * 4 + [pr.wire] * 2, rec, timeout, 0)
     (Q, dO, L, De), (K, V) = _in_order(plan, [Q, dO, L, De]), _in_order(plan, [K, V], kv=True)

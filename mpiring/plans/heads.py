@@ -37,8 +37,8 @@ import numpy as np
 
 from ..core.precision import compute_itemsize, row_bytes
 from .layouts import sort_order
-from .masks import visible_keys
-from .plan import Piece, Plan, PlannedSchedule, Task, problem_fields, ring_plan
+from .masks import combined, count_visible, visible_keys
+from .plan import Piece, Plan, PlannedSchedule, Task, Where, counted_kind, problem_fields, ring_plan
 
 __all__ = ["HEAD_MODES", "UlyssesPlan", "ulysses_plan", "heads_problem", "query_heads", "kv_heads",
            "ulysses_pair_bytes", "predicted_ulysses_bytes", "HybridPlan", "hybrid_plan",
@@ -99,11 +99,16 @@ class UlyssesPlan(Plan):
         if span is None:
             return []
         a, b, c, d, full = span
+        block = self.key_block(source)
+        where = Where(self._sorted()[0], self._sorted(kv=True)[0][block],
+                      None if self.exact else combined(**self._mask_options()))
+        if full and self.block_tasks()[source].kind == "full":
+            return [Piece(a, b, c, d, where=where._replace(mask=None))]
         if full:
-            return [Piece(a, b, c, d)]
+            return [Piece(a, b, c, d, where=where)]
         klo, khi = self._intervals()
-        s = self.key_block(source).start
-        return [Piece(a, b, c, d, np.clip(klo[a:b] - s, c, d) - c, np.clip(khi[a:b] - s, c, d) - c)]
+        s = block.start
+        return [Piece(a, b, c, d, np.clip(klo[a:b] - s, c, d) - c, np.clip(khi[a:b] - s, c, d) - c, where)]
 
     def key_block(self, source):
         """Where key block ``source`` sits in the sorted keys: the source-th run, as many keys as rank source holds."""
@@ -126,7 +131,11 @@ class UlyssesPlan(Plan):
     def visible_pairs(self):
         """Per rank: (query, key) pairs its kernel is given the mask of, for its heads: the whole sequence's."""
         klo, khi = self._intervals()
-        total = len(self._sorted()[0]) * len(self._sorted(kv=True)[0]) if klo is None else int(np.sum(khi - klo))
+        if not self.exact:
+            total = int(count_visible(self._sorted()[0], self._sorted(kv=True)[0], self._mask_options(), klo, khi)[0]
+                        .sum())
+        else:
+            total = len(self._sorted()[0]) * len(self._sorted(kv=True)[0]) if klo is None else int(np.sum(khi - klo))
         return [total] * self.size
 
     def computed_pairs(self):
@@ -187,6 +196,12 @@ class UlyssesPlan(Plan):
         span = self._span(source)
         if span is None:
             return "skip"
+        if not self.exact:  # holes: the block's pairs counted from the mask's definition
+            block = self.key_block(source)
+            klo, khi = self._intervals()
+            s = block.start
+            return counted_kind(self._sorted()[0], self._sorted(kv=True)[0][block], self._mask_options(),
+                                np.clip(klo - s, 0, block.stop - s), np.clip(khi - s, 0, block.stop - s))[0]
         a, b, c, d, full = span
         return "full" if full and (a, b, c, d) == (0, len(self._sorted()[0]), 0, len(self.kv_shards[source])) \
             else "masked"

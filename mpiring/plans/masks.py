@@ -1,4 +1,5 @@
-"""Which keys each query may see: causal (or block-causal), sliding window and packed documents.
+"""Which keys each query may see: the mask pieces (causal, block-causal frames, windows, documents, a prefix,
+padding, any function of positions) and how they combine (``&``, ``|``).
 
 The ring keeps every block's global token positions sorted (a rank's rows
 are put in position order before the ring and back after it), and every
@@ -15,12 +16,23 @@ references. A call's mask is the pieces its options name (``pieces``:
 all of which must allow a key: their intervals intersect. A new kind is one
 such class (docs/extending.md); the plans, the balancers, the cost model and
 the references take it as they are.
+
+Not every mask is one interval per query: ``a | b`` (a window or a few
+global tokens), ``function(fn)`` (any rule of positions), ``padding(lengths)``
+(a different length per batch row). Such a piece says ``exact = False``:
+``bounds`` is then only an envelope (every visible key lies inside it) and
+``allows`` is the truth. The plan counts a block's visible pairs from
+``allows`` (``count_visible``: empty blocks are skipped), and the kernel
+evaluates ``allows`` on each tile of the envelope (``core.scores``).
 """
+
+import functools
 
 import numpy as np
 
 __all__ = ["visible_keys", "block_kind", "doc_ids", "check_window", "check_cu_seqlens", "check_causal_block",
-           "row_work", "MaskPiece", "Causal", "Window", "Documents", "pieces", "check_mask"]
+           "row_work", "MaskPiece", "Causal", "Window", "Documents", "Prefix", "Padding", "Function", "And", "Or",
+           "pieces", "check_mask", "combined", "is_exact", "count_visible"]
 
 _INT64_MAX = int(np.iinfo(np.int64).max)
 BIG = _INT64_MAX // 4  # beyond any position: q_pos +/- BIG cannot wrap around
@@ -80,11 +92,19 @@ def doc_ids(pos, cu_seqlens):
 
 class MaskPiece:
     """One kind of mask: query position q sees key positions ``lo(q) .. hi(q)`` (inclusive, both non-decreasing
-    in q). Subclasses define ``bounds``, ``allows`` and ``__repr__``; pieces are equal when their fields are."""
+    in q). Subclasses define ``bounds``, ``allows`` and ``__repr__``; pieces are equal when their fields are.
+
+    ``exact = False``: ``bounds`` is an envelope only, ``allows`` says which keys inside it are visible.
+    ``batched = True``: ``allows`` depends on the batch entry too, and returns the batch axes first.
+    ``a & b``: keys both allow; ``a | b``: keys either allows.
+    """
+
+    exact = True
+    batched = False
 
     def bounds(self, q_pos):
         """``(lo, hi)`` int64 arrays for the query positions ``q_pos`` (int64); +-``BIG``: unbounded."""
-        raise NotImplementedError
+        return np.full(np.shape(q_pos), -BIG, np.int64), np.full(np.shape(q_pos), BIG, np.int64)
 
     def allows(self, q_pos, k_pos):
         """Whether query position q may see key position k, from the mask's definition (broadcasting)."""
@@ -92,15 +112,48 @@ class MaskPiece:
 
     def key(self):
         """What the piece is, comparable: its class and its fields (arrays by their values)."""
-        return (type(self).__qualname__, tuple((name, (value.dtype.str, value.shape, value.tobytes())
-                                               if isinstance(value, np.ndarray) else value)
-                                              for name, value in sorted(vars(self).items())))
+        return (type(self).__qualname__, tuple((name, _field_key(value)) for name, value in sorted(vars(self).items())))
 
     def __eq__(self, other):
         return isinstance(other, MaskPiece) and other.key() == self.key()
 
     def __hash__(self):
         return hash(self.key())
+
+    def __and__(self, other):
+        return And(self, _piece(other, "&"))
+
+    def __or__(self, other):
+        return Or(self, _piece(other, "|"))
+
+
+def _field_key(value):
+    if isinstance(value, np.ndarray):
+        return value.dtype.str, value.shape, value.tobytes()
+    if isinstance(value, MaskPiece):
+        return value.key()
+    if isinstance(value, tuple):
+        return tuple(_field_key(v) for v in value)
+    if callable(value):
+        return function_key(value)
+    return value
+
+
+def function_key(fn):
+    """A function, comparable across processes: its module, name, code, constants and the values it closes over
+    (not its address, which differs from rank to rank)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return (getattr(fn, "__module__", None), getattr(fn, "__qualname__", repr(type(fn))))
+    cells = tuple(_field_key(c.cell_contents) for c in (fn.__closure__ or ()))
+    return (fn.__module__, fn.__qualname__, code.co_code, repr(code.co_consts), cells)
+
+
+def _piece(other, op):
+    if not isinstance(other, MaskPiece):
+        raise TypeError(f"a mask combines with {op} only with another mask piece (mpiring.masks), "
+                        f"not {type(other).__name__}")
+    return other
 
 
 class Causal(MaskPiece):
@@ -162,6 +215,129 @@ class Documents(MaskPiece):
         return f"Documents({items if len(items) <= 8 else f'[{items[0]}, {items[1]}, ..., {items[-1]}]'})"
 
 
+class Prefix(MaskPiece):
+    """The first ``n`` tokens see each other (a bidirectional prefix); ``causal() | prefix(n)`` is a prefix LM."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def bounds(self, q_pos):
+        inside = q_pos < self.n
+        return np.zeros(q_pos.shape, np.int64), np.where(inside, self.n - 1, -1).astype(np.int64)
+
+    def allows(self, q_pos, k_pos):
+        return (q_pos < self.n) & (k_pos < self.n)
+
+    def __repr__(self):
+        return f"Prefix({self.n})"
+
+
+class Padding(MaskPiece):
+    """Batch entry b's keys at or past ``lengths[b]`` are hidden (a padded batch): ``allows`` is batched."""
+
+    exact = property(lambda self: not self.batched)
+
+    def __init__(self, lengths):
+        self.lengths = np.asarray(lengths, np.int64)
+
+    @property
+    def batched(self):
+        return self.lengths.ndim > 0 and bool(np.any(self.lengths != self.lengths.flat[0]))
+
+    def bounds(self, q_pos):
+        return (np.full(q_pos.shape, -BIG, np.int64),
+                np.full(q_pos.shape, int(self.lengths.max(initial=0)) - 1, np.int64))
+
+    def allows(self, q_pos, k_pos):
+        shape = np.broadcast_shapes(np.shape(q_pos), np.shape(k_pos))
+        if not self.batched:
+            return np.broadcast_to(k_pos < int(self.lengths.max(initial=0)), shape)
+        lengths = self.lengths.reshape(self.lengths.shape + (1,) * len(shape))
+        return np.broadcast_to(k_pos < lengths, self.lengths.shape + shape)
+
+    def __repr__(self):
+        items = self.lengths.tolist()
+        return f"Padding({items if self.lengths.size <= 8 else f'{self.lengths.size} lengths'})"
+
+
+class Function(MaskPiece):
+    """Any rule: ``fn(q_pos, k_pos) -> bool array``, NumPy on broadcast blocks of global positions (the idea of
+    flex-attention's ``mask_mod``, vectorized). Must be the same function on every rank."""
+
+    exact = False
+
+    def __init__(self, fn):
+        if not callable(fn):
+            raise ValueError(f"function() takes a callable fn(q_pos, k_pos) -> bool array, got {fn!r}")
+        self.fn = fn
+
+    def allows(self, q_pos, k_pos):
+        ok = np.asarray(self.fn(q_pos, k_pos))
+        shape = np.broadcast_shapes(np.shape(q_pos), np.shape(k_pos))
+        if ok.dtype != bool:
+            raise ValueError(f"the mask function {_name(self.fn)} must return a bool array, got {ok.dtype}")
+        try:
+            return np.broadcast_to(ok, shape)
+        except ValueError:
+            raise ValueError(f"the mask function {_name(self.fn)} returned shape {ok.shape} for positions "
+                             f"broadcasting to {shape}") from None
+
+    def __repr__(self):
+        return f"Function({_name(self.fn)})"
+
+
+def _name(fn):
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+class And(MaskPiece):
+    """Keys every part allows."""
+
+    def __init__(self, *parts):
+        self.parts = tuple(q for p in parts for q in (p.parts if isinstance(p, And) else (p,)))
+
+    exact = property(lambda self: all(p.exact for p in self.parts))
+    batched = property(lambda self: any(p.batched for p in self.parts))
+
+    def bounds(self, q_pos):
+        lo, hi = super().bounds(q_pos)
+        for part in self.parts:
+            first, last = part.bounds(q_pos)
+            lo, hi = np.maximum(lo, first), np.minimum(hi, last)
+        return lo, hi
+
+    def allows(self, q_pos, k_pos):
+        return functools.reduce(np.logical_and, (p.allows(q_pos, k_pos) for p in self.parts))
+
+    def __repr__(self):
+        return " & ".join(f"({p!r})" if isinstance(p, Or) else repr(p) for p in self.parts)
+
+
+class Or(MaskPiece):
+    """Keys some part allows; its bounds are the parts' envelope, so it is never taken as exact."""
+
+    exact = False
+
+    def __init__(self, *parts):
+        self.parts = tuple(q for p in parts for q in (p.parts if isinstance(p, Or) else (p,)))
+
+    batched = property(lambda self: any(p.batched for p in self.parts))
+
+    def bounds(self, q_pos):
+        lo, hi = np.full(q_pos.shape, BIG, np.int64), np.full(q_pos.shape, -BIG, np.int64)
+        for part in self.parts:
+            first, last = part.bounds(q_pos)
+            empty = first > last  # a part that allows nothing here widens nothing
+            lo, hi = np.where(empty, lo, np.minimum(lo, first)), np.where(empty, hi, np.maximum(hi, last))
+        return lo, hi
+
+    def allows(self, q_pos, k_pos):
+        return functools.reduce(np.logical_or, (p.allows(q_pos, k_pos) for p in self.parts))
+
+    def __repr__(self):
+        return " | ".join(f"({p!r})" if isinstance(p, And) else repr(p) for p in self.parts)
+
+
 def pieces(causal=False, window=(-1, -1), cu_seqlens=None, causal_block=None, mask=()):
     """The mask pieces a call's options name, then those it is given (``mask``)."""
     named = [Causal(causal_block)] if causal else []
@@ -211,6 +387,50 @@ def visible_keys(q_pos, k_pos, *, causal=False, window=(-1, -1), cu_seqlens=None
     return klo, np.maximum(khi, klo)
 
 
+def combined(causal=False, window=(-1, -1), cu_seqlens=None, causal_block=None, mask=()):
+    """The one piece every option's piece must allow (``And`` of them), or None when nothing is masked."""
+    every = pieces(causal, window, cu_seqlens, causal_block, mask)
+    return None if not every else every[0] if len(every) == 1 else And(*every)
+
+
+def is_exact(mask):
+    """Whether ``visible_keys`` is the whole truth for these mask options: every piece one interval, unbatched."""
+    return all(p.exact and not p.batched for p in pieces(**mask))
+
+
+_CHUNK = 1 << 22  # (query, key) entries evaluated at once by count_visible
+
+
+def count_visible(q_pos, k_pos, mask, klo=None, khi=None):
+    """``(counts, full)``: the keys each query of ``q_pos`` sees among the sorted ``k_pos`` under the mask options
+    (any batch entry: the union), and whether every batch entry sees every key. For an exact mask the counts
+    are ``khi - klo``; otherwise ``allows`` is evaluated on the envelope (``visible_keys``), a chunk of rows at a
+    time. ``klo, khi``: the envelope, when the caller has it."""
+    q_pos, k_pos = np.asarray(q_pos, np.int64), np.asarray(k_pos, np.int64)
+    if klo is None:
+        klo, khi = visible_keys(q_pos, k_pos, **mask)
+    if klo is None:
+        return np.full(len(q_pos), len(k_pos), np.int64), True
+    if is_exact(mask):
+        counts = (khi - klo).astype(np.int64)
+        return counts, bool(np.all(counts == len(k_pos)))
+    rule = combined(**mask)
+    counts, full = np.zeros(len(q_pos), np.int64), bool(np.all(khi - klo == len(k_pos)))
+    c, d = (int(klo.min()), int(khi.max())) if len(q_pos) else (0, 0)
+    if d <= c:  # no query's envelope holds a key
+        return counts, len(k_pos) == 0 or len(q_pos) == 0
+    step = max(1, _CHUNK // max(1, d - c))
+    for a in range(0, len(q_pos), step):
+        b = min(a + step, len(q_pos))
+        ok = rule.allows(q_pos[a:b, None], k_pos[None, c:d])
+        inside = (np.arange(c, d) >= klo[a:b, None]) & (np.arange(c, d) < khi[a:b, None])
+        ok = ok & inside
+        if full:
+            full = bool(np.all(ok))
+        counts[a:b] = np.sum(ok.reshape((-1,) + ok.shape[-2:]).any(axis=0), axis=-1)
+    return counts, full
+
+
 def block_kind(klo, khi, n_keys):
     """Classify a block as "full", "masked" or "skip"; also return its visible pairs."""
     if klo is None:
@@ -226,6 +446,5 @@ def block_kind(klo, khi, n_keys):
 def row_work(seq_len, *, causal=False, window=(-1, -1), cu_seqlens=None, causal_block=None, mask=()):
     """Visible keys of every query position 0 .. seq_len-1 against the whole sequence (int64)."""
     pos = np.arange(seq_len, dtype=np.int64)
-    klo, khi = visible_keys(pos, pos, causal=causal, window=check_window(window), cu_seqlens=cu_seqlens,
-                            causal_block=causal_block, mask=mask)
-    return np.full(seq_len, seq_len, np.int64) if klo is None else khi - klo
+    return count_visible(pos, pos, dict(causal=causal, window=check_window(window), cu_seqlens=cu_seqlens,
+                                        causal_block=causal_block, mask=mask))[0]

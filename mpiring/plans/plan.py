@@ -32,7 +32,17 @@ from typing import NamedTuple
 import numpy as np
 
 from .layouts import check_layout, positions_problem, put_rows, shard_indices, sort_order
-from .masks import block_kind, check_causal_block, check_cu_seqlens, check_mask, check_window, visible_keys
+from .masks import (
+    block_kind,
+    check_causal_block,
+    check_cu_seqlens,
+    check_mask,
+    check_window,
+    combined,
+    count_visible,
+    is_exact,
+    visible_keys,
+)
 from .rows import PairTable, Reach, Rows, layout_owners, owners, run_unit, runs_of, visible_per_rank
 
 __all__ = ["MODES", "ALL_MODES", "NEXT", "PREV", "HOME_CHUNKS", "Task", "Piece", "Schedule", "PlannedSchedule",
@@ -45,8 +55,18 @@ NEXT, PREV = +1, -1  # a stream's direction: NEXT sends to rank + 1 (receives fr
 HOME_CHUNKS = 4  # the backward pass sends a partial home in this many key chunks, each as soon as its keys are done
 
 
+class Where(NamedTuple):
+    """The global positions of a block's query rows and keys (sorted), and the mask the kernel must evaluate
+    inside the pieces' intervals (a ``masks.MaskPiece`` that is not exact), or None: the intervals are exact."""
+
+    q_pos: np.ndarray
+    k_pos: np.ndarray
+    mask: object = None
+
+
 class Piece(NamedTuple):
-    """Query rows q0:q1 of a rank against keys k0:k1 of a block; klo, khi (relative to k0) or None: all visible."""
+    """Query rows q0:q1 of a rank against keys k0:k1 of a block; klo, khi (relative to k0) or None: all visible.
+    ``where``: the rows' and keys' positions, for a mask with holes or scores that depend on positions."""
 
     q0: int
     q1: int
@@ -54,6 +74,7 @@ class Piece(NamedTuple):
     k1: int
     klo: np.ndarray | None = None
     khi: np.ndarray | None = None
+    where: Where | None = None
 
 
 @dataclass(frozen=True)
@@ -169,8 +190,20 @@ class Plan:
     def _pair(self, rank, source):
         """``(kind, visible pairs)`` of rank's queries against source's keys."""
         klo, khi = self.mask(rank, source)
+        if not self.exact:  # holes: counted from the mask's definition (``masks.count_visible``)
+            return counted_kind(self.shards[rank], self.kv_shards[source], self._mask_options(), klo, khi)
         kind, pairs = block_kind(klo, khi, len(self.kv_shards[source]))
         return kind, len(self.shards[rank]) * len(self.kv_shards[source]) if pairs is None else pairs
+
+    @property
+    def exact(self):
+        """Whether each query's visible keys are exactly its interval (``visible_keys``), for every batch entry."""
+        return is_exact(self._mask_options())
+
+    def where(self, rank, source):
+        """``Where`` of rank's queries against source's keys: their positions, and the mask if it has holes."""
+        return Where(self.shards[rank], self.kv_shards[source],
+                     None if self.exact else combined(**self._mask_options()))
 
     def _mask_options(self):
         return dict(causal=self.causal, window=self.window, cu_seqlens=self.cu_seqlens,
@@ -204,8 +237,9 @@ class Plan:
         if self.kinds[rank][source] == "skip":
             return []
         n_q, n_k = len(self.shards[rank]), len(self.kv_shards[source])
+        where = self.where(rank, source)
         if self.kinds[rank][source] == "full":
-            return [Piece(0, n_q, 0, n_k)]
+            return [Piece(0, n_q, 0, n_k, where=where._replace(mask=None))]
         klo, khi = self.mask(rank, source)
         out = []
         for a, b in self.runs[rank]:
@@ -214,7 +248,7 @@ class Plan:
             if d <= c:
                 continue
             full = bool(np.all(lo == c) and np.all(hi == d))
-            out.append(Piece(a, b, c, d) if full else Piece(a, b, c, d, lo - c, hi - c))
+            out.append(Piece(a, b, c, d, where=where) if full else Piece(a, b, c, d, lo - c, hi - c, where))
         return out
 
     def computed_pairs(self):
@@ -344,10 +378,32 @@ def _run_unit(plan):
 
 
 def reach(plan):
-    """The plan's ``rows.Reach``: which ring offsets some rank needs (made once)."""
+    """The plan's ``rows.Reach``: which ring offsets some rank needs (made once); for a mask with holes, the
+    offsets at which some rank's block is not empty (``KindsReach``)."""
     if getattr(plan, "_reach", None) is None:
-        plan._reach = Reach(plan.seq_len, plan.size, plan.q_owner, plan.k_owner, plan._mask_options())
+        plan._reach = (Reach(plan.seq_len, plan.size, plan.q_owner, plan.k_owner, plan._mask_options())
+                       if plan.exact else KindsReach(plan))
     return plan._reach
+
+
+class KindsReach:
+    """``Reach`` from the plan's block kinds (every rank's against every source: P x P counted blocks)."""
+
+    def __init__(self, plan):
+        size = plan.size
+        self._needed = [any(plan.kinds[r][(r - s) % size] != "skip" for r in range(size)) for s in range(size)]
+
+    def needed(self, offset):
+        return self._needed[offset % len(self._needed)]
+
+    last, first = Reach.last, Reach.first
+
+
+def counted_kind(q_pos, k_pos, mask, klo, khi):
+    """``(kind, visible pairs)`` of a block under a mask with holes, from ``masks.count_visible``."""
+    counts, full = count_visible(q_pos, k_pos, mask, klo, khi)
+    pairs = int(counts.sum())
+    return ("skip" if pairs == 0 else "full" if full else "masked"), pairs
 
 
 def one_way(plan):
@@ -393,12 +449,12 @@ def cut_to_keys(pieces, lo, hi):
     (query, key) pairs, so the dK/dV of keys lo:hi are complete once these are done.
     """
     cut = []
-    for a, b, c, d, klo, khi in pieces:
+    for a, b, c, d, klo, khi, where in pieces:
         c2, d2 = max(c, lo), min(d, hi)
         if d2 <= c2:
             continue
         if klo is None:  # every row sees every key
-            cut.append(Piece(a, b, c2, d2))
+            cut.append(Piece(a, b, c2, d2, where=where))
             continue
         first, last = np.clip(c + klo, c2, d2), np.clip(c + khi, c2, d2)  # each row's visible keys in lo:hi
         seen = np.flatnonzero(last > first)
@@ -407,9 +463,9 @@ def cut_to_keys(pieces, lo, hi):
         r0, r1 = int(seen[0]), int(seen[-1]) + 1
         first, last = first[r0:r1], last[r0:r1]
         if np.all(first == c2) and np.all(last == d2):
-            cut.append(Piece(a + r0, a + r1, c2, d2))
+            cut.append(Piece(a + r0, a + r1, c2, d2, where=where))
         else:
-            cut.append(Piece(a + r0, a + r1, c2, d2, first - c2, last - c2))
+            cut.append(Piece(a + r0, a + r1, c2, d2, first - c2, last - c2, where))
     return cut
 
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .layouts import block_range
-from .masks import visible_keys
+from .masks import count_visible, is_exact, visible_keys
 
 __all__ = ["Rows", "PairTable", "owners", "layout_owners", "run_unit", "runs_of", "visible_per_rank", "Reach"]
 
@@ -144,8 +144,11 @@ def _bounds(positions, seq_len, mask):
 def visible_per_rank(seq_len, size, q_owner, mask):
     """Every rank's visible (query, key) pairs, from each query position's interval of keys (every position a key)."""
     held = np.flatnonzero(q_owner >= 0)
-    lo, hi = _bounds(held, seq_len, mask)
-    seen = np.maximum(hi - lo + 1, 0)
+    if is_exact(mask):
+        lo, hi = _bounds(held, seq_len, mask)
+        seen = np.maximum(hi - lo + 1, 0)
+    else:  # holes inside the intervals: counted from the mask's definition
+        seen = count_visible(held, np.arange(seq_len, dtype=np.int64), mask)[0]
     return [int(x) for x in np.bincount(q_owner[held], weights=seen.astype(np.float64), minlength=size).round()]
 
 

@@ -34,7 +34,7 @@ from ..core.precision import canonical_precision
 from .heads import heads_problem
 from .layouts import check_layout, sort_order
 from .make import make_plan
-from .masks import MaskPiece, check_causal_block, check_mask, check_window
+from .masks import MaskPiece, check_causal_block, check_mask, check_window, function_key
 from .plan import ALL_MODES, MODES
 
 __all__ = ["Spec", "ROTATE", "FIELDS", "spec_problem", "digest", "is_real", "scale_problem"]
@@ -74,6 +74,30 @@ def scale_problem(scale):
     return None
 
 
+def _scores(given):
+    """The score options, checked: ValueError naming the first bad one."""
+    softcap, bias, sinks, dropout, seed = (given[n] for n in ("softcap", "bias", "sinks", "dropout", "seed"))
+    if softcap is not None and not (is_real(softcap) and np.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be a finite positive number (logits become c * tanh(logits / c)), "
+                         f"got {softcap!r}")
+    if bias is not None and not callable(bias):
+        raise ValueError(f"bias must be a function bias(heads, q_pos, k_pos) -> array, got {bias!r}")
+    if sinks is not None:
+        sinks = np.asarray(sinks)
+        if sinks.ndim != 1 or sinks.dtype.kind not in "fiu" or not np.all(np.isfinite(sinks)):
+            raise ValueError(f"sinks must be a 1-D array of finite logits, one per query head; got "
+                             f"{sinks.dtype} of shape {sinks.shape}")
+        sinks = sinks.astype(np.float64)
+    if not (is_real(dropout) and 0 <= dropout < 1):
+        raise ValueError(f"dropout must be a probability 0 <= p < 1, got {dropout!r}")
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
+        raise ValueError(f"seed must be an integer (dropout's generator key), got {seed!r}")
+    if not isinstance(given["return_max_logit"], (bool, np.bool_)):
+        raise ValueError(f"return_max_logit must be True or False, got {given['return_max_logit']!r}")
+    return dict(softcap=None if softcap is None else float(softcap), bias=bias, sinks=sinks,
+                dropout=float(dropout), seed=int(seed), return_max_logit=bool(given["return_max_logit"]))
+
+
 def _rotate_problem(rotate, mode):
     if not isinstance(rotate, str) or rotate not in ROTATE:
         return f"rotate must be one of {', '.join(ROTATE)}; got {rotate!r}"
@@ -106,6 +130,12 @@ class Spec:
     rotate: str = "kv"
     ulysses_size: int | None = None
     node_size: int | None = None
+    softcap: float | None = None  # logits become softcap * tanh(logits / softcap)
+    bias: object = None  # fn(heads, q_pos, k_pos) -> additive bias broadcastable to (heads, queries, keys)
+    sinks: np.ndarray | None = None  # one logit per query head, added once to each row's softmax denominator
+    dropout: float = 0.0  # probability of dropping an attention weight (core.scores.dropout_keep, keyed by seed)
+    seed: int = 0
+    return_max_logit: bool = False  # the forward also returns the largest visible scale * q.k per batch and head
 
     @classmethod
     def of(cls, **keywords):
@@ -142,7 +172,8 @@ class Spec:
         problem = scale_problem(scale) or _rotate_problem(given["rotate"], mode)
         if problem:
             raise ValueError(problem)
-        return cls(seq_len=None if seq_len is None else int(seq_len), layout=given["layout"], **rows,
+        scores = _scores(given)
+        return cls(seq_len=None if seq_len is None else int(seq_len), layout=given["layout"], **rows, **scores,
                    causal=bool(given["causal"]), window=check_window(given["window"]), cu_seqlens=cu,
                    causal_block=check_causal_block(given["causal_block"], given["causal"]),
                    mask=check_mask(given["mask"]),
@@ -189,6 +220,41 @@ class Spec:
                 return f"ulysses_size {self.ulysses_size} does not divide the {size} ranks"
         split = self.head_split(size)
         return None if split is None else heads_problem(q, k, *split)
+
+    @property
+    def scored(self):
+        """Whether the scores have a modifier (softcap, bias, sinks, dropout) or the max logit is asked for."""
+        return (self.softcap is not None or self.bias is not None or self.sinks is not None or bool(self.dropout)
+                or self.return_max_logit)
+
+    def scores_problem(self, q):
+        """Why this rank's q does not fit the score and mask options (sinks per head, padding per batch entry),
+        or None (never raises)."""
+        heads = q.shape[-3] if q.ndim > 2 else 1
+        if self.sinks is not None and len(self.sinks) != heads:
+            return f"sinks has {len(self.sinks)} logits, but q has {heads} query heads: give one per head"
+        probe = np.arange(2, dtype=np.int64)  # the functions tried on a 2 x 2 block before any data moves
+        for piece in self.mask:
+            try:
+                piece.allows(probe[:, None], probe[None, :])
+            except Exception as exc:  # noqa: BLE001 (a user's function: any error is the user's problem)
+                return f"the mask {piece!r} fails on positions 0, 1: {type(exc).__name__}: {exc}"
+        if self.bias is not None:
+            try:
+                extra = np.asarray(self.bias(np.arange(heads)[:, None, None], probe[None, :, None],
+                                             probe[None, None, :]))
+                if extra.dtype.kind not in "fiu":
+                    return f"bias must return real numbers, got {extra.dtype}"
+                np.broadcast_to(extra, (heads, 2, 2))
+            except Exception as exc:  # noqa: BLE001
+                return (f"bias(heads, q_pos, k_pos) must return an array broadcastable to (heads, queries, keys); "
+                        f"on {heads} heads and 2 x 2 positions it gave {type(exc).__name__}: {exc}")
+        for piece in self.mask:
+            lengths = getattr(piece, "lengths", None)
+            if getattr(piece, "batched", False) and lengths is not None and lengths.shape != q.shape[:-3]:
+                return (f"{piece!r} gives lengths of shape {lengths.shape}, one per batch entry, but q's batch "
+                        f"shape is {q.shape[:-3]}")
+        return None
 
     def beyond(self, names, who):
         """Why ``who``, which takes only the fields ``names``, cannot run this spec (a field not at its default
@@ -268,10 +334,18 @@ class Spec:
                "mask": tuple(f"{piece!r} ({digest(repr(piece.key()).encode())[:8]})" for piece in self.mask),
                "ranks": size, "scale": float(scale),
                "wire_dtype": self.wire_dtype}
+        for name in ("softcap", "bias", "sinks", "dropout", "seed"):  # the scores, when given
+            if _key(getattr(self, name)) != _key(DEFAULTS[name]):
+                tag[name] = f"{_key(getattr(self, name))!r}"
+                tag[name] = tag[name] if len(tag[name]) < 80 else digest(tag[name].encode())[:12]
         if seq_len is not None:
             tag["seq_len"] = seq_len
         tag["digest"] = digest(repr(sorted(tag.items())).encode())[:16]  # the whole record, compared first
         return tag
+
+    def field_key(self, name):
+        """A field as 16 hex digits of what it is (functions by their code, pieces by their fields)."""
+        return digest(repr(_key(getattr(self, name))).encode())[:16]
 
     @functools.cached_property
     def digest(self):
@@ -286,6 +360,8 @@ def _key(value):
         return [_key(v) for v in value]
     if isinstance(value, MaskPiece):
         return value.key()
+    if callable(value):
+        return function_key(value)
     return value
 
 

@@ -8,6 +8,7 @@ import time
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from mpiring.masks import parse as parse_mask
 from mpiring.plans.balancers import METHODS, balance, imbalance, work
 from mpiring.plans.plan import ALL_MODES
 
@@ -108,13 +109,27 @@ def add_variant_args(p):
     p.add_argument("--causal-block", type=int, nargs="?", const=0, metavar="F",
                    help="block-causal mask (with --causal): key j visible to query i iff j // F <= i // F; "
                         "no value: F = --frame-tokens")
+    p.add_argument("--mask", metavar="TEXT",
+                   help="more mask pieces (mpiring.masks.parse): causal, prefix:N, frames:F, window:L,R, "
+                        "documents:0,E1,...,S joined by & and |, e.g. 'causal|prefix:64'")
     p.add_argument("--balance", choices=METHODS, metavar="METHOD",
                    help=f"positions from mpiring.balance ({', '.join(METHODS)}) instead of --layout; prints every "
                         f"method's per-rank work side by side")
     p.add_argument("--frames", type=int, help="video: --frames x --frame-tokens tokens, frame-causal "
                    "(sets --seq-len, --causal and --causal-block)")
     p.add_argument("--frame-tokens", type=int, default=512, help="video: tokens per frame")
-    p.checks += [at_least(1, **{"--frames": "frames", "--frame-tokens": "frame_tokens"}), video]
+    p.checks += [at_least(1, **{"--frames": "frames", "--frame-tokens": "frame_tokens"}), video, _mask_check]
+
+
+def _mask_check(args):
+    """``--mask``: the pieces it names, parsed once (``args.mask_pieces``); a check (None: fine)."""
+    args.mask_pieces = ()
+    if args.mask:
+        try:
+            args.mask_pieces = (parse_mask(args.mask),)
+        except ValueError as exc:
+            return f"--mask: {exc}"
+    return None
 
 
 def video(args):
@@ -134,12 +149,13 @@ def variant(args):
     return dict(causal=args.causal, layout=args.layout, mode=args.mode, node_size=args.node_size,
                 ulysses_size=args.ulysses_size,
                 window=tuple(args.window) if args.window else None,
-                cu_seqlens=np.array(args.cu_seqlens) if args.cu_seqlens else None, causal_block=args.causal_block)
+                cu_seqlens=np.array(args.cu_seqlens) if args.cu_seqlens else None, causal_block=args.causal_block,
+                mask=getattr(args, "mask_pieces", ()))
 
 
 def _mask(args):
     options = variant(args)
-    return {name: options[name] for name in ("causal", "window", "cu_seqlens", "causal_block")}
+    return {name: options[name] for name in ("causal", "window", "cu_seqlens", "causal_block", "mask")}
 
 
 def held_positions(args, seq_len, size):

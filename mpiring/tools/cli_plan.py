@@ -7,6 +7,8 @@
 Each is ``(comm, args=None) -> exit code``; they ignore ``comm`` (pass None).
 """
 
+import numpy as np
+
 from mpiring import make_plan
 from mpiring.cost.cluster_model import CLUSTERS, format_comparison
 from mpiring.cost.costmodel import (
@@ -17,11 +19,12 @@ from mpiring.cost.costmodel import (
     ring_attention_context_parallel,
 )
 from mpiring.cost.infercost import format_inference_model
+from mpiring.plans.masks import count_visible
 
 from .calibrate import calibrate
 from .cli import add_variant_args, at_least, balance_table, command_parser, held_positions, mode_text, variant
 
-__all__ = ["schedule", "schedule_parser", "cost", "cost_parser", "compute_table", "held_text"]
+__all__ = ["schedule", "schedule_parser", "cost", "cost_parser", "compute_table", "held_text", "sparsity_text"]
 
 
 def compute_table(plan, records=None):
@@ -58,9 +61,32 @@ def schedule(comm=None, args=None):
           f"window={plan.window} steps={plan.n_steps} messages/rank={plan.messages_per_rank()}")
     print(plan.schedule.format())
     print(compute_table(plan))
+    print(sparsity_text(plan))
     if args.balance or args.frames:
         print(balance_table(args, seq_len, args.ranks))
     return 0
+
+
+CELL = {"full": "#", "masked": "+", "skip": "."}
+
+
+def sparsity_text(plan, cells=16):
+    """The mask's block sparsity in text: the sequence cut into ``cells`` runs of positions (queries down, keys
+    across; # every pair visible, + some, . none), then the plan's blocks (query rank down, key rank across)."""
+    seq_len, mask = plan.seq_len, plan._mask_options()
+    edges = np.linspace(0, seq_len, min(cells, seq_len) + 1).astype(np.int64)
+    runs = [np.arange(a, b, dtype=np.int64) for a, b in zip(edges, edges[1:])]
+    lines = [f"block sparsity: the sequence in {len(runs)} runs of ~{seq_len // len(runs)} positions "
+             f"(# all visible, + some, . none)"]
+    for q_run in runs:
+        row = ""
+        for k_run in runs:
+            counts, full = count_visible(q_run, k_run, mask)
+            row += CELL["full" if full else "masked" if counts.sum() else "skip"]
+        lines.append(f"  {row}")
+    lines.append("the ranks' blocks (query rank down, key rank across):")
+    lines += [f"  {''.join(CELL[plan.kinds[r][j]] for j in range(plan.size))}" for r in range(plan.size)]
+    return "\n".join(lines)
 
 
 def held_text(args, plan):

@@ -100,6 +100,11 @@ def run_parser():
     p.add_argument("--no-verify", action="store_true", help="skip comparing the results (the schedule and the "
                    "bytes sent are still checked)")
     p.add_argument("--backward", action="store_true", help="also run the backward pass and verify the gradients")
+    p.add_argument("--softcap", type=float, metavar="C", help="logits become C * tanh(logits / C)")
+    p.add_argument("--sinks", type=float, nargs="+", metavar="LOGIT",
+                   help="attention sinks: one logit per query head (or one for all), once in each row's denominator")
+    p.add_argument("--dropout", type=float, default=0.0, metavar="P",
+                   help="attention dropout with probability P (its generator keyed by --seed)")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome trace (open in ui.perfetto.dev or chrome://tracing)")
     p.add_argument("--plot", metavar="FILE", help="draw a timeline (Gantt chart) PNG; needs matplotlib")
     p.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
@@ -186,6 +191,15 @@ def allgather_arrays(comm, piece):
     return [flat[offsets[r]:offsets[r + 1]].reshape(piece.shape[:-1] + (-1,)) for r in range(len(counts))]
 
 
+def _score_options(args):
+    """The score options of ``--softcap``, ``--sinks`` (one value: every head's) and ``--dropout``."""
+    sinks = args.sinks
+    if sinks is not None and len(sinks) == 1:
+        sinks = sinks * args.heads
+    return dict(softcap=args.softcap, sinks=None if sinks is None else np.array(sinks), dropout=args.dropout,
+                seed=args.seed if args.dropout else 0)
+
+
 @with_threads(run_parser)
 def run(comm, args):
     """Every rank makes its seeded shard and runs ring attention; every rank checks its rows; rank 0 reports."""
@@ -209,7 +223,8 @@ def run(comm, args):
     got, meter, sent = {}, LinkMeter(comm), []  # sent: each node's bytes on its links, per call
     try:  # bad arguments: the library raises the same ValueError on every rank, before any transfer
         spec = Spec.of(**options, wire_dtype=args.wire_dtype, grad_wire_dtype=args.grad_wire_dtype,
-                       accumulate=args.accumulate)  # one spec for both calls: the same on every rank
+                       accumulate=args.accumulate, **_score_options(args))  # one spec for both calls
+
         meter.start()
         got["out"], got["lse"] = ring_attention(q, k, v, comm, timeout=timeout, record=forward, spec=spec)
         sent.append(meter.stop())
@@ -217,8 +232,9 @@ def run(comm, args):
             backward = Record(rank)
             dout = inputs.tokens("dout", positions)
             meter.start()
-            got["dq"], got["dk"], got["dv"] = ring_attention_backward(
-                dout, q, k, v, got["out"], got["lse"], comm, timeout=timeout, record=backward, spec=spec)
+            grads = ring_attention_backward(dout, q, k, v, got["out"], got["lse"], comm, timeout=timeout,
+                                            record=backward, spec=spec)
+            got.update(zip(("dq", "dk", "dv", "dsinks"), grads))
             sent.append(meter.stop())
     except ValueError as exc:
         raise Agreed(str(exc)) from exc
@@ -233,9 +249,11 @@ def run(comm, args):
                                        1 << 26))
     checked = None
     if not args.no_verify:
-        mask = dict(causal=args.causal, window=args.window, cu_seqlens=args.cu_seqlens, causal_block=args.causal_block)
+        mask = dict(causal=args.causal, window=args.window, cu_seqlens=args.cu_seqlens, causal_block=args.causal_block,
+                    mask=args.mask_pieces)
         checked = verify.check_rank(inputs, args.seq_len, size, rank, parts, mask, got,
-                                    share=lambda piece: allgather_arrays(comm, piece))
+                                    share=lambda piece: allgather_arrays(comm, piece),
+                                    scores=verify.Scores(**_score_options(args)))
     rec = backward if args.backward else forward
     if checked is not None:
         rec.error = forward.error = dict(checked["error"])  # what every rank's results were off by
@@ -307,7 +325,8 @@ def _shape(args):
     return dict(batch=args.batch, hq=args.heads, hk=args.kv_heads or args.heads, dim=args.dim, dim_v=args.dim)
 
 
-NAMES = ("out", "lse", "dQ", "dK", "dV")
+NAMES = ("out", "lse", "dQ", "dK", "dV", "dsinks")
+GRADIENTS = ("dQ", "dK", "dV", "dsinks")
 
 
 def _ring_modes(plan):
@@ -408,10 +427,10 @@ def _print_checks(checks, dtype, wire=None):
         worst = max(range(len(checks)), key=lambda r: checks[r]["error"][n])
         err = checks[worst]["error"][n]
         largest = max(c["largest"][n] for c in checks)
-        rel = err / max(1.0, largest) if n in ("dQ", "dK", "dV") else err
+        rel = err / max(1.0, largest) if n in GRADIENTS else err
         if not rel <= tol:
             failed.append(f"{n}: error {rel:.3e} on rank {worst} exceeds the tolerance {tol:g}")
-        extra = f" relative, max |reference| {largest:.3g}" if n in ("dQ", "dK", "dV") else " absolute"
+        extra = f" relative, max |reference| {largest:.3g}" if n in GRADIENTS else " absolute"
         mean = sum(c["mean"][n] for c in checks) / len(checks)  # the ranks' mean errors, averaged
         print(f"  {n:>3} {rel:.3e}{extra}; mean {mean:.3e} absolute")
     if "dQ" in names and "dK" not in names:

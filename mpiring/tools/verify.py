@@ -106,7 +106,41 @@ def _t(k):
     return np.swapaxes(k, -1, -2)[:, :, None]
 
 
-def forward_reference(inputs, rows, seq_len, scale, mask):
+class Scores:
+    """The score options a run checks (``--softcap``, ``--sinks``, ``--dropout``), written from their definitions:
+    logit r -> softcap * tanh(r / softcap); dropout keeps what ``core.scores.dropout_keep`` draws (the one
+    definition of the dropped entries), scaled by 1 / (1 - p); a sink is one more logit per head in every row's
+    denominator. No score: every method is the identity."""
+
+    def __init__(self, softcap=None, sinks=None, dropout=0.0, seed=0):
+        self.softcap, self.dropout, self.seed = softcap, dropout, seed
+        self.sinks = None if sinks is None else np.asarray(sinks, np.float64)
+
+    def logits(self, s):
+        """``(s, t)``: the modified logits and tanh(r / softcap) (None without a softcap)."""
+        if self.softcap is None:
+            return s, None
+        t = np.tanh(s / self.softcap)
+        return self.softcap * t, t
+
+    def keep(self, p, rows, keys):
+        """``p`` with the dropped entries zeroed and the kept ones scaled (grouped (B, Hk, g, n, m))."""
+        if not self.dropout:
+            return p
+        from mpiring.core.scores import dropout_keep
+        b, hk, g = p.shape[:3]
+        keep = dropout_keep(self.seed, self.dropout, b, np.arange(hk * g), rows, keys).reshape(p.shape)
+        return p * keep / (1.0 - self.dropout)
+
+    def sink_logits(self, shape):
+        """The sinks grouped as the rows' lse (B, Hk, g, n), or None."""
+        return None if self.sinks is None else np.broadcast_to(self.sinks.reshape(shape[1], shape[2], 1), shape)
+
+
+PLAIN = Scores()
+
+
+def forward_reference(inputs, rows, seq_len, scale, mask, scores=PLAIN):
     """Exact ``(out, lse)`` in float64 of the query rows at sorted global positions ``rows``.
 
     Streams over the keys a block at a time, keeping for each row the running
@@ -126,14 +160,20 @@ def forward_reference(inputs, rows, seq_len, scale, mask):
             b = min(a + ROW_CHUNK, len(rows))
             if not allowed[a:b].any():
                 continue  # no row of this chunk sees a key of this block
-            s = np.where(allowed[a:b], q[..., a:b, :] @ _t(k) * scale, -np.inf)
+            s = np.where(allowed[a:b], scores.logits(q[..., a:b, :] @ _t(k) * scale)[0], -np.inf)
             new_m = np.maximum(m[..., a:b], s.max(axis=-1))
             base = np.where(np.isfinite(new_m), new_m, 0.0)  # a row that has seen nothing yet stays at 0
             p = np.exp(s - base[..., None])
             rescale = np.exp(m[..., a:b] - base)
             l[..., a:b] = l[..., a:b] * rescale + p.sum(axis=-1)
-            acc[..., a:b, :] = acc[..., a:b, :] * rescale[..., None] + p @ v[:, :, None]
+            kept = scores.keep(p, rows[a:b], np.arange(start, stop))
+            acc[..., a:b, :] = acc[..., a:b, :] * rescale[..., None] + kept @ v[:, :, None]
             m[..., a:b] = new_m
+    sink = scores.sink_logits(l.shape)
+    if sink is not None:  # the sink's term exp(sink - m) joins each row's sum (m raised to it where larger)
+        new_m = np.maximum(m, sink)
+        rescale = np.exp(m - new_m)
+        l, acc, m = l * rescale + np.exp(sink - new_m), acc * rescale[..., None], new_m  # noqa: E741
     seen = l > 0
     out = np.where(seen[..., None], acc / np.where(seen, l, 1.0)[..., None], 0.0)
     lse = np.where(seen, m + np.log(np.where(seen, l, 1.0)), -np.inf)
@@ -148,7 +188,13 @@ def _probabilities(s, allowed, lse):
     return np.where(allowed & finite[..., None], p, 0.0)
 
 
-def dq_reference(inputs, rows, seq_len, scale, mask, out, lse):
+def _score_grads(p, dp, delta, t, scores, rows, keys):
+    """dS of the raw logits: p * (keep(dp) - delta), times the softcap's derivative 1 - t^2."""
+    ds = p * (scores.keep(dp, rows, keys) - delta[..., None])
+    return ds if t is None else ds * (1 - t * t)
+
+
+def dq_reference(inputs, rows, seq_len, scale, mask, out, lse, scores=PLAIN):
     """Exact dQ in float64 of the query rows ``rows``, given their exact ``out`` and ``lse``.
 
     dq_i = scale * sum_j p_ij (dout_i . v_j - delta_i) k_j, delta_i = dout_i . out_i.
@@ -163,13 +209,14 @@ def dq_reference(inputs, rows, seq_len, scale, mask, out, lse):
         allowed = definition_mask(rows, np.arange(start, stop), **mask)
         if not allowed.any():
             continue
-        p = _probabilities(np.where(allowed, q @ _t(k) * scale, -np.inf), allowed, lse)
-        ds = p * (dout @ _t(v) - delta[..., None])
+        logits, t = scores.logits(q @ _t(k) * scale)
+        p = _probabilities(np.where(allowed, logits, -np.inf), allowed, lse)
+        ds = _score_grads(p, dout @ _t(v), delta, t, scores, rows, np.arange(start, stop))
         dq += ds @ k[:, :, None] * scale
     return dq.reshape(dq.shape[0], -1, len(rows), dq.shape[-1])
 
 
-def dkv_reference(inputs, keys, seq_len, scale, mask, lse, delta):
+def dkv_reference(inputs, keys, seq_len, scale, mask, lse, delta, scores=PLAIN):
     """Exact ``(dK, dV)`` in float64 of the keys at sorted positions ``keys``, from every query row.
 
     ``lse`` and ``delta`` (``(B, H, seq_len)``) are every row's exact lse and
@@ -188,9 +235,11 @@ def dkv_reference(inputs, keys, seq_len, scale, mask, lse, delta):
         q, dout = _grouped(q, kh), _grouped(dout, kh)
         rows_lse = _grouped(lse[..., start:stop, None], kh)[..., 0]
         rows_delta = _grouped(delta[..., start:stop, None], kh)[..., 0]
-        p = _probabilities(np.where(allowed, q @ _t(k) * scale, -np.inf), allowed, rows_lse)
-        dv += (np.swapaxes(p, -1, -2) @ dout).sum(axis=2)
-        ds = p * (dout @ _t(v) - rows_delta[..., None])
+        logits, t = scores.logits(q @ _t(k) * scale)
+        p = _probabilities(np.where(allowed, logits, -np.inf), allowed, rows_lse)
+        rows = np.arange(start, stop)
+        dv += (np.swapaxes(scores.keep(p, rows, keys), -1, -2) @ dout).sum(axis=2)
+        ds = _score_grads(p, dout @ _t(v), rows_delta, t, scores, rows, keys)
         dk += (np.swapaxes(ds, -1, -2) @ q).sum(axis=2) * scale
     return dk, dv
 
@@ -204,7 +253,7 @@ def _error(got, want, reduce=np.max):
     return float(reduce(err)) if err.size else 0.0
 
 
-def check_rank(inputs, seq_len, size, rank, layout, mask, got, share=None, shards=None):
+def check_rank(inputs, seq_len, size, rank, layout, mask, got, share=None, shards=None, scores=PLAIN):
     """This rank's check: ``{"rows", "of", "keys", "error": {name: err}, "largest": {name: max |ref|}}``.
 
     ``got``: this rank's ``out`` and ``lse`` (and ``dq``, ``dk``, ``dv`` after a
@@ -213,6 +262,7 @@ def check_rank(inputs, seq_len, size, rank, layout, mask, got, share=None, shard
     ``share(piece)``: every rank's ``piece`` (an all-gather), needed (and called,
     collectively) only when dK and dV are checked. ``shards``: every rank's
     positions, where they do not follow ``layout`` (ring x Ulysses: the grid's).
+    ``scores``: the run's ``Scores`` (with sinks, ``got["dsinks"]`` is checked with dK and dV).
     """
     scale = 1.0 / np.sqrt(inputs.dim)
     seed = inputs.seed
@@ -222,7 +272,7 @@ def check_rank(inputs, seq_len, size, rank, layout, mask, got, share=None, shard
     backward = "dq" in got
     with_dkv = backward and seq_len <= DKV_MAX_SEQ
     rows = np.arange(n) if with_dkv else sample_rows(n, seed, rank, "rows")
-    out, lse = forward_reference(inputs, positions[rows], seq_len, scale, mask)
+    out, lse = forward_reference(inputs, positions[rows], seq_len, scale, mask, scores)
     result = {"rows": len(rows), "of": n, "keys": 0, "error": {}, "mean": {}, "largest": {}}
 
     def compare(name, mine, ref):
@@ -236,7 +286,8 @@ def check_rank(inputs, seq_len, size, rank, layout, mask, got, share=None, shard
         return result
     sampled = rows if not with_dkv else sample_rows(n, seed, rank, "rows")
     compare("dQ", got["dq"][..., sampled, :],
-            dq_reference(inputs, positions[sampled], seq_len, scale, mask, out[..., sampled, :], lse[..., sampled]))
+            dq_reference(inputs, positions[sampled], seq_len, scale, mask, out[..., sampled, :], lse[..., sampled],
+                         scores))
     result["dq_rows"] = len(sampled)
     if not with_dkv:
         return result
@@ -247,8 +298,10 @@ def check_rank(inputs, seq_len, size, rank, layout, mask, got, share=None, shard
     for r, piece in enumerate(pieces):
         every[..., parts[r]] = piece
     keys = sample_rows(n, seed, rank, "keys")
-    dk, dv = dkv_reference(inputs, positions[keys], seq_len, scale, mask, every[0], every[1])
+    dk, dv = dkv_reference(inputs, positions[keys], seq_len, scale, mask, every[0], every[1], scores)
     compare("dK", got["dk"][..., keys, :], dk)
     compare("dV", got["dv"][..., keys, :], dv)
+    if scores.sinks is not None:  # d loss / d sink_h = -sum over every row of p_sink * delta
+        compare("dsinks", got["dsinks"], -np.sum(np.exp(scores.sinks[:, None] - every[0]) * every[1], axis=(0, 2)))
     result["keys"] = len(keys)
     return result
