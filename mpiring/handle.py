@@ -42,7 +42,7 @@ from .mpi.checks import (
 from .mpi.collectives import allreduced
 from .mpi.record import Record
 from .mpi.waits import CommTimeout, exclusive, wait_until
-from .options import options_problem
+from .options import SCORES, options_problem
 from .parallel.strategies import private_rings, rotation, run_backward, run_forward
 from .plans.layouts import LAYOUTS, shard, take_rows
 from .plans.spec import Spec, spec_problem
@@ -143,7 +143,8 @@ class Ring:
         return {"scale": self.scale, "causal": spec.causal, "layout": self.layout, "mode": spec.mode,
                 "window": tuple(spec.window), "cu_seqlens": spec.cu_seqlens, "causal_block": spec.causal_block,
                 "timeout": self._timeout, "seq_axis": self.seq_axis, "rotate": spec.rotate,
-                "ulysses_size": spec.ulysses_size, "check_finite": self.check_finite, **spec.precision}
+                "ulysses_size": spec.ulysses_size, "check_finite": self.check_finite, **spec.precision,
+                **{name: getattr(spec, name) for name in SCORES}}
 
     scale = property(lambda self: self.spec.scale,
                      doc="The softmax scale given to the Ring, a float; None: each call's 1/sqrt(head dim of q).")

@@ -19,18 +19,19 @@ __all__ = ["CALL_OPTIONS", "options_problem", "foreign_problem"]
 
 # the Ring's options a call may repeat (the same value), as ``Ring.options`` holds them
 CALL_OPTIONS = ("scale", "causal", "layout", "mode", "window", "cu_seqlens", "causal_block", "timeout", "seq_axis",
-                "rotate", "wire_dtype", "grad_wire_dtype", "accumulate", "ulysses_size", "check_finite")
+                "rotate", "wire_dtype", "grad_wire_dtype", "accumulate", "ulysses_size", "check_finite", "mask",
+                "softcap", "bias", "sinks", "dropout", "seed", "return_max_logit")
+SCORES = ("mask", "softcap", "bias", "sinks", "dropout", "seed", "return_max_logit")  # compared as the spec does
 # options of a Ring that are fixed when it is built and not repeated per call
 BUILT = ("seq_len", "positions", "kv_positions", "node_size", "threads", "expected_size", "comm")
 
-MASKS = ("causal=True, window=(left, right), cu_seqlens= (packed documents), causal_block= (frames) or positions= "
-         "(any token order)")
+MASKS = ("causal=True, window=(left, right), cu_seqlens= (packed documents), causal_block= (frames), and mask= "
+         "(mpiring.masks: prefix, padding, function(fn), combined with & and |)")
 # names other libraries use, and what mpiring supports instead
 FOREIGN = {
-    "attn_mask": f"arbitrary attention masks are not supported; the masks mpiring computes are {MASKS}",
+    "attn_mask": f"a dense mask tensor is not taken; mpiring's masks are rules of positions: {MASKS}",
     "is_causal": "mpiring's name is causal (causal=True)",
-    "dropout_p": "attention dropout is not supported",
-    "dropout": "attention dropout is not supported",
+    "dropout_p": "mpiring's name is dropout (with seed=, the key of which weights drop)",
     "scaling": "mpiring's name is scale",
     "softmax_scale": "mpiring's name is scale",
     "sliding_window": "mpiring's sliding window is window=(left, right): keys i - left .. i + right of query i",
@@ -60,6 +61,12 @@ def _same(name, given, held, q):
         return (given is None) == (held is None) and (given is None or np.array_equal(np.asarray(given), held))
     if name == "seq_axis":
         return isinstance(given, (str, int, np.integer)) and seq_index(given, q.ndim) == seq_index(held, q.ndim)
+    if name in SCORES:  # by what they are, as the spec compares them (functions by their code)
+        from .plans.spec import Spec
+        try:
+            return Spec.of(**{name: given}).field_key(name) == Spec.of(**{name: held}).field_key(name)
+        except (TypeError, ValueError):
+            return False
     if name in ("causal", "check_finite"):
         return isinstance(given, (bool, np.bool_)) and bool(given) == held
     return type(given) is type(held) and given == held if isinstance(given, str) else given == held

@@ -43,6 +43,7 @@ def _allowed(S, opts):
 
 CASES = {
     "prefix LM": lambda sinks: dict(mask=masks.causal() | masks.prefix(9)),
+    "prefix alone": lambda sinks: dict(mask=masks.prefix(9)),
     "function": lambda sinks: dict(mask=masks.function(lambda q, k: ((q + k) % 3 == 0) | (k == 0))),
     "padding": lambda sinks: dict(mask=masks.padding(np.array([20, 37])), causal=True),
     "window | global": lambda sinks: dict(mask=masks.window(4, 0) | masks.function(lambda q, k: k < 3)),
@@ -165,3 +166,27 @@ def test_bad_scores_raise_the_same_error_on_every_rank(bad, message):
     with pytest.raises(ValueError, match=None) as info:
         mpiring.ring_attention(q[..., i, :], k[..., i, :], v[..., i, :], comm, **bad)
     assert message in str(info.value)
+
+
+def test_a_ring_handle_takes_masks_and_scores_and_calls_may_repeat_them():
+    comm = _comm()
+    P, r, S = comm.Get_size(), comm.Get_rank(), 24
+    q, k, v, dout, sinks = _arrays(S, seed=5)
+    mask = masks.causal() | masks.prefix(5)
+    opts = dict(mask=mask, softcap=4.0, sinks=sinks, return_max_logit=True)
+    allowed = _allowed(S, opts)
+    want_out, _, want_max = scored_attention(q, k, v, allowed, softcap=4.0, sinks=sinks)
+    want = scored_attention(q, k, v, allowed, softcap=4.0, sinks=sinks, dout=dout)
+    with mpiring.Ring(comm, S, layout="zigzag", **opts) as ring:
+        i = ring.positions
+        np.testing.assert_array_equal(np.sort(i), mpiring.shard_indices(S, P, r, "zigzag"))
+        for call in ({}, dict(mask=masks.causal() | masks.prefix(5), softcap=4.0)):  # repeated options: equal
+            out, lse, top = ring.forward(q[..., i, :], k[..., i, :], v[..., i, :], **call)
+            np.testing.assert_allclose(out, want_out[..., i, :], atol=1e-10, rtol=0)
+            np.testing.assert_allclose(top, want_max, atol=1e-10, rtol=0)
+            dq, dk, dv, ds = ring.backward(dout[..., i, :], q[..., i, :], k[..., i, :], v[..., i, :], out, lse)
+            for got, ref in zip((dq, dk, dv), want):
+                np.testing.assert_allclose(got, ref[..., i, :], atol=1e-10, rtol=0)
+            np.testing.assert_allclose(ds, want[3], atol=1e-10, rtol=0)
+        with pytest.raises(ValueError, match="softcap"):
+            ring.forward(q[..., i, :], k[..., i, :], v[..., i, :], softcap=5.0)

@@ -97,10 +97,11 @@ def test_unsupported_arguments_and_dtypes_say_what_is_supported(comm, use_ring):
     with pytest.raises(ValueError) as raised:
         mpiring.torch.ring_attention(x, x, x, ring, attn_mask=torch.ones(S, S, dtype=torch.bool), **options)
     assert str(raised.value) == (
-        f"{_ranks(comm)}: attn_mask is not an option of mpiring (arbitrary attention masks are not supported; the "
-        f"masks mpiring computes are causal=True, window=(left, right), cu_seqlens= (packed documents), "
-        f"causal_block= (frames) or positions= (any token order)); {where}")
-    with pytest.raises(ValueError, match="dropout_p is not an option of mpiring .attention dropout is not supported"):
+        f"{_ranks(comm)}: attn_mask is not an option of mpiring (a dense mask tensor is not taken; mpiring's masks "
+        f"are rules of positions: causal=True, window=(left, right), cu_seqlens= (packed documents), "
+        f"causal_block= (frames), and mask= (mpiring.masks: prefix, padding, function(fn), combined with & and |)); "
+        f"{where}")
+    with pytest.raises(ValueError, match="dropout_p is not an option of mpiring .mpiring's name is dropout"):
         mpiring.torch.ring_attention(x, x, x, ring, dropout_p=0.1, **options)
     b = x.to(torch.bfloat16)
     with pytest.raises(ValueError) as raised:

@@ -221,9 +221,8 @@ class Prefix(MaskPiece):
     def __init__(self, n):
         self.n = n
 
-    def bounds(self, q_pos):
-        inside = q_pos < self.n
-        return np.zeros(q_pos.shape, np.int64), np.where(inside, self.n - 1, -1).astype(np.int64)
+    def bounds(self, q_pos):  # past the prefix: the empty run n .. n - 1, so both bounds never decrease
+        return np.where(q_pos < self.n, 0, self.n).astype(np.int64), np.full(q_pos.shape, self.n - 1, np.int64)
 
     def allows(self, q_pos, k_pos):
         return (q_pos < self.n) & (k_pos < self.n)
@@ -323,12 +322,11 @@ class Or(MaskPiece):
 
     batched = property(lambda self: any(p.batched for p in self.parts))
 
-    def bounds(self, q_pos):
+    def bounds(self, q_pos):  # the parts' envelope: never decreasing, as theirs
         lo, hi = np.full(q_pos.shape, BIG, np.int64), np.full(q_pos.shape, -BIG, np.int64)
         for part in self.parts:
             first, last = part.bounds(q_pos)
-            empty = first > last  # a part that allows nothing here widens nothing
-            lo, hi = np.where(empty, lo, np.minimum(lo, first)), np.where(empty, hi, np.maximum(hi, last))
+            lo, hi = np.minimum(lo, first), np.maximum(hi, last)
         return lo, hi
 
     def allows(self, q_pos, k_pos):
