@@ -56,6 +56,8 @@ def _mpirun(n, *args, timeout=120):
      "--dtype", "float64", "--backward", "--mode", "allgather"],
     ["--seq-len", "200", "--cu-seqlens", "0", "150", "170", "200", "--causal", "--balance", "headtail",
      "--window", "50", "0", "--heads", "2", "--dim", "8", "--dtype", "float64", "--backward"],
+    ["--seq-len", "240", "--heads", "4", "--dim", "8", "--dtype", "float64", "--backward", "--layout", "zigzag",
+     "--mask", "causal|prefix:30", "--softcap", "2", "--sinks", "0.5", "1", "1.5", "2", "--dropout", "0.1"],
 ])
 def test_run_verifies(args):
     result = _mpirun(3, *args)

@@ -58,6 +58,32 @@ def test_streamed_reference_equals_the_dense_one(mask):
     np.testing.assert_allclose(dv, want_dv[..., rows, :], rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("scores", [dict(softcap=2.0), dict(sinks=np.array([0.5, -1.0, 2.0, 0.0])),
+                                    dict(dropout=0.2, seed=4), dict(softcap=3.0, sinks=np.ones(4), dropout=0.1)])
+def test_streamed_scores_equal_the_dense_scored_reference(scores):
+    """The run's checker with softcap, sinks and dropout against core.reference.scored_attention (dense)."""
+    from mpiring.core.reference import scored_attention
+    seq_len, mask = 1100, dict(causal=True, window=(300, 0))
+    inputs = Inputs(3, 1, 4, 2, 8, np.float64)
+    q, k, v, dout = (_full(inputs, kind, seq_len) for kind in verify.KINDS)
+    pos = np.arange(seq_len)
+    allowed = definition_mask(pos, pos, **mask)
+    want_out, want_lse, _ = scored_attention(q, k, v, allowed, **scores)
+    want = scored_attention(q, k, v, allowed, dout=dout, **scores)
+    rows = np.array([0, 7, 500, 1023, 1024, 1099])
+    scale, checker = 1 / np.sqrt(8), verify.Scores(**scores)
+    out, lse = verify.forward_reference(inputs, rows, seq_len, scale, mask, checker)
+    np.testing.assert_allclose(out, want_out[..., rows, :], rtol=0, atol=1e-12)
+    np.testing.assert_allclose(lse, want_lse[..., rows], rtol=0, atol=1e-12)
+    dq = verify.dq_reference(inputs, rows, seq_len, scale, mask, out, lse, checker)
+    np.testing.assert_allclose(dq, want[0][..., rows, :], rtol=0, atol=1e-12)
+    every_out, every_lse = verify.forward_reference(inputs, pos, seq_len, scale, mask, checker)
+    dk, dv = verify.dkv_reference(inputs, rows, seq_len, scale, mask, every_lse, np.sum(dout * every_out, axis=-1),
+                                  checker)
+    np.testing.assert_allclose(dk, want[1][..., rows, :], rtol=0, atol=1e-12)
+    np.testing.assert_allclose(dv, want[2][..., rows, :], rtol=0, atol=1e-12)
+
+
 def test_inputs_are_the_same_whoever_makes_them():
     """A token's values depend on the seed, its kind and its position only: not on the shard or the length."""
     inputs = Inputs(3, 2, 2, 1, 4, np.float64)
