@@ -18,12 +18,11 @@ wrong gradients.
 import contextlib
 
 import numpy as np
-from mpi4py import MPI
 
 from .core.block import GRAD_DTYPE
 from .core.kernels import default_scale
 from .core.precision import Precision, compute_dtype
-from .core.scores import Score, sink_grads, with_sinks
+from .core.scores import Score
 from .core.threads import limited, threads_for, threads_problem
 from .core.tiles import release_workspace
 from .lse import Lse, lse_problem, mismatch
@@ -39,11 +38,10 @@ from .mpi.checks import (
     peaks,
     resolve_timeout,
 )
-from .mpi.collectives import allreduced
 from .mpi.record import Record
 from .mpi.waits import CommTimeout, exclusive, wait_until
 from .options import SCORES, options_problem
-from .parallel.strategies import private_rings, rotation, run_backward, run_forward
+from .parallel.strategies import private_rings, rotation, run_backward, run_forward, scored_forward, sink_gradients
 from .plans.layouts import LAYOUTS, shard, take_rows
 from .plans.spec import Spec, spec_problem
 
@@ -298,18 +296,12 @@ class Ring:
             out, lse = run_forward(q, k, v, self.plan, self._rings[0], score, rec, timeout,
                                    Precision.of(q.dtype, self.spec.precision),
                                    rotation(self.spec.rotate, self.plan, q, k, v, self.spec.wire_dtype))
-            if self.spec.sinks is not None:  # once per row, after every block
-                out, lse = with_sinks(out, lse, self.spec.sinks)
-            top = None
-            if self.spec.return_max_logit:  # every rank's largest, the same on every rank
-                top = allreduced(self._rings[0].comm, score.max_logit, MPI.MAX, timeout, "max logit")
+            out, lse, top = scored_forward(self.spec, score, out, lse, self._rings[0].comm, timeout)
         out, lse = self.plan.in_caller_order(self.rank, out), self.plan.in_caller_order(self.rank, lse, axis=-1)
         lse = lse.view(Lse)
         lse.made_by = self.spec.made_by(self.size, scale, self.plan.seq_len)
         out = np.moveaxis(out, -2, seq_index(self.seq_axis, out.ndim))
-        if top is not None:
-            return out, lse, (top[0] if q.ndim == 2 else top)
-        return out, lse
+        return (out, lse) if top is None else (out, lse, top[0] if q.ndim == 2 else top)
 
     def _backward(self, moved, lses, scale, record, checked):
         dout, q, k, v, out = moved
@@ -321,17 +313,14 @@ class Ring:
         rec = Record(self.rank) if record is None else record
         if checked:
             self._start_barrier(timeout)
-        score = Score.of(self.spec.replace(return_max_logit=False), scale)
         with self._running():
             grads = run_backward((dout, q, k, v, out, lses[0], delta.astype(q.dtype)), self.plan, self._rings,
-                                 score, rec, timeout, pr)
-            if self.spec.sinks is not None:  # each rank's rows' share, summed over the ranks: once per row
-                dsinks = allreduced(self._rings[0].comm, sink_grads(lses[0], delta, self.spec.sinks), MPI.SUM,
-                                    timeout, "sink gradients")
+                                 Score.of(self.spec.replace(return_max_logit=False), scale), rec, timeout, pr)
+            dsinks = sink_gradients(self.spec, lses[0], delta, self._rings[0].comm, timeout)
         grads = [self.plan.in_caller_order(self.rank, g.astype(pr.input, copy=False), kv=i > 0)
                  for i, g in enumerate(grads)]
         grads = tuple(np.moveaxis(g, -2, seq_index(self.seq_axis, g.ndim)) for g in grads)
-        return grads + (dsinks,) if self.spec.sinks is not None else grads
+        return grads if dsinks is None else grads + (dsinks,)
 
 
 # ---------------------------------------------------------------------- the plain functions
@@ -374,19 +363,9 @@ def ring_attention(
             position once; q positions are then distinct positions among them).
         causal_block: with ``causal``, key j is visible to query i iff
             j // causal_block <= i // causal_block (frame-causal video masks).
-        mask: mask pieces (``mpiring.masks``: ``causal()``, ``window(l, r)``, ``prefix(n)``, ``padding(lengths)``,
-            ``function(fn)``, ... combined with ``&`` and ``|``), all of which must allow a key, beside the options
-            above (docs/masks.md).
-        softcap: logits become softcap * tanh(logits / softcap) (Gemma 2).
-        bias: ``fn(heads, q_pos, k_pos)`` -> an additive bias broadcastable to (heads, queries, keys): the
-            query heads' global indices (heads, 1, 1), the global positions (1, queries, 1) and (1, 1, keys)
-            (``mpiring.masks.alibi(H)`` is ALiBi's).
-        sinks: one logit per query head added once to each row's softmax denominator (gpt-oss); the backward
-            then returns ``(dq, dk, dv, dsinks)``.
-        dropout, seed: drop attention weights with probability ``dropout``; which ones is a hash of
-            (seed, batch entry, head, query position, key position): the same for any ranks, layout, strategy.
-        return_max_logit: also return the largest visible ``scale * q.k`` per batch entry and head over the
-            whole sequence, the same on every rank (``(out, lse, max_logit)``; for QK-clip).
+        mask, softcap, bias, sinks, dropout, seed, return_max_logit: any mask (pieces of ``mpiring.masks``
+            combined with ``&`` and ``|``) and score modifiers (docs/masks.md); with ``sinks`` the backward
+            returns ``(dq, dk, dv, dsinks)``, with ``return_max_logit`` the forward ``(out, lse, max_logit)``.
         node_size: ranks per node for the double ring; None: as MPI places them (``COMM_TYPE_SHARED``).
         ulysses_size: u: Ulysses inside groups of u consecutive ranks, the ring ``mode`` across the P/u
             groups (``mpiring.plans.heads.HybridPlan``); every rank holds the tokens ``layout`` gives it, as in

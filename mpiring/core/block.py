@@ -9,9 +9,8 @@ import time
 
 import numpy as np
 
-from ..plans.masks import count_visible
 from .kernels import attention_block, attention_block_backward
-from .scores import Score, attend_general, grads_general
+from .scores import Score, attend_general, count_allowed, grads_general
 from .tiles import filled, kernel_dtype, scratch
 
 __all__ = ["GRAD_DTYPE", "KEPT_OUT", "accumulators", "count_pairs", "attend", "block_grads", "add_grads", "grads_of"]
@@ -35,8 +34,7 @@ def count_pairs(rec, pieces):
     for a, b, c, d, klo, khi, where in pieces:
         rec.computed_pairs += (b - a) * (d - c)
         if where is not None and where.mask is not None:  # holes: counted from the mask's definition
-            mask = {"mask": (where.mask,)}
-            rec.visible_pairs += int(count_visible(where.q_pos[a:b], where.k_pos[c:d], mask,
+            rec.visible_pairs += int(count_allowed(where.mask, where.q_pos[a:b], where.k_pos[c:d],
                                                    *_envelope(klo, khi, b - a, d - c))[0].sum())
         else:
             rec.visible_pairs += (b - a) * (d - c) if klo is None else int(np.sum(khi - klo))

@@ -30,7 +30,7 @@ from .kernels import merge
 from .tiles import kernel_dtype
 
 __all__ = ["Score", "attend_general", "grads_general", "alibi_slopes", "alibi", "with_sinks", "sink_grads",
-           "dropout_keep"]
+           "dropout_keep", "count_allowed"]
 
 TILE_Q, TILE_K = 128, 512
 
@@ -68,6 +68,30 @@ def as_score(scale):
 def for_heads(scale, heads):
     """``scale`` for the query heads ``heads``: a ``Score`` learns them; a plain scale has nothing to learn."""
     return scale.for_heads(heads) if isinstance(scale, Score) else scale
+
+
+# ---------------------------------------------------------------- visible pairs of a mask with holes
+
+_CHUNK = 1 << 22  # (query, key) entries evaluated at once
+
+
+def count_allowed(mask, q_pos, k_pos, klo, khi):
+    """``(counts, full)``: per query of ``q_pos``, the keys of the sorted ``k_pos`` inside its envelope
+    ``klo:khi`` (indices) that ``mask.allows`` (any batch entry: the union), and whether every batch entry sees
+    every key; ``allows`` is evaluated a chunk of rows at a time."""
+    counts, full = np.zeros(len(q_pos), np.int64), bool(np.all(khi - klo == len(k_pos)))
+    c, d = (int(klo.min()), int(khi.max())) if len(q_pos) else (0, 0)
+    if d <= c:  # no query's envelope holds a key
+        return counts, len(k_pos) == 0 or len(q_pos) == 0
+    step = max(1, _CHUNK // max(1, d - c))
+    for a in range(0, len(q_pos), step):
+        b = min(a + step, len(q_pos))
+        ok = mask.allows(q_pos[a:b, None], k_pos[None, c:d])
+        ok = ok & (np.arange(c, d) >= klo[a:b, None]) & (np.arange(c, d) < khi[a:b, None])
+        if full:
+            full = bool(np.all(ok))
+        counts[a:b] = np.sum(ok.reshape((-1,) + ok.shape[-2:]).any(axis=0), axis=-1)
+    return counts, full
 
 
 # ---------------------------------------------------------------- ALiBi

@@ -22,6 +22,8 @@ from typing import Callable, NamedTuple
 import numpy as np
 from mpi4py import MPI
 
+from ..core.scores import sink_grads, with_sinks
+from ..mpi.collectives import allreduced
 from ..mpi.comm import RingComm
 from ..mpi.waits import CommTimeout, wait_until
 from .backward import allgather_backward, backward_ring_loop, gradient_rings
@@ -32,7 +34,7 @@ from .ring import allgather_loop, ring_loop
 from .ulysses import ulysses_backward, ulysses_forward
 
 __all__ = ["Strategy", "STRATEGIES", "strategy_of", "private_rings", "rotation", "run_forward", "run_backward",
-           "agree_outcome"]
+           "agree_outcome", "scored_forward", "sink_gradients"]
 
 
 class Call(NamedTuple):
@@ -198,6 +200,22 @@ def run_forward(q, k, v, plan, ring, scale, rec, timeout, pr, rotate="kv"):
     rec.wall_time = time.perf_counter() - start
     rec.plan = plan
     return out, lse
+
+
+def scored_forward(spec, score, out, lse, comm, timeout):
+    """After a forward's loop, what the scores add once per call: the sinks in every row's denominator, and the
+    largest logit over every rank (``(out, lse, max_logit or None)``; collective when it is asked for)."""
+    if spec.sinks is not None:
+        out, lse = with_sinks(out, lse, spec.sinks)
+    top = allreduced(comm, score.max_logit, MPI.MAX, timeout, "max logit") if spec.return_max_logit else None
+    return out, lse, top
+
+
+def sink_gradients(spec, lse, delta, comm, timeout):
+    """d loss / d sinks: each rank's rows' share summed over the ranks (every row once), or None without sinks."""
+    if spec.sinks is None:
+        return None
+    return allreduced(comm, sink_grads(lse, delta, spec.sinks), MPI.SUM, timeout, "sink gradients")
 
 
 def run_backward(arrays, plan, rings, scale, rec, timeout, pr):

@@ -30,6 +30,8 @@ import functools
 
 import numpy as np
 
+from ..core.scores import count_allowed
+
 __all__ = ["visible_keys", "block_kind", "doc_ids", "check_window", "check_cu_seqlens", "check_causal_block",
            "row_work", "MaskPiece", "Causal", "Window", "Documents", "Prefix", "Padding", "Function", "And", "Or",
            "pieces", "check_mask", "combined", "is_exact", "count_visible"]
@@ -396,9 +398,6 @@ def is_exact(mask):
     return all(p.exact and not p.batched for p in pieces(**mask))
 
 
-_CHUNK = 1 << 22  # (query, key) entries evaluated at once by count_visible
-
-
 def count_visible(q_pos, k_pos, mask, klo=None, khi=None):
     """``(counts, full)``: the keys each query of ``q_pos`` sees among the sorted ``k_pos`` under the mask options
     (any batch entry: the union), and whether every batch entry sees every key. For an exact mask the counts
@@ -412,21 +411,7 @@ def count_visible(q_pos, k_pos, mask, klo=None, khi=None):
     if is_exact(mask):
         counts = (khi - klo).astype(np.int64)
         return counts, bool(np.all(counts == len(k_pos)))
-    rule = combined(**mask)
-    counts, full = np.zeros(len(q_pos), np.int64), bool(np.all(khi - klo == len(k_pos)))
-    c, d = (int(klo.min()), int(khi.max())) if len(q_pos) else (0, 0)
-    if d <= c:  # no query's envelope holds a key
-        return counts, len(k_pos) == 0 or len(q_pos) == 0
-    step = max(1, _CHUNK // max(1, d - c))
-    for a in range(0, len(q_pos), step):
-        b = min(a + step, len(q_pos))
-        ok = rule.allows(q_pos[a:b, None], k_pos[None, c:d])
-        inside = (np.arange(c, d) >= klo[a:b, None]) & (np.arange(c, d) < khi[a:b, None])
-        ok = ok & inside
-        if full:
-            full = bool(np.all(ok))
-        counts[a:b] = np.sum(ok.reshape((-1,) + ok.shape[-2:]).any(axis=0), axis=-1)
-    return counts, full
+    return count_allowed(combined(**mask), q_pos, k_pos, klo, khi)
 
 
 def block_kind(klo, khi, n_keys):

@@ -15,7 +15,9 @@ ranks' specs field by field (``shown``) and gathers their positions
 The problem: which tokens each rank holds (``seq_len`` and ``layout``, or
 ``positions`` / ``kv_positions``), the mask (``causal``, ``window``,
 ``cu_seqlens``, ``causal_block``, and ``mask``: more pieces of any kind,
-``plans.masks.MaskPiece``), the softmax ``scale`` and the precision
+``plans.masks.MaskPiece``), the softmax ``scale``, the score modifiers
+(``softcap``, ``bias``, ``sinks``, ``dropout`` keyed by ``seed``, and
+``return_max_logit``; docs/masks.md) and the precision
 options (``wire_dtype``, ``grad_wire_dtype``, ``accumulate``). The strategy:
 ``mode`` (ring, bidirectional, allgather, ulysses, double_ring), ``rotate``
 (pass-Q), ``ulysses_size`` (the ring x Ulysses grid) and ``node_size`` (the

@@ -121,6 +121,24 @@ def add_variant_args(p):
     p.checks += [at_least(1, **{"--frames": "frames", "--frame-tokens": "frame_tokens"}), video, _mask_check]
 
 
+def add_score_args(p):
+    """The score modifiers' options (``run``): --softcap, --sinks, --dropout (docs/masks.md)."""
+    p.add_argument("--softcap", type=float, metavar="C", help="logits become C * tanh(logits / C)")
+    p.add_argument("--sinks", type=float, nargs="+", metavar="LOGIT",
+                   help="attention sinks: one logit per query head (or one for all), once in each row's denominator")
+    p.add_argument("--dropout", type=float, default=0.0, metavar="P",
+                   help="attention dropout with probability P (its generator keyed by --seed)")
+
+
+def score_options(args):
+    """The score options of ``--softcap``, ``--sinks`` (one value: every head's) and ``--dropout``."""
+    sinks = args.sinks
+    if sinks is not None and len(sinks) == 1:
+        sinks = sinks * args.heads
+    return dict(softcap=args.softcap, sinks=None if sinks is None else np.array(sinks), dropout=args.dropout,
+                seed=args.seed if args.dropout else 0)
+
+
 def _mask_check(args):
     """``--mask``: the pieces it names, parsed once (``args.mask_pieces``); a check (None: fine)."""
     args.mask_pieces = ()

@@ -39,6 +39,7 @@ from . import verify
 from .calibrate import calibrate
 from .cli import (
     Agreed,
+    add_score_args,
     add_variant_args,
     at_least,
     balance_table,
@@ -47,6 +48,7 @@ from .cli import (
     held_positions,
     mode_text,
     poll,
+    score_options,
     variant,
     with_threads,
 )
@@ -100,11 +102,7 @@ def run_parser():
     p.add_argument("--no-verify", action="store_true", help="skip comparing the results (the schedule and the "
                    "bytes sent are still checked)")
     p.add_argument("--backward", action="store_true", help="also run the backward pass and verify the gradients")
-    p.add_argument("--softcap", type=float, metavar="C", help="logits become C * tanh(logits / C)")
-    p.add_argument("--sinks", type=float, nargs="+", metavar="LOGIT",
-                   help="attention sinks: one logit per query head (or one for all), once in each row's denominator")
-    p.add_argument("--dropout", type=float, default=0.0, metavar="P",
-                   help="attention dropout with probability P (its generator keyed by --seed)")
+    add_score_args(p)
     p.add_argument("--trace", metavar="FILE", help="write a Chrome trace (open in ui.perfetto.dev or chrome://tracing)")
     p.add_argument("--plot", metavar="FILE", help="draw a timeline (Gantt chart) PNG; needs matplotlib")
     p.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
@@ -191,15 +189,6 @@ def allgather_arrays(comm, piece):
     return [flat[offsets[r]:offsets[r + 1]].reshape(piece.shape[:-1] + (-1,)) for r in range(len(counts))]
 
 
-def _score_options(args):
-    """The score options of ``--softcap``, ``--sinks`` (one value: every head's) and ``--dropout``."""
-    sinks = args.sinks
-    if sinks is not None and len(sinks) == 1:
-        sinks = sinks * args.heads
-    return dict(softcap=args.softcap, sinks=None if sinks is None else np.array(sinks), dropout=args.dropout,
-                seed=args.seed if args.dropout else 0)
-
-
 @with_threads(run_parser)
 def run(comm, args):
     """Every rank makes its seeded shard and runs ring attention; every rank checks its rows; rank 0 reports."""
@@ -223,7 +212,7 @@ def run(comm, args):
     got, meter, sent = {}, LinkMeter(comm), []  # sent: each node's bytes on its links, per call
     try:  # bad arguments: the library raises the same ValueError on every rank, before any transfer
         spec = Spec.of(**options, wire_dtype=args.wire_dtype, grad_wire_dtype=args.grad_wire_dtype,
-                       accumulate=args.accumulate, **_score_options(args))  # one spec for both calls
+                       accumulate=args.accumulate, **score_options(args))  # one spec for both calls
 
         meter.start()
         got["out"], got["lse"] = ring_attention(q, k, v, comm, timeout=timeout, record=forward, spec=spec)
@@ -253,7 +242,7 @@ def run(comm, args):
                     mask=args.mask_pieces)
         checked = verify.check_rank(inputs, args.seq_len, size, rank, parts, mask, got,
                                     share=lambda piece: allgather_arrays(comm, piece),
-                                    scores=verify.Scores(**_score_options(args)))
+                                    scores=verify.Scores(**score_options(args)))
     rec = backward if args.backward else forward
     if checked is not None:
         rec.error = forward.error = dict(checked["error"])  # what every rank's results were off by
@@ -308,7 +297,7 @@ def _report_forward(args, sched, checks, machine, links=()):
     print(f"\nwall time {wall:.4f} s   attention {flops / wall / 1e9:.2f} GFLOP/s "
           f"(4*B*H*D*visible pairs = {flops / 1e9:.3f} GFLOP)")
     failed = schedule_failed + _count_failures("bytes sent", [r["bytes_sent"] for r in records], predicted)
-    failed += _print_checks(checks, dtype, pr.wire.name)
+    failed += verify.print_checks(checks, dtype, pr.wire.name)
     print()
     per_element = kv_width * wire_size / (args.batch * hk * 2 * args.dim)  # an int8 wire's scales included
     print(timing_report(records, plan, machine, batch=args.batch, heads=args.heads, kv_heads=hk, head_dim=args.dim,
@@ -325,8 +314,6 @@ def _shape(args):
     return dict(batch=args.batch, hq=args.heads, hk=args.kv_heads or args.heads, dim=args.dim, dim_v=args.dim)
 
 
-NAMES = ("out", "lse", "dQ", "dK", "dV", "dsinks")
-GRADIENTS = ("dQ", "dK", "dV", "dsinks")
 
 
 def _ring_modes(plan):
@@ -399,44 +386,6 @@ def _count_failures(what, measured, predicted):
     """A line for every rank whose measured count is not the predicted one."""
     return [f"{what}: rank {r} measured {m}, predicted {p}"
             for r, (m, p) in enumerate(zip(measured, predicted, strict=True)) if m != p]
-
-
-def _print_checks(checks, dtype, wire=None):
-    """The table of what every rank checked, and the largest errors; a line for each error beyond tolerance.
-
-    [] when nothing was compared (--no-verify).
-    """
-    if checks is None:
-        return []
-    tol = verify.run_tolerance(dtype, wire)
-    names = [n for n in NAMES if n in checks[0]["error"]]
-    print("\nverification: every rank recomputed rows of its own shard exactly (float64, from the seeded "
-          "inputs; mask from its definition)")
-    head = "rank  query rows checked" + ("  dQ rows  keys (dK, dV)" if "dQ" in names else "")
-    print(head + "".join(f"  {n + ' error':>10}" for n in names))
-    for r, c in enumerate(checks):
-        rows = f"{c['rows']} of {c['of']}"
-        line = f"{r:>4}  {rows:>18}"
-        if "dQ" in names:
-            line += f"  {c['dq_rows']:>7}  {c['keys'] or '-':>13}"
-        print(line + "".join(f"  {c['error'][n]:>10.3e}" for n in names))
-    failed = []
-    relative = "; gradients relative to max(1, max |reference|)" if "dQ" in names else ""
-    print(f"largest error over all ranks (tolerance {tol:g}{relative}):")
-    for n in names:
-        worst = max(range(len(checks)), key=lambda r: checks[r]["error"][n])
-        err = checks[worst]["error"][n]
-        largest = max(c["largest"][n] for c in checks)
-        rel = err / max(1.0, largest) if n in GRADIENTS else err
-        if not rel <= tol:
-            failed.append(f"{n}: error {rel:.3e} on rank {worst} exceeds the tolerance {tol:g}")
-        extra = f" relative, max |reference| {largest:.3g}" if n in GRADIENTS else " absolute"
-        mean = sum(c["mean"][n] for c in checks) / len(checks)  # the ranks' mean errors, averaged
-        print(f"  {n:>3} {rel:.3e}{extra}; mean {mean:.3e} absolute")
-    if "dQ" in names and "dK" not in names:
-        print(f"  dK, dV not checked: seq_len > {verify.DKV_MAX_SEQ} (they need every row's exact lse, "
-              f"a pass as costly as the forward ring)")
-    return failed
 
 
 def _verdict(failed, checks):
@@ -512,7 +461,7 @@ def _report_backward(args, sched, checks, links=()):
               + _count_failures("forward bytes sent", [r["forward"]["bytes_sent"] for r in records], fwd_bytes)
               + _count_failures("backward bytes sent", [r["bytes_sent"] for r in records], bwd_bytes)
               + _count_failures("backward messages", [r["messages"] for r in records], [bwd_messages] * size))
-    failed += _print_checks(checks, dtype, pr.wire.name)
+    failed += verify.print_checks(checks, dtype, pr.wire.name)
     _write_trace_and_plot(args, records, f"backward pass: P={size} {plan.layout} {plan.mode}"
                           f"{' causal' if plan.causal else ''}, seq_len={args.seq_len}, H={args.heads} d={args.dim}")
     return _verdict(failed, checks)

@@ -30,7 +30,7 @@ from mpiring.plans.layouts import layout_positions, shard_indices
 from mpiring.testing import tolerance
 
 __all__ = ["BLOCK", "SAMPLE", "DKV_MAX_SEQ", "TOLERANCE", "run_tolerance", "Inputs", "sample_rows", "check_partition",
-           "forward_reference", "dq_reference", "dkv_reference", "check_rank"]
+           "forward_reference", "dq_reference", "dkv_reference", "check_rank", "Scores", "print_checks"]
 
 BLOCK = 1024  # tokens per seeded block
 KINDS = ("q", "k", "v", "dout")
@@ -305,3 +305,45 @@ def check_rank(inputs, seq_len, size, rank, layout, mask, got, share=None, shard
         compare("dsinks", got["dsinks"], -np.sum(np.exp(scores.sinks[:, None] - every[0]) * every[1], axis=(0, 2)))
     result["keys"] = len(keys)
     return result
+
+
+NAMES = ("out", "lse", "dQ", "dK", "dV", "dsinks")  # what a check may compare, in report order
+GRADIENTS = ("dQ", "dK", "dV", "dsinks")  # compared relative to max(1, max |reference|)
+
+
+def print_checks(checks, dtype, wire=None):
+    """The table of what every rank checked, and the largest errors; a line for each error beyond tolerance.
+
+    [] when nothing was compared (--no-verify).
+    """
+    if checks is None:
+        return []
+    tol = run_tolerance(dtype, wire)
+    names = [n for n in NAMES if n in checks[0]["error"]]
+    print("\nverification: every rank recomputed rows of its own shard exactly (float64, from the seeded "
+          "inputs; mask from its definition)")
+    head = "rank  query rows checked" + ("  dQ rows  keys (dK, dV)" if "dQ" in names else "")
+    print(head + "".join(f"  {n + ' error':>10}" for n in names))
+    for r, c in enumerate(checks):
+        rows = f"{c['rows']} of {c['of']}"
+        line = f"{r:>4}  {rows:>18}"
+        if "dQ" in names:
+            line += f"  {c['dq_rows']:>7}  {c['keys'] or '-':>13}"
+        print(line + "".join(f"  {c['error'][n]:>10.3e}" for n in names))
+    failed = []
+    relative = "; gradients relative to max(1, max |reference|)" if "dQ" in names else ""
+    print(f"largest error over all ranks (tolerance {tol:g}{relative}):")
+    for n in names:
+        worst = max(range(len(checks)), key=lambda r: checks[r]["error"][n])
+        err = checks[worst]["error"][n]
+        largest = max(c["largest"][n] for c in checks)
+        rel = err / max(1.0, largest) if n in GRADIENTS else err
+        if not rel <= tol:
+            failed.append(f"{n}: error {rel:.3e} on rank {worst} exceeds the tolerance {tol:g}")
+        extra = f" relative, max |reference| {largest:.3g}" if n in GRADIENTS else " absolute"
+        mean = sum(c["mean"][n] for c in checks) / len(checks)  # the ranks' mean errors, averaged
+        print(f"  {n:>3} {rel:.3e}{extra}; mean {mean:.3e} absolute")
+    if "dQ" in names and "dK" not in names:
+        print(f"  dK, dV not checked: seq_len > {DKV_MAX_SEQ} (they need every row's exact lse, "
+              f"a pass as costly as the forward ring)")
+    return failed
