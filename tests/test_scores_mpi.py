@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import mpiring
+import mpiring.testing
 from mpiring import masks
 from mpiring.core.reference import definition_mask, scored_attention
 
@@ -135,7 +136,13 @@ def test_the_ring_skips_the_blocks_a_function_mask_hides():
         assert rec.bytes_sent == 0, "no rank needs another's block: the ring stops before the first transfer"
 
 
-def test_float32_scores_within_the_table():
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_single_and_half_precision_scores_within_the_table(dtype):
+    from mpiring.core.precision import named_dtype
+    try:
+        kind = named_dtype(dtype)
+    except ValueError as exc:
+        pytest.skip(str(exc))
     comm = _comm()
     P, r, S = comm.Get_size(), comm.Get_rank(), 29
     q, k, v, dout, sinks = _arrays(S, seed=3)
@@ -143,11 +150,11 @@ def test_float32_scores_within_the_table():
     scores = {n: opts[n] for n in ("softcap", "bias", "sinks")}
     want_out = scored_attention(q, k, v, _allowed(S, opts), **scores)[0]
     i = mpiring.shard_indices(S, P, r)
-    f = [a[..., i, :].astype(np.float32) for a in (q, k, v)]
+    f = [a[..., i, :].astype(kind) for a in (q, k, v)]
     out, _ = mpiring.ring_attention(*f, comm, **opts)
-    assert out.dtype == np.float32
-    tol = mpiring.testing.tolerance(np.float32)
-    np.testing.assert_allclose(out, want_out[..., i, :], atol=tol, rtol=0)
+    assert out.dtype == kind
+    tol = mpiring.testing.tolerance(kind)
+    np.testing.assert_allclose(out.astype(np.float64), want_out[..., i, :], atol=tol, rtol=0)
 
 
 @pytest.mark.parametrize("bad, message", [
