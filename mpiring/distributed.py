@@ -96,6 +96,8 @@ def distributed_attention(
         layout=layout, mode=mode, causal=causal, scale=scale, window=window, cu_seqlens=cu_seqlens,
         wire_dtype=wire_dtype, accumulate=accumulate, causal_block=causal_block, node_size=node_size,
         ulysses_size=ulysses_size, rotate=rotate), spec)
+    if problem is None and spec.return_max_logit:
+        problem = "distributed_attention returns no max logit: call ring_attention(..., return_max_logit=True)"
     meta = agree_root(comm, root, check_root, spec, timeout, expected_size, problem)
     plan = spec.plan(size, meta[3])  # the same everywhere, or raises everywhere
     wait = resolve_timeout(timeout, plan, int(np.prod(meta[0][0])), meta[0][1])  # for scatter and gather
@@ -140,7 +142,8 @@ def distributed_attention_backward(
 ) -> tuple:  # on root ([out,] dQ, dK, dV, schedule); Nones elsewhere
     """Root scatters Q, K, V and dOut; the ring runs forward then backward; root gathers the gradients.
 
-    Returns ``(dQ, dK, dV, schedule)`` on root and Nones elsewhere.
+    Returns ``(dQ, dK, dV, schedule)`` on root and Nones elsewhere (a spec with sinks:
+    ``(dQ, dK, dV, dsinks, schedule)``).
     ``schedule.table[step][rank]`` holds the Tasks each rank recorded in the
     backward pass, ``schedule.records[rank]`` its counters (bytes, messages,
     times), with the forward pass's under ``"forward"``. With
@@ -166,9 +169,10 @@ def distributed_attention_backward(
     q, k, v, dout = (_scatter(x, m, plan, comm, root, wait) for x, m in zip((Q, K, V, dOut), meta[:4]))
     forward, backward = Record(rank), Record(rank)
     out, lse = ring_attention(q, k, v, comm, spec=spec, timeout=timeout, record=forward)
-    dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, comm, spec=spec, timeout=timeout, record=backward)
+    dq, dk, dv, *dsinks = ring_attention_backward(dout, q, k, v, out, lse, comm, spec=spec, timeout=timeout,
+                                                  record=backward)
     pieces = ([out] if return_out else []) + [dq, dk, dv]
     *full, schedule = _collect(comm, root, plan, pieces, backward, {"forward": forward.summary()}, wait)
     if rank != root:
-        return (None,) * (len(full) + 1)
-    return (*full, schedule)
+        return (None,) * (len(full) + len(dsinks) + 1)
+    return (*full, *dsinks, schedule)  # with sinks: their gradient (the same on every rank) before the schedule

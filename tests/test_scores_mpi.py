@@ -197,3 +197,24 @@ def test_a_ring_handle_takes_masks_and_scores_and_calls_may_repeat_them():
             np.testing.assert_allclose(ds, want[3], atol=1e-10, rtol=0)
         with pytest.raises(ValueError, match="softcap"):
             ring.forward(q[..., i, :], k[..., i, :], v[..., i, :], softcap=5.0)
+
+
+def test_root_scatter_and_gather_with_a_scored_spec():
+    """distributed_attention(_backward) run a spec's mask and scores; with sinks the gradients include dsinks;
+    a max logit is refused on every rank (it returns none)."""
+    comm = _comm()
+    S = 24
+    q, k, v, dout, sinks = _arrays(S, seed=9)
+    mask = masks.causal() | masks.prefix(4)
+    spec = mpiring.Spec.of(mask=mask, softcap=2.0, sinks=sinks, layout="zigzag")
+    out, _ = mpiring.distributed_attention(q, k, v, comm, spec=spec)
+    grads = mpiring.distributed_attention_backward(q, k, v, dout, comm, spec=spec)
+    allowed = _allowed(S, dict(mask=mask))
+    if comm.Get_rank() == 0:
+        np.testing.assert_allclose(out, scored_attention(q, k, v, allowed, softcap=2.0, sinks=sinks)[0], atol=1e-10)
+        want = scored_attention(q, k, v, allowed, softcap=2.0, sinks=sinks, dout=dout)
+        assert len(grads) == 5
+        for got, ref in zip(grads, want):
+            np.testing.assert_allclose(got, ref, atol=1e-10, rtol=0)
+    with pytest.raises(ValueError, match="returns no max logit"):
+        mpiring.distributed_attention(q, k, v, comm, spec=spec.replace(return_max_logit=True))
