@@ -101,3 +101,17 @@ def test_the_forward_is_the_rings_bit_for_bit(comm, rng, layout):
     for mask in ({}, dict(causal=True, window=(3, 0)), dict(cu_seqlens=[0, 2, S // 2, S])):
         ring, sparse = (ring_attention(q, k, v, comm, layout=layout, mode=m, **mask) for m in ("ring", "sparse"))
         assert all(np.array_equal(a, b) for a, b in zip(ring, sparse)), mask
+
+
+def test_a_rank_asking_another_movement_raises_on_every_rank(comm, rng):
+    """Rank 0 asks for the sparse movement, the others for the ring: the same ValueError everywhere, nothing sent."""
+    if comm.size == 1:
+        pytest.skip("needs two ranks")
+    S = 3 * comm.size
+    Q, K, V, _ = _problem(rng, S, 2, 2)
+    rows = shard_indices(S, comm.size, comm.rank, "contiguous")
+    q, k, v = (np.ascontiguousarray(x[..., rows, :]) for x in (Q, K, V))
+    rec = Record()
+    with pytest.raises(ValueError, match="mode 'ring' differs from rank 0's 'sparse'"):
+        ring_attention(q, k, v, comm, record=rec, causal=True, mode="sparse" if comm.rank == 0 else "ring")
+    assert rec.bytes_sent == 0 and rec.messages == 0

@@ -92,8 +92,8 @@ def delivered(k, v, plan, comm, rec, timeout):
             moves.send((k, v), dest, KV_TAGS, 0, "K/V")
         for step in range(plan.n_steps):
             for task in plan.tasks(step, rank):
-                if task.source != rank:
-                    moves.wait(moves.receives.pop(task.source), step, "K/V")
+                if task.source != rank:  # (still pending, so abandoned, if this wait gives up)
+                    moves.wait(moves.receives[task.source], step, "K/V")
                 kv = (k, v) if task.source == rank else (blocks[0][task.source], blocks[1][task.source])
                 yield step, task, kv, moves.progress
         moves.wait(moves.sends, plan.n_steps - 1, "K/V sent")
