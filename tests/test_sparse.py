@@ -82,3 +82,14 @@ def test_the_schedule_shows_the_movement(capsys):
     assert schedule(None, ["-P", "4", "--mode", "sparse", "--causal", "--window", "2", "0", "--moves"]) == 0
     out = capsys.readouterr().out
     assert "rank   3  -" in out and "mode=sparse" in out  # the last rank's block: nobody needs it
+
+
+def test_a_rank_plans_from_its_own_row_and_column():
+    """Rank 0's steps and users read its own row and column of pairs, not all P x P (n_steps would)."""
+    P = 64
+    plan = make_plan(16 * P, P, mode="sparse", layout="zigzag", causal=True, window=(10, 0))
+    steps = [plan.tasks(s, 0) for s in range(plan.steps_of(0))]
+    users = plan.users[0]
+    assert repr(plan.needs) == f"Rows({P}, 1 made)" and repr(plan.users) == f"Rows({P}, 1 made)"
+    assert [t.source for (t,) in steps] == [0] + plan.needs[0] and users
+    assert plan.n_steps == max(plan.steps_of(r) for r in range(P))  # now every row

@@ -67,7 +67,7 @@ def allgather_loop(q, k, v, plan, comm, scale, rec, timeout, pr=None, arrive=all
     for step, task, kv, progress in arrive(wire.encode(k), wire.encode(v), plan, comm, rec, timeout):
         kv = mine if task.source == rank else wire.arrived(kv)
         block.attend(q, kv, task, plan.pieces(rank, task.source), scale, acc, rec, progress, step)
-        rec.step_done(step, plan.n_steps)
+        rec.step_done(step, plan.steps_of(rank))
     return acc[0].astype(pr.input, copy=False), acc[1].astype(pr.compute, copy=False)
 
 

@@ -90,13 +90,13 @@ def delivered(k, v, plan, comm, rec, timeout):
             moves.receive(source, (blocks[0][source], blocks[1][source]), source, KV_TAGS)
         for dest in plan.users[rank]:
             moves.send((k, v), dest, KV_TAGS, 0, "K/V")
-        for step in range(plan.n_steps):
+        for step in range(plan.steps_of(rank)):
             for task in plan.tasks(step, rank):
                 if task.source != rank:  # (still pending, so abandoned, if this wait gives up)
                     moves.wait(moves.receives[task.source], step, "K/V")
                 kv = (k, v) if task.source == rank else (blocks[0][task.source], blocks[1][task.source])
                 yield step, task, kv, moves.progress
-        moves.wait(moves.sends, plan.n_steps - 1, "K/V sent")
+        moves.wait(moves.sends, plan.steps_of(rank) - 1, "K/V sent")
     except BaseException:
         moves.give_up()
         raise
@@ -137,8 +137,8 @@ def sparse_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec, time
                 add_grads(partial, grads)
                 homes.send(partial, task.source, GRAD_TAGS, step, "dK/dV home")
             rec.tasks.append((step, task))
-            rec.step_done(step, plan.n_steps)
-        homes.wait(homes.pending(), plan.n_steps - 1, "dK/dV home")
+            rec.step_done(step, plan.steps_of(rank))
+        homes.wait(homes.pending(), plan.steps_of(rank) - 1, "dK/dV home")
     except BaseException:
         homes.give_up()
         raise

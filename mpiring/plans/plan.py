@@ -120,7 +120,7 @@ class PlannedSchedule(Schedule):
     @property
     def table(self):
         if self._table is None:
-            self._table = [[self._tasks(step, r) for r in range(self._size)] for step in range(self._n_steps)]
+            self._table = [[self._tasks(step, r) for r in range(self._size)] for step in range(self.n_steps)]
         return self._table
 
     def tasks(self, step, rank):
@@ -166,6 +166,11 @@ class Plan:
 
     def tasks(self, step, rank):
         return self.schedule.tasks(step, rank)
+
+    def steps_of(self, rank):
+        """Steps ``rank`` runs: ``n_steps`` (the sparse movement's ranks each run their own, found from their own
+        row of the plan, while ``n_steps`` needs every rank's)."""
+        return self.n_steps
 
     def _pair(self, rank, source):
         """``(kind, visible pairs)`` of rank's queries against source's keys."""

@@ -47,6 +47,9 @@ class SparsePlan(Plan):
             out += [(step, source, source, GRADS) for step, source in enumerate(self.needs[rank], 1)]
         return out
 
+    def steps_of(self, rank):
+        return 1 + len(self.needs[rank])  # its own block, then each it needs
+
     def messages_of(self, rank, backward=False):
         return 2 * len(self.sends(rank, backward))  # K and V (dK and dV) are separate messages
 
@@ -70,7 +73,11 @@ class SparsePlan(Plan):
 
 
 def sparse_plan(base):
-    """The sparse movement over the shards and masks of ``base`` (a ring plan of the same options)."""
+    """The sparse movement over the shards and masks of ``base`` (a ring plan of the same options).
+
+    A rank finds what it needs (``needs``: its row of pieces) and who needs its block (``users``: its
+    column) in O(P) pairs, made when first read, as the ring's plan finds a rank's own steps.
+    """
     size = base.size
     plan = SparsePlan(**problem_fields(base), mode="sparse", rounds={})
     plan.needs = Rows(size, lambda r: [j for s in range(1, size) for j in [(r - s) % size] if plan.pieces(r, j)])
@@ -82,5 +89,20 @@ def sparse_plan(base):
         needs = plan.needs[rank]
         return (Task(needs[step - 1], plan.kinds[rank][needs[step - 1]]),) if step <= len(needs) else ()
 
-    plan.schedule = PlannedSchedule(1 + max(len(plan.needs[r]) for r in range(size)), size, tasks)
+    plan.schedule = _Schedule(plan, tasks)
     return plan
+
+
+class _Schedule(PlannedSchedule):
+    """The sparse plan's schedule: ``n_steps``, the longest rank's, made when first read (it reads every rank's
+    row: P x P pairs); a rank that runs reads only its own steps (``SparsePlan.steps_of``)."""
+
+    def __init__(self, plan, tasks):
+        super().__init__(None, plan.size, tasks)
+        self._plan = plan
+
+    @property
+    def n_steps(self):
+        if self._n_steps is None:
+            self._n_steps = max(self._plan.steps_of(r) for r in range(self._size))
+        return self._n_steps
