@@ -53,6 +53,7 @@ COMMANDS = {
     "percore": ("percore", False, "one core, one block: the kernel against its own GEMMs and exp2, the limit, "
                 "and torch (no MPI)"),
     "accuracy": ("cli_accuracy", False, "error against float64 as P grows, per dtype and accumulation (no MPI)"),
+    "zoo": ("zoo", True, "bytes each movement sends for a zoo of masks, measured, against the minimum"),
     "support": ("support", True, "every strategy x option against the float64 reference: works, or its error"),
     "grade": ("cli_teach", True, "grade a student's ring attention (docs/exercises.md)"),
     "demo": ("cli_teach", True, "demonstrations: 'demo deadlock' shows a blocking ring deadlock and its fixes"),

@@ -28,7 +28,7 @@ def strategies(P):
     """Name -> options of every strategy that runs on P ranks."""
     out = {"ring": dict(mode="ring"), "bidirectional": dict(mode="bidirectional"), "allgather": dict(mode="allgather"),
            "pass-q": dict(mode="ring", rotate="q"), "ulysses": dict(mode="ulysses"),
-           "double_ring": dict(mode="double_ring", node_size=2 if P % 2 == 0 else 1)}
+           "double_ring": dict(mode="double_ring", node_size=2 if P % 2 == 0 else 1), "sparse": dict(mode="sparse")}
     if P % 2 == 0:
         out["grid"] = dict(mode="ring", ulysses_size=2)
     return out

@@ -71,9 +71,9 @@ def check_mode(comm, Q, K, V, dOut, options, note=""):
                  itemsize=Q.dtype.itemsize)
     assert fwd.bytes_sent == predicted_bytes(plan, **shape)[r], note
     assert bwd.bytes_sent == predicted_bytes(plan, **shape, backward=True)[r], note
-    assert bwd.messages == plan.backward_messages_per_rank(), note
+    assert bwd.messages == plan.messages_of(r, backward=True), note
     if plan.mode != "allgather":  # the plan counts point-to-point sends; the all-gather is one collective
-        assert fwd.messages == plan.messages_per_rank(), note
+        assert fwd.messages == plan.messages_of(r), note
     for rec in (fwd, bwd):
         assert rec.table(plan.n_steps) == [plan.tasks(s, r) for s in range(plan.n_steps)], note
         assert rec.visible_pairs == plan.visible_pairs()[r], note

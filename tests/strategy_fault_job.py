@@ -34,7 +34,7 @@ from mpiring.core import block
 STRATEGIES = {"ring": {}, "bidirectional": dict(mode="bidirectional"), "allgather": dict(mode="allgather"),
               "pass-q": dict(rotate="q"), "ulysses": dict(mode="ulysses"),
               "double_ring": dict(mode="double_ring", node_size=2), "grid": dict(ulysses_size=2),
-              "double_ring_mpi_nodes": dict(mode="double_ring")}  # the nodes from MPI: Split_type
+              "sparse": dict(mode="sparse"), "double_ring_mpi_nodes": dict(mode="double_ring")}  # last: Split_type
 CASES = [f"{s}:{where}" for s in STRATEGIES if s != "double_ring_mpi_nodes" for where in ("forward", "backward")] \
     + ["grid:split", "double_ring_mpi_nodes:split"]
 

@@ -75,7 +75,7 @@ def test_the_reference_reads_the_definition():
 STRATEGIES = {"ring zigzag": dict(layout="zigzag"), "bidirectional": dict(mode="bidirectional"),
               "allgather": dict(mode="allgather"), "pass-q": dict(rotate="q", layout="striped"),
               "ulysses": dict(mode="ulysses"), "double ring": dict(mode="double_ring"),
-              "grid": dict(ulysses_size=2, layout="zigzag")}
+              "grid": dict(ulysses_size=2, layout="zigzag"), "sparse": dict(mode="sparse", layout="zigzag")}
 
 
 @pytest.mark.mpi

@@ -57,7 +57,7 @@ CASES = {
 }
 STRATEGIES = {"ring": {}, "bidirectional": dict(mode="bidirectional"), "allgather": dict(mode="allgather"),
               "pass-q": dict(rotate="q"), "ulysses": dict(mode="ulysses"), "double_ring": dict(mode="double_ring"),
-              "grid": dict(ulysses_size=2)}
+              "grid": dict(ulysses_size=2), "sparse": dict(mode="sparse")}
 
 
 def _applies(strategy, P, layout, S):

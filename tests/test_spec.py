@@ -51,11 +51,11 @@ def test_strategy_names_key_the_table():
 
     cases = {"ring": {}, "bidirectional": dict(mode="bidirectional"), "allgather": dict(mode="allgather"),
              "ulysses": dict(mode="ulysses"), "double_ring": dict(mode="double_ring"),
-             "pass-q": dict(rotate="q"), "grid": dict(ulysses_size=2)}
+             "pass-q": dict(rotate="q"), "grid": dict(ulysses_size=2), "sparse": dict(mode="sparse")}
     for name, keywords in cases.items():
         assert Spec.of(**keywords).strategy == name
     assert set(cases) == set(STRATEGIES)
-    for mode in ("ring", "bidirectional", "allgather", "ulysses", "double_ring"):  # each plan keys the table too
+    for mode in ("ring", "bidirectional", "allgather", "ulysses", "double_ring", "sparse"):  # each plan keys it too
         assert make_plan(16, 4, mode=mode).strategy in STRATEGIES
     assert make_plan(16, 4, ulysses_size=2).strategy == "grid"
 

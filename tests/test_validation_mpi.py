@@ -66,7 +66,7 @@ ONE_RANK_CASES = [
     ("layout", lambda q, k, v, kw: (q, k, v, dict(kw, layout="spiral")),
      "rank {b}: layout must be one of contiguous, zigzag, striped; got 'spiral'"),
     ("mode", lambda q, k, v, kw: (q, k, v, dict(kw, mode="tree")),
-     "rank {b}: mode must be one of ring, bidirectional, allgather, ulysses, double_ring; got 'tree'"),
+     "rank {b}: mode must be one of ring, bidirectional, allgather, ulysses, double_ring, sparse; got 'tree'"),
     ("cu-float", lambda q, k, v, kw: (q, k, v, dict(kw, cu_seqlens=np.array([0.0, 2.5]))),
      "rank {b}: cu_seqlens must be a 1-D integer array [0, ..., seq_len], got array([0. , 2.5])"),
     ("timeout", lambda q, k, v, kw: (q, k, v, dict(kw, timeout=-1)),

@@ -1,7 +1,7 @@
 """The one place in cost/ that tells the strategies apart: what each one sends, and how its time adds up. No MPI.
 
 Every plan names its strategy (``plan.strategy``: "ring", "bidirectional",
-"allgather", "ulysses", "double_ring", or "grid" for ring x Ulysses).
+"allgather", "ulysses", "double_ring", "sparse", or "grid" for ring x Ulysses).
 ``STRATEGIES[plan.strategy]`` holds that strategy's cost functions, and
 ``costmodel``, ``nodes`` and ``cluster_model`` call them without comparing
 modes, plan classes or names themselves. A new strategy is one entry of
@@ -116,6 +116,16 @@ def _gather_grads(plan, rank):
     return [j for j in range(plan.size) if j != rank]
 
 
+def _sparse_transfers(plan, rank):
+    """The sparse movement: the rank's own block, once to each rank that needs it, all posted at step 0."""
+    return [(0, [rank])] * len(plan.users[rank])
+
+
+def _sparse_grads(plan, rank):
+    """... and the dK/dV partial of each block it needed, straight home."""
+    return plan.needs[rank]
+
+
 def _nothing(plan, rank, backward=False):
     return []
 
@@ -155,6 +165,10 @@ def _stream_sends(plan, rank, backward=False):
 
 def _double_ring_sends(plan, rank, backward=False):
     return [(step, dest, source, what) for step, dest, source, what, _ in plan.sends(rank, backward)]
+
+
+def _plan_sends(plan, rank, backward=False):
+    return plan.sends(rank, backward)
 
 
 def _sends_traffic(plan, shape):
@@ -407,6 +421,8 @@ STRATEGIES = {
                             sends=_double_ring_sends),
     "grid": Strategy(_as_groups_ring("kv_transfers"), _as_groups_ring("grad_blocks"), _grid_traffic, _grid_time,
                      gathered=_grid_gathered, label="hybrid", head_split=_node_heads, compared=_grid_compared),
+    # every transfer posted at step 0 (the time model's step 0 carries them all, as the all-gather's)
+    "sparse": Strategy(_sparse_transfers, _sparse_grads, _sends_traffic, _ring_time, sends=_plan_sends),
 }
 
 _LABELS = {entry.label or name: entry for name, entry in STRATEGIES.items()}

@@ -52,17 +52,22 @@ def ring_loop(q, k, v, plan, ring, scale, rec, timeout, pr=None):
     return acc[0].astype(pr.input, copy=False), acc[1].astype(pr.compute, copy=False)
 
 
-def allgather_loop(q, k, v, plan, comm, scale, rec, timeout, pr=None):
-    """All-gather K/V once (overlapped with the local block), then compute locally."""
+def allgather_loop(q, k, v, plan, comm, scale, rec, timeout, pr=None, arrive=allgathered):
+    """All-gather K/V once (overlapped with the local block), then compute locally.
+
+    ``arrive``: how the blocks come, ``(k, v, plan, comm, rec, timeout) -> (step, task, (k, v), progress)`` for
+    each task, K/V as the wire codes them: the all-gather's (``collectives.allgathered``) or the sparse
+    movement's (``parallel.sparse.delivered``: only the needed blocks, straight from their owners).
+    """
     pr = pr or Precision(k.dtype)
     rank, wire = comm.Get_rank(), pr.wire
     acc = block.accumulators(q, v, pr.out, pr.lse)
     q = pr.widen(q)
     mine = wire.own((k, v))
-    for step, task, kv, progress in allgathered(wire.encode(k), wire.encode(v), plan, comm, rec, timeout):
+    for step, task, kv, progress in arrive(wire.encode(k), wire.encode(v), plan, comm, rec, timeout):
         kv = mine if task.source == rank else wire.arrived(kv)
         block.attend(q, kv, task, plan.pieces(rank, task.source), scale, acc, rec, progress, step)
-        rec.step_done(step, plan.n_steps)
+        rec.step_done(step, plan.steps_of(rank))
     return acc[0].astype(pr.input, copy=False), acc[1].astype(pr.compute, copy=False)
 
 

@@ -6,7 +6,7 @@
 to its ``Strategy``: the forward loop, the backward loop and the private
 communicators a handle makes for it once. Each loop lives in one module of
 this package (``ring``, ``backward``, ``passq``, ``ulysses``, ``double_ring``,
-``grid``) over the shared block, merge and communication code; the entries
+``grid``, ``sparse``) over the shared block, merge and communication code; the entries
 here only adapt their arguments. ``mpiring.Ring`` (``mpiring.handle``)
 checks the arguments, agrees on the spec and plan and calls ``run_forward``
 / ``run_backward``, which run the loop of the plan's strategy, account its
@@ -31,6 +31,7 @@ from .double_ring import double_ring_backward, double_ring_forward, nodes_of
 from .grid import hybrid_backward, hybrid_forward
 from .passq import chosen_rotation, passq_loop
 from .ring import allgather_loop, ring_loop
+from .sparse import delivered, sparse_backward
 from .ulysses import ulysses_backward, ulysses_forward
 
 __all__ = ["Strategy", "STRATEGIES", "strategy_of", "private_rings", "rotation", "run_forward", "run_backward",
@@ -128,6 +129,9 @@ STRATEGIES = {
         lambda a, c: double_ring_backward(*a, c.plan, c.rings[0].comm, c.scale, c.rec, c.timeout, c.pr),
         place=nodes_of),
     "grid": Strategy(_grid_forward, _grid_backward),  # Ulysses in groups, a ring across them (parallel.grid)
+    "sparse": Strategy(  # each block straight to the ranks that need it, partials straight home (parallel.sparse)
+        lambda a, c: allgather_loop(*a, c.plan, c.rings[0].comm, c.scale, c.rec, c.timeout, c.pr, arrive=delivered),
+        lambda a, c: sparse_backward(*a, c.plan, c.rings[0].comm, c.scale, c.rec, c.timeout, c.pr)),
 }
 
 

@@ -3,7 +3,7 @@
     python -m mpiring schedule -P 4 --layout zigzag --causal
 
 The ring modes are ``plan.ring_plan``'s. Ulysses (``heads``), the double ring
-(``hierarchy``) and the ring x Ulysses grid (``heads.HybridPlan``) start
+(``hierarchy``), the sparse movement (``sparse``) and the ring x Ulysses grid (``heads.HybridPlan``) start
 from the tokens and masks of the all-gather's ring plan and visit them in
 their own order.
 """
@@ -11,6 +11,7 @@ their own order.
 from .heads import hybrid_plan, ulysses_plan
 from .hierarchy import double_ring_plan
 from .plan import ALL_MODES, Plan, both_ways, gathered, one_way, ring_plan
+from .sparse import sparse_plan
 
 __all__ = ["make_plan", "RING_MODES", "PLANS"]
 
@@ -18,7 +19,8 @@ __all__ = ["make_plan", "RING_MODES", "PLANS"]
 # plan's blocks in their own order (each from the all-gather's plan of the same tokens and masks)
 RING_MODES = {"ring": one_way, "bidirectional": both_ways, "allgather": gathered}
 PLANS = {"ulysses": lambda base, node_size: ulysses_plan(base),
-         "double_ring": lambda base, node_size: double_ring_plan(base, base.size if node_size is None else node_size)}
+         "double_ring": lambda base, node_size: double_ring_plan(base, base.size if node_size is None else node_size),
+         "sparse": lambda base, node_size: sparse_plan(base)}
 
 
 def make_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str = "ring", causal: bool = False,

@@ -50,7 +50,8 @@ __all__ = ["MODES", "ALL_MODES", "NEXT", "PREV", "HOME_CHUNKS", "Task", "Piece",
            "home_chunks", "key_chunks", "cut_to_keys", "chunks_in_order", "problem_fields"]
 
 MODES = ("ring", "bidirectional", "allgather")  # the ring modes: K/V blocks travel (the simulator's too)
-ALL_MODES = MODES + ("ulysses", "double_ring")  # and Ulysses (plans.heads), the double ring (plans.hierarchy)
+ALL_MODES = MODES + ("ulysses", "double_ring", "sparse")  # and Ulysses (plans.heads), the double ring
+# (plans.hierarchy), each block straight to the ranks that need it (plans.sparse)
 NEXT, PREV = +1, -1  # a stream's direction: NEXT sends to rank + 1 (receives from rank - 1), PREV the reverse
 HOME_CHUNKS = 4  # the backward pass sends a partial home in this many key chunks, each as soon as its keys are done
 
@@ -140,7 +141,7 @@ class PlannedSchedule(Schedule):
     @property
     def table(self):
         if self._table is None:
-            self._table = [[self._tasks(step, r) for r in range(self._size)] for step in range(self._n_steps)]
+            self._table = [[self._tasks(step, r) for r in range(self._size)] for step in range(self.n_steps)]
         return self._table
 
     def tasks(self, step, rank):
@@ -186,6 +187,11 @@ class Plan:
 
     def tasks(self, step, rank):
         return self.schedule.tasks(step, rank)
+
+    def steps_of(self, rank):
+        """Steps ``rank`` runs: ``n_steps`` (the sparse movement's ranks each run their own, found from their own
+        row of the plan, while ``n_steps`` needs every rank's)."""
+        return self.n_steps
 
     def _pair(self, rank, source):
         """``(kind, visible pairs)`` of rank's queries against source's keys."""
@@ -284,6 +290,11 @@ class Plan:
     def messages_per_rank(self):
         """Point-to-point sends per rank (K and V are separate messages)."""
         return 2 * sum(self.rounds.values())
+
+    def messages_of(self, rank, backward=False):
+        """Point-to-point sends of ``rank``, forward or ``backward`` (the same on every rank but the sparse
+        movement's)."""
+        return self.backward_messages_per_rank() if backward else self.messages_per_rank()
 
     def backward_messages_per_rank(self):
         """Sends per rank in the backward pass (docs/backward.md); dK and dV are separate messages.

@@ -19,7 +19,7 @@ The problem: which tokens each rank holds (``seq_len`` and ``layout``, or
 (``softcap``, ``bias``, ``sinks``, ``dropout`` keyed by ``seed``, and
 ``return_max_logit``; docs/masks.md) and the precision
 options (``wire_dtype``, ``grad_wire_dtype``, ``accumulate``). The strategy:
-``mode`` (ring, bidirectional, allgather, ulysses, double_ring), ``rotate``
+``mode`` (ring, bidirectional, allgather, ulysses, double_ring, sparse), ``rotate``
 (pass-Q), ``ulysses_size`` (the ring x Ulysses grid) and ``node_size`` (the
 double ring's nodes). How a call runs (timeout, threads, the sequence axis)
 is not part of what it computes and stays with the call.

@@ -19,12 +19,14 @@ from mpiring.cost.costmodel import (
     ring_attention_context_parallel,
 )
 from mpiring.cost.infercost import format_inference_model
+from mpiring.cost.strategies import predicted_bytes_sent, strategy_of
 from mpiring.plans.masks import count_visible
 
 from .calibrate import calibrate
 from .cli import add_variant_args, at_least, balance_table, command_parser, held_positions, mode_text, variant
 
-__all__ = ["schedule", "schedule_parser", "cost", "cost_parser", "compute_table", "held_text", "sparsity_text"]
+__all__ = ["schedule", "schedule_parser", "cost", "cost_parser", "compute_table", "held_text", "sparsity_text",
+           "moves_text"]
 
 
 def compute_table(plan, records=None):
@@ -48,6 +50,9 @@ def schedule_parser():
     p.add_argument("-P", "--ranks", type=int, default=4, help="number of ranks")
     p.add_argument("--seq-len", type=int, help="tokens (default 64 per rank)")
     add_variant_args(p)
+    p.add_argument("--moves", action="store_true",
+                   help="also which K/V block goes where at which step (the cost model's sends), and the K/V "
+                        "tokens each rank sends against those it needs")
     p.checks.append(at_least(1, **{"-P/--ranks": "ranks", "--seq-len": "seq_len"}))
     return p
 
@@ -62,6 +67,8 @@ def schedule(comm=None, args=None):
     print(plan.schedule.format())
     print(compute_table(plan))
     print(sparsity_text(plan))
+    if args.moves:
+        print(moves_text(plan))
     if args.balance or args.frames:
         print(balance_table(args, seq_len, args.ranks))
     return 0
@@ -86,6 +93,23 @@ def sparsity_text(plan, cells=16):
         lines.append(f"  {row}")
     lines.append("the ranks' blocks (query rank down, key rank across):")
     lines += [f"  {''.join(CELL[plan.kinds[r][j]] for j in range(plan.size))}" for r in range(plan.size)]
+def moves_text(plan):
+    """Which K/V block each rank sends where, at which step (``cost.strategies``' point-to-point sends), and per
+    rank the K/V tokens it sends and those it needs: the other ranks' blocks its queries see (``plan.pieces``)."""
+    sends = strategy_of(plan).sends
+    lines = ["K/V sends (step: block -> rank):"]
+    for r in range(plan.size):
+        moves = [f"{step}: {source}->{dest}" for step, dest, source, what in (sends(plan, r) if sends else [])
+                 if what == "K/V"]
+        lines.append(f"rank {r:>3}  " + (", ".join(moves) or "-"))
+    if not sends or plan.size > 1 and not any(sends(plan, r) for r in range(plan.size)):
+        lines.append("(no point-to-point sends of blocks: this strategy moves K/V by collectives)")
+    sent = predicted_bytes_sent(plan, 1, 1)  # tokens: one element of one byte per token
+    needed = [sum(len(plan.kv_shards[j]) for j in range(plan.size) if j != r and plan.pieces(r, j))
+              for r in range(plan.size)]
+    lines += ["rank  K/V tokens sent  K/V tokens needed from others"]
+    lines += [f"{r:>4}  {s:>15}  {n:>29}" for r, (s, n) in enumerate(zip(sent, needed))]
+    lines.append(f"total {sum(sent):>14}  {sum(needed):>29}")
     return "\n".join(lines)
 
 

@@ -430,7 +430,7 @@ def _report_backward(args, sched, checks, links=()):
     hk = args.kv_heads or args.heads
     pr = _wire(args)[0]
     fwd_bytes, bwd_bytes = _predicted(args, plan), _predicted(args, plan, backward=True)
-    bwd_messages = plan.backward_messages_per_rank()
+    bwd_messages = [plan.messages_of(r, backward=True) for r in range(size)]
     print(f"mpiring run --backward: P={size} seq_len={args.seq_len} batch={args.batch} heads={args.heads} "
           f"kv_heads={hk} dim={args.dim} {dtype} causal={plan.causal} {held_text(args, plan)} mode={mode_text(plan)} "
           f"window={plan.window}")
@@ -443,7 +443,7 @@ def _report_backward(args, sched, checks, links=()):
     print("rank  bytes sent  predicted  bytes sent   predicted  messages  predicted  compute s  blocked in wait s")
     for r, rec in enumerate(records):
         print(f"{r:>4}  {rec['forward']['bytes_sent']:>10}  {fwd_bytes[r]:>9}  {rec['bytes_sent']:>10}  "
-              f"{bwd_bytes[r]:>10}  {rec['messages']:>8}  {bwd_messages:>9}  {rec['compute_time']:>9.4f}  "
+              f"{bwd_bytes[r]:>10}  {rec['messages']:>8}  {bwd_messages[r]:>9}  {rec['compute_time']:>9.4f}  "
               f"{rec['wait_time']:>17.4f}")
     all_to_all = plan.mode in HEAD_MODES or isinstance(plan, HybridPlan)
     back = " and the dQ, dK, dV the all-to-all brings back" if all_to_all else ""
@@ -460,7 +460,7 @@ def _report_backward(args, sched, checks, links=()):
     failed = (schedule_failed
               + _count_failures("forward bytes sent", [r["forward"]["bytes_sent"] for r in records], fwd_bytes)
               + _count_failures("backward bytes sent", [r["bytes_sent"] for r in records], bwd_bytes)
-              + _count_failures("backward messages", [r["messages"] for r in records], [bwd_messages] * size))
+              + _count_failures("backward messages", [r["messages"] for r in records], bwd_messages))
     failed += verify.print_checks(checks, dtype, pr.wire.name)
     _write_trace_and_plot(args, records, f"backward pass: P={size} {plan.layout} {plan.mode}"
                           f"{' causal' if plan.causal else ''}, seq_len={args.seq_len}, H={args.heads} d={args.dim}")

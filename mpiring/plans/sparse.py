@@ -1,0 +1,108 @@
+"""The sparse movement (``mode="sparse"``): each K/V block goes straight from its owner to the ranks needing it. No MPI.
+
+    python -m mpiring schedule -P 4 --mode sparse --causal --window 2 0
+
+The flat ring forwards every block along the ring up to the farthest offset
+some rank needs (``plan.reach``), so under sliding windows, packed documents
+and block-causal frames blocks travel to ranks that never use them, and
+through ranks that do not need them. Here the graph of needed blocks decides
+every transfer: rank r needs source j != r iff ``plan.pieces(r, j)`` is not
+empty (the plan's pieces are the only source of truth, whatever mask made
+them). At the start every rank posts the receives of the blocks it needs and
+sends its own block to each rank that needs it; it computes its own block
+while they travel, then each needed block as it arrives, in ring order (the
+nearest source first). Backward: K/V move the same way, and each user sends
+its dK/dV partial of a block straight home as soon as that block is done; the
+owner adds them up in the order of the users' ranks.
+
+Each rank receives exactly the blocks it needs, once: the minimum. Never more
+bytes than the ring with its early stop (a block the ring brings to a rank at
+offset s is sent there once, and only if that rank needs it), often far
+fewer; the price is memory (a rank holds every block it needs at once, as the
+all-gather holds all of them) and more, smaller messages at once.
+"""
+
+from dataclasses import dataclass
+
+from .plan import Plan, PlannedSchedule, Task, problem_fields
+from .rows import Rows
+
+__all__ = ["SparsePlan", "sparse_plan"]
+
+KV, GRADS = "K/V", "dK/dV home"  # what a send carries, as the cost model's ``sends`` name it
+
+
+@dataclass
+class SparsePlan(Plan):
+    """A ring plan's shards and masks; every block sent once to each rank that needs it (``needs``, ``users``)."""
+
+    needs: Rows | None = None  # needs[r]: the other ranks whose blocks r needs, nearest ring offset first
+    users: Rows | None = None  # users[j]: the other ranks that need j's block, in rank order
+
+    def sends(self, rank, backward=False):
+        """``[(step, dest, source, what)]``: ``rank``'s own block to each user at step 0; backward also the dK/dV
+        partial of each block it needed, home, at the step it computes it."""
+        out = [(0, dest, rank, KV) for dest in self.users[rank]]
+        if backward:
+            out += [(step, source, source, GRADS) for step, source in enumerate(self.needs[rank], 1)]
+        return out
+
+    def steps_of(self, rank):
+        return 1 + len(self.needs[rank])  # its own block, then each it needs
+
+    def messages_of(self, rank, backward=False):
+        return 2 * len(self.sends(rank, backward))  # K and V (dK and dV) are separate messages
+
+    def messages_per_rank(self):
+        """The most point-to-point sends of any rank (``messages_of`` gives each rank's)."""
+        return max(self.messages_of(r) for r in range(self.size))
+
+    def backward_messages_per_rank(self):
+        return max(self.messages_of(r, backward=True) for r in range(self.size))
+
+    def moved_tokens(self):
+        """Per rank: K/V tokens it receives (the sum of its needed blocks' lengths, each once)."""
+        return [sum(len(self.kv_shards[j]) for j in self.needs[r]) for r in range(self.size)]
+
+    def format_moves(self):
+        """The graph of needed blocks as text: per rank, the blocks it receives and the ranks its own goes to."""
+        lines = [f"rank {r}: receives {', '.join(map(str, self.needs[r])) or '-'}; "
+                 f"sends its block to {', '.join(map(str, self.users[r])) or '-'}" for r in range(self.size)]
+        return "\n".join(lines + [f"(blocks moved: {sum(map(len, self.needs))}, "
+                                  f"of {self.size * (self.size - 1)} an all-gather moves)"])
+
+
+def sparse_plan(base):
+    """The sparse movement over the shards and masks of ``base`` (a ring plan of the same options).
+
+    A rank finds what it needs (``needs``: its row of pieces) and who needs its block (``users``: its
+    column) in O(P) pairs, made when first read, as the ring's plan finds a rank's own steps.
+    """
+    size = base.size
+    plan = SparsePlan(**problem_fields(base), mode="sparse", rounds={})
+    plan.needs = Rows(size, lambda r: [j for s in range(1, size) for j in [(r - s) % size] if plan.pieces(r, j)])
+    plan.users = Rows(size, lambda j: [r for r in range(size) if r != j and plan.pieces(r, j)])
+
+    def tasks(step, rank):
+        if step == 0:
+            return (Task(rank, plan.kinds[rank][rank]),)
+        needs = plan.needs[rank]
+        return (Task(needs[step - 1], plan.kinds[rank][needs[step - 1]]),) if step <= len(needs) else ()
+
+    plan.schedule = _Schedule(plan, tasks)
+    return plan
+
+
+class _Schedule(PlannedSchedule):
+    """The sparse plan's schedule: ``n_steps``, the longest rank's, made when first read (it reads every rank's
+    row: P x P pairs); a rank that runs reads only its own steps (``SparsePlan.steps_of``)."""
+
+    def __init__(self, plan, tasks):
+        super().__init__(None, plan.size, tasks)
+        self._plan = plan
+
+    @property
+    def n_steps(self):
+        if self._n_steps is None:
+            self._n_steps = max(self._plan.steps_of(r) for r in range(self._size))
+        return self._n_steps
