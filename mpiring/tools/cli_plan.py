@@ -93,6 +93,9 @@ def sparsity_text(plan, cells=16):
         lines.append(f"  {row}")
     lines.append("the ranks' blocks (query rank down, key rank across):")
     lines += [f"  {''.join(CELL[plan.kinds[r][j]] for j in range(plan.size))}" for r in range(plan.size)]
+    return "\n".join(lines)
+
+
 def moves_text(plan):
     """Which K/V block each rank sends where, at which step (``cost.strategies``' point-to-point sends), and per
     rank the K/V tokens it sends and those it needs: the other ranks' blocks its queries see (``plan.pieces``)."""
