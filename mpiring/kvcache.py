@@ -23,6 +23,7 @@ other (one for "contiguous"). ``attend`` is
 import time
 
 import numpy as np
+from mpi4py import MPI
 
 from .decode import (
     decode_agreement,
@@ -42,7 +43,7 @@ from .mpi.agree import agree, agreed, check_comm, gather_entry
 from .mpi.checks import Shown, describe, timeout_problem, verdict
 from .mpi.comm import RingComm
 from .mpi.record import Record
-from .mpi.waits import exclusive
+from .mpi.waits import exclusive, wait_until
 from .plans.layouts import layout_positions
 from .plans.spec import digest
 
@@ -217,6 +218,64 @@ class KVCache:
         self._append(np.asarray(k)[..., order, :], np.asarray(v)[..., order, :],
                      np.asarray(positions, np.int64)[order])
         return out, lse
+
+    def adopt(self, k, v, positions, *, record=None):
+        """Fill this empty cache with a prompt prefilled under another layout: each token moves to its owner.
+
+        ``k, v``: this rank's prompt rows (..., kv_heads, n, D) at global ``positions``
+        (n of them), as any strategy and layout left them, e.g. ``ring_attention``
+        with ``layout="zigzag"`` or a ``Ring`` (``Ring.positions``); together the
+        ranks hold positions 0..S-1 once each. One all-to-all sends every token
+        whose owner under this cache's placement (``prompt_positions(S)``) is
+        another rank, straight to it, and nothing else: ``record.bytes_sent`` is
+        ``infercost.relayout_bytes`` (the tokens as given, K and V). Collective.
+        """
+        rec = Record(self.rank) if record is None else record
+        with exclusive(self.comm):
+            problem = None if not len(self) else f"adopt needs an empty cache; it holds {len(self)} tokens"
+            try:
+                problem = problem or self._shape_problem(k, v)
+                positions = np.asarray(positions)
+                if problem is None and (positions.ndim != 1 or len(positions) != k.shape[-2] or not (
+                        np.issubdtype(positions.dtype, np.integer) or len(positions) == 0)):
+                    problem = f"positions must be a 1-D integer array of this rank's {k.shape[-2]} token positions"
+            except Exception as exc:  # reported collectively, never raised alone
+                problem = describe(exc)
+            held = agreed(self.comm, problem, None, self.timeout,
+                          None if problem else np.asarray(positions, np.int64), entry=True)
+            every = np.concatenate(held)
+            if not np.array_equal(np.sort(every), np.arange(len(every))):
+                raise ValueError(f"adopt needs positions 0..{len(every) - 1} held once each across the ranks")
+        start = time.perf_counter()
+        owners = [self._prompt_owners(p, len(every)) for p in held]
+        mine = owners[self.rank]
+        order = np.argsort(mine, kind="stable")
+        rows = np.concatenate([np.moveaxis(x, -2, 0).reshape(len(mine), -1) for x in (k, v)], axis=1)[order]
+        out = [int(np.count_nonzero(mine == r)) for r in range(self.size)]
+        into = [int(np.count_nonzero(o == self.rank)) for o in owners]
+        got = np.empty((sum(into), rows.shape[1]), rows.dtype)
+        width = rows.shape[1] * rows.itemsize
+        send = [rows, (np.multiply(out, width), np.cumsum([0] + out[:-1]) * width), MPI.BYTE]
+        wait_until([self.comm.Ialltoallv(send, [got, (np.multiply(into, width), np.cumsum([0] + into[:-1]) * width),
+                                                   MPI.BYTE])], decode_timeout(self.timeout, k, v, into),
+                   self.rank, "adopt (all-to-all)")
+        rec.bytes_sent += (len(mine) - out[self.rank]) * width
+        rec.messages += sum(1 for r, n in enumerate(out) if n and r != self.rank)
+        rec.event("relayout", start)
+        pos = np.concatenate([p[o == self.rank] for p, o in zip(held, owners)])
+        order = np.argsort(pos, kind="stable")
+        got, split = got[order], int(np.prod(k.shape[:-2])) * self.head_dim
+        k, v = (np.ascontiguousarray(np.moveaxis(part.reshape((len(pos),) + k.shape[:-2] + (-1,)), 0, -2))
+                for part in (got[:, :split], got[:, split:]))
+        self.lengths = [int(sum(np.count_nonzero(o == r) for o in owners)) for r in range(self.size)]
+        self._append(k, v, pos[order])
+
+    def _prompt_owners(self, positions, prompt_len):
+        """The rank that keeps each of ``positions`` of a prompt of ``prompt_len`` tokens (``prompt_positions``)."""
+        if self.interleave is not None:
+            return self.owner(positions)
+        starts = [len(p) for p in layout_positions(prompt_len, self.size, "contiguous")]
+        return np.searchsorted(np.cumsum(starts), positions, side="right")
 
     def extend(self, k, v):
         """Append new tokens (``k, v`` (..., kv_heads, T, D), the same on every rank): each owner keeps its own."""

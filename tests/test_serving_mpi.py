@@ -247,3 +247,55 @@ def test_many_sequences_refuse_a_bad_one_on_every_rank(comm):
         vs[1] = np.repeat(vs[1], 3, axis=1)
     message = _error_everywhere(comm, lambda: decode_many(qs, ks, vs, comm))
     assert message == f"rank {last}: sequence 1: q heads (4) must be a multiple of k/v heads (3)"
+
+
+# ---------------------------------------------------------------- prefill under one layout, decode under another
+
+
+@pytest.mark.parametrize("layout,placement,n", [("zigzag", "interleave", 4), ("striped", "contiguous", 1),
+                                                ("contiguous", "round_robin", 1), ("Ring", "interleave", 3)])
+def test_prefill_layout_then_decode_placement(comm, layout, placement, n):
+    """A prompt prefilled by ``ring_attention`` (zigzag, ...) or a ``Ring`` moves to the decode placement:
+    the bytes sent are the model's (``relayout_bytes``), then decoding matches the reference."""
+    from mpiring import Ring, ring_attention, shard_indices
+    from mpiring.cost.infercost import relayout_bytes
+
+    S = 8 * comm.size + 3 if layout == "striped" or layout == "Ring" else 8 * comm.size
+    Q, K, V = _qkv([S, comm.size], S + 2, T=S, dtype=np.float32)
+    if layout == "Ring":
+        with Ring(comm, S, causal=True, layout="zigzag" if S % (2 * comm.size) == 0 else "contiguous") as ring:
+            mine = ring.positions
+            out, lse = ring.forward(Q[..., mine, :], K[..., mine, :], V[..., mine, :])
+    else:
+        mine = shard_indices(S, comm.size, comm.rank, layout)
+        out, lse = ring_attention(Q[..., mine, :], K[..., mine, :], V[..., mine, :], comm, causal=True,
+                                  layout=layout)
+    want = reference(Q, K[..., :S, :], V[..., :S, :], causal=True)
+    assert_attention_close(out, want[0][..., mine, :], np.float32, f"prefill ({layout})")
+    rec = Record(comm.rank)
+    with KVCache(comm, G, D, placement=placement, interleave=n) as cache:
+        cache.adopt(K[..., mine, :], V[..., mine, :], mine, record=rec)
+        assert np.array_equal(cache.positions, cache.prompt_positions(S))
+        held = comm.allgather(mine)
+        owner_of = np.empty(S, np.int64)  # the decode placement's owners, from each rank's prompt_positions
+        for r, p in enumerate(comm.allgather(cache.prompt_positions(S))):
+            owner_of[p] = r
+        model = relayout_bytes(held, lambda p: owner_of[p], 2 * G * D * 4)
+        assert rec.bytes_sent == model[comm.rank]
+        assert sum(model) <= S * 2 * G * D * 4  # no token moves twice
+        cache.extend(K[..., S:S + 2, :], V[..., S:S + 2, :])
+        q = Q[..., :2, :]
+        _check(comm, cache.attend(q, causal=True), reference(q, K, V, causal=True, q_positions=[S, S + 1]),
+               np.float32, f"decode after {layout} -> {placement}")
+
+
+def test_adopt_refuses_positions_that_are_not_the_prompt(comm):
+    Q, K, V = _qkv(1, 6)
+    mine = np.arange(comm.rank, 6, comm.size)
+    with KVCache(comm, G, D, dtype=np.float64) as cache:
+        wrong = mine + (comm.rank == comm.size - 1)  # the last rank's positions shifted: one is missing
+        message = _error_everywhere(comm, lambda: cache.adopt(K[..., mine, :], V[..., mine, :], wrong))
+        assert message == "adopt needs positions 0..5 held once each across the ranks"
+        cache.adopt(K[..., mine, :], V[..., mine, :], mine)
+        message = _error_everywhere(comm, lambda: cache.adopt(K[..., mine, :], V[..., mine, :], mine))
+        assert message.endswith("adopt needs an empty cache; it holds 6 tokens")
