@@ -424,7 +424,7 @@ class KVCache:
                 problem = describe(exc)
             self._draft = None
             result = self._attend(q, merge, scale, record, problem, values=values, draft=(k, v, parents))
-            self._draft = (k, v, parents)
+            self._draft = (k.copy(), v.copy(), parents)  # T tokens: safe from the caller's later writes
             return result
 
     def commit(self, accepted):

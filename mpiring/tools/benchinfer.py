@@ -140,9 +140,12 @@ def serving_rows(comm, cache=65536, steps=8, draft=4, heads=8, kv_heads=2, dim=6
     return row if rank == 0 else None
 
 
-def helix_row(comm, cache=65536, batch=4, heads=8, kv_heads=2, dim=64, seed=0, repeats=3):
+def helix_row(comm, cache=65536, batch=4, heads=12, kv_heads=2, dim=64, seed=0, repeats=3):
     """Helix over a KVP x TP grid (TP = 2 when P is even and above 2, else 1): one token per sequence of a
-    batch, with and without HOP-B (``chunks`` = 1 and = batch), against ``helix_time``. A dict on rank 0."""
+    batch, with and without HOP-B (``chunks`` = 1 and = batch), against ``helix_time``. A dict on rank 0.
+
+    12 query heads: a multiple of TP x KVP for every P = 1..4 (8 is not, at P = 3).
+    """
     rank, size = comm.Get_rank(), comm.Get_size()
     tp = 2 if size % 2 == 0 and size > 2 else 1
     machine = calibrate(comm, head_dim=dim, tokens=256, seconds=0.2, nbytes=1 << 22)
