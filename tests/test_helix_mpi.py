@@ -18,8 +18,9 @@ from mpiring.testing import assert_attention_close, reference
 pytestmark = pytest.mark.mpi
 
 
-def _grids(size):
-    return [tp for tp in range(1, size + 1) if size % tp == 0]
+def _grids(size, Hq, Hk):
+    """Every TP that divides P and the K/V heads, with Hq / TP a multiple of KVP = P / TP."""
+    return [tp for tp in range(1, size + 1) if size % tp == 0 and Hk % tp == 0 and (Hq // tp) % (size // tp) == 0]
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
@@ -30,7 +31,7 @@ def test_helix_matches_reference(comm, dtype, S, T):
     Q = rng.standard_normal((B, Hq, T, D)).astype(dtype)
     K, V = (rng.standard_normal((B, Hk, S, D)).astype(dtype) for _ in range(2))
     ref, ref_lse = reference(Q, K, V)
-    for tp in _grids(comm.size):
+    for tp in _grids(comm.size, Hq, Hk):
         with HelixGrid(comm, tp) as grid:
             kvp = grid.kvp_size
             mine = np.flatnonzero(np.arange(S) // 2 % kvp == grid.kvp_rank)  # interleave 2 over the KVP group

@@ -293,7 +293,7 @@ def test_adopt_refuses_positions_that_are_not_the_prompt(comm):
     Q, K, V = _qkv(1, 6)
     mine = np.arange(comm.rank, 6, comm.size)
     with KVCache(comm, G, D, dtype=np.float64) as cache:
-        wrong = mine + (comm.rank == comm.size - 1)  # the last rank's positions shifted: one is missing
+        wrong = mine + (comm.rank == 0)  # rank 0's positions shifted: position 0 is missing
         message = _error_everywhere(comm, lambda: cache.adopt(K[..., mine, :], V[..., mine, :], wrong))
         assert message == "adopt needs positions 0..5 held once each across the ranks"
         cache.adopt(K[..., mine, :], V[..., mine, :], mine)
