@@ -110,7 +110,7 @@ def helix_attention(
             rec.messages += n - 1
             if pending is not None:
                 results.append(_finished(*pending, timeout, kvp.Get_rank(), rec))
-            pending = (request, received, sent, time.perf_counter())
+            pending = (request, received, sent, time.perf_counter())  # sent: alive until its all-to-all completes
         results.append(_finished(*pending, timeout, kvp.Get_rank(), rec))
         rec.wall_time = time.perf_counter() - start
         out = np.concatenate([r[0] for r in results]).astype(q.dtype)
@@ -126,7 +126,7 @@ def _by_destination(out, lse, n):
     return np.ascontiguousarray(np.moveaxis(rows.reshape(B, n, H // n, T, dv + 1), 1, 0))
 
 
-def _finished(request, received, sent, began, timeout, rank, rec):
+def _finished(request, received, _sent, began, timeout, rank, rec):
     """Wait for one part's all-to-all and merge the partials received in rank order: ``(out, lse)``."""
     wait_until([request], timeout, rank, "helix all-to-all")
     rec.event("alltoall", began)
@@ -134,5 +134,4 @@ def _finished(request, received, sent, began, timeout, rank, rec):
     for part in received[1:]:
         lse_merge(part.reshape(merged.shape), merged)
     merged = merged.reshape(received.shape[1:])
-    del sent  # kept alive until the all-to-all that reads it is complete
     return merged[..., :-1], merged[..., -1]

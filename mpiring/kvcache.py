@@ -250,7 +250,8 @@ class KVCache:
         owners = [self._prompt_owners(p, len(every)) for p in held]
         mine = owners[self.rank]
         order = np.argsort(mine, kind="stable")
-        rows = np.concatenate([np.moveaxis(x, -2, 0).reshape(len(mine), -1) for x in (k, v)], axis=1)[order]
+        rows = np.concatenate([np.moveaxis(x, -2, 0).reshape(len(mine), int(np.prod(x.shape[:-2])) * x.shape[-1])
+                               for x in (k, v)], axis=1)[order]  # a token's K and V as one row
         out = [int(np.count_nonzero(mine == r)) for r in range(self.size)]
         into = [int(np.count_nonzero(o == self.rank)) for o in owners]
         got = np.empty((sum(into), rows.shape[1]), rows.dtype)
@@ -265,8 +266,8 @@ class KVCache:
         pos = np.concatenate([p[o == self.rank] for p, o in zip(held, owners)])
         order = np.argsort(pos, kind="stable")
         got, split = got[order], int(np.prod(k.shape[:-2])) * self.head_dim
-        k, v = (np.ascontiguousarray(np.moveaxis(part.reshape((len(pos),) + k.shape[:-2] + (-1,)), 0, -2))
-                for part in (got[:, :split], got[:, split:]))
+        k, v = (np.ascontiguousarray(np.moveaxis(part.reshape((len(pos),) + k.shape[:-2] + (dim,)), 0, -2))
+                for part, dim in ((got[:, :split], self.head_dim), (got[:, split:], self.value_dim)))
         self.lengths = [int(sum(np.count_nonzero(o == r) for o in owners)) for r in range(self.size)]
         self._append(k, v, pos[order])
 

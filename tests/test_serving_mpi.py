@@ -290,12 +290,17 @@ def test_prefill_layout_then_decode_placement(comm, layout, placement, n):
 
 
 def test_adopt_refuses_positions_that_are_not_the_prompt(comm):
-    Q, K, V = _qkv(1, 6)
-    mine = np.arange(comm.rank, 6, comm.size)
+    """Three prompt tokens: at P = 4 one rank holds none before and after (interleave 2: ranks 0 and 1 hold them)."""
+    Q, K, V = _qkv(1, 3)
+    mine = np.arange(comm.rank, 3, comm.size)
     with KVCache(comm, G, D, dtype=np.float64) as cache:
         wrong = mine + (comm.rank == 0)  # rank 0's positions shifted: position 0 is missing
         message = _error_everywhere(comm, lambda: cache.adopt(K[..., mine, :], V[..., mine, :], wrong))
-        assert message == "adopt needs positions 0..5 held once each across the ranks"
+        assert message == "adopt needs positions 0..2 held once each across the ranks"
+    with KVCache(comm, G, D, dtype=np.float64, placement="interleave", interleave=2) as cache:
         cache.adopt(K[..., mine, :], V[..., mine, :], mine)
+        assert cache.lengths == [2, 1, 0, 0][:comm.size] if comm.size > 1 else cache.lengths == [3]
+        k, v = cache.shard()
+        assert np.array_equal(k, K[..., cache.positions, :]) and np.array_equal(v, V[..., cache.positions, :])
         message = _error_everywhere(comm, lambda: cache.adopt(K[..., mine, :], V[..., mine, :], mine))
-        assert message.endswith("adopt needs an empty cache; it holds 6 tokens")
+        assert message.endswith("adopt needs an empty cache; it holds 3 tokens")

@@ -9,6 +9,13 @@ take an hour of NumPy), then ``steps`` single-token steps, each timed as one
 steps on rank 0 alone (COMM_SELF) for the single-process time. Every step's
 result is compared with the float64 reference before it counts.
 
+Serving (``serving_table``, not part of ``bench``: minutes at 256k tokens; the
+table in docs/inference.md): per cache size, ``serving_rows`` (decode with both
+merges, bytes against the model, one speculative ``verify`` against T separate
+calls) and ``helix_row`` (Helix with and without HOP-B against ``helix_time``):
+
+    mpiexec -n 4 python -m mpiring.tools.benchinfer      # serving_table(MPI.COMM_WORLD): 64k and 256k tokens
+
 Prefill: T new tokens after C cached ones (``kv_positions``, round-robin over
 the ranks), causal, 8 query heads and 1 K/V head, timed with ``rotate="kv"``
 and ``rotate="q"``; the bytes each rank sent and the time model's prediction
@@ -255,3 +262,7 @@ def inference_rows(comm, quick=False):
         if comm.Get_rank() == 0:
             print(lines[-1], flush=True)
     return lines
+
+
+if __name__ == "__main__":
+    serving_table(MPI.COMM_WORLD)
