@@ -9,15 +9,12 @@ parallelism: runs of n positions dealt out in turn, position t on rank
 "contiguous" (the prompt in contiguous blocks, each new token to the rank
 with the fewest, the lowest such rank); shards stay within n tokens of each
 other (one for "contiguous"). ``attend`` is
-``decode_attention`` over the shards: every rank gets the same bits.
+``decode_attention`` over the shards: every rank gets the same bits. ``verify`` and
+``commit`` serve speculative decoding, ``adopt`` a prompt prefilled under another
+layout, ``attend_many`` many sequences in one reduction.
 
-``quantize`` stores the cache compressed and dequantizes it one tile
-(``TILE`` tokens) at a time during ``attend``:
-
-- "float16": every value rounded to float16 (half the bytes of float32);
-- "int8": per token and head, the values divided by their absmax / 127 and
-  rounded; the scale kept in float32. Per token and head that is D + 4 bytes
-  against 4 D for float32: 0.27 of it at D = 64.
+``quantize`` stores the cache compressed ("float16", "int8"); each rank's
+tokens live in a ``kvstore.KVStore``, dequantized a tile at a time during ``attend``.
 """
 
 import time
@@ -39,6 +36,7 @@ from .decode import (
     unpacked,
 )
 from .handle import ring_attention
+from .kvstore import ERROR_BOUND, QUANTIZE, TILE, KVStore, quantize
 from .mpi.agree import agree, agreed, check_comm, gather_entry
 from .mpi.checks import Shown, describe, timeout_problem, verdict
 from .mpi.comm import RingComm
@@ -50,22 +48,6 @@ from .plans.spec import digest
 __all__ = ["KVCache", "attend_many", "PLACEMENTS", "QUANTIZE", "TILE", "ERROR_BOUND", "quantize"]
 
 PLACEMENTS = ("round_robin", "interleave", "contiguous")
-QUANTIZE = (None, "float16", "int8")
-TILE = 4096  # cached tokens dequantized at a time by ``attend``
-# largest error of a decode step against the float64 reference that the tests and ``generate`` accept, for
-# standard-normal q, k, v (measured at head dim 64: about 2e-4 for float16, 7e-3 for int8; docs/inference.md)
-ERROR_BOUND = {"float16": 1e-3, "int8": 2.5e-2}
-
-
-def quantize(x, how):
-    """``x`` (..., n, D) as stored: ``(values, scales)``; scales (..., n) float32 for int8, else None."""
-    if how is None:
-        return x, None
-    if how == "float16":
-        return x.astype(np.float16), None
-    peak = np.abs(x).max(axis=-1)
-    scales = np.where(peak > 0, peak / 127, 1).astype(np.float32)
-    return np.rint(x / scales[..., None]).astype(np.int8), scales
 
 
 def interleave_problem(placement, interleave):
@@ -89,16 +71,6 @@ def path_problem(draft, accepted):
         return (f"accepted {accepted.tolist()} is not a path of the draft tree from a root (parents "
                 f"{above.tolist()})")
     return None
-
-
-def _grown(old, n, cap, shape, dtype, ones=False):
-    """A store of ``shape + (cap,)`` holding ``old``'s first ``n`` tokens (last axis); ``ones``: one more row, all 1."""
-    new = np.empty(shape[:-1] + (shape[-1] + 1, cap) if ones else shape + (cap,), dtype)
-    if ones:
-        new[..., -1, :] = 1
-    if old is not None:
-        new[..., :n] = old[..., :n]
-    return new
 
 
 class KVCache:
@@ -148,11 +120,7 @@ class KVCache:
         self.interleave = None if placement == "contiguous" else int(interleave)  # "round_robin": 1
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.lengths = [0] * self.size  # every rank's cached tokens, the same list on every rank
-        self._lead = None  # batch axes, from the first tokens
-        self._n = 0
-        self._store = None  # [k values, k scales, v values, v scales], tokens on the last axis (see _append)
-        self._pos = np.empty(0, np.int64)
-        self._k_peak = 0.0
+        self.store = KVStore(self.kv_heads, self.head_dim, self.value_dim, self.dtype, quantize)  # this rank's
         self._ring = None  # a private RingComm for merge="ring", made at the first such attend
         self._draft = None  # the last verify's (k, v, parents), until commit
 
@@ -165,14 +133,16 @@ class KVCache:
     @property
     def positions(self):
         """Global positions of this rank's cached tokens, sorted."""
-        return self._pos[:self._n].copy()
+        return self.store.positions.copy()
 
     @property
     def nbytes(self):
-        """Bytes of this rank's cached tokens as stored: values (unquantized: with the kernel's row of ones), scales."""
-        if self._store is None:
-            return 0
-        return sum(a.nbytes // a.shape[-1] for a in self._store if a is not None) * self._n
+        """Bytes of this rank's cached tokens as stored (``KVStore.nbytes``)."""
+        return self.store.nbytes
+
+    def shard(self):
+        """This rank's cached ``(k, v)`` dequantized, (..., Hk, n, D), in position order (``attend`` works per tile)."""
+        return self.store.shard()
 
     def prompt_positions(self, prompt_len):
         """The positions of a prompt of ``prompt_len`` tokens that this rank keeps under the placement."""
@@ -186,10 +156,6 @@ class KVCache:
         if self.interleave is None:
             raise ValueError("under placement='contiguous' a token's owner depends on the lengths when it came")
         return (np.asarray(positions, np.int64) // self.interleave) % self.size
-
-    def shard(self):
-        """This rank's cached ``(k, v)`` dequantized, (..., Hk, n, D), in position order (``attend`` works per tile)."""
-        return tuple(np.swapaxes(t[..., :-1, :], -1, -2) for t in self._tile(0, self._n)[:2])
 
     # ---------------------------------------------------------------- filling it
 
@@ -215,7 +181,7 @@ class KVCache:
                                   timeout=self.timeout, record=rec, **options)
         self.lengths = [len(s) for s in rec.plan.kv_shards]
         order = np.argsort(np.asarray(positions, np.int64), kind="stable")
-        self._append(np.asarray(k)[..., order, :], np.asarray(v)[..., order, :],
+        self.store.append(np.asarray(k)[..., order, :], np.asarray(v)[..., order, :],
                      np.asarray(positions, np.int64)[order])
         return out, lse
 
@@ -269,7 +235,7 @@ class KVCache:
         k, v = (np.ascontiguousarray(np.moveaxis(part.reshape((len(pos),) + k.shape[:-2] + (dim,)), 0, -2))
                 for part, dim in ((got[:, :split], self.head_dim), (got[:, split:], self.value_dim)))
         self.lengths = [int(sum(np.count_nonzero(o == r) for o in owners)) for r in range(self.size)]
-        self._append(k, v, pos[order])
+        self.store.append(k, v, pos[order])
 
     def _prompt_owners(self, positions, prompt_len):
         """The rank that keeps each of ``positions`` of a prompt of ``prompt_len`` tokens (``prompt_positions``)."""
@@ -302,7 +268,7 @@ class KVCache:
         mine = np.flatnonzero(owners == self.rank)
         for r in owners:
             self.lengths[r] += 1
-        self._append(k[..., mine, :], v[..., mine, :], first + mine)
+        self.store.append(k[..., mine, :], v[..., mine, :], first + mine)
 
     def _owners(self, n):
         """The rank that keeps each of ``n`` new tokens (positions len(self) ...), the same on every rank."""
@@ -321,67 +287,13 @@ class KVCache:
                 return f"{name} must be a {self.dtype} array"
             if a.ndim < 3 or a.shape[-3] != self.kv_heads or a.shape[-1] != dim:
                 return f"{name} must have shape (..., {self.kv_heads}, tokens, {dim}), got {a.shape}"
-            if self._lead is not None and a.shape[:-3] != self._lead:
-                return f"{name} must have the cache's batch axes {self._lead}, got {a.shape}"
+            if self.store.lead is not None and a.shape[:-3] != self.store.lead:
+                return f"{name} must have the cache's batch axes {self.store.lead}, got {a.shape}"
         if k.shape[:-1] != v.shape[:-1]:
             return f"k and v must agree on all but the last axis, got {k.shape} and {v.shape}"
         return None
 
-    def _append(self, k, v, positions):
-        """Store this rank's new rows (position order) after its others, growing the store by doubling.
-
-        Tokens lie on the last axis: k as (..., Hk, D, capacity) (unquantized: the
-        kernel's [k | 1]^T, D + 1 rows, the last all ones), scales (..., Hk, capacity).
-        """
-        if self._store is None:
-            self._lead = k.shape[:-3]
-            self._store = [None] * 4
-        n = k.shape[-2]
-        need = self._n + n
-        cap = self._pos.shape[0]
-        if need > cap or self._store[0] is None:
-            cap = max(need, 2 * cap, 16)
-            for i, dim in ((0, self.head_dim), (2, self.value_dim)):
-                self._store[i] = _grown(self._store[i], self._n, cap, self._lead + (self.kv_heads, dim),
-                                        {None: self.dtype, "float16": np.float16, "int8": np.int8}[self.quantize],
-                                        ones=self.quantize is None)
-                if self.quantize == "int8":
-                    self._store[i + 1] = _grown(self._store[i + 1], self._n, cap, self._lead + (self.kv_heads,),
-                                                np.float32)
-            self._pos = np.concatenate([self._pos[:self._n], np.empty(cap - self._n, np.int64)])
-        if n:
-            self._k_peak = max(self._k_peak, float(np.abs(k).max()))
-        for i, x in ((0, k), (2, v)):
-            values, scales = quantize(x, self.quantize)
-            self._store[i][..., :x.shape[-1], self._n:need] = np.swapaxes(values, -1, -2)
-            if scales is not None:
-                self._store[i + 1][..., self._n:need] = scales
-        self._pos[self._n:need] = positions
-        self._n = need
-
     # ---------------------------------------------------------------- decoding
-
-    def _tile(self, a, b):
-        """This rank's cached tokens a:b as ``(kt, vt, positions)``: the kernel's padded form, in the cache's dtype.
-
-        Unquantized: views of the store, no copy. Quantized: dequantized into new [x | 1]^T arrays.
-        """
-        if self._store is None:
-            return (np.ones((self.kv_heads, self.head_dim + 1, 0), self.dtype),
-                    np.ones((self.kv_heads, self.value_dim + 1, 0), self.dtype), self._pos[:0])
-        tiles = []
-        for i in (0, 2):
-            values = self._store[i][..., a:b]
-            if self.quantize is None:
-                tiles.append(values)
-                continue
-            out = np.empty(values.shape[:-2] + (values.shape[-2] + 1, b - a), self.dtype)
-            out[..., :-1, :] = values
-            if self._store[i + 1] is not None:
-                out[..., :-1, :] *= self._store[i + 1][..., None, a:b]
-            out[..., -1, :] = 1
-            tiles.append(out)
-        return tiles[0], tiles[1], self._pos[a:b]
 
     def attend(self, q, *, causal=False, positions=None, merge="tree", scale=None, record=None, spec=None):
         """``decode_attention`` of ``q`` (..., Hq, T, D), the same on every rank, over the whole cache.
@@ -453,17 +365,17 @@ class KVCache:
         """``q`` over this rank's tiles, merged with every rank's; with ``draft``, its tree part merged after."""
         k_like, v_like = self._like(q)
         problem = problem or self._q_problem(q)
-        k_peak = self._k_peak if draft is None or problem or not draft[0].size else \
-            max(self._k_peak, float(np.abs(draft[0]).max()))
+        k_peak = self.store.k_peak if draft is None or problem or not draft[0].size else \
+            max(self.store.k_peak, float(np.abs(draft[0]).max()))
         scale, lengths = decode_agreement(self.comm, q, k_like, v_like, scale, self.timeout, merge, causal,
-                                          positions, self._pos[:self._n], k_peak=k_peak, problem=problem,
+                                          positions, self.store.positions, k_peak=k_peak, problem=problem,
                                           values=values)
         timeout = decode_timeout(self.timeout, q, v_like, lengths)
         rec = Record(self.rank) if record is None else record
         start = time.perf_counter()
         q = np.ascontiguousarray(q)
         positions = None if positions is None else np.asarray(positions, np.int64)
-        out, lse = local_partial(q, self._tiles(), scale, positions, causal, padded=True)
+        out, lse = local_partial(q, self.store.tiles(), scale, positions, causal, padded=True)
         rec.compute_time += rec.event("compute", start, kind="decode") - start
         rows = merge_partials(packed(out, lse), self.comm, merge, timeout, ring=self._ring_for(merge, timeout),
                               rec=rec)
@@ -474,17 +386,13 @@ class KVCache:
 
     def _like(self, q):
         """Stand-ins of this rank's cached k and v with their shapes (no data), for ``decode_agreement``."""
-        lead = self._lead if self._lead is not None else np.shape(q)[:-3]
-        return tuple(np.broadcast_to(np.zeros((), self.dtype), lead + (self.kv_heads, self._n, d))
+        lead = self.store.lead if self.store.lead is not None else np.shape(q)[:-3]
+        return tuple(np.broadcast_to(np.zeros((), self.dtype), lead + (self.kv_heads, self.store.n, d))
                      for d in (self.head_dim, self.value_dim))
 
     def _q_problem(self, q):
         return None if isinstance(q, np.ndarray) and q.dtype == self.dtype else \
             f"q must be a {self.dtype} array, as the cache"
-
-    def _tiles(self):
-        """This rank's cached tokens, ``TILE`` at a time (``_tile``); one empty tile for an empty shard."""
-        return (self._tile(a, min(a + TILE, self._n)) for a in range(0, max(self._n, 1), TILE))
 
     def _ring_for(self, merge, timeout):
         """The private ``RingComm`` of the ring merge, made at the first such call (None otherwise)."""
@@ -527,13 +435,13 @@ def attend_many(caches, qs, *, merge="tree", scale=None, record=None):
             found = cache._q_problem(q)
             problem = problem or (found and f"sequence {i}: {found}")
         likes = [cache._like(q) for cache, q in zip(caches, qs)] if problem is None else []
+        peaks = [c.store.k_peak for c in caches][:len(likes)]
         scale, lengths = decode_agreement(comm, list(qs)[:len(likes)], [k for k, _ in likes], [v for _, v in likes],
-                                          scale, first.timeout, merge, k_peak=[c._k_peak for c in caches][:len(likes)],
-                                          problem=problem)
+                                          scale, first.timeout, merge, k_peak=peaks, problem=problem)
         timeout = decode_timeout(first.timeout, max(qs, key=np.size), likes[0][1], lengths)
         rec = Record(first.rank) if record is None else record
         start = time.perf_counter()
-        parts = [local_partial(np.ascontiguousarray(q), cache._tiles(), scale, padded=True)
+        parts = [local_partial(np.ascontiguousarray(q), cache.store.tiles(), scale, padded=True)
                  for cache, q in zip(caches, qs)]
         rec.compute_time += rec.event("compute", start, kind="decode") - start
         result = merge_many(parts, comm, merge, timeout, ring=first._ring_for(merge, timeout), rec=rec,

@@ -165,11 +165,11 @@ def test_verify_then_commit_the_accepted_path(comm, tree, placement, cached):
             _check(comm, got, want, what=f"{tree}, {merge}")
         assert len(cache) == cached  # nothing kept before commit
         accepted = {"chain": [0, 1, 2], "tree": [0, 2, 4], "one": []}[tree]
-        store = cache._store[0] if cache._store is not None else None
+        store = cache.store.arrays[0] if cache.store.arrays is not None else None
         cache.commit(accepted)
         assert len(cache) == cached + len(accepted)
-        if store is not None and cache._store[0].shape[-1] == store.shape[-1]:
-            assert cache._store[0] is store  # appended in place: the cache was not copied
+        if store is not None and cache.store.arrays[0].shape[-1] == store.shape[-1]:
+            assert cache.store.arrays[0] is store  # appended in place: the cache was not copied
         # the cache now holds the accepted drafts at the next positions: decoding goes on over them
         held = np.concatenate([K[..., :cached, :], draft_k[..., accepted, :]], axis=-2)
         held_v = np.concatenate([V[..., :cached, :], draft_v[..., accepted, :]], axis=-2)
@@ -299,7 +299,7 @@ def test_adopt_refuses_positions_that_are_not_the_prompt(comm):
         assert message == "adopt needs positions 0..2 held once each across the ranks"
     with KVCache(comm, G, D, dtype=np.float64, placement="interleave", interleave=2) as cache:
         cache.adopt(K[..., mine, :], V[..., mine, :], mine)
-        assert cache.lengths == [2, 1, 0, 0][:comm.size] if comm.size > 1 else cache.lengths == [3]
+        assert cache.lengths == ([2, 1] + [0] * (comm.size - 2) if comm.size > 1 else [3])
         k, v = cache.shard()
         assert np.array_equal(k, K[..., cache.positions, :]) and np.array_equal(v, V[..., cache.positions, :])
         message = _error_everywhere(comm, lambda: cache.adopt(K[..., mine, :], V[..., mine, :], mine))
