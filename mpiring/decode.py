@@ -38,8 +38,8 @@ from .mpi.record import Record
 from .mpi.waits import exclusive, wait_until
 from .plans.spec import Spec, digest, spec_problem
 
-__all__ = ["decode_attention", "MERGES", "lse_merge", "merge_partials", "local_partial", "decode_agreement",
-           "decode_timeout"]
+__all__ = ["decode_attention", "decode_many", "MERGES", "lse_merge", "merge_partials", "local_partial",
+           "decode_agreement", "decode_timeout", "draft_mask", "draft_partial", "parents_problem"]
 
 MERGES = ("tree", "ring")
 
@@ -157,6 +157,51 @@ def local_partial(q, blocks, scale, positions=None, causal=False, padded=False):
     return out, acc_lse
 
 
+# ---------------------------------------------------------------- speculative drafts: the tree mask
+
+
+def parents_problem(parents, T):
+    """Why ``parents`` is not a draft tree of T tokens, or None: 1-D integers, -1 (a root) or an earlier index."""
+    p = np.asarray(parents)
+    if p.ndim != 1 or len(p) != T or not (np.issubdtype(p.dtype, np.integer) or T == 0):
+        return f"parents must be a 1-D integer array of {T} entries (one per draft token), got {parents!r}"
+    bad = np.flatnonzero((p < -1) | (p >= np.arange(T)))
+    if len(bad):
+        return (f"parents[{bad[0]}] = {p[bad[0]]}: a draft token's parent must be -1 (the cache) or an earlier "
+                f"draft token")
+    return None
+
+
+def draft_mask(parents):
+    """Boolean (T, T): draft token i sees draft token j iff j is i or one of its ancestors (Medusa/EAGLE trees).
+
+    ``parents[i]``: the index of token i's parent, -1 for a child of the last cached token; a chain is
+    ``[-1, 0, 1, ...]``. Parents come before their children.
+    """
+    parents = np.asarray(parents, np.int64)
+    mask = np.eye(len(parents), dtype=bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            mask[i] |= mask[p]
+    return mask
+
+
+def draft_partial(q, k, v, parents, scale):
+    """Float64 ``(out, lse)`` of the draft queries ``q`` over the draft tokens ``k, v`` under ``draft_mask``.
+
+    Each query row attends the rows its mask keeps, through the ring's kernel. The same bits on every
+    rank that calls it with the same arguments.
+    """
+    out = np.zeros(q.shape[:-1] + (v.shape[-1],), np.float64)
+    lse = np.full(q.shape[:-1], -np.inf, np.float64)
+    for i, seen in enumerate(draft_mask(parents)):
+        keep = np.flatnonzero(seen)
+        row = (np.zeros_like(out[..., i:i + 1, :]), np.full_like(lse[..., i:i + 1], -np.inf))
+        attention_block(q[..., i:i + 1, :], k[..., keep, :], v[..., keep, :], scale, into=row)
+        out[..., i, :], lse[..., i] = row[0][..., 0, :], row[1][..., 0]
+    return out, lse
+
+
 # ---------------------------------------------------------------- agreement
 
 
@@ -197,33 +242,49 @@ def _local_problem(q, k, v, scale, merge, causal, positions, kv_positions):
 
 
 def decode_agreement(comm, q, k, v, scale, timeout, merge="tree", causal=False, positions=None, kv_positions=None,
-                     k_peak=None, problem=None):
+                     k_peak=None, problem=None, values=None):
     """Check this rank's arguments and agree with every rank (one all-gather): ``(scale, kv lengths)``.
 
     The same ValueError on every rank if any rank has a problem, if q (its
     bytes), its positions or an option differ from rank 0's, or if the logits
-    may overflow. ``k_peak``: max |k| when k is only a stand-in for its shape (a cache's
-    stored keys); ``problem``: one more of this rank's problems (or None).
+    may overflow. ``q, k, v``: arrays, or lists of arrays, one per sequence
+    (``decode_many``; ``k_peak`` then a list too). ``k_peak``: max |k| when k is
+    only a stand-in for its shape (a cache's stored keys); ``problem``: one more
+    of this rank's problems (or None); ``values``: more that every rank must
+    pass alike (a dict, as ``agreed`` takes). The lengths: each rank's cached
+    tokens (all sequences').
     """
-    values = peaks = None
+    many = isinstance(q, list)
+    qs, ks, vs, k_peaks = (x if many else [x] for x in (q, k, v, k_peak))
+    k_peaks = [None] * len(qs) if k_peaks is None else k_peaks
+    mine = peaks = None
     try:
-        problem = (problem or timeout_problem(timeout)
-                   or _local_problem(q, k, v, scale, merge, causal, positions, kv_positions))
+        problem = problem or timeout_problem(timeout)
+        for i, (qi, ki, vi) in enumerate(zip(qs, ks, vs)):
+            found = _local_problem(qi, ki, vi, scale, merge, causal, positions, kv_positions)
+            problem = problem or (found and (f"sequence {i}: {found}" if many else found))
+        if problem is None and len({(qi.dtype, vi.shape[-1]) for qi, vi in zip(qs, vs)}) > 1:
+            problem = "every sequence must have one dtype and one v head dim"
         if problem is None:
-            values = {"q shape": Shown(q.shape), "k shape": Shown(*[shape_text(k)] * 2),
-                      "v shape": Shown(*[shape_text(v)] * 2), "dtype": Shown(str(q.dtype)), "scale": Shown(scale),
-                      "merge": Shown(merge), "causal": Shown(bool(causal)), "timeout": Shown(timeout),
-                      "q (sha1 of its bytes)": Shown(*[_digest(q)] * 2),
-                      "positions (sha1)": Shown(*[_digest(None if positions is None else
-                                                          np.asarray(positions, np.int64))] * 2)}
-            if k_peak is None:
-                k_peak = float(np.abs(k).max()) if k.size else 0.0
-            peaks = (float(np.abs(q).max()), k_peak, k.shape[-2])
+            tags = [f" of sequence {i}" if many else "" for i in range(len(qs))]
+            mine = {"sequences": Shown(len(qs))} if many else {}
+            for tag, qi, ki, vi in zip(tags, qs, ks, vs):
+                mine.update({f"q shape{tag}": Shown(qi.shape), f"k shape{tag}": Shown(*[shape_text(ki)] * 2),
+                             f"v shape{tag}": Shown(*[shape_text(vi)] * 2)})
+            mine.update({"dtype": Shown(" ".join(sorted({str(qi.dtype) for qi in qs}))), "scale": Shown(scale),
+                         "merge": Shown(merge), "causal": Shown(bool(causal)), "timeout": Shown(timeout)})
+            mine.update({f"q{tag} (sha1 of its bytes)": Shown(*[_digest(qi)] * 2) for tag, qi in zip(tags, qs)})
+            mine["positions (sha1)"] = Shown(*[_digest(None if positions is None else
+                                                       np.asarray(positions, np.int64))] * 2)
+            mine.update(values or {})
+            k_peaks = [(float(np.abs(ki).max()) if ki.size else 0.0) if p is None else p
+                       for ki, p in zip(ks, k_peaks)]
+            peaks = (max(float(np.abs(qi).max()) for qi in qs), max(k_peaks), sum(ki.shape[-2] for ki in ks))
     except Exception as exc:  # reported collectively, never raised alone
-        problem, values = describe(exc), None
-    metas = agreed(comm, problem, values, timeout, peaks, entry=True)
-    scale = default_scale(q.shape[-1]) if scale is None else float(scale)
-    message = logit_problem(scale, q.shape[-1], max(m[0] for m in metas), max(m[1] for m in metas), q.dtype)
+        problem, mine = describe(exc), None
+    metas = agreed(comm, problem, mine, timeout, peaks, entry=True)
+    scale = default_scale(qs[0].shape[-1]) if scale is None else float(scale)
+    message = logit_problem(scale, qs[0].shape[-1], max(m[0] for m in metas), max(m[1] for m in metas), qs[0].dtype)
     if message:
         raise ValueError(message)
     return scale, [m[2] for m in metas]
@@ -299,6 +360,46 @@ def decode_attention(
         rows = merge_partials(packed(out, lse), comm, merge, timeout, rec=rec)
         rec.wall_time = time.perf_counter() - start
         return unpacked(rows, out.shape, q.dtype)
+
+
+def decode_many(
+    qs: list,  # per sequence (..., Hq, T_s, D): the same on every rank
+    ks: list,  # per sequence (..., Hk, n_s, D): this rank's shard of that sequence's cache, any n_s >= 0
+    vs: list,  # per sequence (..., Hk, n_s, Dv)
+    comm=None, *, scale: float | None = None, merge: str = "tree", timeout: float | str | None = "auto",
+    record: Record | None = None,
+) -> list:  # per sequence (out, lse), the same bits on every rank
+    """Many sequences' new tokens at once (continuous batching): each over its own sharded cache, one merge.
+
+    As ``decode_attention`` for each sequence, with one agreement and one
+    reduction for the whole batch: the partials of every sequence travel as
+    one array of rows. Sequences may differ in cache length (by orders of
+    magnitude), in new tokens and in batch axes; they share dtype and head dims.
+    """
+    comm = check_comm(comm)
+    with exclusive(comm):
+        problem = None
+        if not all(isinstance(x, (list, tuple)) for x in (qs, ks, vs)) or not (len(qs) == len(ks) == len(vs) > 0):
+            problem, qs, ks, vs = "qs, ks, vs must be lists of one entry per sequence, at least one", [], [], []
+        scale, lengths = decode_agreement(comm, list(qs), list(ks), list(vs), scale, timeout, merge,
+                                          problem=problem)
+        timeout = decode_timeout(timeout, max(qs, key=np.size), vs[0], lengths)
+        rec = Record(comm.Get_rank()) if record is None else record
+        start = time.perf_counter()
+        parts = [local_partial(np.ascontiguousarray(q), [(np.ascontiguousarray(k), np.ascontiguousarray(v), None)],
+                               scale) for q, k, v in zip(qs, ks, vs)]
+        rec.compute_time += rec.event("compute", start, kind="decode") - start
+        result = merge_many(parts, comm, merge, timeout, rec=rec, dtype=qs[0].dtype)
+        rec.wall_time = time.perf_counter() - start
+        return result
+
+
+def merge_many(parts, comm, merge, timeout, ring=None, rec=None, dtype=np.float64):
+    """Every rank's partials ``[(out, lse), ...]`` (one per sequence) merged in one ``merge_partials``."""
+    rows = [packed(out, lse) for out, lse in parts]
+    merged = merge_partials(np.concatenate(rows), comm, merge, timeout, ring=ring, rec=rec)
+    ends = np.cumsum([len(r) for r in rows])
+    return [unpacked(merged[end - len(r):end], out.shape, dtype) for r, end, (out, _) in zip(rows, ends, parts)]
 
 
 def unpacked(rows, out_shape, dtype):

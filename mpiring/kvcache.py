@@ -3,64 +3,74 @@
     mpiexec -n 4 python -m mpiring generate --prompt-len 4096 --new-tokens 16 --heads 8 --kv-heads 2 --dim 64
 
 Every rank keeps its share of the cached tokens. ``placement`` says whose
-share a token joins: "round_robin" (vLLM/SGLang's interleaved placement: global
-position p lives on rank p mod P) or "contiguous" (the prompt in contiguous
-blocks, each new token to the rank with the fewest, the lowest such rank);
-either way shards stay within one token of each other. ``attend`` is
-``decode_attention`` over the shards: every rank gets the same bits.
+share a token joins: "interleave" with ``interleave=n`` (vLLM's decode context
+parallelism: runs of n positions dealt out in turn, position t on rank
+(t // n) mod P), "round_robin" (the same with n = 1, SGLang's placement) or
+"contiguous" (the prompt in contiguous blocks, each new token to the rank
+with the fewest, the lowest such rank); shards stay within n tokens of each
+other (one for "contiguous"). ``attend`` is
+``decode_attention`` over the shards: every rank gets the same bits. ``verify`` and
+``commit`` serve speculative decoding, ``adopt`` a prompt prefilled under another
+layout, ``attend_many`` many sequences in one reduction.
 
-``quantize`` stores the cache compressed and dequantizes it one tile
-(``TILE`` tokens) at a time during ``attend``:
-
-- "float16": every value rounded to float16 (half the bytes of float32);
-- "int8": per token and head, the values divided by their absmax / 127 and
-  rounded; the scale kept in float32. Per token and head that is D + 4 bytes
-  against 4 D for float32: 0.27 of it at D = 64.
+``quantize`` stores the cache compressed ("float16", "int8"); each rank's
+tokens live in a ``kvstore.KVStore``, dequantized a tile at a time during ``attend``.
 """
 
 import time
 
 import numpy as np
+from mpi4py import MPI
 
-from .decode import decode_agreement, decode_timeout, local_partial, merge_partials, packed, spec_of, unpacked
+from .decode import (
+    decode_agreement,
+    decode_timeout,
+    draft_partial,
+    local_partial,
+    lse_merge,
+    merge_many,
+    merge_partials,
+    packed,
+    parents_problem,
+    spec_of,
+    unpacked,
+)
 from .handle import ring_attention
+from .kvstore import ERROR_BOUND, QUANTIZE, TILE, KVStore, quantize
 from .mpi.agree import agree, agreed, check_comm, gather_entry
-from .mpi.checks import describe, timeout_problem, verdict
+from .mpi.checks import Shown, describe, timeout_problem, verdict
 from .mpi.comm import RingComm
 from .mpi.record import Record
-from .mpi.waits import exclusive
+from .mpi.waits import exclusive, wait_until
 from .plans.layouts import layout_positions
 from .plans.spec import digest
 
-__all__ = ["KVCache", "PLACEMENTS", "QUANTIZE", "TILE", "ERROR_BOUND", "quantize"]
+__all__ = ["KVCache", "attend_many", "PLACEMENTS", "QUANTIZE", "TILE", "ERROR_BOUND", "quantize"]
 
-PLACEMENTS = ("round_robin", "contiguous")
-QUANTIZE = (None, "float16", "int8")
-TILE = 4096  # cached tokens dequantized at a time by ``attend``
-# largest error of a decode step against the float64 reference that the tests and ``generate`` accept, for
-# standard-normal q, k, v (measured at head dim 64: about 2e-4 for float16, 7e-3 for int8; docs/inference.md)
-ERROR_BOUND = {"float16": 1e-3, "int8": 2.5e-2}
+PLACEMENTS = ("round_robin", "interleave", "contiguous")
 
 
-def quantize(x, how):
-    """``x`` (..., n, D) as stored: ``(values, scales)``; scales (..., n) float32 for int8, else None."""
-    if how is None:
-        return x, None
-    if how == "float16":
-        return x.astype(np.float16), None
-    peak = np.abs(x).max(axis=-1)
-    scales = np.where(peak > 0, peak / 127, 1).astype(np.float32)
-    return np.rint(x / scales[..., None]).astype(np.int8), scales
+def interleave_problem(placement, interleave):
+    """Why ``interleave`` does not fit ``placement``, or None: a positive integer, and 1 unless "interleave"."""
+    if isinstance(interleave, bool) or not isinstance(interleave, (int, np.integer)) or interleave < 1:
+        return f"interleave must be a positive integer, got {interleave!r}"
+    if placement != "interleave" and interleave != 1:
+        return f"interleave={interleave} needs placement='interleave' (placement {placement!r} has its own rule)"
+    return None
 
 
-def _grown(old, n, cap, shape, dtype, ones=False):
-    """A store of ``shape + (cap,)`` holding ``old``'s first ``n`` tokens (last axis); ``ones``: one more row, all 1."""
-    new = np.empty(shape[:-1] + (shape[-1] + 1, cap) if ones else shape + (cap,), dtype)
-    if ones:
-        new[..., -1, :] = 1
-    if old is not None:
-        new[..., :n] = old[..., :n]
-    return new
+def path_problem(draft, accepted):
+    """Why ``accepted`` is not a root-first path of the ``draft`` tree (k, v, parents), or None."""
+    if draft is None:
+        return "commit needs a verify before it (and at most one commit per verify)"
+    parents = draft[2]
+    if np.any((accepted < 0) | (accepted >= len(parents))):
+        return f"accepted draft indices must lie in 0..{len(parents) - 1}, got {accepted.tolist()}"
+    above = parents[accepted]
+    if len(accepted) and (above[0] != -1 or np.any(above[1:] != accepted[:-1])):
+        return (f"accepted {accepted.tolist()} is not a path of the draft tree from a root (parents "
+                f"{above.tolist()})")
+    return None
 
 
 class KVCache:
@@ -71,14 +81,16 @@ class KVCache:
         kv_heads, head_dim: K/V heads and their dim (V's dim: ``value_dim``, default head_dim).
         dtype: float32 or float64, the dtype of q, k, v given to the cache and of its results.
         quantize: None, "float16" or "int8": how the cache is stored.
-        placement: "round_robin" or "contiguous": which rank keeps each token.
+        placement: "interleave", "round_robin" or "contiguous": which rank keeps each token.
+        interleave: with "interleave", tokens per run: token t lives on rank (t // interleave) % P
+            (vLLM's decode context parallelism); "round_robin" is interleave=1.
         timeout: as ``ring_attention``, for every call.
 
     Bad arguments on any rank raise the same ValueError on every rank.
     """
 
     def __init__(self, comm, kv_heads, head_dim, *, dtype=np.float32, quantize=None, placement="round_robin",
-                 value_dim=None, timeout="auto"):
+                 interleave=1, value_dim=None, timeout="auto"):
         self.comm = check_comm(comm)
         problem = values = None
         try:
@@ -92,8 +104,10 @@ class KVCache:
                 problem = problem or f"quantize must be None, 'float16' or 'int8'; got {quantize!r}"
             if placement not in PLACEMENTS:
                 problem = problem or f"placement must be one of {', '.join(PLACEMENTS)}; got {placement!r}"
+            problem = problem or interleave_problem(placement, interleave)
             problem = problem or timeout_problem(timeout)
-            values = repr((kv_heads, head_dim, value_dim, np.dtype(dtype).name, quantize, placement, timeout))
+            values = repr((kv_heads, head_dim, value_dim, np.dtype(dtype).name, quantize, placement, interleave,
+                           timeout))
         except Exception as exc:  # reported collectively, never raised alone
             problem = describe(exc)
         with exclusive(self.comm):
@@ -103,14 +117,12 @@ class KVCache:
             raise ValueError(message)
         self.kv_heads, self.head_dim, self.value_dim = int(kv_heads), int(head_dim), int(value_dim)
         self.dtype, self.quantize, self.placement, self.timeout = np.dtype(dtype), quantize, placement, timeout
+        self.interleave = None if placement == "contiguous" else int(interleave)  # "round_robin": 1
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.lengths = [0] * self.size  # every rank's cached tokens, the same list on every rank
-        self._lead = None  # batch axes, from the first tokens
-        self._n = 0
-        self._store = None  # [k values, k scales, v values, v scales], tokens on the last axis (see _append)
-        self._pos = np.empty(0, np.int64)
-        self._k_peak = 0.0
+        self.store = KVStore(self.kv_heads, self.head_dim, self.value_dim, self.dtype, quantize)  # this rank's
         self._ring = None  # a private RingComm for merge="ring", made at the first such attend
+        self._draft = None  # the last verify's (k, v, parents), until commit
 
     # ---------------------------------------------------------------- what it holds
 
@@ -121,24 +133,29 @@ class KVCache:
     @property
     def positions(self):
         """Global positions of this rank's cached tokens, sorted."""
-        return self._pos[:self._n].copy()
+        return self.store.positions.copy()
 
     @property
     def nbytes(self):
-        """Bytes of this rank's cached tokens as stored: values (unquantized: with the kernel's row of ones), scales."""
-        if self._store is None:
-            return 0
-        return sum(a.nbytes // a.shape[-1] for a in self._store if a is not None) * self._n
-
-    def prompt_positions(self, prompt_len):
-        """The positions of a prompt of ``prompt_len`` tokens that this rank keeps under the placement."""
-        if self.placement == "round_robin":
-            return np.arange(self.rank, prompt_len, self.size)
-        return layout_positions(prompt_len, self.size, "contiguous")[self.rank]
+        """Bytes of this rank's cached tokens as stored (``KVStore.nbytes``)."""
+        return self.store.nbytes
 
     def shard(self):
         """This rank's cached ``(k, v)`` dequantized, (..., Hk, n, D), in position order (``attend`` works per tile)."""
-        return tuple(np.swapaxes(t[..., :-1, :], -1, -2) for t in self._tile(0, self._n)[:2])
+        return self.store.shard()
+
+    def prompt_positions(self, prompt_len):
+        """The positions of a prompt of ``prompt_len`` tokens that this rank keeps under the placement."""
+        if self.interleave is None:
+            return layout_positions(prompt_len, self.size, "contiguous")[self.rank]
+        every = np.arange(prompt_len)
+        return every[self.owner(every) == self.rank]
+
+    def owner(self, positions):
+        """The rank that keeps each global position under an interleaved placement: (t // interleave) % P."""
+        if self.interleave is None:
+            raise ValueError("under placement='contiguous' a token's owner depends on the lengths when it came")
+        return (np.asarray(positions, np.int64) // self.interleave) % self.size
 
     # ---------------------------------------------------------------- filling it
 
@@ -164,9 +181,68 @@ class KVCache:
                                   timeout=self.timeout, record=rec, **options)
         self.lengths = [len(s) for s in rec.plan.kv_shards]
         order = np.argsort(np.asarray(positions, np.int64), kind="stable")
-        self._append(np.asarray(k)[..., order, :], np.asarray(v)[..., order, :],
+        self.store.append(np.asarray(k)[..., order, :], np.asarray(v)[..., order, :],
                      np.asarray(positions, np.int64)[order])
         return out, lse
+
+    def adopt(self, k, v, positions, *, record=None):
+        """Fill this empty cache with a prompt prefilled under another layout: each token moves to its owner.
+
+        ``k, v``: this rank's prompt rows (..., kv_heads, n, D) at global ``positions``
+        (n of them), as any strategy and layout left them, e.g. ``ring_attention``
+        with ``layout="zigzag"`` or a ``Ring`` (``Ring.positions``); together the
+        ranks hold positions 0..S-1 once each. One all-to-all sends every token
+        whose owner under this cache's placement (``prompt_positions(S)``) is
+        another rank, straight to it, and nothing else: ``record.bytes_sent`` is
+        ``infercost.relayout_bytes`` (the tokens as given, K and V). Collective.
+        """
+        rec = Record(self.rank) if record is None else record
+        with exclusive(self.comm):
+            problem = None if not len(self) else f"adopt needs an empty cache; it holds {len(self)} tokens"
+            try:
+                problem = problem or self._shape_problem(k, v)
+                positions = np.asarray(positions)
+                if problem is None and (positions.ndim != 1 or len(positions) != k.shape[-2] or not (
+                        np.issubdtype(positions.dtype, np.integer) or len(positions) == 0)):
+                    problem = f"positions must be a 1-D integer array of this rank's {k.shape[-2]} token positions"
+            except Exception as exc:  # reported collectively, never raised alone
+                problem = describe(exc)
+            held = agreed(self.comm, problem, None, self.timeout,
+                          None if problem else np.asarray(positions, np.int64), entry=True)
+            every = np.concatenate(held)
+            if not np.array_equal(np.sort(every), np.arange(len(every))):
+                raise ValueError(f"adopt needs positions 0..{len(every) - 1} held once each across the ranks")
+        start = time.perf_counter()
+        owners = [self._prompt_owners(p, len(every)) for p in held]
+        mine = owners[self.rank]
+        order = np.argsort(mine, kind="stable")
+        rows = np.concatenate([np.moveaxis(x, -2, 0).reshape(len(mine), int(np.prod(x.shape[:-2])) * x.shape[-1])
+                               for x in (k, v)], axis=1)[order]  # a token's K and V as one row
+        out = [int(np.count_nonzero(mine == r)) for r in range(self.size)]
+        into = [int(np.count_nonzero(o == self.rank)) for o in owners]
+        got = np.empty((sum(into), rows.shape[1]), rows.dtype)
+        width = rows.shape[1] * rows.itemsize
+        send = [rows, (np.multiply(out, width), np.cumsum([0] + out[:-1]) * width), MPI.BYTE]
+        wait_until([self.comm.Ialltoallv(send, [got, (np.multiply(into, width), np.cumsum([0] + into[:-1]) * width),
+                                                   MPI.BYTE])], decode_timeout(self.timeout, k, v, into),
+                   self.rank, "adopt (all-to-all)")
+        rec.bytes_sent += (len(mine) - out[self.rank]) * width
+        rec.messages += sum(1 for r, n in enumerate(out) if n and r != self.rank)
+        rec.event("relayout", start)
+        pos = np.concatenate([p[o == self.rank] for p, o in zip(held, owners)])
+        order = np.argsort(pos, kind="stable")
+        got, split = got[order], int(np.prod(k.shape[:-2])) * self.head_dim
+        k, v = (np.ascontiguousarray(np.moveaxis(part.reshape((len(pos),) + k.shape[:-2] + (dim,)), 0, -2))
+                for part, dim in ((got[:, :split], self.head_dim), (got[:, split:], self.value_dim)))
+        self.lengths = [int(sum(np.count_nonzero(o == r) for o in owners)) for r in range(self.size)]
+        self.store.append(k, v, pos[order])
+
+    def _prompt_owners(self, positions, prompt_len):
+        """The rank that keeps each of ``positions`` of a prompt of ``prompt_len`` tokens (``prompt_positions``)."""
+        if self.interleave is not None:
+            return self.owner(positions)
+        starts = [len(p) for p in layout_positions(prompt_len, self.size, "contiguous")]
+        return np.searchsorted(np.cumsum(starts), positions, side="right")
 
     def extend(self, k, v):
         """Append new tokens (``k, v`` (..., kv_heads, T, D), the same on every rank): each owner keeps its own."""
@@ -183,17 +259,21 @@ class KVCache:
                                "tokens on every rank" for m in metas])
             if message:
                 raise ValueError(message)
+        self._add(k, v)
+
+    def _add(self, k, v):
+        """Keep this rank's share of new tokens ``k, v`` at positions len(self) ... (agreed already)."""
         first = len(self)
         owners = self._owners(k.shape[-2])
         mine = np.flatnonzero(owners == self.rank)
         for r in owners:
             self.lengths[r] += 1
-        self._append(k[..., mine, :], v[..., mine, :], first + mine)
+        self.store.append(k[..., mine, :], v[..., mine, :], first + mine)
 
     def _owners(self, n):
         """The rank that keeps each of ``n`` new tokens (positions len(self) ...), the same on every rank."""
-        if self.placement == "round_robin":
-            return (len(self) + np.arange(n)) % self.size
+        if self.interleave is not None:
+            return self.owner(len(self) + np.arange(n))
         lengths, owners = list(self.lengths), []
         for _ in range(n):
             r = int(np.argmin(lengths))
@@ -207,67 +287,13 @@ class KVCache:
                 return f"{name} must be a {self.dtype} array"
             if a.ndim < 3 or a.shape[-3] != self.kv_heads or a.shape[-1] != dim:
                 return f"{name} must have shape (..., {self.kv_heads}, tokens, {dim}), got {a.shape}"
-            if self._lead is not None and a.shape[:-3] != self._lead:
-                return f"{name} must have the cache's batch axes {self._lead}, got {a.shape}"
+            if self.store.lead is not None and a.shape[:-3] != self.store.lead:
+                return f"{name} must have the cache's batch axes {self.store.lead}, got {a.shape}"
         if k.shape[:-1] != v.shape[:-1]:
             return f"k and v must agree on all but the last axis, got {k.shape} and {v.shape}"
         return None
 
-    def _append(self, k, v, positions):
-        """Store this rank's new rows (position order) after its others, growing the store by doubling.
-
-        Tokens lie on the last axis: k as (..., Hk, D, capacity) (unquantized: the
-        kernel's [k | 1]^T, D + 1 rows, the last all ones), scales (..., Hk, capacity).
-        """
-        if self._store is None:
-            self._lead = k.shape[:-3]
-            self._store = [None] * 4
-        n = k.shape[-2]
-        need = self._n + n
-        cap = self._pos.shape[0]
-        if need > cap or self._store[0] is None:
-            cap = max(need, 2 * cap, 16)
-            for i, dim in ((0, self.head_dim), (2, self.value_dim)):
-                self._store[i] = _grown(self._store[i], self._n, cap, self._lead + (self.kv_heads, dim),
-                                        {None: self.dtype, "float16": np.float16, "int8": np.int8}[self.quantize],
-                                        ones=self.quantize is None)
-                if self.quantize == "int8":
-                    self._store[i + 1] = _grown(self._store[i + 1], self._n, cap, self._lead + (self.kv_heads,),
-                                                np.float32)
-            self._pos = np.concatenate([self._pos[:self._n], np.empty(cap - self._n, np.int64)])
-        if n:
-            self._k_peak = max(self._k_peak, float(np.abs(k).max()))
-        for i, x in ((0, k), (2, v)):
-            values, scales = quantize(x, self.quantize)
-            self._store[i][..., :x.shape[-1], self._n:need] = np.swapaxes(values, -1, -2)
-            if scales is not None:
-                self._store[i + 1][..., self._n:need] = scales
-        self._pos[self._n:need] = positions
-        self._n = need
-
     # ---------------------------------------------------------------- decoding
-
-    def _tile(self, a, b):
-        """This rank's cached tokens a:b as ``(kt, vt, positions)``: the kernel's padded form, in the cache's dtype.
-
-        Unquantized: views of the store, no copy. Quantized: dequantized into new [x | 1]^T arrays.
-        """
-        if self._store is None:
-            return (np.ones((self.kv_heads, self.head_dim + 1, 0), self.dtype),
-                    np.ones((self.kv_heads, self.value_dim + 1, 0), self.dtype), self._pos[:0])
-        tiles = []
-        for i in (0, 2):
-            values = self._store[i][..., a:b]
-            if self.quantize is None:
-                tiles.append(values)
-                continue
-            out = np.empty(values.shape[:-2] + (values.shape[-2] + 1, b - a), self.dtype)
-            out[..., :-1, :] = values
-            if self._store[i + 1] is not None:
-                out[..., :-1, :] *= self._store[i + 1][..., None, a:b]
-            out[..., -1, :] = 1
-            tiles.append(out)
-        return tiles[0], tiles[1], self._pos[a:b]
 
     def attend(self, q, *, causal=False, positions=None, merge="tree", scale=None, record=None, spec=None):
         """``decode_attention`` of ``q`` (..., Hq, T, D), the same on every rank, over the whole cache.
@@ -283,26 +309,96 @@ class KVCache:
                                                              who="KVCache.attend")
             if causal and positions is None:
                 positions = np.arange(len(self) - np.shape(q)[-2], len(self)) if np.ndim(q) >= 2 else None
-            lead = self._lead if self._lead is not None else np.shape(q)[:-3]
-            k_like, v_like = (np.broadcast_to(np.zeros((), self.dtype), lead + (self.kv_heads, self._n, d))
-                              for d in (self.head_dim, self.value_dim))
-            problem = problem or (None if isinstance(q, np.ndarray) and q.dtype == self.dtype else
-                                  f"q must be a {self.dtype} array, as the cache")
-            scale, lengths = decode_agreement(self.comm, q, k_like, v_like, scale, self.timeout, merge, causal,
-                                              positions, self._pos[:self._n], k_peak=self._k_peak, problem=problem)
-            timeout = decode_timeout(self.timeout, q, v_like, lengths)
-            rec = Record(self.rank) if record is None else record
-            start = time.perf_counter()
-            q = np.ascontiguousarray(q)
-            positions = None if positions is None else np.asarray(positions, np.int64)
-            blocks = (self._tile(a, min(a + TILE, self._n)) for a in range(0, max(self._n, 1), TILE))
-            out, lse = local_partial(q, blocks, scale, positions, causal, padded=True)
-            rec.compute_time += rec.event("compute", start, kind="decode") - start
-            if merge == "ring" and self._ring is None and self.size > 1:
-                self._ring = RingComm(self.comm, timeout)
-            rows = merge_partials(packed(out, lse), self.comm, merge, timeout, ring=self._ring, rec=rec)
-            rec.wall_time = time.perf_counter() - start
-            return unpacked(rows, out.shape, q.dtype)
+            return self._attend(q, merge, scale, record, problem, causal=causal, positions=positions)
+
+    def verify(self, q, k, v, parents=None, *, merge="tree", scale=None, record=None):
+        """Speculative verification: T draft tokens' attention in one call, nothing added to the cache yet.
+
+        ``q`` (..., Hq, T, D), ``k, v`` (..., kv_heads, T, D): the draft tokens, the
+        same on every rank. ``parents[i]``: draft token i's parent (-1: it follows
+        the last cached token), a chain ``[-1, 0, ..., T - 2]`` by default, or a
+        tree as Medusa/EAGLE build them (parents before children). Draft token i
+        sees the whole cache and, among the drafts, itself and its ancestors
+        (``decode.draft_mask``). Returns ``(out, lse)``, the same bits on every
+        rank; the drafts are held until ``commit`` keeps the accepted ones.
+        """
+        with exclusive(self.comm):
+            problem = values = None
+            try:
+                T = np.shape(q)[-2] if np.ndim(q) >= 2 else 0
+                parents = np.arange(-1, T - 1) if parents is None else parents
+                problem = self._shape_problem(k, v) or parents_problem(parents, T) or (
+                    None if k.shape[-2] == T else f"{k.shape[-2]} draft k/v tokens for {T} draft queries")
+                if problem is None:
+                    parents = np.asarray(parents, np.int64)
+                    values = {"draft k, v, parents (sha1)": Shown(*[(_bytes_digest(k), _bytes_digest(v),
+                                                                      _bytes_digest(parents))] * 2)}
+            except Exception as exc:  # reported collectively, never raised alone
+                problem = describe(exc)
+            self._draft = None
+            result = self._attend(q, merge, scale, record, problem, values=values, draft=(k, v, parents))
+            self._draft = (k.copy(), v.copy(), parents)  # T tokens: safe from the caller's later writes
+            return result
+
+    def commit(self, accepted):
+        """Keep the accepted draft tokens of the last ``verify``, drop the rest: no copy of the cache.
+
+        ``accepted``: indices of the draft tokens, root first, each the parent of the
+        next (a path of the draft tree; empty: none kept), the same on every rank.
+        They join the cache at positions len(self), len(self) + 1, ... by the
+        placement's rule, as ``extend`` would add them. Collective.
+        """
+        with exclusive(self.comm):
+            problem = values = None
+            try:
+                accepted = np.asarray(accepted, np.int64).reshape(-1)
+                problem = path_problem(self._draft, accepted)
+                values = {"accepted": Shown(accepted)}
+            except Exception as exc:  # reported collectively, never raised alone
+                problem = describe(exc)
+            agreed(self.comm, problem, values, self.timeout, entry=True)
+        k, v, _ = self._draft
+        self._draft = None
+        self._add(k[..., accepted, :], v[..., accepted, :])
+
+    def _attend(self, q, merge, scale, record, problem, causal=False, positions=None, values=None, draft=None):
+        """``q`` over this rank's tiles, merged with every rank's; with ``draft``, its tree part merged after."""
+        k_like, v_like = self._like(q)
+        problem = problem or self._q_problem(q)
+        k_peak = self.store.k_peak if draft is None or problem or not draft[0].size else \
+            max(self.store.k_peak, float(np.abs(draft[0]).max()))
+        scale, lengths = decode_agreement(self.comm, q, k_like, v_like, scale, self.timeout, merge, causal,
+                                          positions, self.store.positions, k_peak=k_peak, problem=problem,
+                                          values=values)
+        timeout = decode_timeout(self.timeout, q, v_like, lengths)
+        rec = Record(self.rank) if record is None else record
+        start = time.perf_counter()
+        q = np.ascontiguousarray(q)
+        positions = None if positions is None else np.asarray(positions, np.int64)
+        out, lse = local_partial(q, self.store.tiles(), scale, positions, causal, padded=True)
+        rec.compute_time += rec.event("compute", start, kind="decode") - start
+        rows = merge_partials(packed(out, lse), self.comm, merge, timeout, ring=self._ring_for(merge, timeout),
+                              rec=rec)
+        if draft is not None:  # the drafts among themselves: the same inputs and bits on every rank
+            lse_merge(packed(*draft_partial(q, draft[0], draft[1], draft[2], scale)), rows)
+        rec.wall_time = time.perf_counter() - start
+        return unpacked(rows, out.shape, q.dtype)
+
+    def _like(self, q):
+        """Stand-ins of this rank's cached k and v with their shapes (no data), for ``decode_agreement``."""
+        lead = self.store.lead if self.store.lead is not None else np.shape(q)[:-3]
+        return tuple(np.broadcast_to(np.zeros((), self.dtype), lead + (self.kv_heads, self.store.n, d))
+                     for d in (self.head_dim, self.value_dim))
+
+    def _q_problem(self, q):
+        return None if isinstance(q, np.ndarray) and q.dtype == self.dtype else \
+            f"q must be a {self.dtype} array, as the cache"
+
+    def _ring_for(self, merge, timeout):
+        """The private ``RingComm`` of the ring merge, made at the first such call (None otherwise)."""
+        if merge == "ring" and self._ring is None and self.size > 1:
+            self._ring = RingComm(self.comm, timeout)
+        return self._ring
 
     def close(self):
         """Free the private communicator of the ring merge (if one was made)."""
@@ -315,6 +411,43 @@ class KVCache:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def attend_many(caches, qs, *, merge="tree", scale=None, record=None):
+    """Continuous batching: the new tokens ``qs[i]`` of sequence i over ``caches[i]``, one agreement, one merge.
+
+    ``caches``: ``KVCache`` objects on one communicator, one per sequence (any
+    lengths, placements and batch axes; one dtype and head dim); ``qs``: each
+    sequence's queries (..., Hq, T_i, D), the same on every rank. Returns
+    ``[(out, lse), ...]``, the same bits on every rank: what ``attend`` gives
+    for each sequence (unmasked), with one reduction for the whole batch
+    (``decode.merge_many``) instead of one per sequence.
+    """
+    first = caches[0]
+    comm = first.comm
+    with exclusive(comm):
+        problem = None
+        if len(caches) != len(qs):
+            problem = f"{len(caches)} caches for {len(qs)} query arrays"
+        elif any(c.comm is not comm for c in caches):
+            problem = "every cache of one attend_many must be on the same communicator object"
+        for i, (cache, q) in enumerate(zip(caches, qs)):
+            found = cache._q_problem(q)
+            problem = problem or (found and f"sequence {i}: {found}")
+        likes = [cache._like(q) for cache, q in zip(caches, qs)] if problem is None else []
+        peaks = [c.store.k_peak for c in caches][:len(likes)]
+        scale, lengths = decode_agreement(comm, list(qs)[:len(likes)], [k for k, _ in likes], [v for _, v in likes],
+                                          scale, first.timeout, merge, k_peak=peaks, problem=problem)
+        timeout = decode_timeout(first.timeout, max(qs, key=np.size), likes[0][1], lengths)
+        rec = Record(first.rank) if record is None else record
+        start = time.perf_counter()
+        parts = [local_partial(np.ascontiguousarray(q), cache.store.tiles(), scale, padded=True)
+                 for cache, q in zip(caches, qs)]
+        rec.compute_time += rec.event("compute", start, kind="decode") - start
+        result = merge_many(parts, comm, merge, timeout, ring=first._ring_for(merge, timeout), rec=rec,
+                            dtype=first.dtype)
+        rec.wall_time = time.perf_counter() - start
+        return result
 
 
 def _bytes_digest(a):

@@ -21,7 +21,8 @@ from launch import MPIEXEC, clean_env, mpiexec_argv
 
 @pytest.mark.parametrize("extra", [[], ["--quantize", "int8", "--merge", "ring", "--placement", "contiguous"],
                                    ["--quantize", "float16", "--merge", "tree", "--dtype", "float64", "--rotate", "q",
-                                    "--step-tokens", "2"]])
+                                    "--step-tokens", "2"],
+                                   ["--speculative", "3", "--interleave", "4", "--merge", "tree"]])
 @pytest.mark.mpi
 def test_generate_verifies(comm, capsys, extra):
     code = generate(comm, ["--prompt-len", "45", "--new-tokens", "3", "--heads", "4", "--kv-heads", "2",
@@ -32,6 +33,7 @@ def test_generate_verifies(comm, capsys, extra):
         assert out.splitlines()[-1].startswith("VERIFIED"), out
         assert "cache bytes per rank" in out and "p95" in out
         assert f"prefill (ring passing {'q' if '--rotate' in extra else 'kv'}, causal)" in out
+        assert ("speculative: " in out) == ("--speculative" in extra)
         for merge in ("tree", "ring"):
             assert (f"  {merge} " in out) == (merge in extra or "--merge" not in extra)
 

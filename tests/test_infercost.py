@@ -7,7 +7,16 @@ import numpy as np
 import pytest
 
 from mpiring.cost.costmodel import Machine
-from mpiring.cost.infercost import _crossover, choose_rotate, decode_time, meta_rule, prefill_bytes, prefill_time
+from mpiring.cost.infercost import (
+    _crossover,
+    choose_rotate,
+    decode_time,
+    helix_time,
+    meta_rule,
+    prefill_bytes,
+    prefill_time,
+    relayout_bytes,
+)
 from mpiring.tools.cli_plan import cost
 
 LINK = Machine("test", 1e12, 1e-5, 1e10)
@@ -62,3 +71,22 @@ def test_the_plans_bytes_are_the_models():
     got = plan_bytes(plan, 2 * 8, 4, 16, 16, 4)  # batch 2 x 8 heads, 2 K/V heads, D 16, float32
     want = prefill_bytes(T, C, P, heads=8, kv_heads=2, head_dim=16, batch=2, bytes_per_element=4)
     assert got == {"kv": want["kv"], "q": want["q"]}
+
+
+def test_helix_overlap_hides_the_smaller_of_compute_and_all_to_all():
+    m = Machine("test", flops=1e12, alpha=1e-5, beta=1e10)
+    kw = dict(heads=32, head_dim=128, batch=8, machine=m)
+    one = helix_time(1 << 20, 4, 2, chunks=1, **kw)
+    assert one["overlap_s"] == pytest.approx(one["serial_s"]) and one["bytes"] == 3 * 8 * 4 * 129 * 8
+    hop = helix_time(1 << 20, 4, 2, chunks=4, **kw)
+    c, a = hop["compute_s"] / 4, hop["alltoall_s"] / 4
+    assert hop["overlap_s"] == pytest.approx(c + 3 * max(c, a) + a) and hop["overlap_s"] < hop["serial_s"]
+    assert hop["bytes"] == one["bytes"]  # HOP-B cuts the batch, not the bytes
+    assert helix_time(1000, 1, 4, chunks=2, **kw)["alltoall_s"] == 0  # KVP = 1: nothing to exchange
+
+
+def test_relayout_moves_each_token_once_to_its_new_owner():
+    held = [np.array([0, 1, 6, 7]), np.array([2, 3, 4, 5])]  # zigzag over 2 ranks
+    assert relayout_bytes(held, lambda p: p % 2, 10) == [20, 20]  # round-robin: 1 and 6; 2 and 4 stay
+    assert relayout_bytes(held, lambda p: p // 4, 10) == [20, 20]
+    assert relayout_bytes(held, lambda p: np.where(np.isin(p, held[0]), 0, 1), 10) == [0, 0]

@@ -22,9 +22,12 @@ a lower crossover than Meta's.
 
 import math
 
+import numpy as np
+
 from .costmodel import PRESETS
 
-__all__ = ["decode_time", "prefill_time", "choose_rotate", "meta_rule", "format_inference_model", "ROTATIONS"]
+__all__ = ["decode_time", "helix_time", "relayout_bytes", "prefill_time", "choose_rotate", "meta_rule",
+           "format_inference_model", "ROTATIONS"]
 
 ROTATIONS = ("kv", "q")
 PARTIAL_ITEMSIZE = 8  # partial (out, lse) travel as float64
@@ -53,6 +56,36 @@ def decode_time(cache_tokens, ranks, *, heads, head_dim, new_tokens=1, batch=1, 
     merge_s = transfers * m.transfer_time(partial)
     return {"compute_s": compute, "merge_s": merge_s, "total_s": compute + merge_s, "transfers": transfers,
             "partial_bytes": partial}
+
+
+def helix_time(cache_tokens, kvp, tp, *, heads, head_dim, new_tokens=1, batch=1, chunks=1, machine="nvlink",
+               value_dim=None):
+    """Predicted seconds of one Helix decode step (``mpiring.helix``), with HOP-B over ``chunks`` batch parts.
+
+    Per part of b = batch / chunks: compute ``4 b (Hq / TP) T (C / KVP) D`` FLOPs (D + Dv for 2D), then one
+    all-to-all in the KVP group, KVP - 1 transfers of ``b (Hq / (TP KVP)) T (Dv + 1) 8`` bytes in a row.
+    Without overlap the parts add up; with HOP-B the all-to-all of part i hides under the compute of part
+    i + 1: ``c + (chunks - 1) max(c, a) + a``. Returns ``{"compute_s", "alltoall_s", "serial_s",
+    "overlap_s", "bytes"}`` (bytes: what one rank sends in the whole step).
+    """
+    m = _machine(machine)
+    dv = head_dim if value_dim is None else value_dim
+    b = batch / chunks
+    c = 2 * b * heads / tp * new_tokens * math.ceil(cache_tokens / kvp) * (head_dim + dv) / m.flops
+    piece = b * heads / (tp * kvp) * new_tokens * (dv + 1) * PARTIAL_ITEMSIZE
+    a = (kvp - 1) * m.transfer_time(piece) if kvp > 1 else 0.0
+    return {"compute_s": chunks * c, "alltoall_s": chunks * a, "serial_s": chunks * (c + a),
+            "overlap_s": c + (chunks - 1) * max(c, a) + a, "bytes": chunks * (kvp - 1) * piece}
+
+
+def relayout_bytes(held, owner, token_bytes):
+    """Bytes each rank sends to move a cache from one layout to another: ``[per rank]``.
+
+    ``held[r]``: the positions rank r holds after the prefill; ``owner(positions)``: the rank that keeps each
+    under the decode placement; ``token_bytes``: one token's K and V as stored. A token moves iff its owner
+    changes, once, straight to its new owner.
+    """
+    return [int(np.count_nonzero(owner(np.asarray(p, np.int64)) != r)) * token_bytes for r, p in enumerate(held)]
 
 
 def prefill_bytes(new_tokens, cache_tokens, ranks, *, heads, kv_heads, head_dim, batch=1, bytes_per_element=2,

@@ -9,6 +9,13 @@ take an hour of NumPy), then ``steps`` single-token steps, each timed as one
 steps on rank 0 alone (COMM_SELF) for the single-process time. Every step's
 result is compared with the float64 reference before it counts.
 
+Serving (``serving_table``, not part of ``bench``: minutes at 256k tokens; the
+table in docs/inference.md): per cache size, ``serving_rows`` (decode with both
+merges, bytes against the model, one speculative ``verify`` against T separate
+calls) and ``helix_row`` (Helix with and without HOP-B against ``helix_time``):
+
+    mpiexec -n 4 python -m mpiring.tools.benchinfer      # serving_table(MPI.COMM_WORLD): 64k and 256k tokens
+
 Prefill: T new tokens after C cached ones (``kv_positions``, round-robin over
 the ranks), causal, 8 query heads and 1 K/V head, timed with ``rotate="kv"``
 and ``rotate="q"``; the bytes each rank sent and the time model's prediction
@@ -16,19 +23,21 @@ on this machine (``calibrate``) beside them.
 """
 
 import time
+from functools import partial
 
 import numpy as np
 from mpi4py import MPI
 
 from mpiring import KVCache, Record, ring_attention
-from mpiring.cost.infercost import decode_time, meta_rule, prefill_time
+from mpiring.cost.infercost import decode_time, helix_time, meta_rule, prefill_time
+from mpiring.helix import HelixGrid, helix_attention
 from mpiring.parallel.passq import chosen_rotation
 from mpiring.testing import TOLERANCE
 
 from .calibrate import calibrate
 from .cli_generate import grouped_reference
 
-__all__ = ["inference_rows", "decode_row", "prefill_row"]
+__all__ = ["inference_rows", "decode_row", "prefill_row", "serving_rows", "helix_row"]
 
 
 def _median_ms(values):
@@ -78,6 +87,112 @@ def decode_row(comm, cache=65536, steps=16, heads=8, kv_heads=2, dim=64, seed=0)
             f"{_median_ms(times['alone'])}; max error {error:.1e} {'ok' if ok else 'FAILED'}")
 
 
+def _slowest(comm, call, repeats):
+    """The fastest of ``repeats`` runs of ``call()`` timed on the slowest rank: ``(seconds, last result)``."""
+    best, result = float("inf"), None
+    for _ in range(repeats):
+        comm.Barrier()
+        start = time.perf_counter()
+        result = call()
+        best = min(best, comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
+    return best, result
+
+
+def serving_rows(comm, cache=65536, steps=8, draft=4, heads=8, kv_heads=2, dim=64, seed=0, repeats=3):
+    """One decode token over ``cache`` tokens (tree, ring, rank 0 alone), bytes against the model, and one
+    speculative ``verify`` of ``draft`` tokens against ``draft`` separate decode calls. A dict on rank 0.
+
+    Results are checked on rank 0 against the float64 reference (``grouped_reference``) before they count.
+    """
+    rank, size = comm.Get_rank(), comm.Get_size()
+    rng = np.random.default_rng(seed)
+    K, V = (rng.standard_normal((1, kv_heads, cache + draft, dim), dtype=np.float32) for _ in range(2))
+    Q = rng.standard_normal((1, heads, max(steps, draft), dim), dtype=np.float32)
+    machine = calibrate(comm, head_dim=dim, tokens=256, seconds=0.2, nbytes=1 << 22)
+    row = {"cache": cache, "P": size, "error": 0.0}
+
+    def check(got, q, end, causal):
+        if rank == 0:
+            want = grouped_reference(q, K[..., :end, :].astype(np.float64), V[..., :end, :].astype(np.float64),
+                                     np.arange(end - q.shape[-2], end), causal)
+            row["error"] = max(row["error"], float(np.abs(got[0] - want[0]).max()))
+
+    with KVCache(comm, kv_heads, dim) as kv:
+        kv.extend(K[..., :cache, :], V[..., :cache, :])
+        for merge in ("tree", "ring"):
+            walls, sent = [], []
+            for t in range(steps):
+                rec = Record(rank)
+                wall, got = _slowest(comm, partial(kv.attend, Q[..., t:t + 1, :], merge=merge, record=rec), 1)
+                walls.append(wall)
+                sent.append(comm.allreduce(rec.bytes_sent, op=MPI.MAX))
+                if t == 0:
+                    check(got, Q[..., :1, :], cache, False)
+            model = decode_time(cache, size, heads=heads, head_dim=dim, machine=machine, merge=merge)
+            row[merge] = {"latency": float(np.median(walls)), "model": model["total_s"],
+                          "bytes": int(np.median(sent)), "model_bytes": model["transfers"] * model["partial_bytes"]}
+        qd = Q[..., :draft, :]
+        dk, dv = K[..., cache:cache + draft, :], V[..., cache:cache + draft, :]
+        row["verify"], got = _slowest(comm, lambda: kv.verify(qd, dk, dv), repeats)
+        check(got, qd, cache + draft, True)
+        row["separate"], _ = _slowest(comm, lambda: [kv.attend(Q[..., i:i + 1, :]) for i in range(draft)], repeats)
+        row["verify_model"] = decode_time(cache, size, heads=heads, head_dim=dim, machine=machine,
+                                          new_tokens=draft)["total_s"]
+    if rank == 0:
+        with KVCache(MPI.COMM_SELF, kv_heads, dim) as alone:
+            alone.extend(K[..., :cache, :], V[..., :cache, :])
+            row["alone"] = float(np.median([_slowest(MPI.COMM_SELF, partial(alone.attend, Q[..., t:t + 1, :]), 1)[0]
+                                            for t in range(steps)]))
+    row["ok"] = row["error"] <= TOLERANCE[np.dtype(np.float32)]
+    return row if rank == 0 else None
+
+
+def helix_row(comm, cache=65536, batch=4, heads=12, kv_heads=2, dim=64, seed=0, repeats=3):
+    """Helix over a KVP x TP grid (TP = 2 when P is even and above 2, else 1): one token per sequence of a
+    batch, with and without HOP-B (``chunks`` = 1 and = batch), against ``helix_time``. A dict on rank 0.
+
+    12 query heads: a multiple of TP x KVP for every P = 1..4 (8 is not, at P = 3).
+    """
+    rank, size = comm.Get_rank(), comm.Get_size()
+    tp = 2 if size % 2 == 0 and size > 2 else 1
+    machine = calibrate(comm, head_dim=dim, tokens=256, seconds=0.2, nbytes=1 << 22)
+    row = {"cache": cache, "P": size, "tp": tp, "kvp": size // tp, "batch": batch, "error": 0.0}
+    Q = np.random.default_rng([seed, 0]).standard_normal((batch, heads, 1, dim), dtype=np.float32)
+    with HelixGrid(comm, tp) as grid:
+        hq, hk = heads // tp, kv_heads // tp
+        mine = np.arange(grid.kvp_rank, cache, grid.kvp_size)
+        shards = []
+        for b in range(batch):  # one sequence at a time: never the whole batch's cache on one rank
+            K, V = (np.random.default_rng([seed, 1 + b, c]).standard_normal((kv_heads, cache, dim), dtype=np.float32)
+                    for c in range(2))
+            shards.append([X[grid.tp_rank * hk:(grid.tp_rank + 1) * hk][:, mine] for X in (K, V)])
+            del K, V
+        k, v = (np.stack([s[i] for s in shards]) for i in range(2))
+        q = Q[:, grid.tp_rank * hq:(grid.tp_rank + 1) * hq]
+        for chunks in (1, batch):
+            rec = Record(rank)
+            row[f"chunks {chunks}"], out = _slowest(comm, partial(helix_attention, q, k, v, grid, chunks=chunks,
+                                                                  record=rec), repeats)
+            model = helix_time(cache, size // tp, tp, heads=heads, head_dim=dim, batch=batch, chunks=chunks,
+                               machine=machine)
+            row[f"model {chunks}"] = model["overlap_s"]
+            row[f"serial model {chunks}"] = model["serial_s"]
+            row["bytes"], row["model_bytes"] = comm.allreduce(rec.bytes_sent, op=MPI.MAX) // repeats, model["bytes"]
+        heads_at = grid.tp_rank * hq + grid.kvp_rank * (hq // grid.kvp_size)
+        outs = comm.gather((heads_at, out[0]))
+    if rank == 0:
+        full = np.zeros((batch, heads, 1, dim))
+        for at, o in outs:
+            full[:, at:at + o.shape[1]] = o
+        for b in range(batch):
+            K, V = (np.random.default_rng([seed, 1 + b, c]).standard_normal((kv_heads, cache, dim), dtype=np.float32)
+                    for c in range(2))
+            want = grouped_reference(Q[b:b + 1], K[None].astype(np.float64), V[None].astype(np.float64))
+            row["error"] = max(row["error"], float(np.abs(full[b:b + 1] - want[0]).max()))
+    row["ok"] = row["error"] <= TOLERANCE[np.dtype(np.float32)]
+    return row if rank == 0 else None
+
+
 def prefill_row(comm, new, cached, heads=8, kv_heads=1, dim=64, seed=0, repeats=2):
     """Prefill of ``new`` tokens after ``cached`` ones, passing K/V and passing Q: text on rank 0."""
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -112,6 +227,29 @@ def prefill_row(comm, new, cached, heads=8, kv_heads=1, dim=64, seed=0, repeats=
             f"{meta_rule(new, cached, heads=heads, kv_heads=kv_heads)}; |pass-Q - pass-KV| {same:.1e}")
 
 
+def _ms(seconds):
+    return f"{seconds * 1e3:.3g}"
+
+
+def serving_table(comm, caches=(65536, 262144), steps=8, draft=4, batch=4):
+    """Markdown rows of ``serving_rows`` and ``helix_row`` for each cache size, printed on rank 0 as they finish."""
+    lines = []
+    for cache in caches:
+        r, h = serving_rows(comm, cache, steps, draft), helix_row(comm, cache, batch)
+        if comm.Get_rank() != 0:
+            continue
+        lines.append(
+            f"| {cache} | {r['P']} | {_ms(r['tree']['latency'])} ({_ms(r['tree']['model'])}) | "
+            f"{_ms(r['ring']['latency'])} ({_ms(r['ring']['model'])}) | {_ms(r['alone'])} | "
+            f"{r['tree']['bytes']} / {r['tree']['model_bytes']}, {r['ring']['bytes']} / {r['ring']['model_bytes']} | "
+            f"{_ms(r['verify'])} ({_ms(r['verify_model'])}) vs {_ms(r['separate'])} | "
+            f"{h['kvp']}x{h['tp']}: {_ms(h['chunks 1'])} ({_ms(h['model 1'])}), HOP-B {_ms(h['chunks ' + str(batch)])} "
+            f"({_ms(h['model ' + str(batch)])}); {int(h['bytes'])} / {int(h['model_bytes'])} B | "
+            f"{max(r['error'], h['error']):.1e} {'ok' if r['ok'] and h['ok'] else 'FAILED'} |")
+        print(lines[-1], flush=True)
+    return lines
+
+
 def inference_rows(comm, quick=False):
     """Every inference row (decode, then prefill at two cache ratios), printed on rank 0 as they finish."""
     cache, steps = (4096, 4) if quick else (65536, 16)
@@ -124,3 +262,7 @@ def inference_rows(comm, quick=False):
         if comm.Get_rank() == 0:
             print(lines[-1], flush=True)
     return lines
+
+
+if __name__ == "__main__":
+    serving_table(MPI.COMM_WORLD)

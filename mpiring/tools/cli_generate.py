@@ -16,6 +16,7 @@ and the time model's prediction, and VERIFIED or not.
 
 import hashlib
 import time
+from functools import partial
 
 import numpy as np
 
@@ -49,15 +50,20 @@ def generate_parser():
     p.add_argument("--quantize", choices=["float16", "int8"], help="store the cache compressed")
     p.add_argument("--rotate", choices=["kv", "q", "auto"], default="kv",
                    help="what travels the ring in the prefill: K/V blocks, query blocks, or the one with fewer bytes")
-    p.add_argument("--placement", choices=["round_robin", "contiguous"], default="round_robin",
+    p.add_argument("--placement", choices=["round_robin", "interleave", "contiguous"], default="round_robin",
                    help="which rank keeps each cached token")
+    p.add_argument("--interleave", type=int,
+                   help="placement 'interleave' with runs of this many tokens: token t on rank (t // n) %% P")
+    p.add_argument("--speculative", type=int, default=0, metavar="T",
+                   help="each step verifies a chain of T draft tokens in one call (KVCache.verify), then commits "
+                        "a seeded number of them, 1 to T (0: plain decoding)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="dtype of q, k, v")
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs")
     p.add_argument("--threads", type=int, default=1, help="BLAS threads per rank")
     p.checks += [at_least(1, **{"--prompt-len": "prompt_len", "--new-tokens": "new_tokens", "--heads": "heads",
                                 "--kv-heads": "kv_heads", "--dim": "dim", "--threads": "threads",
-                                "--step-tokens": "step_tokens"}),
-                 at_least(0, **{"--seed": "seed"}), heads_problem]
+                                "--step-tokens": "step_tokens", "--interleave": "interleave"}),
+                 at_least(0, **{"--seed": "seed", "--speculative": "speculative"}), heads_problem]
     return p
 
 
@@ -96,14 +102,21 @@ def generate(comm, args):
     dtype, hk = np.dtype(args.dtype), args.kv_heads or args.heads
     N, T = args.prompt_len, args.new_tokens
     inputs = verify.Inputs(args.seed, 1, args.heads, hk, args.dim, dtype)
-    every = np.arange(N + T)
+    every = np.arange(N + T + args.speculative)  # drafts may run past the last new token
     K, V = inputs.tokens("k", every), inputs.tokens("v", every)
     new_q = inputs.tokens("q", every[N:])
     K64, V64 = K.astype(np.float64), V.astype(np.float64)
     merges = list(MERGES) if args.merge == "both" else [args.merge]
     tol = ERROR_BOUND[args.quantize] if args.quantize else TOLERANCE[dtype]
 
-    with KVCache(comm, hk, args.dim, dtype=dtype, quantize=args.quantize, placement=args.placement) as cache:
+    placement = "interleave" if args.interleave is not None and args.placement == "round_robin" else args.placement
+    args.placement = placement  # as the report names it
+    try:
+        cache = KVCache(comm, hk, args.dim, dtype=dtype, quantize=args.quantize, placement=placement,
+                        interleave=args.interleave or 1)
+    except ValueError as exc:
+        raise Agreed(str(exc)) from exc
+    with cache:
         mine = cache.prompt_positions(N)
         q = inputs.tokens("q", mine)
         rec = Record(rank)
@@ -121,20 +134,28 @@ def generate(comm, args):
 
         steps = {m: {"latency": [], "compute": [], "merge": [], "bytes": [], "error": [], "same": True}
                  for m in merges}
-        extend_times = []
-        for t in range(0, T, args.step_tokens):
-            pos, end = N + t, N + min(T, t + args.step_tokens)  # this step's tokens: positions pos .. end - 1
-            start = time.perf_counter()
-            cache.extend(K[..., pos:end, :], V[..., pos:end, :])
-            extend_times.append(time.perf_counter() - start)
-            q_new = new_q[..., t:end - N, :]
-            causal = end - pos > 1  # several new tokens: each sees the cache up to itself
-            want = grouped_reference(q_new, K64[..., :end, :], V64[..., :end, :], np.arange(pos, end), causal)
+        extend_times, accepted, t = [], [], 0
+        keep = np.random.default_rng([args.seed, 11])  # how many drafts each step keeps: the same on every rank
+        while t < T:
+            pos = N + t
+            if args.speculative:  # a chain of drafts at positions pos ..., seen causally among themselves
+                end = pos + args.speculative
+                q_new, draft = new_q[..., t:end - N, :], (K[..., pos:end, :], V[..., pos:end, :])
+                call = partial(cache.verify, q_new, *draft)
+            else:  # this step's tokens: positions pos .. end - 1
+                end = N + min(T, t + args.step_tokens)
+                start = time.perf_counter()
+                cache.extend(K[..., pos:end, :], V[..., pos:end, :])
+                extend_times.append(time.perf_counter() - start)
+                q_new = new_q[..., t:end - N, :]
+                call = partial(cache.attend, q_new, causal=end - pos > 1)  # several tokens: causal among them
+            want = grouped_reference(q_new, K64[..., :end, :], V64[..., :end, :], np.arange(pos, end),
+                                     causal=end - pos > 1)
             for m in merges:
                 rec = Record(rank)
                 comm.Barrier()
                 start = time.perf_counter()
-                got = cache.attend(q_new, merge=m, record=rec, causal=causal)
+                got = call(merge=m, record=rec)
                 s = steps[m]
                 s["latency"].append(time.perf_counter() - start)
                 s["compute"].append(rec.compute_time)
@@ -143,6 +164,13 @@ def generate(comm, args):
                 s["error"].append(_error(got, want))
                 digest = hashlib.sha1(got[0].tobytes() + got[1].tobytes()).hexdigest()
                 s["same"] &= len(set(comm.allgather(digest))) == 1
+            if args.speculative:
+                accepted.append(int(keep.integers(1, min(args.speculative, T - t) + 1)))
+                start = time.perf_counter()
+                cache.commit(np.arange(accepted[-1]))
+                extend_times.append(time.perf_counter() - start)
+                end = pos + accepted[-1]
+            t = end - N
         nbytes = comm.gather(cache.nbytes)
         lengths = list(cache.lengths)
     machine = calibrate(comm, head_dim=args.dim, dtype=args.dtype, tokens=256, seconds=0.2, threads=args.threads,
@@ -150,18 +178,19 @@ def generate(comm, args):
     gathered = comm.gather((prefill, steps, extend_times))
     if rank != 0:
         return 0
-    return _report(args, size, gathered, nbytes, lengths, machine, tol, merges)
+    return _report(args, size, gathered, nbytes, lengths, machine, tol, merges, accepted)
 
 
 def _ms(seconds):
     return f"{seconds * 1e3:.3g} ms"
 
 
-def _report(args, size, gathered, nbytes, lengths, machine, tol, merges):
+def _report(args, size, gathered, nbytes, lengths, machine, tol, merges, accepted):
     hk = args.kv_heads or args.heads
     N, T = args.prompt_len, args.new_tokens
     print(f"generate: P={size}, prompt {N} tokens, {T} new, heads {args.heads}, K/V heads {hk}, dim {args.dim}, "
-          f"{args.dtype}, cache {args.quantize or 'unquantized'}, placement {args.placement}")
+          f"{args.dtype}, cache {args.quantize or 'unquantized'}, placement {args.placement}"
+          f"{f', interleave {args.interleave}' if args.interleave else ''}")
     prefill_time = max(g[0]["time"] for g in gathered)
     prefill_bytes = [g[0]["bytes"] for g in gathered]
     prefill_error = max(g[0]["error"] for g in gathered)
@@ -175,9 +204,14 @@ def _report(args, size, gathered, nbytes, lengths, machine, tol, merges):
           f"{[n * dtype_bytes for n in lengths]})")
     extend = np.concatenate([g[2] for g in gathered])
     n_steps = len(gathered[0][2])
-    print(f"extend ({args.step_tokens} token(s), agreement included): median {_ms(float(np.median(extend)))}")
-    print(f"time model ({machine.note}) vs measured, per decode step of {args.step_tokens} token(s), medians over "
-          f"{n_steps} steps (the slowest rank's each step):")
+    per_step = args.speculative or args.step_tokens
+    if args.speculative:
+        print(f"speculative: {len(accepted)} verify calls of {args.speculative} draft tokens (a chain), accepted "
+              f"{accepted} (seeded); commit (agreement included): median {_ms(float(np.median(extend)))}")
+    else:
+        print(f"extend ({per_step} token(s), agreement included): median {_ms(float(np.median(extend)))}")
+    print(f"time model ({machine.note}) vs measured, per {'verify call' if args.speculative else 'decode step'} of "
+          f"{per_step} token(s), medians over {n_steps} steps (the slowest rank's each step):")
     print(f"  {'merge':<6} {'latency':>10} {'p95':>10} {'compute':>10} {'merge':>10} {'bytes/step':>11}   "
           f"{'model: compute':>15} {'merge':>10} {'total':>10}   max error")
     ok = prefill_error <= TOLERANCE[np.dtype(args.dtype)]
@@ -186,7 +220,7 @@ def _report(args, size, gathered, nbytes, lengths, machine, tol, merges):
         error = max(max(g[1][m]["error"]) for g in gathered)
         same = all(g[1][m]["same"] for g in gathered)
         model = decode_time(N + T, size, heads=args.heads, head_dim=args.dim, machine=machine, merge=m,
-                            new_tokens=args.step_tokens)
+                            new_tokens=per_step)
         print(f"  {m:<6} {_ms(np.median(per['latency'])):>10} {_ms(np.percentile(per['latency'], 95)):>10}"
               f" {_ms(np.median(per['compute'])):>10} {_ms(np.median(per['merge'])):>10}"
               f" {int(np.median(gathered[0][1][m]['bytes'])):>11}   {_ms(model['compute_s']):>15}"
