@@ -31,11 +31,14 @@ import numpy as np
 from mpi4py import MPI
 
 from .core.kernels import attention_block, default_scale
+from .core.scores import Score, attend_general, with_sinks
 from .mpi.agree import agreed, check_comm
 from .mpi.checks import AUTO_BASE, AUTO_RATE, Shown, describe, logit_problem, scale_problem, shape_text, timeout_problem
 from .mpi.comm import RingComm
 from .mpi.record import Record
 from .mpi.waits import exclusive, wait_until
+from .plans.masks import combined
+from .plans.plan import Piece, Where
 from .plans.spec import Spec, digest, spec_problem
 
 __all__ = ["decode_attention", "decode_many", "MERGES", "lse_merge", "merge_partials", "local_partial",
@@ -133,14 +136,17 @@ def merge_partials(rows, comm, merge, timeout=None, ring=None, rec=None):
 # ---------------------------------------------------------------- this rank's partial
 
 
-def local_partial(q, blocks, scale, positions=None, causal=False, padded=False):
+def local_partial(q, blocks, scale, positions=None, causal=False, padded=False, scores=None):
     """This rank's float64 partial ``(out, lse)`` of ``q`` over ``blocks`` of its cache: ``(k, v, kv_positions)``.
 
     Each block goes through the ring's kernel (``attention_block``) and is
     merged into the running result tile by tile (``into=``). ``padded``: the
     blocks are the kernel's [k | 1]^T, [v | 1]^T (tokens on the last axis). With
     ``causal``, a block's ``kv_positions`` must be sorted: row i sees the keys at positions <= positions[i].
+    ``scores``: a ``Scores`` (a mask and score modifiers): every block through the general kernel instead.
     """
+    if scores is not None:
+        return scores.partial(q, blocks, scale, positions, causal, padded)
     out = acc_lse = None
     for k, v, kv_pos in blocks:
         if out is None:
@@ -291,16 +297,65 @@ def decode_agreement(comm, q, k, v, scale, timeout, merge="tree", causal=False, 
 
 
 DECODE_FIELDS = ("scale", "causal", "positions", "kv_positions")
+SCORE_FIELDS = ("mask", "softcap", "bias", "sinks")  # decoding's masks and scores (no dropout, no max logit)
 
 
-def spec_of(spec, *values, who="decode_attention"):
-    """``(scale, causal, positions, kv_positions)`` and this rank's problem: the values as given, or with a
-    ``spec`` its (values given beside it must be its own; the rest of the spec must be at its defaults)."""
+def spec_of(spec, *values, who="decode_attention", scores=None):
+    """``((scale, causal, positions, kv_positions), problem, Scores or None)``: the values as given, or with a
+    ``spec`` its (values given beside it must be its own; the rest of the spec must be at its defaults or a
+    mask and score option, ``SCORE_FIELDS``). ``scores``: the mask and score keywords given."""
+    scores = scores or {}
     if spec is None:
-        return values, None
-    agreed, problem = spec_problem(dict(zip(DECODE_FIELDS, values)), spec)
-    problem = problem or agreed.beyond(DECODE_FIELDS, who)
-    return (values if problem else tuple(getattr(agreed, name) for name in DECODE_FIELDS)), problem
+        try:
+            return values, None, Scores.of(Spec.of(**scores))
+        except (TypeError, ValueError) as exc:
+            return values, str(exc), None
+    agreed, problem = spec_problem({**dict(zip(DECODE_FIELDS, values)), **scores}, spec)
+    problem = problem or agreed.beyond(DECODE_FIELDS + SCORE_FIELDS, who)
+    if problem:
+        return values, problem, None
+    return tuple(getattr(agreed, name) for name in DECODE_FIELDS), None, Scores.of(agreed)
+
+
+class Scores:
+    """A decoding call's mask pieces (``spec.mask``) and score modifiers (softcap, bias, sinks): each block through
+    the general kernel (``core.scores``) with global positions, the sinks once after the merge."""
+
+    def __init__(self, spec):
+        self.spec, self.mask = spec, tuple(spec.mask)
+
+    @classmethod
+    def of(cls, spec):
+        plain = not spec.mask and spec.softcap is None and spec.bias is None and spec.sinks is None
+        return None if plain else cls(spec)
+
+    def problem(self, q, positions, kv_positions):
+        """Why this rank's call cannot run these scores, or None: they need every token's global position."""
+        if positions is None or kv_positions is None:
+            return "a mask or score modifier in decoding needs positions (of q) and kv_positions (of the cache)"
+        return self.spec.scores_problem(q)
+
+    def values(self):
+        """What every rank must give alike: the pieces and functions by what they are."""
+        return {name: Shown(self.spec.field_key(name), repr(getattr(self.spec, name))) for name in SCORE_FIELDS}
+
+    def partial(self, q, blocks, scale, positions, causal, padded):
+        out = np.zeros(q.shape[:-1] + (0,))
+        lse = np.full(q.shape[:-1], -np.inf)
+        rule = combined(causal=causal, mask=self.mask)
+        score = Score.of(self.spec, scale)
+        for k, v, kv_pos in blocks:
+            if out.shape[-1] == 0:
+                out = np.zeros(q.shape[:-1] + ((v.shape[-2] - 1) if padded else v.shape[-1],))
+            n = k.shape[-1 if padded else -2]
+            if n:
+                where = Where(np.asarray(positions, np.int64), np.asarray(kv_pos, np.int64)[:n], rule)
+                attend_general(q, k, v, Piece(0, q.shape[-2], 0, n, where=where), score, (out, lse), padded)
+        return out, lse
+
+    def finish(self, out, lse):
+        """The sinks, once, in the merged result (the same on every rank)."""
+        return (out, lse) if self.spec.sinks is None else with_sinks(out, lse, self.spec.sinks)
 
 
 def decode_timeout(timeout, q, v, lengths):
@@ -318,7 +373,8 @@ def decode_attention(
     k: np.ndarray,  # (..., Hk, n, D): this rank's cache shard, any n >= 0
     v: np.ndarray,  # (..., Hk, n, Dv)
     comm=None, *, scale: float | None = None, merge: str = "tree", causal: bool = False, positions=None,
-    kv_positions=None, timeout: float | str | None = "auto", record: Record | None = None, spec: Spec | None = None,
+    kv_positions=None, timeout: float | str | None = "auto", record: Record | None = None, mask=None,
+    softcap: float | None = None, bias=None, sinks=None, spec: Spec | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:  # out (..., Hq, T, Dv), lse (..., Hq, T): the same bits on every rank
     """Attention of the same new tokens ``q`` (on every rank) over the KV cache sharded across the ranks.
 
@@ -336,30 +392,36 @@ def decode_attention(
             iff kv_positions[j] <= positions[i]. Off: every new token sees every key.
         timeout: as ``ring_attention``: seconds any wait may take, "auto" or None.
         record: a ``Record`` to fill ("compute" and "merge" events, bytes sent).
-        spec: a ``Spec`` giving ``scale``, ``causal``, ``positions`` and ``kv_positions`` instead (``spec_of``).
+        mask, softcap, bias, sinks: as ``ring_attention`` (docs/masks.md), with ``positions`` and
+            ``kv_positions`` (the pieces and the bias see global positions); no dropout, no max logit.
+        spec: a ``Spec`` giving these options instead (``spec_of``).
 
     Bad arguments on any rank (mismatched heads, q different across ranks, a
     bad option) raise the same ``ValueError`` on every rank.
     """
     comm = check_comm(comm)
     with exclusive(comm):
-        (scale, causal, positions, kv_positions), problem = spec_of(spec, scale, causal, positions, kv_positions)
+        (scale, causal, positions, kv_positions), problem, scores = spec_of(
+            spec, scale, causal, positions, kv_positions, scores=dict(mask=mask, softcap=softcap, bias=bias,
+                                                                      sinks=sinks))
+        problem = problem or (scores and scores.problem(q, positions, kv_positions))
         scale, lengths = decode_agreement(comm, q, k, v, scale, timeout, merge, causal, positions, kv_positions,
-                                          problem=problem)
+                                          problem=problem, values=scores and scores.values())
         timeout = decode_timeout(timeout, q, v, lengths)
         rec = Record(comm.Get_rank()) if record is None else record
         start = time.perf_counter()
         q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))
-        blocks = [(k, v, None)]
-        if causal:
+        blocks = [(k, v, kv_positions)]
+        if causal and scores is None:
             order = np.argsort(np.asarray(kv_positions, np.int64), kind="stable")
             blocks = [(k[..., order, :], v[..., order, :], np.asarray(kv_positions, np.int64)[order])]
             positions = np.asarray(positions, np.int64)
-        out, lse = local_partial(q, blocks, scale, positions, causal)
+        out, lse = local_partial(q, blocks, scale, positions, causal, scores=scores)
         rec.compute_time += rec.event("compute", start, kind="decode") - start
         rows = merge_partials(packed(out, lse), comm, merge, timeout, rec=rec)
         rec.wall_time = time.perf_counter() - start
-        return unpacked(rows, out.shape, q.dtype)
+        out, lse = unpacked(rows, out.shape, q.dtype)
+        return (out, lse) if scores is None else scores.finish(out, lse)
 
 
 def decode_many(

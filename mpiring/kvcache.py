@@ -295,21 +295,24 @@ class KVCache:
 
     # ---------------------------------------------------------------- decoding
 
-    def attend(self, q, *, causal=False, positions=None, merge="tree", scale=None, record=None, spec=None):
+    def attend(self, q, *, causal=False, positions=None, merge="tree", scale=None, record=None, mask=None,
+               softcap=None, bias=None, sinks=None, spec=None):
         """``decode_attention`` of ``q`` (..., Hq, T, D), the same on every rank, over the whole cache.
 
         Every rank returns the same ``(out, lse)``. With ``causal``, query i sees
         the cached tokens at positions <= positions[i] (default: the last T
-        positions, the tokens just added with ``extend``). ``spec``: a ``Spec``
-        giving ``scale``, ``causal`` and ``positions`` instead (the cache knows
-        where its keys are).
+        positions, the tokens just added with ``extend``). ``mask``, ``softcap``,
+        ``bias``, ``sinks``: as ``decode_attention`` (the same default positions).
+        ``spec``: a ``Spec`` giving these instead (the cache knows where its keys are).
         """
         with exclusive(self.comm):
-            (scale, causal, positions, _), problem = spec_of(spec, scale, causal, positions, None,
-                                                             who="KVCache.attend")
-            if causal and positions is None:
+            (scale, causal, positions, _), problem, scores = spec_of(
+                spec, scale, causal, positions, None, who="KVCache.attend",
+                scores=dict(mask=mask, softcap=softcap, bias=bias, sinks=sinks))
+            if (causal or scores) and positions is None:
                 positions = np.arange(len(self) - np.shape(q)[-2], len(self)) if np.ndim(q) >= 2 else None
-            return self._attend(q, merge, scale, record, problem, causal=causal, positions=positions)
+            problem = problem or (scores and scores.problem(q, positions, self.store.positions))
+            return self._attend(q, merge, scale, record, problem, causal=causal, positions=positions, scores=scores)
 
     def verify(self, q, k, v, parents=None, *, merge="tree", scale=None, record=None):
         """Speculative verification: T draft tokens' attention in one call, nothing added to the cache yet.
@@ -361,7 +364,8 @@ class KVCache:
         self._draft = None
         self._add(k[..., accepted, :], v[..., accepted, :])
 
-    def _attend(self, q, merge, scale, record, problem, causal=False, positions=None, values=None, draft=None):
+    def _attend(self, q, merge, scale, record, problem, causal=False, positions=None, values=None, draft=None,
+                scores=None):
         """``q`` over this rank's tiles, merged with every rank's; with ``draft``, its tree part merged after."""
         k_like, v_like = self._like(q)
         problem = problem or self._q_problem(q)
@@ -369,20 +373,21 @@ class KVCache:
             max(self.store.k_peak, float(np.abs(draft[0]).max()))
         scale, lengths = decode_agreement(self.comm, q, k_like, v_like, scale, self.timeout, merge, causal,
                                           positions, self.store.positions, k_peak=k_peak, problem=problem,
-                                          values=values)
+                                          values={**(values or {}), **(scores.values() if scores else {})})
         timeout = decode_timeout(self.timeout, q, v_like, lengths)
         rec = Record(self.rank) if record is None else record
         start = time.perf_counter()
         q = np.ascontiguousarray(q)
         positions = None if positions is None else np.asarray(positions, np.int64)
-        out, lse = local_partial(q, self.store.tiles(), scale, positions, causal, padded=True)
+        out, lse = local_partial(q, self.store.tiles(), scale, positions, causal, padded=True, scores=scores)
         rec.compute_time += rec.event("compute", start, kind="decode") - start
         rows = merge_partials(packed(out, lse), self.comm, merge, timeout, ring=self._ring_for(merge, timeout),
                               rec=rec)
         if draft is not None:  # the drafts among themselves: the same inputs and bits on every rank
             lse_merge(packed(*draft_partial(q, draft[0], draft[1], draft[2], scale)), rows)
         rec.wall_time = time.perf_counter() - start
-        return unpacked(rows, out.shape, q.dtype)
+        out, lse = unpacked(rows, out.shape, q.dtype)
+        return (out, lse) if scores is None else scores.finish(out, lse)
 
     def _like(self, q):
         """Stand-ins of this rank's cached k and v with their shapes (no data), for ``decode_agreement``."""
