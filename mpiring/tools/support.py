@@ -13,7 +13,7 @@ gives both). A cell works when every rank's result is within
 rounded to the dtype, or raises the same ValueError on every rank before any
 data moved (its ``Record`` stays empty); anything else is WRONG (exit code 1).
 
-The full product is 1,200 runs per strategy. The matrix (``matrix``) runs,
+The full product is 6,000 runs per strategy. The matrix (``matrix``) runs,
 per strategy, every option alone (the other axes at their ``DEFAULTS``);
 then the options that work alone, 5 at a time, in the rows of an orthogonal
 array of strength 2 (``covering``: every pair of them meets in a row); then
@@ -30,7 +30,8 @@ from typing import NamedTuple
 import numpy as np
 
 from mpiring.core.precision import INPUT_DTYPES, WIRE_DTYPES, named_dtype
-from mpiring.core.reference import definition_mask, dense_attention, dense_attention_backward
+from mpiring.core.reference import definition_mask, dense_attention, dense_attention_backward, scored_attention
+from mpiring.core.scores import alibi
 from mpiring.mpi.checks import verdict
 from mpiring.mpi.record import Record
 from mpiring.plans.layouts import LAYOUTS, shard_indices
@@ -49,8 +50,10 @@ AXES = {"assignment": LAYOUTS + ("positions", "kv_positions"),
         "mask": ("none", "causal", "window", "documents", "block-causal"),
         "heads": ("MHA", "GQA", "MQA"),  # K/V heads: as many as q's, half as many, one
         "dtype": INPUT_DTYPES,
-        "wire": ("none",) + WIRE_DTYPES}
-DEFAULTS = {"assignment": "contiguous", "mask": "none", "heads": "MHA", "dtype": "float32", "wire": "none"}
+        "wire": ("none",) + WIRE_DTYPES,
+        "score": ("none", "softcap", "alibi", "sinks", "dropout")}  # docs/masks.md's score modifiers
+DEFAULTS = {"assignment": "contiguous", "mask": "none", "heads": "MHA", "dtype": "float32", "wire": "none",
+            "score": "none"}
 PASSES = ("forward", "backward")
 
 
@@ -63,6 +66,7 @@ class Cell(NamedTuple):
     heads: str
     dtype: str
     wire: str
+    score: str
     pass_: str
 
 
@@ -183,9 +187,16 @@ def _inputs(P, heads, dtype):
     return arrays, [a.astype(np.float64) for a in arrays]
 
 
+def score_options(name, P):
+    """The ``ring_attention`` options of score modifier ``name`` at P ranks (docs/masks.md)."""
+    hq = sizes(P)[2]
+    return {"none": {}, "softcap": {"softcap": 2.0}, "alibi": {"bias": alibi(hq)},
+            "sinks": {"sinks": np.linspace(-1.0, 1.0, hq)}, "dropout": {"dropout": 0.25, "seed": 3}}[name]
+
+
 @functools.lru_cache(maxsize=None)
-def _reference(P, heads, dtype, mask, prefill):
-    """float64 ``(out, lse, dq, dk, dv)`` over the whole sequence; ``prefill``: only the queries of
+def _reference(P, heads, dtype, mask, prefill, score="none"):
+    """float64 ``(out, lse, dq, dk, dv[, dsinks])`` over the whole sequence; ``prefill``: only the queries of
     ``placement``'s kv_positions (the last S - S//2) count in dk, dv (dout is zero for the others)."""
     S = sizes(P)[0]
     q, k, v, dout = _inputs(P, heads, dtype)[1]
@@ -194,6 +205,10 @@ def _reference(P, heads, dtype, mask, prefill):
     rows = lambda a, b: allowed[a:b]  # noqa: E731
     if prefill:
         dout = np.where(pos[:, None] >= S // 2, dout, 0.0)
+    if score != "none":  # the scored reference, from the definitions (core.reference.scored_attention)
+        extra = score_options(score, P)
+        grads = scored_attention(q, k, v, allowed, dout=dout, **extra)
+        return scored_attention(q, k, v, allowed, **extra)[:2] + grads[:3] + grads[3:] * ("sinks" in extra)
     return dense_attention(q, k, v, None, rows) + dense_attention_backward(dout, q, k, v, None, rows)
 
 
@@ -263,18 +278,19 @@ def run_case(comm, case, backward=True, records=None, keep_going=False):
     """
     from mpiring import ring_attention, ring_attention_backward
 
-    strategy, assignment, mask, heads, dtype, wire = case
+    strategy, assignment, mask, heads, dtype, wire, score = case
     if "bfloat16" in (dtype, wire) and not _have_bfloat16():
         skipped = 'skipped: bfloat16 needs ml_dtypes (pip install -e ".[half]")'
         return {"forward": skipped, "backward": skipped}
     P, rank = comm.Get_size(), comm.Get_rank()
     mine, kv, held = placement(P, rank, assignment)
     wire = None if wire == "none" else wire
-    options = dict(strategies(P)[strategy], **mask_options(mask, sizes(P)[0]), **held, wire_dtype=wire)
+    options = dict(strategies(P)[strategy], **mask_options(mask, sizes(P)[0]), **held, wire_dtype=wire,
+                   **score_options(score, P))
     arrays = _inputs(P, heads, dtype)[0]
     q, dout = (np.ascontiguousarray(a[..., mine, :]) for a in (arrays[0], arrays[3]))
     k, v = (np.ascontiguousarray(a[..., kv, :]) for a in arrays[1:3])
-    ref = _reference(P, heads, dtype, mask, assignment == "kv_positions")
+    ref = _reference(P, heads, dtype, mask, assignment == "kv_positions", score)
     kind = named_dtype(dtype)
     lse_kind = np.float32 if kind.itemsize == 2 else kind  # half inputs: lse in float32
     fwd, bwd = records or (Record(rank), Record(rank))
@@ -290,8 +306,11 @@ def run_case(comm, case, backward=True, records=None, keep_going=False):
         options.pop("rotate", None)  # the backward has no pass-Q: K/V travel
 
         def backward_errors(grads):
-            return [(name, g, r[..., rows, :], run_tolerance(kind, wire), kind)
-                    for name, g, r, rows in zip(("dq", "dk", "dv"), grads, ref[2:], (mine, kv, kv))]
+            found = [(name, g, r[..., rows, :], run_tolerance(kind, wire), kind)
+                     for name, g, r, rows in zip(("dq", "dk", "dv"), grads, ref[2:], (mine, kv, kv))]
+            if len(ref) > 5 or len(grads) > 3:  # sinks: their gradient, summed over every rank's rows
+                found.append(("dsinks", grads[3], ref[5], run_tolerance(kind, wire), np.float64))
+            return found
 
         verdicts["backward"] = _verdict(comm, lambda: ring_attention_backward(dout, q, k, v, *result, comm,
                                                                               record=bwd, **options),
