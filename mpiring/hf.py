@@ -70,6 +70,12 @@ def attention(module, query, key, value, attention_mask, *, scaling=None, dropou
     if mpiring is None:
         raise ValueError('attn_implementation="mpiring" needs its context at every call: run the model as '
                          "model(**batch.inputs) with batch = ContextParallel.shard(...) (the mpiring= keyword)")
+    for name in ("cu_seq_lens_q", "cu_seq_lens_k"):  # flash-attn's packed documents: shard(documents=) says them
+        given = kwargs.get(name)
+        if given is not None and [int(e) for e in given] != list(mpiring.cu_seqlens or (0, mpiring.seq_len)):
+            raise ValueError(f"{name}={[int(e) for e in given]} differs from the documents given to shard() "
+                             f"({None if mpiring.cu_seqlens is None else list(mpiring.cu_seqlens)}): give the "
+                             f"document boundaries (global positions) to ContextParallel.shard(documents=)")
     return mpiring.attend(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                           is_causal=is_causal, sliding_window=sliding_window, softcap=softcap, s_aux=s_aux)
 

@@ -157,6 +157,8 @@ def test_unsupported_arguments_name_themselves(comm):
         with pytest.raises(ValueError, match="attention_mask: padded batches are not supported"):
             model(**batch.inputs, attention_mask=mask)
         model(**batch.inputs, attention_mask=torch.ones_like(mask))  # no padding: served
+        with pytest.raises(ValueError, match=r"cu_seq_lens_q=\[0, 2, \d+\] differs from the documents given"):
+            model(**batch.inputs, cu_seq_lens_q=torch.tensor([0, 2, 4 * comm.size]))
         with pytest.raises(ValueError, match="needs its context at every call"):
             model(input_ids=batch.input_ids)
         dropping = _model("llama", "mpiring")
