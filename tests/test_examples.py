@@ -54,23 +54,3 @@ def test_train_gpt_matches_single_process(P):
         assert float(loss) <= 1e-10 and float(params) <= 1e-9
     assert job.stdout.rstrip().endswith("VERIFIED: context-parallel training matches single-process training")
 
-
-try:
-    import transformers  # noqa: F401
-
-    HAVE_TRANSFORMERS = HAVE_TORCH
-except ImportError:
-    HAVE_TRANSFORMERS = False
-
-
-@pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="needs torch and transformers (pip install -e '.[hf]')")
-@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
-@pytest.mark.parametrize("P", [1, 2, 3, 4])
-def test_train_hf_matches_single_process(P):
-    """examples/train_hf.py at P ranks (a Llama, packed documents, float64): losses and parameters equal those
-    trained in one process with transformers' SDPA to 1e-10."""
-    job = subprocess.run(mpiexec_argv(P, sys.executable, os.path.join(ROOT, "examples", "train_hf.py")),
-                         capture_output=True, text=True, env=clean_env(), timeout=300, cwd=ROOT)
-    assert job.returncode == 0, job.stdout + job.stderr
-    loss, params = re.search(r"loss (\S+), parameters (\S+)$", job.stdout.strip()).groups()
-    assert float(loss) <= 1e-10 and float(params) <= 1e-10, job.stdout

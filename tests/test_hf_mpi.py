@@ -11,6 +11,10 @@ built yet raise an error naming transformers' argument: ``NEEDS`` says which.
 
 import copy
 import dataclasses
+import os
+import re
+import runpy
+import sys
 
 import numpy as np
 import pytest
@@ -182,3 +186,15 @@ def test_bfloat16_model_runs_in_its_dtype(comm):
         assert all(p.grad.dtype == torch.bfloat16 for p in half.parameters())
         # a whole model in bfloat16 (not only attention): 2^-8 per rounding, a few layers deep
         torch.testing.assert_close(logits[1].double(), logits[0].detach(), atol=5e-2, rtol=5e-2)
+
+
+def test_train_hf_example_matches_one_process(comm, capsys, monkeypatch):
+    """examples/train_hf.py, run in this job's ranks (COMM_WORLD, as mpiexec gives it): rank 0 prints losses and
+    parameters within 1e-10 of the same Llama trained in one process with transformers' SDPA."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "train_hf.py")
+    monkeypatch.setattr(sys, "argv", [path])
+    runpy.run_path(path, run_name="__main__")
+    printed = capsys.readouterr().out.strip()
+    if comm.rank == 0:
+        loss, params = re.search(r"loss (\S+), parameters (\S+)$", printed).groups()
+        assert float(loss) <= 1e-10 and float(params) <= 1e-10, printed
