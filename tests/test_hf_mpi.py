@@ -50,10 +50,13 @@ S, DOCS, STEPS = 24, [0, 7, 16, 24], 3
 REFERENCE = "float64 reference"
 
 
-def reference_attention(module, query, key, value, attention_mask, *, scaling, sliding_window=None, **kwargs):
+def reference_attention(module, query, key, value, attention_mask, *, scaling, sliding_window=None, softcap=None,
+                        s_aux=None, **kwargs):
     """Dense float64 softmax attention over the whole packed sequence, the mask from transformers' definitions:
-    key j visible to query i iff both are in one of DOCS, j <= i, and j > i - sliding_window (a window layer)."""
-    assert attention_mask is None and not kwargs.get("softcap") and kwargs.get("s_aux") is None
+    key j visible to query i iff both are in one of DOCS, j <= i, and j > i - sliding_window (a window layer);
+    logits soft-capped as c * tanh(s / c) (``softcap``); a sink logit per head joining each softmax's
+    denominator only (``s_aux``, as gpt-oss's eager attention)."""
+    assert attention_mask is None
     i, j = torch.arange(query.shape[-2])[:, None], torch.arange(key.shape[-2])[None, :]
     doc = torch.as_tensor(np.searchsorted(DOCS, np.arange(key.shape[-2]), side="right"))
     visible = (doc[:, None] == doc[None, :]) & (j <= i)
@@ -61,8 +64,16 @@ def reference_attention(module, query, key, value, attention_mask, *, scaling, s
         visible &= j > i - sliding_window
     g = query.shape[1] // key.shape[1]
     key, value = (t.repeat_interleave(g, dim=1) for t in (key, value))
-    scores = (query @ key.transpose(-1, -2) * scaling).masked_fill(~visible, float("-inf"))
-    return (torch.softmax(scores, -1) @ value).transpose(1, 2).contiguous(), None
+    scores = query @ key.transpose(-1, -2) * scaling
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if s_aux is not None:
+        sink = s_aux.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, -1)
+    return (probs @ value).transpose(1, 2).contiguous(), None
 
 
 transformers.AttentionInterface.register(REFERENCE, reference_attention)
@@ -77,8 +88,9 @@ def _model(name, attn):
     cls, config, extra = MODELS[name]
     config = getattr(transformers, config)(**SMALL, **extra)
     torch.manual_seed(0)  # the same initial parameters on every rank and in the reference
+    # experts "eager": the grouped GEMM of gpt-oss's mixture of experts takes no float64
     return getattr(transformers, cls)._from_config(copy.deepcopy(config), attn_implementation=attn,
-                                                   dtype=torch.float64)
+                                                   experts_implementation="eager", dtype=torch.float64)
 
 
 def _train(model, cp, ids):
