@@ -4,9 +4,9 @@
 
 Every rank runs forward, backward and the gradient all-reduce on its shard under
 mpiring.hf (one torch thread each); then rank 0 runs the same step on the whole
-sequence in one process with transformers' SDPA and as many torch threads as there
-are ranks (the same cores; the other ranks wait asleep). Each figure is the fastest of --repeat steps, after one
-warm-up step. Prints the machine line (CPU, vector extensions) first.
+sequence in one process with transformers' SDPA, with as many torch threads as there
+are ranks (the same cores; the other ranks wait asleep), then with one. Each figure
+is the fastest of --repeat steps, after one warm-up step. Prints the machine line (CPU, vector extensions) first.
 """
 
 import argparse
@@ -57,11 +57,14 @@ with mpiring.hf.ContextParallel(comm, layout="zigzag") as cp:
         torch.set_num_threads(1)
         ring = fastest(cp, "mpiring", ids, comm)
         if comm.rank == 0:
-            torch.set_num_threads(comm.size)
-            with mpiring.hf.ContextParallel(MPI.COMM_SELF, layout="contiguous") as one:
-                alone = fastest(one, "sdpa", ids, MPI.COMM_SELF)
-            print(f"S={S} {args.dtype} P={comm.size}: context-parallel step {ring:.3f} s, one process with "
-                  f"{comm.size} threads {alone:.3f} s ({ring / alone:.2f}x)", flush=True)
+            alone = {}
+            for threads in sorted({comm.size, 1}, reverse=True):
+                torch.set_num_threads(threads)
+                with mpiring.hf.ContextParallel(MPI.COMM_SELF, layout="contiguous") as one:
+                    alone[threads] = fastest(one, "sdpa", ids, MPI.COMM_SELF)
+            print(f"S={S} {args.dtype} P={comm.size}: context-parallel step {ring:.3f} s; one process "
+                  + ", ".join(f"{t} thread{'s' * (t > 1)} {a:.3f} s ({ring / a:.2f}x)" for t, a in alone.items()),
+                  flush=True)
         done = comm.Ibarrier()  # the other ranks wait asleep, leaving rank 0's threads their cores
         while not done.Test():
             time.sleep(0.01)
