@@ -24,6 +24,7 @@ varying lengths never rebuilds one it has (the oldest is closed beyond
 """
 
 import dataclasses
+import inspect
 from collections import OrderedDict
 
 import numpy as np
@@ -35,15 +36,22 @@ from .mpi.agree import check_comm
 from .plans.layouts import shard_indices
 from .plans.spec import Spec
 
-__all__ = ["ContextParallel", "Batch", "register", "NAME"]
+__all__ = ["ContextParallel", "Batch", "register", "supported", "NAME"]
 
 NAME = "mpiring"
 IGNORE = -100  # transformers' ignore_index
 
 
-def _has(option):
-    """Whether mpiring's ``Spec`` has the field ``option`` (features built in other branches: softcap, sinks)."""
-    return option in {f.name for f in dataclasses.fields(Spec)}
+def supported(argument):
+    """Whether this mpiring maps transformers' ``argument``: "softcap" needs a ``Spec`` field softcap (a Ring
+    option); "s_aux" (sinks, trained parameters) needs a Spec field sinks and a ``sinks`` tensor parameter of
+    ``mpiring.torch.ring_attention`` (its gradient, dsinks, flows back to the model)."""
+    fields = {f.name for f in dataclasses.fields(Spec)}
+    if argument == "softcap":
+        return "softcap" in fields
+    if argument == "s_aux":
+        return "sinks" in fields and "sinks" in inspect.signature(mpiring_torch.ring_attention).parameters
+    raise ValueError(f"no such argument: {argument!r}")
 
 
 def padding_mask(*args, attention_mask=None, **kwargs):
@@ -118,15 +126,15 @@ class _Call:
                                  f"causal sliding windows only")
             options["window"] = (int(sliding_window) - 1, 0)
         if softcap is not None:
-            if not _has("softcap"):
+            if not supported("softcap"):
                 raise NotImplementedError(f"softcap={softcap} (attention logit soft-capping, as Gemma2's "
                                           f"attn_logit_softcapping): mpiring has no softcap option yet")
             options["softcap"] = float(softcap)
         call = {}
         if s_aux is not None:
-            if not _has("sinks"):
-                raise NotImplementedError("s_aux (attention sinks, per-head logits as gpt-oss's): mpiring has no "
-                                          "sinks option yet")
+            if not supported("s_aux"):
+                raise NotImplementedError("s_aux (attention sinks, per-head logits as gpt-oss's, trained): "
+                                          "mpiring.torch has no trainable sinks yet")
             call["sinks"] = s_aux
         ring = self.cp.ring(self.seq_len, self.cu_seqlens, options)
         out = mpiring_torch.ring_attention(query, key, value, ring, **call)

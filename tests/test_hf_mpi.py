@@ -10,7 +10,6 @@ built yet raise an error naming transformers' argument: ``NEEDS`` says which.
 """
 
 import copy
-import dataclasses
 import os
 import re
 import runpy
@@ -42,7 +41,7 @@ MODELS = {  # name: (model class, config), all with grouped-query attention
 }
 # the mpiring option each model needs that may not be built, and the error it raises until it is
 NEEDS = {"gemma2 softcap": ("softcap", NotImplementedError, "softcap=50.0 .attention logit soft-capping"),
-         "gpt-oss sinks": ("sinks", NotImplementedError, "s_aux .attention sinks")}
+         "gpt-oss sinks": ("s_aux", NotImplementedError, "s_aux .attention sinks")}
 # Gemma2's RMSNorm computes in float32 (x.float()) even in a float64 model: attention's last-bit differences
 # may round its inputs differently there, so its float64 runs agree to float32's rounding, not 1e-10
 TOLERANCE = {"gemma2 alternating windows": 1e-6, "gemma2 softcap": 1e-6}
@@ -80,10 +79,6 @@ transformers.AttentionInterface.register(REFERENCE, reference_attention)
 transformers.masking_utils.AttentionMaskInterface.register(REFERENCE, lambda *args, **kwargs: None)
 
 
-def _built(option):
-    return option in {f.name for f in dataclasses.fields(mpiring.Spec)}
-
-
 def _model(name, attn):
     cls, config, extra = MODELS[name]
     config = getattr(transformers, config)(**SMALL, **extra)
@@ -116,7 +111,7 @@ def test_model_trains_as_in_one_process(comm, name):
     torch.set_num_threads(1)
     ids = torch.randint(0, SMALL["vocab_size"], (2, S), generator=torch.Generator().manual_seed(1))
     need = NEEDS.get(name)
-    if need and not _built(need[0]):  # flip: once mpiring has the option, the model is verified as the others
+    if need and not mpiring.hf.supported(need[0]):  # once mpiring has the option: verified as the others
         with mpiring.hf.ContextParallel(comm) as cp, pytest.raises(need[1], match=need[2]):
             _train(_model(name, "mpiring"), cp, ids)
         return
