@@ -53,6 +53,8 @@ def _same(name, given, held, q):
     """Whether a call's ``given`` value of option ``name`` is the Ring's ``held`` one, for arrays like ``q``."""
     if name == "scale":  # effective scales, the default resolved for q's head dim: exactly equal
         dim = q.shape[-1]
+        if held is None and given is not None:  # the default spelled 1/sqrt(dim) or dim ** -0.5 (transformers'):
+            return float(given) in (default_scale(dim), dim ** -0.5)  # the two differ in the last bit for 8, 32, 128
         return (default_scale(dim) if given is None else float(given)) == (
             default_scale(dim) if held is None else float(held))
     if name == "window":

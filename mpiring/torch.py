@@ -7,8 +7,11 @@
 
 Tensors and NumPy arrays share memory both ways (``Tensor.numpy()``,
 ``torch.from_numpy``): nothing is copied on the way in or out, except what
-the ring copies anyway to make a strided input contiguous. float16, float32
-and float64 tensors on the CPU (bfloat16 has no NumPy dtype). Every rank must run the same graph: the backward of each
+the ring copies anyway to make a strided input contiguous. bfloat16, float16,
+float32 and float64 tensors on the CPU (bfloat16 shares its memory as
+``ml_dtypes.bfloat16``, the ``half`` extra). Half inputs compute their tiles
+in float32 as the NumPy path does: out and the gradients come back in the
+input dtype, lse in float32. Every rank must run the same graph: the backward of each
 attention call is collective, as its forward is.
 """
 
@@ -17,13 +20,14 @@ import inspect
 import numpy as np
 import torch
 
+from .core.precision import named_dtype
 from .handle import ring_attention as _ring_attention
 from .handle import ring_attention_backward as _ring_attention_backward
 from .options import foreign_problem
 
 __all__ = ["ring_attention", "DTYPES"]
 
-DTYPES = (torch.float16, torch.float32, torch.float64)  # what NumPy shares: bfloat16 has no NumPy dtype
+DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # bfloat16 through ml_dtypes
 FUNCTION_OPTIONS = set(inspect.signature(_ring_attention).parameters) - {"q", "k", "v", "problem"}
 BACKWARD_OPTIONS = set(inspect.signature(_ring_attention_backward).parameters)
 
@@ -35,9 +39,22 @@ def _numpy(t, name):
     if t.device.type != "cpu":
         return None, f"{name} is on {t.device}: mpiring computes on the CPU; move it with .cpu() first"
     if t.dtype not in DTYPES:
-        return None, (f"{name} is {t.dtype}: mpiring.torch takes float16, float32 and float64 CPU tensors "
-                      f"(bfloat16 has no NumPy dtype to share its memory); convert it with .float() or .double()")
+        return None, (f"{name} is {t.dtype}: mpiring.torch takes bfloat16, float16, float32 and float64 CPU "
+                      f"tensors; convert it with .float() or .double()")
+    if t.dtype == torch.bfloat16:  # the same memory, seen as ml_dtypes' bfloat16
+        try:
+            return t.detach().view(torch.int16).numpy().view(named_dtype("bfloat16")), None
+        except ValueError as exc:  # ml_dtypes is not installed
+            return None, f"{name} is torch.bfloat16: {exc}"
     return t.detach().numpy(), None
+
+
+def _tensor(a):
+    """A NumPy array as a tensor sharing its memory (ml_dtypes' bfloat16 as torch.bfloat16)."""
+    a = np.asarray(a)
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
 
 
 def _arrays(tensors, names):
@@ -56,11 +73,11 @@ class _RingAttention(torch.autograd.Function):
             out, lse = ring.forward(*arrays, problem=problem, **options)
         else:
             out, lse = _ring_attention(*arrays, problem=problem, **options)
-        out_t = torch.from_numpy(out)
+        out_t = _tensor(out)
         ctx.save_for_backward(q, k, v, out_t)
         ctx.ring, ctx.options, ctx.lse = ring, options, lse  # lse as returned: it carries the forward's options
         ctx.set_materialize_grads(False)
-        return out_t, torch.from_numpy(np.asarray(lse))
+        return out_t, _tensor(lse)
 
     @staticmethod
     def backward(ctx, dout, dlse):
@@ -73,7 +90,7 @@ class _RingAttention(torch.autograd.Function):
         else:
             options = {name: value for name, value in ctx.options.items() if name in BACKWARD_OPTIONS}
             grads = _ring_attention_backward(*arrays, ctx.lse, dlse=dlse, problem=problem or found, **options)
-        return (*(torch.from_numpy(g) for g in grads), None, None, None)
+        return (*(_tensor(g) for g in grads), None, None, None)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring=None, *, return_lse: bool = False,
@@ -86,7 +103,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring=None,
     differing one raises ValueError on every rank. Or ``ring`` None, and
     ``options`` are those of ``mpiring.ring_attention`` (``comm``, ``causal``,
     ``layout``, ...), agreed at every call. An option mpiring does not have
-    (``attn_mask``, ``dropout_p``, ...) or a tensor it cannot take (bfloat16,
+    (``attn_mask``, ``dropout_p``, ...) or a tensor it cannot take (integer,
     on a GPU) raises ValueError on every rank, saying what is supported.
     Returns ``out``, or ``(out, lse)`` with ``return_lse=True``; gradients
     flow through both (lse's enters the backward as ``delta - dlse``).

@@ -53,3 +53,4 @@ def test_train_gpt_matches_single_process(P):
     for loss, params in re.findall(r"loss relative error (\S+) .* parameters max error (\S+) ", job.stdout):
         assert float(loss) <= 1e-10 and float(params) <= 1e-9
     assert job.stdout.rstrip().endswith("VERIFIED: context-parallel training matches single-process training")
+

@@ -3,6 +3,7 @@
     mpiexec -n 3 python -m pytest --with-mpi -m mpi -q tests/test_torch_mpi.py
 """
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="the PyTorch adapter needs torch (pip install -e '.[torch]')")
@@ -57,6 +58,32 @@ def test_autograd_matches_torch(comm, use_ring, dtype):
         torch.testing.assert_close(got.double(), leaf.grad[..., mine, :], atol=10 * tol, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_tensors_in_their_own_dtype(comm, dtype):
+    """bfloat16 and float16 tensors need no upcast: out and gradients come back in their dtype, within the
+    tolerance table's half-precision entry of the float64 reference (on the inputs as rounded to the dtype)."""
+    from mpiring.testing import tolerance
+
+    S, layout = 6 * comm.size + 2, "contiguous"
+    gen = torch.Generator().manual_seed(5)
+    Q, K, V, W = (torch.randn(1, 2, S, 8, generator=gen).to(dtype).double() for _ in range(4))
+    mask = torch.from_numpy(dense_mask(S, causal=True))
+    leaves = [t.clone().requires_grad_() for t in (Q, K, V)]
+    out_ref, _ = _reference(*leaves, mask, 8 ** -0.5)
+    (W * out_ref).sum().backward()
+    mine = mpiring.shard_indices(S, comm.size, comm.rank, layout)
+    q, k, v = (t[..., mine, :].to(dtype).requires_grad_() for t in (Q, K, V))
+    with mpiring.Ring(comm, S, causal=True, layout=layout) as ring:
+        out = mpiring.torch.ring_attention(q, k, v, ring, scale=8 ** -0.5)
+        (W[..., mine, :].to(dtype) * out).sum().backward()
+    tol = tolerance("bfloat16" if dtype == torch.bfloat16 else np.float16)
+    assert out.dtype == dtype and all(t.grad.dtype == dtype for t in (q, k, v))
+    torch.testing.assert_close(out.double(), out_ref[..., mine, :].detach(), atol=tol, rtol=0)
+    for got, leaf in zip((q.grad, k.grad, v.grad), leaves):  # gradients: relative to max(1, max |reference|)
+        want = leaf.grad[..., mine, :]
+        torch.testing.assert_close(got.double(), want, atol=tol * max(1.0, float(want.abs().max())), rtol=0)
+
+
 def test_shares_memory_and_bshd(comm):
     """(B, S, H, D) tensors work through seq_axis=-3; options go to the Ring, not to each call."""
     S = 4 * comm.size
@@ -103,12 +130,12 @@ def test_unsupported_arguments_and_dtypes_say_what_is_supported(comm, use_ring):
         f"{where}")
     with pytest.raises(ValueError, match="dropout_p is not an option of mpiring .mpiring's name is dropout"):
         mpiring.torch.ring_attention(x, x, x, ring, dropout_p=0.1, **options)
-    b = x.to(torch.bfloat16)
+    b = x.to(torch.int32)
     with pytest.raises(ValueError) as raised:
         mpiring.torch.ring_attention(b, b, b, ring, **options)
     assert str(raised.value) == (
-        f"{_ranks(comm)}: q is torch.bfloat16: mpiring.torch takes float16, float32 and float64 CPU tensors "
-        f"(bfloat16 has no NumPy dtype to share its memory); convert it with .float() or .double()")
+        f"{_ranks(comm)}: q is torch.int32: mpiring.torch takes bfloat16, float16, float32 and float64 CPU "
+        f"tensors; convert it with .float() or .double()")
     out = mpiring.torch.ring_attention(x, x, x, ring, **options)  # nothing was left behind: the next call works
     assert out.shape == x.shape
     if ring is not None:

@@ -119,6 +119,8 @@ def test_a_call_repeating_the_rings_options_is_served_a_differing_one_refused(co
         out, _ = ring.forward(q, k, v)
         same, _ = ring.forward(q, k, v, scale=1 / np.sqrt(8), causal=True, seq_axis=-3, layout="contiguous")
         np.testing.assert_array_equal(out, same)
+        assert 8 ** -0.5 != 1 / np.sqrt(8)  # transformers' spelling of the default: served as the default
+        np.testing.assert_array_equal(ring.forward(q, k, v, scale=8 ** -0.5)[0], out)
         ranks = ranks_text(range(comm.size))
         with pytest.raises(ValueError) as raised:  # transformers' scaling, another than the Ring's default
             ring.forward(q, k, v, scale=0.5)

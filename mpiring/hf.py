@@ -1,0 +1,250 @@
+"""mpiring as a Hugging Face transformers attention implementation, and the rest of a context-parallel step.
+
+    mpiexec -n 4 python examples/train_hf.py
+
+    cp = mpiring.hf.ContextParallel(comm, layout="zigzag")      # registers attn_implementation "mpiring"
+    model = LlamaForCausalLM._from_config(config, attn_implementation="mpiring")
+    batch = cp.shard(input_ids, documents=[0, 300, 512])       # this rank's tokens, positions, shifted labels
+    logits = model(**batch.inputs).logits                        # the ring runs inside every attention layer
+    loss = cp.loss(logits, batch)                                # this rank's share of the global token mean
+    loss.backward()                                              # the backward rings run here
+    cp.all_reduce_gradients(model)                               # summed over ranks: the whole batch's gradient
+
+Every rank holds the whole batch (``input_ids`` of shape ``(B, S)``) and
+keeps its own tokens; the labels are shifted on the whole sequence before
+sharding (a document's last token predicts nothing). The attention function
+reads what transformers passes (``scaling``, ``is_causal``,
+``sliding_window``, ``softcap``, ``s_aux`` (sinks), ``dropout``, the attention
+mask) and maps each to mpiring's options, or raises naming the argument. No
+module state: the ``ContextParallel`` object travels with each call as the
+``mpiring=`` keyword of ``batch.inputs``, and keeps the ``Ring`` handles, one
+per (sequence length, documents, scale, causal, window), so a loop over
+varying lengths never rebuilds one it has (the oldest is closed beyond
+``max_rings``).
+"""
+
+import dataclasses
+import inspect
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from . import torch as mpiring_torch
+from .handle import Ring
+from .mpi.agree import check_comm
+from .plans.layouts import shard_indices
+from .plans.spec import Spec
+
+__all__ = ["ContextParallel", "Batch", "register", "supported", "NAME"]
+
+NAME = "mpiring"
+IGNORE = -100  # transformers' ignore_index
+
+
+def supported(argument):
+    """Whether this mpiring maps transformers' ``argument``: "softcap" needs a ``Spec`` field softcap (a Ring
+    option); "s_aux" (sinks, trained parameters) needs a Spec field sinks and a ``sinks`` tensor parameter of
+    ``mpiring.torch.ring_attention`` (its gradient, dsinks, flows back to the model)."""
+    fields = {f.name for f in dataclasses.fields(Spec)}
+    if argument == "softcap":
+        return "softcap" in fields
+    if argument == "s_aux":
+        return "sinks" in fields and "sinks" in inspect.signature(mpiring_torch.ring_attention).parameters
+    raise ValueError(f"no such argument: {argument!r}")
+
+
+def padding_mask(*args, attention_mask=None, **kwargs):
+    """transformers' mask function for ``attn_implementation="mpiring"``: nothing to build (mpiring makes its
+    masks from the options), but a padding mask is handed on, so the attention refuses it instead of ignoring it."""
+    if attention_mask is None or (attention_mask.dtype == torch.bool and bool(attention_mask.all())):
+        return None
+    return attention_mask
+
+
+def register(name: str = NAME):
+    """Register ``attention`` (and ``padding_mask``) with transformers under ``name``; repeating it is harmless."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, padding_mask)
+
+
+def attention(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0, is_causal=None,
+              sliding_window=None, softcap=None, s_aux=None, mpiring=None, **kwargs):
+    """The attention function transformers calls: ``query`` ``(B, Hq, n, D)``, key and value ``(B, Hk, n, D)``
+    (this rank's n tokens), returns ``((B, n, Hq, D), None)``."""
+    if mpiring is None:
+        raise ValueError('attn_implementation="mpiring" needs its context at every call: run the model as '
+                         "model(**batch.inputs) with batch = ContextParallel.shard(...) (the mpiring= keyword)")
+    for name in ("cu_seq_lens_q", "cu_seq_lens_k"):  # flash-attn's packed documents: shard(documents=) says them
+        given = kwargs.get(name)
+        if given is not None and [int(e) for e in given] != list(mpiring.cu_seqlens or (0, mpiring.seq_len)):
+            raise ValueError(f"{name}={[int(e) for e in given]} differs from the documents given to shard() "
+                             f"({None if mpiring.cu_seqlens is None else list(mpiring.cu_seqlens)}): give the "
+                             f"document boundaries (global positions) to ContextParallel.shard(documents=)")
+    return mpiring.attend(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                          is_causal=is_causal, sliding_window=sliding_window, softcap=softcap, s_aux=s_aux)
+
+
+@dataclasses.dataclass
+class Batch:
+    """This rank's part of a batch: ``inputs`` go to the model (``model(**batch.inputs)``), the rest to the loss."""
+
+    input_ids: torch.Tensor  # (B, n): this rank's tokens
+    position_ids: torch.Tensor  # (B, n): global positions, or restarting in every document
+    shift_labels: torch.Tensor  # (B, n): the next token of each, shifted on the whole sequence; -100: none
+    positions: np.ndarray  # (n,): this rank's global token positions (mpiring.shard_indices)
+    tokens: int  # labelled tokens of the whole batch (the loss's denominator), the same on every rank
+    inputs: dict  # input_ids, position_ids, use_cache=False and mpiring= (this call's context)
+
+
+class _Call:
+    """One forward's context: the sequence it belongs to; attention layers get their Ring from it."""
+
+    def __init__(self, cp, seq_len, cu_seqlens):
+        self.cp, self.seq_len, self.cu_seqlens = cp, seq_len, cu_seqlens
+
+    def attend(self, module, query, key, value, attention_mask, *, scaling, dropout, is_causal, sliding_window,
+               softcap, s_aux):
+        if attention_mask is not None:
+            raise ValueError("attention_mask: padded batches are not supported by mpiring's attention (a padding "
+                             "mask would be ignored); pack the rows into one and pass documents= to shard(), or "
+                             "drop the padding (right padding in a causal model: labels -100 on the padding)")
+        if dropout:
+            raise ValueError(f"dropout={dropout}: attention dropout is not supported by mpiring; build the model "
+                             f"with attention_dropout=0.0")
+        if query.shape[-2] != key.shape[-2]:
+            raise ValueError(f"key holds {key.shape[-2]} tokens, the queries {query.shape[-2]}: a cache "
+                             f"(past_key_values) is not supported in training; run the model with use_cache=False")
+        causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+        options = {"causal": causal, "scale": None if scaling is None else float(scaling)}
+        if sliding_window is not None:  # transformers: key j visible iff j > i - sliding_window (and j <= i)
+            if not causal:
+                raise ValueError(f"sliding_window={sliding_window} without is_causal: mpiring maps transformers' "
+                                 f"causal sliding windows only")
+            options["window"] = (int(sliding_window) - 1, 0)
+        if softcap is not None:
+            if not supported("softcap"):
+                raise NotImplementedError(f"softcap={softcap} (attention logit soft-capping, as Gemma2's "
+                                          f"attn_logit_softcapping): mpiring has no softcap option yet")
+            options["softcap"] = float(softcap)
+        call = {}
+        if s_aux is not None:
+            if not supported("s_aux"):
+                raise NotImplementedError("s_aux (attention sinks, per-head logits as gpt-oss's, trained): "
+                                          "mpiring.torch has no trainable sinks yet")
+            call["sinks"] = s_aux
+        ring = self.cp.ring(self.seq_len, self.cu_seqlens, options)
+        out = mpiring_torch.ring_attention(query, key, value, ring, **call)
+        return out.transpose(1, 2).contiguous(), None
+
+
+class ContextParallel:
+    """Context parallelism for transformers models over ``comm``: every rank one device, one shard of each sequence.
+
+    Args:
+        comm: an mpi4py communicator (default COMM_WORLD).
+        layout: which tokens each rank holds ("zigzag", "contiguous", "striped"; ``mpiring.shard_indices``).
+        name: the ``attn_implementation`` to register ("mpiring").
+        max_rings: Ring handles kept (one per sequence length, documents and attention options).
+        ring_options: more options for every Ring (``mode=``, ``timeout=``, ``threads=``, ``wire_dtype=``, ...).
+    """
+
+    def __init__(self, comm=None, *, layout: str = "zigzag", name: str = NAME, max_rings: int = 8, **ring_options):
+        self.comm, self.layout, self.name = check_comm(comm), layout, name
+        self.max_rings, self.ring_options = max_rings, ring_options
+        self._rings = OrderedDict()
+        register(name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        """Close every Ring handle kept."""
+        while self._rings:
+            self._rings.popitem(last=False)[1].close()
+
+    def ring(self, seq_len, cu_seqlens, options):
+        """The Ring for a sequence of ``seq_len`` tokens with these documents and attention options (built on
+        first use, collectively: every rank runs the same layers in the same order)."""
+        key = (seq_len, cu_seqlens, tuple(sorted(options.items())))
+        if key in self._rings:
+            self._rings.move_to_end(key)
+            return self._rings[key]
+        if len(self._rings) >= self.max_rings:
+            self._rings.popitem(last=False)[1].close()
+        self._rings[key] = Ring(self.comm, seq_len, layout=self.layout, seq_axis="bhsd", **options,
+                                cu_seqlens=None if cu_seqlens is None else list(cu_seqlens), **self.ring_options)
+        return self._rings[key]
+
+    def shard(self, input_ids, labels=None, *, documents=None, position_ids: str = "auto") -> Batch:
+        """This rank's part of the whole batch ``input_ids`` ``(B, S)`` (the same on every rank).
+
+        ``labels``: ``(B, S)``, default ``input_ids``; -100 marks tokens that are no target. They are shifted on
+        the whole sequence (token t's target is label t + 1), then sharded. ``documents``: packed documents,
+        ``[0, e1, ..., S]``: attention never crosses a boundary and a document's last token has no target.
+        ``position_ids``: "global" (0..S-1), "document" (restarting at every document), or "auto": "document"
+        when documents are given.
+        """
+        input_ids = torch.as_tensor(input_ids)
+        labels = input_ids if labels is None else torch.as_tensor(labels)
+        if input_ids.ndim != 2 or labels.shape != input_ids.shape:
+            raise ValueError(f"input_ids must be (batch, seq) and labels the same shape, got "
+                             f"{tuple(input_ids.shape)} and {tuple(labels.shape)}")
+        S = input_ids.shape[1]
+        shifted = torch.full_like(labels, IGNORE)
+        shifted[:, :-1] = labels[:, 1:]
+        starts = np.zeros(1, np.int64)
+        cu = None
+        if documents is not None:
+            cu = tuple(int(e) for e in documents)
+            if len(cu) < 2 or cu[0] != 0 or cu[-1] != S or any(b <= a for a, b in zip(cu, cu[1:])):
+                raise ValueError(f"documents must rise strictly from 0 to the sequence length {S}, got {list(cu)}")
+            shifted[:, np.asarray(cu[1:]) - 1] = IGNORE  # a document's last token predicts nothing of the next
+            starts = np.asarray(cu[:-1])
+        kind = ("document" if cu is not None else "global") if position_ids == "auto" else position_ids
+        if kind not in ("global", "document"):
+            raise ValueError(f'position_ids must be "global", "document" or "auto", got {position_ids!r}')
+        mine = shard_indices(S, self.comm.Get_size(), self.comm.Get_rank(), self.layout)
+        pos = mine - (starts[np.searchsorted(starts, mine, side="right") - 1] if kind == "document" else 0)
+        rows = torch.as_tensor(mine)
+        ids = input_ids[:, rows]
+        pos = torch.as_tensor(pos).expand(ids.shape[0], -1)
+        inputs = {"input_ids": ids, "position_ids": pos, "use_cache": False, "mpiring": _Call(self, S, cu)}
+        return Batch(ids, pos, shifted[:, rows], mine, int((shifted != IGNORE).sum()), inputs)
+
+    @staticmethod
+    def loss(logits, batch: Batch):
+        """This rank's share of the batch's mean cross-entropy (its tokens' sum over the global count), in the
+        logits' dtype: the shares add up to the single-process loss (``reduce``), their gradients to its."""
+        return torch.nn.functional.cross_entropy(logits.flatten(0, -2), batch.shift_labels.flatten(),
+                                                 ignore_index=IGNORE, reduction="sum") / max(batch.tokens, 1)
+
+    def reduce(self, loss) -> float:
+        """The sum over ranks of each rank's ``loss`` share: the batch's loss, the same on every rank."""
+        from mpi4py import MPI
+
+        return self.comm.allreduce(float(loss.detach() if torch.is_tensor(loss) else loss), op=MPI.SUM)
+
+    def all_reduce_gradients(self, model):
+        """Sum every parameter's gradient over the ranks, in place (one Allreduce per dtype; half precision
+        is summed in float32): the gradient of the batch's loss, the same on every rank."""
+        from mpi4py import MPI
+
+        groups = {}
+        for p in model.parameters():
+            if p.grad is not None:
+                groups.setdefault(p.grad.dtype, []).append(p.grad)
+        for dtype, grads in groups.items():
+            wire = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+            flat = torch.cat([g.reshape(-1).to(wire) for g in grads])
+            self.comm.Allreduce(MPI.IN_PLACE, flat.numpy(), op=MPI.SUM)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
