@@ -23,6 +23,7 @@ import torch
 from .core.precision import named_dtype
 from .handle import ring_attention as _ring_attention
 from .handle import ring_attention_backward as _ring_attention_backward
+from .mpi.axes import seq_index
 from .options import foreign_problem
 
 __all__ = ["ring_attention", "DTYPES"]
@@ -70,17 +71,19 @@ class _RingAttention(torch.autograd.Function):
         arrays, found = _arrays((q, k, v), "qkv")
         problem = problem or found  # reported by every rank, through the call's agreement
         if ring is not None:
-            out, lse = ring.forward(*arrays, problem=problem, **options)
+            out, lse, *top = ring.forward(*arrays, problem=problem, **options)
         else:
-            out, lse = _ring_attention(*arrays, problem=problem, **options)
+            out, lse, *top = _ring_attention(*arrays, problem=problem, **options)
         out_t = _tensor(out)
         ctx.save_for_backward(q, k, v, out_t)
         ctx.ring, ctx.options, ctx.lse = ring, options, lse  # lse as returned: it carries the forward's options
         ctx.set_materialize_grads(False)
-        return out_t, _tensor(lse)
+        top = torch.from_numpy(top[0]) if top else torch.empty(0)  # the max logit, when asked for
+        ctx.mark_non_differentiable(top)
+        return out_t, _tensor(lse), top
 
     @staticmethod
-    def backward(ctx, dout, dlse):
+    def backward(ctx, dout, dlse, _):
         q, k, v, out = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout
         arrays, problem = _arrays((dout, q, k, v, out), ("the gradient of out", "q", "k", "v", "out"))
@@ -90,11 +93,21 @@ class _RingAttention(torch.autograd.Function):
         else:
             options = {name: value for name, value in ctx.options.items() if name in BACKWARD_OPTIONS}
             grads = _ring_attention_backward(*arrays, ctx.lse, dlse=dlse, problem=problem or found, **options)
-        return (*(_tensor(g) for g in grads), None, None, None)
+        return (*(_tensor(g) for g in grads[:3]), None, None, None)  # the Ring's own sinks: no tensor to feed
+
+
+def _with_sinks(out, lse, sinks, ring, options):
+    """Trainable sinks (gpt-oss): each head's logit joins every row's denominator once, in torch ops after the
+    ring, so autograd gives d loss / d sinks, and the ring's backward gets the matching dout and dlse."""
+    seq_axis = ring.seq_axis if ring is not None else options.get("seq_axis", -2)
+    lse_f = torch.logaddexp(lse, sinks.to(lse.dtype)[:, None].expand(lse.shape[-2:]))
+    shrink = torch.exp(lse - lse_f).unsqueeze(-1)  # (..., H, n, 1) in the ring's (..., H, n, D) order
+    shrink = torch.movedim(shrink, -2, seq_index(seq_axis, out.ndim))
+    return out * shrink.to(out.dtype), lse_f
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring=None, *, return_lse: bool = False,
-                   **options):
+                   sinks: torch.Tensor | None = None, **options):
     """Context-parallel attention of this rank's q, k, v tensors, differentiable.
 
     ``ring``: an ``mpiring.Ring`` (agreed once, its options and ``seq_axis``
@@ -106,11 +119,39 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring=None,
     (``attn_mask``, ``dropout_p``, ...) or a tensor it cannot take (integer,
     on a GPU) raises ValueError on every rank, saying what is supported.
     Returns ``out``, or ``(out, lse)`` with ``return_lse=True``; gradients
-    flow through both (lse's enters the backward as ``delta - dlse``).
+    flow through both (lse's enters the backward as ``delta - dlse``). With
+    ``return_max_logit=True`` (a Ring's or an option) the max logit follows, not differentiable.
+    ``sinks``: a tensor of one logit per query head, trainable (gpt-oss): its gradient flows back to it,
+    each rank's the share of its own rows (all-reduce it with the other replicated parameters' gradients,
+    as ``mpiring.hf.all_reduce_gradients`` does); fixed sinks can be a Ring's option instead (docs/masks.md).
     """
     unknown = [name for name in options if name not in FUNCTION_OPTIONS]
     problem = foreign_problem(unknown[0], "the options of a Ring go to mpiring.Ring(...)" if ring is not None else
                               "without a Ring, this call takes those of mpiring.ring_attention") if unknown else None
     options = {name: value for name, value in options.items() if name not in unknown}
-    out, lse = _RingAttention.apply(q, k, v, ring, options, problem)
-    return (out, lse) if return_lse else out
+    if sinks is not None and problem is None:
+        problem = _sinks_problem(sinks, q, ring, options)
+    out, lse, top = _RingAttention.apply(q, k, v, ring, options, problem)
+    if sinks is not None:
+        out, lse = _with_sinks(out, lse, sinks, ring, options)
+    results = (out, lse) if return_lse else (out,)
+    results += (top,) if top.numel() else ()
+    return results if len(results) > 1 else out
+
+
+def _sinks_problem(sinks, q, ring, options):
+    """Why a call's trainable ``sinks`` cannot be used, or None."""
+    if not isinstance(sinks, torch.Tensor) or sinks.ndim != 1 or not sinks.is_floating_point():
+        return f"sinks must be a 1-D floating-point tensor of one logit per query head, got {sinks!r:.80}"
+    if (ring is not None and ring.spec.sinks is not None) or options.get("sinks") is not None:
+        return "sinks are given twice: as the Ring's (or an option's) fixed logits and as the call's tensor"
+    seq_axis = ring.seq_axis if ring is not None else options.get("seq_axis", -2)
+    try:
+        shape = list(q.shape)
+        shape.insert(len(shape) - 1, shape.pop(seq_index(seq_axis, q.ndim)))  # the sequence on axis -2
+    except (TypeError, ValueError):
+        return None  # the call's own check names the bad axis
+    heads = shape[-3] if len(shape) > 2 else 1
+    if len(sinks) != heads:
+        return f"sinks has {len(sinks)} logits, but q has {heads} query heads: give one per head"
+    return None

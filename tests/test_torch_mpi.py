@@ -158,3 +158,49 @@ def test_a_spec_serves_the_adapter_as_its_keywords(comm):
     keywords = dict(causal=True, layout="zigzag", window=(5, 0))
     for got, want in zip(run(spec=mpiring.Spec.of(**keywords)), run(**keywords)):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("seq_axis", [-2, -3])
+def test_trainable_sinks_and_scores_through_autograd(comm, seq_axis):
+    """gpt-oss's trainable sinks (a tensor whose gradient autograd returns), a mask with holes and softcap, in
+    (B, H, S, D) and (B, S, H, D): against torch autograd of the definition; the max logit comes along."""
+    from mpiring import masks
+    S, layout = 22, "zigzag"
+    gen = torch.Generator().manual_seed(5)
+    Q = torch.randn(2, 4, S, 8, generator=gen, dtype=torch.float64)
+    K, V = (torch.randn(2, 2, S, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    W = torch.randn(2, 4, S, 8, generator=gen, dtype=torch.float64)
+    sinks = torch.randn(4, generator=gen, dtype=torch.float64)
+    mask = masks.causal() | masks.prefix(5)
+    pos = np.arange(S)
+    allowed = torch.from_numpy(mask.allows(pos[:, None], pos[None, :]))
+    leaves = [t.clone().requires_grad_() for t in (Q, K, V, sinks)]
+    kk, vv = (t.repeat_interleave(2, dim=-3) for t in leaves[1:3])
+    r = leaves[0] @ kk.transpose(-1, -2) / np.sqrt(8)
+    s = (2.0 * torch.tanh(r / 2.0)).masked_fill(~allowed, float("-inf"))
+    full = torch.cat([s, leaves[3][None, :, None, None].expand(2, 4, S, 1)], dim=-1)
+    out_ref = torch.softmax(full, -1)[..., :S] @ vv
+    (W * out_ref).sum().backward()
+    top_ref = r.masked_fill(~allowed, float("-inf")).amax(dim=(-2, -1))
+
+    mine = mpiring.shard_indices(S, comm.size, comm.rank, layout)
+    q, k, v = (t[..., mine, :].contiguous() for t in (Q, K, V))
+    if seq_axis == -3:
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    sink = sinks.clone().requires_grad_()
+    with mpiring.Ring(comm, S, layout=layout, mask=mask, softcap=2.0, seq_axis=seq_axis,
+                      return_max_logit=True) as ring:
+        out, top = mpiring.torch.ring_attention(q, k, v, ring, sinks=sink)
+        w = W[..., mine, :] if seq_axis == -2 else W[..., mine, :].transpose(1, 2)
+        (w * out).sum().backward()
+    back = (lambda t: t) if seq_axis == -2 else (lambda t: t.transpose(1, 2))
+    torch.testing.assert_close(back(out).detach(), out_ref[..., mine, :].detach(), atol=1e-12, rtol=0)
+    torch.testing.assert_close(top, top_ref.detach(), atol=1e-12, rtol=0)
+    for got, leaf in zip((back(q.grad), back(k.grad), back(v.grad)), leaves):
+        torch.testing.assert_close(got, leaf.grad[..., mine, :], atol=1e-11, rtol=0)
+    # every rank's share of d loss / d sinks, summed, is the whole sequence's
+    total = torch.from_numpy(np.asarray(comm.allreduce(sink.grad.numpy())))
+    torch.testing.assert_close(total, leaves[3].grad, atol=1e-11, rtol=0)
+    with pytest.raises(ValueError, match="sinks has 3 logits, but q has 4 query heads"):
+        mpiring.torch.ring_attention(q, k, v, comm=comm, sinks=torch.zeros(3), layout=layout, seq_axis=seq_axis)
