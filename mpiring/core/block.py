@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from .kernels import attention_block, attention_block_backward
+from .backends import attention_block, attention_block_backward
 from .tiles import filled, kernel_dtype, scratch
 
 __all__ = ["GRAD_DTYPE", "KEPT_OUT", "accumulators", "count_pairs", "attend", "block_grads", "add_grads", "grads_of"]
