@@ -18,7 +18,8 @@ import sys
 
 import numpy as np
 
-__all__ = ["mkl_library", "cache_path", "machine_key", "cached", "cached_choice", "cached_tiles", "Choice"]
+__all__ = ["mkl_library", "cache_path", "machine_key", "cached", "cached_choice", "cached_tiles", "Choice",
+           "cpu_model", "vector_extensions"]
 
 
 def mkl_library():
@@ -49,6 +50,24 @@ def cpu_model():
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+# the vector extensions that decide a kernel's speed, as /proc/cpuinfo names them (x86 flags, Arm features)
+VECTOR_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16",
+                "amx_tile", "asimd", "asimdhp", "sve", "sve2", "bf16", "i8mm")
+
+
+def vector_extensions():
+    """This CPU's vector extensions among ``VECTOR_FLAGS``, e.g. "avx avx2 fma avx512f ..." ("" if unknown)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    have = set(line.split(":", 1)[1].split())
+                    return " ".join(flag for flag in VECTOR_FLAGS if flag in have)
+    except OSError:
+        pass
+    return ""
 
 
 @functools.cache
