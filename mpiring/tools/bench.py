@@ -366,7 +366,9 @@ def bench(comm, args):
         with_torch = ok and use_torch and cfg.precision == "fp32"  # the bf16 and int8 rows compare to fp32
         if with_torch and (t := _torch_seconds(comm, cfg, args)):
             row.update(torch_s=t, torch_gflops=row["gflops"] * row["wall_s"] / t, vs_torch=t / row["wall_s"])
-        if with_torch and (t := _torch_seconds(comm, cfg, args, threads=1)):
+        if with_torch and size * args.threads == 1:  # torch's own column is its one-thread time
+            row.update(torch1_s=row.get("torch_s"), torch1_gflops=row.get("torch_gflops"))
+        elif with_torch and (t := _torch_seconds(comm, cfg, args, threads=1)):
             row.update(torch1_s=t, torch1_gflops=row["gflops"] * row["wall_s"] / t)
         if ok and args.load > 0:
             with busy_load(args.load if rank == 0 else 0):
