@@ -11,11 +11,13 @@ under ``mpiexec`` with one rank per core, and keeps the fastest. Then it times
 each kernel backend (``mpiring.core.backends``: the NumPy kernel so tuned,
 PyTorch's flash-attention ops when installed) as the ring calls it (K/V in the
 receive buffers' form, merged into float64 accumulators) and keeps the fastest
-as the ``kernel`` that "auto" picks: another backend only where it measured faster. The cache is
-a JSON file keyed by what decides the speed (CPU model, NumPy, BLAS, MKL
-present or not), so one file serves the different nodes of a cluster that
-share a home directory. Where it lives: ``MPIRING_TUNE_CACHE`` (a path, or
-``off`` to ignore any cache), else ``$XDG_CACHE_HOME/mpiring/tune.json``,
+as the ``kernel`` that "auto" picks: another backend only where it measured faster.
+Times are CPU seconds of the process (every candidate runs one thread), so
+other jobs on the machine disturb the choice less. The cache is a JSON file
+keyed by what decides the speed (CPU model, NumPy, BLAS, MKL present or not),
+so one file serves the different nodes of a cluster that share a home
+directory. Where it lives: ``MPIRING_TUNE_CACHE`` (a path, or ``off`` to
+ignore any cache), else ``$XDG_CACHE_HOME/mpiring/tune.json``,
 else ``~/.cache/mpiring/tune.json`` (``mpiring.core.machine`` reads it).
 
 Tiles and backend change only the order of the sums: results agree to
@@ -48,12 +50,14 @@ def candidates(dtype):
 
 
 def _time(fn, repeats):
+    """Fastest of ``repeats`` calls, in this process's CPU seconds (one thread: a machine shared with other jobs
+    stretches the wall clock 2-5x, the CPU time much less), after one untimed call."""
     fn()
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = time.process_time()
         fn()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, time.process_time() - start)
     return best
 
 
