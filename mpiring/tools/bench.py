@@ -35,7 +35,8 @@ the kernel's scratch. Columns (see docs/performance.md):
 - %peak: GFLOP/s as a fraction of P cores at this core's peak FMA rate
   (``tools.peak``: a small C loop; the physical limit); t1%pk: torch1's.
 - after the table: PyTorch's own context parallel over gloo on P processes
-  (``torchref.context_parallel_times``), its x torch per row, or the error it raised.
+  (``torchref.context_parallel_times``), timed right after each row: its
+  seconds and "x context parallel" (its time over ours), or the error it raised.
 - every table's header names the CPU, its vector extensions, the BLAS and the
   kernel backend (``mpiring.core.backends``).
 - bg: cores kept busy by other processes while the row ran (0 on an idle machine).
@@ -228,23 +229,28 @@ def _torch_seconds(comm, cfg, args, threads=None):
     return t
 
 
-def _context_parallel(comm, configs, rows):
-    """Rank 0: PyTorch's context parallel on P processes for the rows (the others sleep): its lines for the end."""
-    lines = []
+def _context_parallel(comm, cfg):
+    """Rank 0: PyTorch's context parallel on P processes for row ``cfg`` (the others sleep): (seconds, error)."""
+    result = (None, None)
     if comm.Get_rank() == 0:
-        size = comm.Get_size()
-        lines.append(f"PyTorch context parallel (torch.distributed.tensor.experimental.context_parallel, gloo, "
-                     f"{size} processes x 1 thread), same rows:")
-        for row, (t, err) in zip(rows, context_parallel_times(configs, size)):
-            what = (f"{t:.3f} s, ring {t / row['wall_s']:.2f}x it" if t and _ok(row) else f"{t:.3f} s" if t
-                    else f"failed: {err}")
-            lines.append(f"  S={row['S']} D={row['D']} {'causal' if row['causal'] else 'full'} {row['pass']}: {what}")
+        result = context_parallel_times([cfg], comm.Get_size())[0]
     _idle_barrier(comm)
+    return result
+
+
+def _context_parallel_lines(rows, size):
+    """The context-parallel peer of every row that has it: its time and x it, or the error it raised."""
+    lines = []
+    for row in rows:
+        if "cp_s" not in row and "cp_error" not in row:
+            continue
+        t = row.get("cp_s")
+        what = f"{t:.3f} s, x context parallel {row['vs_cp']:.2f}" if t else f"failed: {row['cp_error']}"
+        lines.append(f"  S={row['S']} D={row['D']} {'causal' if row['causal'] else 'full'} {row['pass']}: {what}")
+    if lines:
+        lines.insert(0, f"PyTorch context parallel (torch.distributed.tensor.experimental.context_parallel, gloo, "
+                        f"{size} processes x 1 thread), right after each row:")
     return lines
-
-
-def _ok(row):
-    return row.get("status") == "ok" and row.get("wall_s")
 
 
 def _background_load(comm, clock):
@@ -366,6 +372,9 @@ def bench(comm, args):
         with_torch = ok and use_torch and cfg.precision == "fp32"  # the bf16 and int8 rows compare to fp32
         if with_torch and (t := _torch_seconds(comm, cfg, args)):
             row.update(torch_s=t, torch_gflops=row["gflops"] * row["wall_s"] / t, vs_torch=t / row["wall_s"])
+        if with_torch:  # PyTorch's own context parallel on P processes: its time, or the error it raised
+            t, err = _context_parallel(comm, cfg)
+            row.update({"cp_s": t, "vs_cp": t / row["wall_s"]} if t else {"cp_error": err or "no result"})
         if with_torch and size * args.threads == 1:  # torch's own column is its one-thread time
             row.update(torch1_s=row.get("torch_s"), torch1_gflops=row.get("torch_gflops"))
         elif with_torch and (t := _torch_seconds(comm, cfg, args, threads=1)):
@@ -397,8 +406,6 @@ def bench(comm, args):
         if rank == 0:
             print("\ninference rows (mpiring.tools.benchinfer):", flush=True)
         inference_rows(comm, quick=args.quick)
-    fp32 = [(cfg, row) for cfg, row in zip(configs, rows or [{}] * len(configs)) if cfg.precision == "fp32"]
-    cp_lines = _context_parallel(comm, [c for c, _ in fp32], [r for _, r in fp32]) if use_torch else []
     others = _background_load(comm, clock)
     if rank != 0:
         return 0
@@ -416,6 +423,7 @@ def bench(comm, args):
               "largest row's shape and 64k tokens):")
         for S in (big.S, 65536):
             print(format_wire_model(S, 8, heads=big.H, head_dim=big.D, batch=big.B, causal=True))
+    cp_lines = _context_parallel_lines(rows, size)
     if cp_lines:
         print("\n" + "\n".join(cp_lines))
     if others is not None:

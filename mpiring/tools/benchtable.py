@@ -14,6 +14,7 @@ COLUMNS = [
     "P", "S", "D", "H", "B", "causal", "layout", "pass", "dtype", "wire", "precision", "status", "repeats",
     "wall_s", "gflops", "limit_s", "of_limit", "compute_s", "kernel_of_limit",
     "torch_s", "torch_gflops", "vs_torch", "torch1_s", "torch1_gflops", "of_peak", "torch_of_peak", "torch1_of_peak",
+    "cp_s", "vs_cp", "cp_error",
     "efficiency", "exposed_comm",
     "bytes_sent", "bytes_predicted", "bytes_match",
     "peak_rss_mb", "rss_per_rank_mb", "model_mb", "baseline_mb", "rss_vs_model", "scratch_mb",
