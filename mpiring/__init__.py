@@ -9,7 +9,8 @@ scripts set UCX's segment sizes where they start MPI, docs/mpi.md).
 
 import importlib
 
-from .core.kernels import attention_block, attention_block_backward, merge
+from .core.backends import attention_block, attention_block_backward
+from .core.kernels import merge
 from .core.reference import reference_attention, reference_attention_backward
 from .core.tiles import release_workspace
 from .cost.costmodel import predicted_backward_bytes, predicted_bytes_sent, ring_attention_context_parallel

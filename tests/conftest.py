@@ -1,3 +1,4 @@
+import contextlib
 import os
 
 import numpy as np
@@ -6,6 +7,8 @@ import pytest
 # tiles and GEMM backend from the code's defaults, not from a tuning cache on this machine (mpiring.core.tune)
 os.environ.setdefault("MPIRING_TUNE_CACHE", "off")
 
+from mpiring.core.backends import BACKENDS as _KERNELS
+from mpiring.core.backends import available as _kernels_available
 from mpiring.core.gemm import available as _gemm_available
 from mpiring.core.reference import definition_mask, dense_attention, dense_attention_backward
 from mpiring.testing import TOLERANCE
@@ -98,15 +101,40 @@ def local(x, comm, layout="contiguous"):
 GEMM_BACKENDS = _gemm_available()
 
 
-@pytest.fixture(params=GEMM_BACKENDS)
-def each_gemm(request):
+@contextlib.contextmanager
+def _gemm_backend(name):
     from threadpoolctl import threadpool_limits
 
     from mpiring.core import gemm
 
-    gemm.set_backend(request.param)
+    gemm.set_backend(name)
     try:
-        with threadpool_limits(1 if request.param == "mkl" else None, user_api="blas"):
-            yield request.param
+        with threadpool_limits(1 if name == "mkl" else None, user_api="blas"):
+            yield name
     finally:
         gemm.set_backend("auto")
+
+
+@pytest.fixture(params=GEMM_BACKENDS)
+def each_gemm(request):
+    with _gemm_backend(request.param):
+        yield request.param
+
+
+# The block kernel's backends (mpiring.core.backends) with the GEMM backends: kernel test modules that say
+# ``pytestmark = pytest.mark.usefixtures("each_kernel")`` run with the NumPy kernel once per GEMM backend
+# (as ``each_gemm``) and once with each other kernel backend; torch's is skipped, with the reason, where
+# torch is not installed.
+KERNEL_BACKENDS = [pytest.param(("numpy", g), id=g) for g in GEMM_BACKENDS] + [
+    pytest.param((name, "numpy"), id=name, marks=pytest.mark.skipif(
+        name not in _kernels_available(), reason=f"kernel backend {name!r}: torch is not installed here"))
+    for name in _KERNELS if name != "numpy"]
+
+
+@pytest.fixture(params=KERNEL_BACKENDS)
+def each_kernel(request):
+    from mpiring.core import backends
+
+    kernel, gemm = request.param
+    with backends.using(kernel), _gemm_backend(gemm):
+        yield kernel

@@ -12,7 +12,7 @@ import pytest
 
 from mpiring import make_plan, predicted_backward_bytes, predicted_bytes_sent
 from mpiring.core import tiles
-from mpiring.core.kernels import attention_block, attention_block_backward
+from mpiring.core.backends import attention_block, attention_block_backward
 from mpiring.core.reference import reference_attention_backward
 from mpiring.plans import plan as plans
 from mpiring.plans.masks import visible_keys
@@ -20,7 +20,7 @@ from mpiring.plans.masks import visible_keys
 from conftest import GRAD_TOL, SHAPES, dense_mask, naive_attention, qkv
 from launch import MPIEXEC, clean_env, mpiexec_argv
 
-pytestmark = pytest.mark.usefixtures("each_gemm")  # every kernel test once per GEMM backend
+each_kernel = pytest.mark.usefixtures("each_kernel")  # a kernel test: once per GEMM and kernel backend
 
 
 def _masks(seq_len, causal=False, window=None, cu=None):
@@ -43,6 +43,7 @@ def _numerical_grads(f, arrays, eps=1e-6):
     return grads
 
 
+@each_kernel
 @pytest.mark.parametrize("causal,window,cu", [
     (False, None, None), (True, None, None), (True, (2, -1), None), (False, (1, 2), [0, 3, 3, 7]),
 ])
@@ -60,6 +61,7 @@ def test_kernel_matches_finite_differences(rng, causal, window, cu):
         np.testing.assert_allclose(got, want, atol=1e-7, rtol=0, err_msg=f"reference d{name}")
 
 
+@each_kernel
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("shape_q,shape_kv", SHAPES)
 @pytest.mark.parametrize("causal", [False, True])
@@ -86,6 +88,7 @@ def test_reference_is_the_gradient_of_naive_attention(rng):
         np.testing.assert_allclose(got, want, atol=1e-7, rtol=0)
 
 
+@each_kernel
 def test_key_blocks_add_up_to_the_whole(rng):
     """With the lse of all keys, per-block gradients sum (dq) or tile (dk, dv) to the full ones."""
     q, k, v = qkv(rng, (2, 4, 20, 8), (2, 2, 40, 8))
@@ -100,6 +103,7 @@ def test_key_blocks_add_up_to_the_whole(rng):
     np.testing.assert_allclose(np.concatenate([p[2] for p in parts], axis=-2), dv, atol=1e-12)
 
 
+@each_kernel
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_rows_that_see_nothing_contribute_zero(rng, dtype, monkeypatch):
     monkeypatch.setattr(tiles, "PROGRESS_INTERVAL", 0.0)  # progress is rate-limited: call it every tile here
@@ -119,6 +123,7 @@ def test_rows_that_see_nothing_contribute_zero(rng, dtype, monkeypatch):
         np.testing.assert_allclose(got, want, atol=GRAD_TOL[dtype], rtol=0)
 
 
+@each_kernel
 def test_delta_may_be_given(rng):
     q, k, v = qkv(rng, (3, 9, 4))
     dout = rng.standard_normal((3, 9, 4))
@@ -128,6 +133,7 @@ def test_delta_may_be_given(rng):
         np.testing.assert_allclose(a, b, atol=1e-14, rtol=0)  # the kernel sums delta in its own order
 
 
+@each_kernel
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gradients_into_given_buffers(rng, dtype, causal):
@@ -245,6 +251,7 @@ def test_run_backward_command_verifies():
     assert "backward wall time" in result.stdout and "2.5x forward" in result.stdout
 
 
+@each_kernel
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("tiles", [(5, 3), (16, 7)])
 def test_backward_small_tiles(rng, dtype, tiles):

@@ -129,7 +129,7 @@ def test_interrupted_under_load_leaves_no_spinner():
     assert not set(spinner_pids()) - before
 
 
-def test_torch_is_timed_beside_each_row_idle_and_under_the_same_load(monkeypatch, tmp_path):
+def test_torch_is_timed_beside_each_row_idle_and_under_the_same_load(monkeypatch, tmp_path, capsys):
     """torch runs right after each fp32 row (the machine's speed drifts), then again beside the same busy load."""
     from mpi4py import MPI
 
@@ -147,28 +147,42 @@ def test_torch_is_timed_beside_each_row_idle_and_under_the_same_load(monkeypatch
         events.append(("ring", cfg.name, cfg.causal, cfg.precision, bool(loaded)))
         return real_run(comm, cfg, **kw)
 
-    def torch_times(configs, **kw):
+    def torch_times(configs, threads, **kw):
         (cfg,) = configs
-        events.append(("torch", cfg.name, cfg.causal, cfg.precision, bool(loaded)))
+        events.append(("torch", cfg.name, cfg.causal, cfg.precision, bool(loaded), threads))
         return [7.0 if loaded else 3.0]
+
+    def context_parallel_times(configs, ranks):
+        events.append(("context parallel", len(configs), ranks))
+        return [(None, "NotImplementedError: no sharding strategy")] * len(configs)
 
     monkeypatch.setattr(bench, "busy_load", fake_load)
     monkeypatch.setattr(bench, "run_config", run_config)
     monkeypatch.setattr(bench, "torch_times", torch_times)
+    monkeypatch.setattr(bench, "context_parallel_times", context_parallel_times)
     monkeypatch.setattr(bench, "torch_available", lambda: True)
     path = tmp_path / "rows.csv"
     assert bench.bench(MPI.COMM_SELF, TINY + ["--load", "1", "--precisions", "fp32", "--csv", str(path)]) == 0
-    assert len(events) == 4 * 4  # each row: ring, torch, ring under load, torch under load
+    printed = capsys.readouterr().out
+    assert [e for e in events if e[0] == "context parallel"] == [("context parallel", 1, 1)] * 4  # after each row
+    events = [e for e in events if e[0] != "context parallel"]
+    # each row: ring, torch, ring under load, torch under load (P = 1: torch's one thread is the torch1 column)
+    assert len(events) == 4 * 4
     for i in range(0, len(events), 4):
         ring, torch, ring_l, torch_l = events[i:i + 4]
         assert ring[0] == "ring" and torch[0] == "torch" and ring_l[0] == "ring" and torch_l[0] == "torch"
         assert ring[1:4] == torch[1:4] == ring_l[1:4] == torch_l[1:4]
         assert (ring[4], torch[4], ring_l[4], torch_l[4]) == (False, False, True, True)
+        assert torch[5] == torch_l[5] == 1
     for row in read_csv(path):  # the CSV keeps a few significant digits
         assert row["torch_s"] == 3.0 and row["vs_torch"] == pytest.approx(3.0 / row["wall_s"], rel=1e-3)
+        assert row["torch1_s"] == 3.0 and row["kernel"] in ("numpy", "torch")
+        assert row["cp_error"] == "NotImplementedError: no sharding strategy" and row["cp_s"] == ""
         assert row["torch_loaded_s"] == 7.0
         assert row["vs_torch_loaded"] == pytest.approx(7.0 / row["wall_loaded_s"], rel=1e-3)
         assert row["load_drop"] == pytest.approx(row["vs_torch"] - row["vs_torch_loaded"], rel=1e-3, abs=1e-3)
+    assert printed.count("failed: NotImplementedError: no sharding strategy") == 4  # the error, in the table's place
+    assert "CPU: " in printed and "kernel backend " in printed
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")

@@ -5,13 +5,14 @@ import warnings
 import numpy as np
 import pytest
 
-from mpiring.core.kernels import attention_block, merge, pad_ones
+from mpiring.core.backends import attention_block
+from mpiring.core.kernels import merge, pad_ones
 from mpiring.core.reference import reference_attention
 from mpiring.plans.masks import visible_keys
 
 from conftest import SHAPES, dense_mask, naive_attention, qkv, tol
 
-pytestmark = pytest.mark.usefixtures("each_gemm")  # every kernel test once per GEMM backend
+pytestmark = pytest.mark.usefixtures("each_kernel")  # every kernel test per GEMM and kernel backend
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])

@@ -18,7 +18,7 @@ from mpiring.core.kernels import LSE_LIMIT
 
 from conftest import dense_mask, local, naive_attention
 
-pytestmark = pytest.mark.usefixtures("each_gemm")  # every kernel test once per GEMM backend
+pytestmark = pytest.mark.usefixtures("each_kernel")  # every kernel test per GEMM and kernel backend
 
 MAGNITUDES = {np.float32: [1, 1e2, 1e4, 1e5, 1e6, 1e9, 1e12, 1e18, 1e30],
               np.float64: [1, 1e2, 1e4, 1e9, 1e12, 1e18, 1e30, 1e100, 1e300]}

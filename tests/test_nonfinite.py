@@ -20,7 +20,7 @@ from mpiring import attention_block, ring_attention
 
 from conftest import dense_mask, local, naive_attention
 
-pytestmark = pytest.mark.usefixtures("each_gemm")  # every kernel test once per GEMM backend
+pytestmark = pytest.mark.usefixtures("each_kernel")  # every kernel test per GEMM and kernel backend
 
 S, D = 40, 8
 

@@ -42,14 +42,15 @@ def test_command_table():
                           "--repeats", "1", "--no-torch"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
-    assert lines[0].startswith("one core: 2 heads x 96 queries x 96 keys, D=8, float32, full mask; GEMMs: ")
+    assert lines[0].startswith("one core of ") and ": 2 heads x 96 queries x 96 keys, D=8, float32, full mask; " \
+        "GEMMs: " in lines[0]
     rows = {}
     for line in lines[2:]:
-        m = re.match(r"  (.+?)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", line)
+        m = re.match(r"  (.+?)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\d+%|-)$", line)
         if m:
-            rows[m.group(1)] = [float(x) for x in m.groups()[1:]]
+            rows[m.group(1)] = [float(x) for x in m.groups()[1:4]]
     assert list(rows) == ["the matmul+exp limit", "the kernel's three steps on its tiles",
-                          "the kernel (attention_block)"]
+                          "the kernel (attention_block), numpy"]
     assert rows["the matmul+exp limit"][2] == 1.0
     assert all(ms > 0 and gf > 0 and of > 0 for ms, gf, of in rows.values())
     assert "torch" not in run.stdout

@@ -89,6 +89,7 @@ def test_simulator_takes_half_inputs(rng, dtype, P):
     assert_attention_close(lse, ref_lse, np.float32)  # lse stays in float32: its error is float32's
 
 
+@pytest.mark.usefixtures("each_kernel")
 @pytest.mark.parametrize("dtype", HALF)
 def test_block_kernels_compute_half_inputs_in_float32(rng, dtype):
     """attention_block(_backward) on half inputs: float32 tiles and results, within the dtype's tolerance."""

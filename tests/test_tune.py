@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from mpiring.core import gemm, machine, tune
+from mpiring.core import backends, gemm, machine, tune
 from mpiring.core.tiles import default_tiles
 
 
@@ -21,9 +21,11 @@ def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("MPIRING_TUNE_CACHE", str(path))
     machine.cached.cache_clear()
     gemm.backend.cache_clear()
+    backends.backend.cache_clear()
     yield path
     machine.cached.cache_clear()
     gemm.backend.cache_clear()
+    backends.backend.cache_clear()
 
 
 def test_tune_writes_and_the_kernels_read(cache):
@@ -38,6 +40,8 @@ def test_tune_writes_and_the_kernels_read(cache):
     assert default_tiles(64, np.float32) == fwd       # the nearest head dim tuned
     assert default_tiles(8, np.float64) == (256, 256)  # not tuned: the constants
     assert gemm.backend() == entry["gemm"]
+    assert entry["kernel"] in backends.available() and set(entry["kernel_seconds"]) == set(backends.available())
+    assert backends.backend() == entry["kernel"]  # what "auto" picks now: the one measured fastest
 
 
 def test_cache_keeps_other_machines_and_ignores_theirs(cache):
@@ -67,7 +71,7 @@ def test_command(cache):
     run = subprocess.run([sys.executable, "-m", "mpiring", "tune", "--dims", "8", "--dtypes", "float32", "--seq",
                           "64", "--heads", "1", "--repeats", "1"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    assert "fastest backend:" in run.stdout and "cached" in run.stdout
+    assert "fastest backend:" in run.stdout and "fastest kernel backend:" in run.stdout and "cached" in run.stdout
     show = subprocess.run([sys.executable, "-m", "mpiring", "tune", "--show"], capture_output=True, text=True,
                           timeout=120)
     assert show.returncode == 0 and '"gemm"' in show.stdout

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from .kernels import attention_block, attention_block_backward
+from .backends import attention_block, attention_block_backward
 from .scores import Score, attend_general, count_allowed, grads_general
 from .tiles import filled, kernel_dtype, scratch
 

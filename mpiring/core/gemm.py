@@ -25,14 +25,12 @@ order of the sums (rounding); other dtypes and operands MKL cannot take as
 strided batches always go through NumPy.
 """
 
-import contextlib
 import ctypes
 import functools
-import os
 
 import numpy as np
 
-from .machine import cached_choice, mkl_library
+from .machine import Choice, mkl_library
 from .threads import blas_threads
 from .tiles import scratch
 
@@ -40,7 +38,6 @@ __all__ = ["gemm", "product", "backend", "set_backend", "using", "available", "m
 
 BACKENDS = ("numpy", "mkl")
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
-_state = {"choice": os.environ.get("MPIRING_GEMM", "auto")}
 
 
 _errors = []  # what MKL's error handler reported during the last call
@@ -82,34 +79,12 @@ def available():
     return [name for name in BACKENDS if name == "numpy" or _mkl() is not None]
 
 
-def set_backend(name):
-    """Choose the backend for this process: "numpy", "mkl" or "auto" (the tuning cache's choice)."""
-    if name not in BACKENDS + ("auto",):
-        raise ValueError(f"gemm backend must be one of {BACKENDS + ('auto',)}, not {name!r}")
-    if name == "mkl" and _mkl() is None:
-        raise ValueError("gemm backend 'mkl' needs Intel MKL's libmkl_rt: pip install mpiring[mkl]")
-    _state["choice"] = name
-    backend.cache_clear()
-
-
-@contextlib.contextmanager
-def using(name):
-    """``set_backend(name)`` inside a ``with`` block; the choice before it is restored after."""
-    saved = _state["choice"]
-    set_backend(name)
-    try:
-        yield
-    finally:
-        set_backend(saved)
-
-
-@functools.cache
-def backend():
-    """The backend in use: the chosen one, or for "auto" the tuning cache's pick for this CPU, else MKL if here."""
-    choice = _state["choice"]
-    if choice == "auto":  # the tuning cache, read once
-        choice = cached_choice("gemm") or ("mkl" if _mkl() is not None else "numpy")
-    return choice if choice in available() else "numpy"
+_choice = Choice("gemm", "MPIRING_GEMM", BACKENDS, available,
+                 lambda name: "gemm backend 'mkl' needs Intel MKL's libmkl_rt: pip install mpiring[mkl]", "gemm",
+                 lambda: "mkl" if _mkl() is not None else "numpy")
+set_backend = _choice.set  # "numpy", "mkl" or "auto" (the tuning cache's choice) for this process
+using = _choice.using  # ``set_backend(name)`` inside a ``with`` block, the choice before it restored after
+backend = _choice.current  # the backend in use: chosen, or for "auto" the tuning cache's pick, else MKL if here
 
 
 def _operand(x, itemsize):

@@ -7,6 +7,7 @@ measures the candidates and writes it. Where it lives: ``MPIRING_TUNE_CACHE``
 ``$XDG_CACHE_HOME/mpiring/tune.json``, else ``~/.cache/mpiring/tune.json``.
 """
 
+import contextlib
 import ctypes.util
 import functools
 import glob
@@ -17,7 +18,8 @@ import sys
 
 import numpy as np
 
-__all__ = ["mkl_library", "cache_path", "machine_key", "cached", "cached_choice", "cached_tiles"]
+__all__ = ["mkl_library", "cache_path", "machine_key", "cached", "cached_choice", "cached_tiles", "Choice",
+           "cpu_model", "vector_extensions"]
 
 
 def mkl_library():
@@ -48,6 +50,24 @@ def cpu_model():
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+# the vector extensions that decide a kernel's speed, as /proc/cpuinfo names them (x86 flags, Arm features)
+VECTOR_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16",
+                "amx_tile", "asimd", "asimdhp", "sve", "sve2", "bf16", "i8mm")
+
+
+def vector_extensions():
+    """This CPU's vector extensions among ``VECTOR_FLAGS``, e.g. "avx avx2 fma avx512f ..." ("" if unknown)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    have = set(line.split(":", 1)[1].split())
+                    return " ".join(flag for flag in VECTOR_FLAGS if flag in have)
+    except OSError:
+        pass
+    return ""
 
 
 @functools.cache
@@ -89,3 +109,46 @@ def cached_tiles(kind, d, dtype):
     near = min(table, key=lambda k: (abs(int(k) - d), int(k)))
     tq, tk = table[near]
     return int(tq), int(tk)
+
+
+class Choice:
+    """One process-wide choice among named backends (the GEMMs', the block kernel's).
+
+    It starts from the environment variable ``env`` ("auto" when unset); ``set``
+    and ``using`` change it. ``current()`` names the backend in use: the chosen
+    one, or for "auto" the tuning cache's entry ``key`` for this machine, else
+    ``fallback()``; "numpy" when that is not ``available()`` here. A name that is
+    not a backend raises ValueError, from ``set`` or at the first ``current()``.
+    """
+
+    def __init__(self, what, env, names, available, missing, key, fallback):
+        self.what, self.env, self.names, self.key = what, env, tuple(names), key
+        self._available, self._missing, self._fallback = available, missing, fallback
+        self.choice = os.environ.get(env, "auto")
+        self.current = functools.cache(self._current)  # cleared by ``set`` and by a new tuning cache
+
+    def check(self, name):
+        if name not in self.names + ("auto",):
+            raise ValueError(f"{self.what} backend must be one of {self.names + ('auto',)}, not {name!r} ({self.env})")
+        if name != "auto" and name not in self._available():
+            raise ValueError(self._missing(name))
+
+    def set(self, name):
+        self.check(name)
+        self.choice = name
+        self.current.cache_clear()
+
+    @contextlib.contextmanager
+    def using(self, name):
+        """``set(name)`` inside a ``with`` block; the choice before it is restored after."""
+        saved = self.choice
+        self.set(name)
+        try:
+            yield
+        finally:
+            self.set(saved)
+
+    def _current(self):
+        self.check(self.choice)
+        choice = self.choice if self.choice != "auto" else cached_choice(self.key) or self._fallback()
+        return choice if choice in self._available() else "numpy"

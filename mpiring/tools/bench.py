@@ -30,7 +30,15 @@ the kernel's scratch. Columns (see docs/performance.md):
   ``memory_model`` plus the interpreter baseline measured at start.
 - torch: ``torch.nn.functional.scaled_dot_product_attention`` on the whole
   sequence with P threads, in a child process while the ranks idle, right
-  after the row (the machine's speed drifts over minutes).
+  after the row (the machine's speed drifts over minutes); torch1: the same
+  with one thread, the best single-core attention kernel at hand.
+- %peak: GFLOP/s as a fraction of P cores at this core's peak FMA rate
+  (``tools.peak``: a small C loop; the physical limit); t1%pk: torch1's.
+- after the table: PyTorch's own context parallel over gloo on P processes
+  (``torchref.context_parallel_times``), timed right after each row: its
+  seconds and "x context parallel" (its time over ours), or the error it raised.
+- every table's header names the CPU, its vector extensions, the BLAS and the
+  kernel backend (``mpiring.core.backends``).
 - bg: cores kept busy by other processes while the row ran (0 on an idle machine).
 - with ``--load N``: every row is timed again while rank 0 keeps N extra processes
   spinning (``tools.loadgen``), and so is the torch column: wall@L, torch@L,
@@ -54,7 +62,8 @@ from mpiring import (
     ring_attention,
     ring_attention_backward,
 )
-from mpiring.core import gemm
+from mpiring.core import backends, gemm
+from mpiring.core.machine import cpu_model, vector_extensions
 from mpiring.core.precision import Precision, named_dtype
 from mpiring.cost.costmodel import format_wire_model
 
@@ -64,8 +73,9 @@ from .cli import at_least, command_parser, with_threads
 from .limits import blas_report, limit_seconds, measure_limits
 from .loadgen import busy_load
 from .memory import MB, kernel_scratch, memory_model
+from .peak import fma_peak_flops
 from .probes import available_mb, busy_cpu_seconds, own_cpu_seconds, peak_rss_mb, reset_peak_rss, rss_mb
-from .torchref import torch_available, torch_times
+from .torchref import context_parallel_times, torch_available, torch_times
 
 __all__ = ["Config", "bench", "bench_parser", "run_config"]
 
@@ -208,13 +218,39 @@ def run_config(comm, cfg, *, repeats=3, budget=30.0, seed=0, limits=None, baseli
     return row
 
 
-def _torch_seconds(comm, cfg, args):
-    """Rank 0: torch SDPA's seconds on row ``cfg`` (None if it failed; None on the other ranks, which sleep)."""
+def _torch_seconds(comm, cfg, args, threads=None):
+    """Rank 0: torch SDPA's seconds on row ``cfg`` with ``threads`` (default: all the ranks' BLAS threads; None if
+    it failed; None on the other ranks, which sleep)."""
     t = None
     if comm.Get_rank() == 0:
-        t = torch_times([cfg], threads=comm.Get_size() * args.threads, repeats=args.repeats, budget=args.budget)[0]
+        t = torch_times([cfg], threads=threads or comm.Get_size() * args.threads, repeats=args.repeats,
+                        budget=args.budget)[0]
     _idle_barrier(comm)
     return t
+
+
+def _context_parallel(comm, cfg):
+    """Rank 0: PyTorch's context parallel on P processes for row ``cfg`` (the others sleep): (seconds, error)."""
+    result = (None, None)
+    if comm.Get_rank() == 0:
+        result = context_parallel_times([cfg], comm.Get_size())[0]
+    _idle_barrier(comm)
+    return result
+
+
+def _context_parallel_lines(rows, size):
+    """The context-parallel peer of every row that has it: its time and x it, or the error it raised."""
+    lines = []
+    for row in rows:
+        if "cp_s" not in row and "cp_error" not in row:
+            continue
+        t = row.get("cp_s")
+        what = f"{t:.3f} s, x context parallel {row['vs_cp']:.2f}" if t else f"failed: {row['cp_error']}"
+        lines.append(f"  S={row['S']} D={row['D']} {'causal' if row['causal'] else 'full'} {row['pass']}: {what}")
+    if lines:
+        lines.insert(0, f"PyTorch context parallel (torch.distributed.tensor.experimental.context_parallel, gloo, "
+                        f"{size} processes x 1 thread), right after each row:")
+    return lines
 
 
 def _background_load(comm, clock):
@@ -310,7 +346,10 @@ def bench(comm, args):
     clock = (time.perf_counter(), busy_cpu_seconds(), comm.allreduce(own_cpu_seconds()))
     report = limits = None
     use_torch = not args.no_torch and not args.long and torch_available()
+    machine = None
     if rank == 0:
+        machine = {"cpu": cpu_model(), "vector": vector_extensions(), "kernel": backends.backend(),
+                   "fma_peak": fma_peak_flops()}
         report = blas_report()
         limits = measure_limits(sorted({c.D for c in configs}), n=256 if quick else 1024,
                                 repeats=3 if quick else 5)
@@ -319,7 +358,8 @@ def bench(comm, args):
     guard = comm.bcast(available_mb() if rank == 0 else None, root=0)
     if rank == 0:
         print(format_header(size=size, threads=args.threads, long=args.long, rows=len(configs), report=report,
-                            limits=limits, baseline_mb=baseline_mb, use_torch=use_torch, load=args.load))
+                            limits=limits, baseline_mb=baseline_mb, use_torch=use_torch, load=args.load,
+                            machine=machine))
     rows = []
     for cfg in configs:
         start = (time.perf_counter(), busy_cpu_seconds(), comm.allreduce(own_cpu_seconds()))
@@ -332,6 +372,13 @@ def bench(comm, args):
         with_torch = ok and use_torch and cfg.precision == "fp32"  # the bf16 and int8 rows compare to fp32
         if with_torch and (t := _torch_seconds(comm, cfg, args)):
             row.update(torch_s=t, torch_gflops=row["gflops"] * row["wall_s"] / t, vs_torch=t / row["wall_s"])
+        if with_torch:  # PyTorch's own context parallel on P processes: its time, or the error it raised
+            t, err = _context_parallel(comm, cfg)
+            row.update({"cp_s": t, "vs_cp": t / row["wall_s"]} if t else {"cp_error": err or "no result"})
+        if with_torch and size * args.threads == 1:  # torch's own column is its one-thread time
+            row.update(torch1_s=row.get("torch_s"), torch1_gflops=row.get("torch_gflops"))
+        elif with_torch and (t := _torch_seconds(comm, cfg, args, threads=1)):
+            row.update(torch1_s=t, torch1_gflops=row["gflops"] * row["wall_s"] / t)
         if ok and args.load > 0:
             with busy_load(args.load if rank == 0 else 0):
                 again = run_config(comm, cfg, repeats=args.repeats, budget=args.budget, seed=args.seed,
@@ -345,7 +392,14 @@ def bench(comm, args):
                         row["load_drop"] = row["vs_torch"] - row["vs_torch_loaded"]
         if rank == 0:
             row.update(blas=report["blas"], blas_arch=report["blas_arch"], blas_threads=args.threads,
-                       background_cores="" if load is None else load)
+                       background_cores="" if load is None else load, kernel=machine["kernel"],
+                       cpu=f"{machine['cpu']} ({machine['vector']})")
+            if machine["fma_peak"]:
+                cores = size * args.threads
+                for key, name, n in (("gflops", "of_peak", cores), ("torch_gflops", "torch_of_peak", cores),
+                                     ("torch1_gflops", "torch1_of_peak", 1)):
+                    if row.get(key):
+                        row[name] = row[key] * 1e9 / (n * machine["fma_peak"])
             rows.append(row)
             print(format_table([row], loaded=args.load > 0).splitlines()[1], flush=True)
     if args.inference == "on" or (args.inference == "auto" and not (args.quick or args.long or args.sizes)):
@@ -369,6 +423,9 @@ def bench(comm, args):
               "largest row's shape and 64k tokens):")
         for S in (big.S, 65536):
             print(format_wire_model(S, 8, heads=big.H, head_dim=big.D, batch=big.B, causal=True))
+    cp_lines = _context_parallel_lines(rows, size)
+    if cp_lines:
+        print("\n" + "\n".join(cp_lines))
     if others is not None:
         print(f"\nbackground load: other processes kept {others:.2f} cores busy on average during this run"
               + (" -- timings are unreliable, rerun on an idle machine" if others > 0.1 else ""))

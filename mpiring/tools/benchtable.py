@@ -13,10 +13,12 @@ __all__ = ["COLUMNS", "write_csv", "read_csv", "add_efficiency", "format_table",
 COLUMNS = [
     "P", "S", "D", "H", "B", "causal", "layout", "pass", "dtype", "wire", "precision", "status", "repeats",
     "wall_s", "gflops", "limit_s", "of_limit", "compute_s", "kernel_of_limit",
-    "torch_s", "torch_gflops", "vs_torch", "efficiency", "exposed_comm",
+    "torch_s", "torch_gflops", "vs_torch", "torch1_s", "torch1_gflops", "of_peak", "torch_of_peak", "torch1_of_peak",
+    "cp_s", "vs_cp", "cp_error",
+    "efficiency", "exposed_comm",
     "bytes_sent", "bytes_predicted", "bytes_match",
     "peak_rss_mb", "rss_per_rank_mb", "model_mb", "baseline_mb", "rss_vs_model", "scratch_mb",
-    "blas", "blas_arch", "blas_threads", "background_cores",
+    "blas", "blas_arch", "blas_threads", "kernel", "cpu", "background_cores",
     "load", "wall_loaded_s", "torch_loaded_s", "vs_torch_loaded", "load_drop",
 ]
 
@@ -88,7 +90,8 @@ TABLE = [  # header, key, format, width
     ("P", "P", "d", 2), ("S", "S", "d", 6), ("D", "D", "d", 4), ("mask", None, "", 7), ("pass", "pass", "", 7),
     ("prec", "precision", "", 5),
     ("wall s", "wall_s", ".3f", 8), ("GFLOP/s", "gflops", ".1f", 8), ("%lim", "of_limit", ".0%", 5),
-    ("kern%", "kernel_of_limit", ".0%", 6), ("torch", "torch_gflops", ".1f", 6), ("x torch", "vs_torch", ".2f", 7),
+    ("kern%", "kernel_of_limit", ".0%", 6), ("%peak", "of_peak", ".0%", 5), ("torch", "torch_gflops", ".1f", 6),
+    ("x torch", "vs_torch", ".2f", 7), ("torch1", "torch1_gflops", ".1f", 6), ("t1%pk", "torch1_of_peak", ".0%", 5),
     ("eff", "efficiency", ".0%", 5), ("comm%", "exposed_comm", ".1%", 6), ("bytes/rank", "bytes_sent", "d", 11),
     ("=model", "bytes_match", "", 6), ("RSS MB", "peak_rss_mb", ".0f", 7), ("model+base", None, "", 10),
     ("ratio", "rss_vs_model", ".2f", 6), ("bg", "background_cores", ".1f", 4),
@@ -128,10 +131,16 @@ def format_table(rows, loaded=False):
 # ---------------------------------------------------------------- around the table
 
 
-def format_header(*, size, threads, long, rows, report, limits, baseline_mb, use_torch, load=0):
-    """What the run measured before the first row: BLAS, one core's limits, the interpreter's RSS."""
+def format_header(*, size, threads, long, rows, report, limits, baseline_mb, use_torch, load=0, machine=None):
+    """What the run measured before the first row: CPU, BLAS, kernel backend, one core's limits and FMA peak, RSS."""
     lines = [f"mpiring bench: P={size} ranks, {threads} BLAS thread(s) per rank, fp32 (and bf16/int8-wire rows), "
-             f"{rows} rows{' (long context)' if long else ''}",
+             f"{rows} rows{' (long context)' if long else ''}"]
+    if machine:
+        peak = machine.get("fma_peak")
+        lines.append(f"CPU: {machine['cpu']} ({machine['vector']}); kernel backend {machine['kernel']}; FMA peak, one "
+                     f"core (float32): " + (f"{peak / 1e9:.1f} GFLOP/s (%peak: of {size} x that)" if peak
+                                            else "not measured (no C compiler)"))
+    lines += [
              f"BLAS: {report['blas']}, kernels {report['blas_arch']}, threads per rank {threads}"
              + (f", OPENBLAS_CORETYPE={report['coretype_env']}" if report["coretype_env"] else "")]
     if report["warning"]:
@@ -145,8 +154,8 @@ def format_header(*, size, threads, long, rows, report, limits, baseline_mb, use
         lines.append(f"ceiling: {first.get('gemm_name', 'np.matmul')} 2048x2048x2048 on one core {peak / 1e9:.1f} "
                      f"GFLOP/s; no attention kernel "
                      f"on {size} rank(s) x {threads} thread(s) can pass {size * threads * peak / 1e9:.0f} GFLOP/s")
-    lines.append(f"interpreter baseline RSS {baseline_mb:.0f} MiB per rank; "
-                 f"torch SDPA column: {'yes, ' + str(size * threads) + ' threads' if use_torch else 'no'}")
+    peers = f"yes, {size * threads} threads (torch) and 1 (torch1)" if use_torch else "no"
+    lines.append(f"interpreter baseline RSS {baseline_mb:.0f} MiB per rank; torch SDPA columns: {peers}")
     if load:
         lines.append(f"load: every row (and its torch column) timed again with {load} busy background "
                      f"process(es) started by rank 0 (columns @L)")

@@ -11,13 +11,15 @@ No MPI. On one core (one BLAS thread) it times, on the same full-mask block:
   the score tile, ``exp2`` in place, P·V added into the accumulator, nothing
   else (no offsets, masks, checks or merges);
 - the kernel itself, ``attention_block`` on K/V in the ring's padded form,
-  merged into float64 accumulators as the ring does;
+  merged into float64 accumulators as the ring does, with each kernel backend
+  installed (``mpiring.core.backends``: numpy, and torch's flash-attention ops);
 - torch's ``scaled_dot_product_attention`` with one thread, and with
   ``--threads`` threads (in a child process, when torch is installed).
 
-Then what P ranks at each of those speeds would give against torch with P
-threads on the same block: an upper bound of the ring's "x torch" for a
-kernel of that speed (a ring at efficiency 1, no communication exposed).
+Each row's fraction of this core's peak FMA rate (``tools.peak``), the
+physical limit. Then what P ranks at each of those speeds would give against
+torch with P threads on the same block: an upper bound of the ring's "x torch"
+for a kernel of that speed (a ring at efficiency 1, no communication exposed).
 """
 
 import math
@@ -26,12 +28,14 @@ import types
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from mpiring.core import gemm
-from mpiring.core.kernels import LOG2E, attention_block
+from mpiring.core import backends, gemm
+from mpiring.core.kernels import LOG2E
+from mpiring.core.machine import cpu_model, vector_extensions
 from mpiring.core.tiles import default_tiles, pad_ones
 
 from .cli import at_least, command_parser
 from .limits import best_seconds, limit_seconds, measure_limits
+from .peak import fma_peak_flops
 from .torchref import torch_available, torch_times
 
 __all__ = ["percore", "percore_parser", "kernel_steps"]
@@ -99,20 +103,25 @@ def percore(comm=None, args=None):
         run, _ = kernel_steps(q, kt, vt, scale, tq, tk)
         rows["the kernel's three steps on its tiles"] = best_seconds(run, args.repeats)
         out, lse = np.zeros((h, seq, d)), np.full((h, seq), -np.inf)
-        rows["the kernel (attention_block)"] = best_seconds(
-            lambda: attention_block(q, kt, vt, scale, padded=True, into=(out, lse)), args.repeats)
+        for name in [b for b in backends.available() if not (args.no_torch and b == "torch")]:
+            with backends.using(name):
+                rows[f"the kernel (attention_block), {name}"] = best_seconds(
+                    lambda: backends.attention_block(q, kt, vt, scale, padded=True, into=(out, lse)), args.repeats)
     torch_p = None
     if not args.no_torch and torch_available():
         one = torch_times([cfg], 1, repeats=args.repeats)[0]
         torch_p = torch_times([cfg], args.threads, repeats=args.repeats)[0]
         if one:
             rows["torch SDPA, 1 thread"] = one
-    print(f"one core: {h} heads x {seq} queries x {seq} keys, D={d}, {dt.name}, full mask; "
-          f"GEMMs: {limits[d]['gemm_name']}; kernel tiles {tq} x {tk}")
-    print(f"  {'':<40} {'ms':>9} {'GFLOP/s':>8} {'of limit':>9}")
+    peak = fma_peak_flops()
+    print(f"one core of {cpu_model()} ({vector_extensions()}): {h} heads x {seq} queries x {seq} keys, D={d}, "
+          f"{dt.name}, full mask; GEMMs: {limits[d]['gemm_name']}; kernel tiles {tq} x {tk}; FMA peak "
+          + (f"{peak / 1e9:.1f} GFLOP/s (float32)" if peak else "not measured (no C compiler)"))
+    print(f"  {'':<40} {'ms':>9} {'GFLOP/s':>8} {'of limit':>9} {'of peak':>8}")
     limit = rows["the matmul+exp limit"]
     for name, sec in rows.items():
-        print(f"  {name:<40} {sec * 1e3:9.3f} {flops / sec / 1e9:8.1f} {limit / sec:9.2f}")
+        of_peak = f"{flops / sec / peak:8.0%}" if peak else f"{'-':>8}"
+        print(f"  {name:<40} {sec * 1e3:9.3f} {flops / sec / 1e9:8.1f} {limit / sec:9.2f} {of_peak}")
     if torch_p:
         p = args.threads
         print(f"torch SDPA, {p} threads: {torch_p * 1e3:.1f} ms, {flops / torch_p / 1e9:.1f} GFLOP/s "

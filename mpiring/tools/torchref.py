@@ -1,9 +1,17 @@
-"""torch's ``scaled_dot_product_attention`` on the whole sequence, timed in a child process.
+"""The peers, timed in child processes: torch SDPA on the whole sequence, and PyTorch's own context parallel.
 
-    python mpiring/tools/torchref.py --torch-worker < job.json    # what ``torch_times`` starts
+    python mpiring/tools/torchref.py --torch-worker < job.json        # what ``torch_times`` starts
+    python mpiring/tools/torchref.py --cp-worker R P PORT JOB         # rank R of P (``context_parallel_times``)
 
-The child runs this file as a script: it imports no part of the package, so it
-never starts MPI, and torch's threads run while the ranks idle.
+The children run this file as a script: it imports no part of the package, so
+they never start MPI, and torch's threads run while the ranks idle.
+
+``context_parallel_times``: ``torch.distributed.tensor.experimental.context_parallel``
+over gloo on P processes (one thread each), SDPA on each one's shard, as a user
+of PyTorch would run context parallelism on CPUs. Where the installed torch
+cannot (2.13.0 on CPUs: its CPU flash-attention op has no sharding strategy
+without grad, and with grad the buffers cannot be resized), the error it raised
+is returned, and the benchmark prints it.
 """
 
 import functools
@@ -15,7 +23,7 @@ import subprocess
 import sys
 import time
 
-__all__ = ["torch_available", "torch_times"]
+__all__ = ["torch_available", "torch_times", "context_parallel_times"]
 
 
 def torch_available():
@@ -36,6 +44,76 @@ def torch_times(configs, threads, repeats=3, budget=30.0, timeout=3600):
         return json.loads(done.stdout.strip().splitlines()[-1])
     except (subprocess.SubprocessError, OSError, ValueError, IndexError):
         return [None] * len(configs)
+
+
+def context_parallel_times(configs, ranks, timeout=600):
+    """Per row: (median seconds of the slowest of ``ranks`` processes, None) or (None, the error it raised)."""
+    import socket
+
+    from .probes import child_env
+
+    job = json.dumps({"configs": [[c.S, c.D, c.H, c.B, c.causal, c.backward, c.dtype] for c in configs]})
+    with socket.socket() as sock:  # a free port for gloo's rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = child_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    procs = []
+    try:  # the job on the command line: every process has it at once (they meet in gloo's rendezvous)
+        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--cp-worker", str(r), str(ranks),
+                                   str(port), job], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
+                                  text=True) for r in range(ranks)]
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+        per_rank = [json.loads(out.strip().splitlines()[-1]) for out in outs]
+    except (subprocess.SubprocessError, OSError, ValueError, IndexError) as e:
+        for p in procs:
+            p.kill()
+        return [(None, f"the {ranks} processes failed: {type(e).__name__}: {e}")] * len(configs)
+    results = []
+    for row in zip(*per_rank):
+        errors = [err for _, err in row if err]
+        results.append((None, errors[0]) if errors else (max(t for t, _ in row), None))
+    return results
+
+
+def _cp_worker(rank, ranks, port, job):
+    """Child process ``rank`` of ``ranks``: context parallel SDPA on each job row; prints [(seconds, error), ...]."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    torch.set_num_threads(1)
+    job = json.loads(job)
+    results = []
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=ranks)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental import context_parallel
+
+        mesh = init_device_mesh("cpu", (ranks,))
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        print(json.dumps([(None, f"{type(e).__name__}: {e}".splitlines()[0])] * len(job["configs"])))
+        return
+    for S, D, H, B, causal, backward, dtype in job["configs"]:
+        try:
+            gen = torch.Generator().manual_seed(0)
+            dt = getattr(torch, dtype)
+            q, k, v = (torch.randn(B, H, S, D, generator=gen, dtype=dt, requires_grad=backward) for _ in range(3))
+            samples = []
+            for _ in range(2):
+                dist.barrier()
+                start = time.perf_counter()
+                with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
+                    with torch.set_grad_enabled(backward):
+                        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                        if backward:
+                            out.sum().backward()
+                samples.append(time.perf_counter() - start)
+            results.append((min(samples), None))
+        except Exception as e:  # noqa: BLE001 - the error is the result, printed in the table
+            results.append((None, f"{type(e).__name__}: {e}".splitlines()[0]))
+    dist.destroy_process_group()
+    print(json.dumps(results))
 
 
 def _sdpa_seconds(F, torch, q, k, v, dout, causal):
@@ -78,3 +156,5 @@ def _torch_worker():
 
 if __name__ == "__main__" and sys.argv[1:] == ["--torch-worker"]:
     _torch_worker()
+elif __name__ == "__main__" and sys.argv[1:2] == ["--cp-worker"]:
+    _cp_worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])

@@ -1,0 +1,232 @@
+"""The block kernel on PyTorch's CPU flash-attention ops: the ``torch`` kernel backend. No MPI.
+
+``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` returns the
+output and the log-sum-exp a ring merges with; its ``_backward`` takes the
+final (merged) out and lse, as ring-flash-attention calls flash-attn's. Both
+take the arrays with no copy (``torch.from_numpy``) and run on as many
+threads as NumPy's BLAS has now (one per rank under ``mpiexec``).
+
+What the ops do not take, this module does not pass them (``supports``: the
+NumPy kernel does those blocks): head dims of V other than of Q and K, empty
+blocks (the op divides by zero there), scores too large for the fast path
+(``kernels._EXACT_ABOVE``: the NumPy kernel takes them in float64), non-finite
+inputs, and in the backward an lse beyond ``kernels.LSE_LIMIT`` (refused there).
+
+A klo/khi mask is cut into calls the op computes exactly: per chunk of query
+rows, the keys every row sees (no mask), a causal triangle (``is_causal``,
+top-left aligned: row i sees keys c0..c0+i), or else an additive 0/-inf mask of
+the chunk's rows and the keys they see (``CALL_SCORES`` entries at most).
+The forward merges every call's (out, lse) into the running pair (``merge``).
+"""
+
+import functools
+import warnings
+
+import numpy as np
+
+from .kernels import _EXACT_ABOVE, LOG2E, LSE_LIMIT, merge
+from .threads import blas_threads
+from .tiles import (
+    Progress,
+    Shapes,
+    as_view,
+    default_scale,
+    kernel_dtype,
+    mask_arrays,
+    scratch,
+    tile_max_norm,
+    tile_max_norm_t,
+)
+
+__all__ = ["available", "supports", "delta_matches", "forward", "backward", "CALL_SCORES"]
+
+# Score entries (heads x rows x keys) per call of the op: about 0.1 s of one core, so a rank polls
+# its messages (``progress``) between calls; larger calls gained < 3 % (docs/performance.md §14).
+CALL_SCORES = 1 << 25
+
+
+@functools.cache
+def _torch():
+    """The torch module, or None when it is not installed or has no CPU flash-attention op."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    ops = torch.ops.aten
+    if not (hasattr(ops, "_scaled_dot_product_flash_attention_for_cpu")
+            and hasattr(ops, "_scaled_dot_product_flash_attention_for_cpu_backward")):
+        return None
+    return torch
+
+
+def available():
+    """Whether this process can use the torch backend."""
+    return _torch() is not None
+
+
+def _threads(torch):
+    """Torch's intra-op threads as many as the BLAS's now (one per rank when ranks share the cores)."""
+    n = blas_threads()
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+
+
+def _fits(sh, scale):
+    """Finite inputs whose scores stay in the range where the op's float tiles are exact (kernels' bound)."""
+    if sh.sq == 0 or sh.sk == 0 or sh.d != sh.dv:
+        return False
+    k = sh.k if hasattr(sh, "k") else None
+    kn = tile_max_norm(k, max(1, sh.sk)) if k is not None else tile_max_norm_t(sh.kt[:, :sh.d], max(1, sh.sk))
+    qn = tile_max_norm(sh.q, max(1, sh.sq))
+    v = sh.v if k is not None else sh.vt[:, :sh.dv]
+    return bool(qn.max() * kn.max() * abs(scale) * LOG2E <= _EXACT_ABOVE[sh.dtype]) and bool(np.isfinite(v).all())
+
+
+def supports(q, k, v, scale=None, *, padded=False, lse=None):
+    """Whether the op computes this block exactly (the forward, or with ``lse`` the backward)."""
+    if _torch() is None:
+        return False
+    sh = Shapes(q, k, v, padded)
+    scale = default_scale(sh.d) if scale is None else float(scale)
+    if lse is not None:
+        lse = np.asarray(lse)
+        finite = lse[np.isfinite(lse)]
+        if finite.size and np.abs(finite).max() > LSE_LIMIT[sh.dtype]:
+            return False
+    return _fits(sh, scale)
+
+
+def delta_matches(dout, out, delta):
+    """Whether ``delta`` is rowsum(dout * out) up to rounding in its dtype or the compute dtype (None: it is)."""
+    if delta is None:
+        return True
+    dout, out, delta = np.asarray(dout), np.asarray(out), np.asarray(delta)
+    prod = dout.astype(np.float64) * out
+    eps = max(np.finfo(kernel_dtype(dout.dtype)).eps, np.finfo(kernel_dtype(delta.dtype)).eps,
+              np.finfo(delta.dtype).eps if delta.dtype.kind == "f" else 0)
+    bound = 8 * eps * np.abs(prod).sum(axis=-1) + np.finfo(np.float64).tiny
+    return bool(np.all(np.abs(delta.astype(np.float64) - prod.sum(axis=-1)) <= bound))
+
+
+def _calls(lo, hi, sq, sk, rows_per_call):
+    """The op's calls for a klo/khi mask: ``(a, e, c, d, causal, mask, dead)`` per call.
+
+    Query rows a:e against keys c:d; ``causal``: top-left triangle; ``mask``: None or a bool (e-a, d-c)
+    array of visible pairs; ``dead``: None or the rows of a:e that see no key of c:d.
+    """
+    for a in range(0, sq, rows_per_call):
+        e = min(a + rows_per_call, sq)
+        if lo is None:
+            yield a, e, 0, sk, False, None, None
+            continue
+        rlo, rhi = lo[a:e], hi[a:e]
+        first, c0 = int(rlo[0]), int(rhi[0]) - 1
+        triangle = np.minimum(np.arange(c0 + 1, c0 + 1 + e - a), sk)  # row a+i sees keys < c0 + 1 + i
+        if np.all(rlo == first) and first <= c0 and np.array_equal(rhi, triangle):
+            if c0 > first:                             # keys every row of the chunk sees
+                yield a, e, first, c0, False, None, None
+            if c0 < sk and rhi[-1] > rhi[0]:           # the triangle: row a+i sees keys c0..c0+i
+                yield a, e, c0, int(rhi[-1]), True, None, None
+            elif c0 < sk:                              # one row, or the triangle clipped to one key column
+                yield a, e, c0, c0 + 1, False, None, None
+            continue
+        sees = rhi > rlo
+        if not sees.any():
+            continue
+        c, d = int(rlo[sees].min()), int(rhi[sees].max())
+        cols = np.arange(c, d)
+        yield a, e, c, d, False, (cols >= rlo[:, None]) & (cols < rhi[:, None]), ~sees
+
+
+def _rows_per_call(sh, lo, hi):
+    width = sh.sk if lo is None else max(1, int((hi - lo).max(initial=1)))
+    return max(16, CALL_SCORES // max(1, sh.b * sh.g * width))
+
+
+def _tensors(torch, sh):
+    """q (B, g, Sq, D) and k, v (B, 1, Sk, D) as tensors sharing the arrays' memory (contiguous k, v)."""
+    if hasattr(sh, "k"):
+        k, v = sh.k, sh.v
+    else:  # the ring's padded [x | 1]^T blocks: one contiguous copy each (the op is 10x slower on transposed keys)
+        k, v = scratch("torch.k", (sh.b, sh.sk, sh.d), sh.dtype), scratch("torch.v", (sh.b, sh.sk, sh.dv), sh.dtype)
+        np.copyto(k, np.swapaxes(sh.kt[:, :sh.d], -1, -2))  # in kept buffers: ~0.6 % of a 8 x 8192^2 block
+        np.copyto(v, np.swapaxes(sh.vt[:, :sh.dv], -1, -2))
+    with warnings.catch_warnings():  # read-only inputs: the ops only read them
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+        return (torch.from_numpy(np.ascontiguousarray(sh.q)), torch.from_numpy(k)[:, None],
+                torch.from_numpy(v)[:, None])
+
+
+def _additive(torch, mask, dtype):
+    return torch.from_numpy(np.where(mask, 0.0, -np.inf).astype(dtype))
+
+
+def forward(q, k, v, scale=None, klo=None, khi=None, *, padded=False, into=None, progress=None):
+    """``kernels.attention_block``'s result for a block ``supports`` accepts: ``(out, lse)``, or merged ``into``."""
+    torch = _torch()
+    _threads(torch)
+    sh = Shapes(q, k, v, padded)
+    dt, b, g, sq, sk, dv = sh.dtype, sh.b, sh.g, sh.sq, sh.sk, sh.dv
+    scale = default_scale(sh.d) if scale is None else float(scale)
+    lo, hi = mask_arrays(klo, khi, sq, sk)
+    if into is None:
+        out, lse = np.zeros((b, g, sq, dv), dt), np.full((b, g, sq), -np.inf, dt)
+    else:
+        out, lse = as_view(into[0], (b, g, sq, dv)), as_view(into[1], (b, g, sq))
+    tq, tk, tv = _tensors(torch, sh)
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    tick = Progress(progress)
+    with torch.no_grad():
+        for a, e, c, d, causal, mask, dead in _calls(lo, hi, sq, sk, _rows_per_call(sh, lo, hi)):
+            attn = None if mask is None else _additive(torch, mask, dt)
+            o, s = op(tq[:, :, a:e], tk[:, :, c:d], tv[:, :, c:d], 0.0, causal, attn_mask=attn, scale=scale)
+            o, s = o.numpy(), s.numpy()
+            if dead is not None and dead.any():
+                s[..., dead] = -np.inf
+            merge(out[:, :, a:e], lse[:, :, a:e], o, s, inplace=True)
+            tick()
+    if into is not None:
+        return into
+    return out.reshape(sh.lead + out.shape[-2:]), lse.reshape(sh.lead + lse.shape[-1:])
+
+
+def backward(dout, q, k, v, out, lse, scale=None, klo=None, khi=None, *, progress=None, buffers=None):
+    """``kernels.attention_block_backward``'s (dq, dk, dv) for a block ``supports`` accepts (with its lse)."""
+    torch = _torch()
+    _threads(torch)
+    sh = Shapes(q, k, v)
+    dt, b, g, sq, sk, d, dv = sh.dtype, sh.b, sh.g, sh.sq, sh.sk, sh.d, sh.dv
+    scale = default_scale(d) if scale is None else float(scale)
+    lo, hi = mask_arrays(klo, khi, sq, sk)
+    shapes = ((b, g, sq, d), (b, sk, d), (b, sk, dv))
+    if buffers is None:
+        grads = tuple(np.zeros(s, dt) for s in shapes)
+    else:
+        grads = tuple(as_view(x, s) for x, s in zip(buffers, shapes))
+        if any(x.dtype != dt for x in grads):
+            raise ValueError(f"buffers must be in the compute dtype {dt}")
+        for x in grads:
+            x.fill(0)
+    do4 = np.asarray(dout).reshape(b, g, sq, dv).astype(dt, copy=False)
+    o4 = np.asarray(out).reshape(b, g, sq, dv).astype(dt, copy=False)
+    l3 = np.asarray(lse).reshape(b, g, sq).astype(dt)  # a copy: rows that see no key get +inf (p = 0)
+    dead = ~np.isfinite(l3)
+    if dead.any():  # rows without any key anywhere: no gradient (the op would take exp(s + inf))
+        l3[dead] = np.inf
+        do4 = np.where(dead[..., None], 0, do4).astype(dt)
+        o4 = np.where(dead[..., None], 0, o4).astype(dt)
+    tq, tk, tv = _tensors(torch, sh)
+    tdo, to, tl = (torch.from_numpy(np.ascontiguousarray(x)) for x in (do4, o4, l3))
+    dq, dk, dvv = grads
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    tick = Progress(progress)
+    with torch.no_grad():
+        for a, e, c, d_, causal, mask, _ in _calls(lo, hi, sq, sk, _rows_per_call(sh, lo, hi)):
+            attn = None if mask is None else _additive(torch, mask, dt)
+            gq, gk, gv = op(tdo[:, :, a:e], tq[:, :, a:e], tk[:, :, c:d_], tv[:, :, c:d_], to[:, :, a:e],
+                            tl[:, :, a:e], 0.0, causal, attn_mask=attn, scale=scale)
+            dq[:, :, a:e] += gq.numpy()
+            dk[:, c:d_] += gk.numpy()[:, 0]
+            dvv[:, c:d_] += gv.numpy()[:, 0]
+            tick()
+    return dq.reshape(sh.lead + dq.shape[-2:]), dk.reshape(sh.k_shape), dvv.reshape(sh.v_shape)

@@ -1,0 +1,182 @@
+"""The kernel backend seam: which backend computed a block, the NumPy fallback, the choice, and the ring on torch.
+
+    python -m pytest -q tests/test_backends.py
+    mpiexec -n 3 python -m pytest --with-mpi -m mpi -q tests/test_backends.py
+
+The kernel tests (test_kernels.py, test_backward.py, test_large_logits.py,
+test_nonfinite.py) run once per backend (conftest's ``each_kernel``); these
+check that the torch backend did compute the blocks it claims, and that the
+blocks it cannot do exactly went to the NumPy kernel, bit for bit.
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+from mpiring import ring_attention, ring_attention_backward, shard_indices
+from mpiring.core import backends, kernels, machine
+from mpiring.core.reference import reference_attention, reference_attention_backward
+from mpiring.plans.masks import visible_keys
+from mpiring.testing import assert_attention_close
+
+from conftest import GRAD_TOL, qkv, tol
+
+needs_torch = pytest.mark.skipif("torch" not in backends.available(), reason="torch is not installed here")
+
+
+def _mask(kind, sq, sk):
+    """klo, khi of ``kind`` for sq queries at the end of sk keys (a causal diagonal block when sq = sk)."""
+    if kind == "full":
+        return None, None
+    if kind == "offset causal":  # all of the first keys, then the triangle: a zigzag block's shape
+        return np.zeros(sq, int), np.minimum(np.arange(sq) + 1 + max(sk - sq, 0), sk)
+    pos_q, pos_k = np.arange(sk - sq, sk), np.arange(sk)
+    return visible_keys(pos_q, pos_k, causal=kind != "documents", window=(4, 0) if kind == "window" else (-1, -1),
+                        cu_seqlens=np.array([0, sk // 3, sk]) if kind == "documents" else None)
+
+
+def _computed_by(name, fn):
+    before = backends.calls[name]
+    result = fn()
+    assert backends.calls[name] > before, f"the {name} backend did not compute this block"
+    return result
+
+
+@needs_torch
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
+@pytest.mark.parametrize("kind", ["full", "causal", "offset causal", "window", "documents"])
+@pytest.mark.parametrize("sq,sk", [(1, 1), (1, 6), (6, 1), (13, 13), (9, 40), (40, 23)])
+def test_torch_computes_what_it_supports(rng, dtype, kind, sq, sk):
+    """Forward and backward of full, causal and masked blocks, GQA, every size: torch's ops, within tolerance."""
+    q, k, v = (x.astype(dtype) for x in qkv(rng, (2, 4, sq, 8), (2, 2, sk, 8)))
+    x64 = [x.astype(np.float64) for x in (q, k, v)]
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    klo, khi = _mask(kind, sq, sk)
+    ref, ref_lse = reference_attention(*x64, None, klo, khi)
+    want = reference_attention_backward(dout.astype(np.float64), *x64, None, klo, khi)
+    atol = tol(np.float64 if dtype == np.float64 else np.float32)
+    with backends.using("torch"):
+        out, lse = _computed_by("torch", lambda: backends.attention_block(q, k, v, None, klo, khi))
+        grads = _computed_by("torch", lambda: backends.attention_block_backward(
+            dout, q, k, v, ref.astype(dtype), ref_lse, None, klo, khi))
+    assert out.dtype == lse.dtype == (np.float64 if dtype == np.float64 else np.float32)
+    assert_attention_close(out, ref, dtype)
+    assert np.array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    np.testing.assert_allclose(np.where(np.isinf(lse), 0, lse), np.where(np.isinf(ref_lse), 0, ref_lse),
+                               atol=10 * atol, rtol=0)
+    for got, ref_g, name in zip(grads, want, ("dq", "dk", "dv")):
+        assert got.shape == ref_g.shape and np.isfinite(got).all()
+        assert_attention_close(got, ref_g, dtype, name)
+
+
+@needs_torch
+@pytest.mark.parametrize("case", ["dv != d", "huge logits", "nan in k", "inf in v", "no keys", "lse beyond limit",
+                                  "dlse in delta"])
+def test_what_torch_cannot_do_goes_to_numpy_bit_for_bit(rng, case):
+    q, k, v = qkv(rng, (2, 12, 8), (2, 10, 8), np.float32)
+    if case == "dv != d":
+        v = rng.standard_normal((2, 10, 4)).astype(np.float32)
+    elif case == "huge logits":
+        q *= np.float32(3e4)
+    elif case == "nan in k":
+        k[1, 3, 2] = np.nan
+    elif case == "inf in v":
+        v[0, 2, 1] = np.inf
+    elif case == "no keys":
+        k, v = k[:, :0], v[:, :0]
+    out, lse = kernels.attention_block(q, k, v)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    delta = None
+    if case == "lse beyond limit":
+        lse = lse + np.float32(2.0 ** 14)
+    elif case == "dlse in delta":
+        delta = np.sum(dout * out, axis=-1) - np.float32(0.5)
+    with backends.using("torch"):
+        if case not in ("lse beyond limit", "dlse in delta"):
+            got = _computed_by("numpy", lambda: backends.attention_block(q, k, v))
+            for a, b in zip(got, (out, lse)):
+                np.testing.assert_array_equal(a, b)
+        if case == "huge logits":  # (its lse is beyond what any backward takes: the next case)
+            return
+        if case == "lse beyond limit":  # the NumPy kernel's refusal, not a wrong gradient
+            with pytest.raises(FloatingPointError, match="lse"):
+                backends.attention_block_backward(dout, q, k, v, out, lse)
+            return
+        got = _computed_by("numpy", lambda: backends.attention_block_backward(dout, q, k, v, out, lse, delta=delta))
+    for a, b in zip(got, kernels.attention_block_backward(dout, q, k, v, out, lse, delta=delta)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_numpy_backend_is_the_kernel_bit_for_bit(rng):
+    q, k, v = qkv(rng, (2, 3, 30, 8), (2, 3, 30, 8), np.float32)
+    klo, khi = _mask("window", 30, 30)
+    with backends.using("numpy"):
+        got = _computed_by("numpy", lambda: backends.attention_block(q, k, v, None, klo, khi))
+    for a, b in zip(got, kernels.attention_block(q, k, v, None, klo, khi)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_the_choice(monkeypatch, tmp_path):
+    """A bad name raises; "auto" takes the tuning cache's kernel, else numpy; ``using`` restores the choice."""
+    with pytest.raises(ValueError, match="kernel backend must be one of"):
+        backends.set_backend("fast")
+    if "torch" not in backends.available():
+        with pytest.raises(ValueError, match="needs PyTorch"):
+            backends.set_backend("torch")
+    with backends.using("auto"):
+        assert backends.backend() == "numpy"  # conftest turns the tuning cache off
+        cache = tmp_path / "tune.json"
+        cache.write_text(json.dumps({machine.machine_key(): {"kernel": "torch"}}))
+        monkeypatch.setenv("MPIRING_TUNE_CACHE", str(cache))
+        machine.cached.cache_clear()
+        backends.backend.cache_clear()
+        try:
+            assert backends.backend() == ("torch" if "torch" in backends.available() else "numpy")
+        finally:
+            monkeypatch.undo()
+            machine.cached.cache_clear()
+            backends.backend.cache_clear()
+        assert backends.backend() == "numpy"
+
+
+def test_a_bad_environment_choice_raises_at_the_first_block(rng, monkeypatch):
+    monkeypatch.setattr(backends._choice, "choice", "blas")
+    backends.backend.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="MPIRING_KERNEL"):
+            backends.attention_block(*qkv(rng, (4, 8)))
+    finally:
+        monkeypatch.undo()
+        backends.backend.cache_clear()
+
+
+@pytest.mark.mpi
+@needs_torch
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("options", [dict(), dict(causal=True, layout="zigzag"), dict(causal=True, window=(6, 0)),
+                                     dict(causal=True, layout="striped")])
+@pytest.mark.parametrize("per_rank", [1, 5])
+def test_ring_on_torch_matches_the_reference(comm, dtype, options, per_rank):
+    """Forward and backward through the ring with the torch backend against the float64 reference, GQA."""
+    P = comm.size
+    S = per_rank * P + (P > 1)  # uneven shards beyond one rank
+    rng = np.random.default_rng(7)
+    Q, K, V = qkv(rng, (1, 4, S, 8), (1, 2, S, 8), dtype)
+    dOut = rng.standard_normal(Q.shape).astype(dtype)
+    layout = options.get("layout", "contiguous")
+    idx = shard_indices(S, P, comm.rank, layout)
+    mine = [np.ascontiguousarray(x[..., idx, :]) for x in (Q, K, V, dOut)]
+    pos = np.arange(S)
+    klo, khi = visible_keys(pos, pos, causal=options.get("causal", False), window=options.get("window", (-1, -1)))
+    x64 = [x.astype(np.float64) for x in (Q, K, V)]
+    ref, _ = reference_attention(*x64, None, klo, khi)
+    want = reference_attention_backward(dOut.astype(np.float64), *x64, None, klo, khi)
+    before = backends.calls["torch"]
+    with backends.using("torch"):
+        out, lse = ring_attention(*mine[:3], comm, **options)
+        grads = ring_attention_backward(mine[3], *mine[:3], out, lse, comm, **options)
+    assert backends.calls["torch"] > before
+    np.testing.assert_allclose(out, ref[..., idx, :], atol=tol(dtype), rtol=0)
+    for got, full in zip(grads, want):
+        np.testing.assert_allclose(got, full[..., idx, :], atol=GRAD_TOL[dtype], rtol=0)
