@@ -24,7 +24,6 @@ varying lengths never rebuilds one it has (the oldest is closed beyond
 """
 
 import dataclasses
-import inspect
 from collections import OrderedDict
 
 import numpy as np
@@ -34,24 +33,11 @@ from . import torch as mpiring_torch
 from .handle import Ring
 from .mpi.agree import check_comm
 from .plans.layouts import shard_indices
-from .plans.spec import Spec
 
-__all__ = ["ContextParallel", "Batch", "register", "supported", "NAME"]
+__all__ = ["ContextParallel", "Batch", "register", "NAME"]
 
 NAME = "mpiring"
 IGNORE = -100  # transformers' ignore_index
-
-
-def supported(argument):
-    """Whether this mpiring maps transformers' ``argument``: "softcap" needs a ``Spec`` field softcap (a Ring
-    option); "s_aux" (sinks, trained parameters) needs a Spec field sinks and a ``sinks`` tensor parameter of
-    ``mpiring.torch.ring_attention`` (its gradient, dsinks, flows back to the model)."""
-    fields = {f.name for f in dataclasses.fields(Spec)}
-    if argument == "softcap":
-        return "softcap" in fields
-    if argument == "s_aux":
-        return "sinks" in fields and "sinks" in inspect.signature(mpiring_torch.ring_attention).parameters
-    raise ValueError(f"no such argument: {argument!r}")
 
 
 def padding_mask(*args, attention_mask=None, **kwargs):
@@ -113,8 +99,9 @@ class _Call:
                              "mask would be ignored); pack the rows into one and pass documents= to shard(), or "
                              "drop the padding (right padding in a causal model: labels -100 on the padding)")
         if dropout:
-            raise ValueError(f"dropout={dropout}: attention dropout is not supported by mpiring; build the model "
-                             f"with attention_dropout=0.0")
+            raise ValueError(f"dropout={dropout}: attention dropout is not mapped by mpiring.hf (mpiring's dropout= "
+                             f"draws from a seed fixed per Ring, and a training step needs a fresh one); build the "
+                             f"model with attention_dropout=0.0")
         if query.shape[-2] != key.shape[-2]:
             raise ValueError(f"key holds {key.shape[-2]} tokens, the queries {query.shape[-2]}: a cache "
                              f"(past_key_values) is not supported in training; run the model with use_cache=False")
@@ -125,17 +112,9 @@ class _Call:
                 raise ValueError(f"sliding_window={sliding_window} without is_causal: mpiring maps transformers' "
                                  f"causal sliding windows only")
             options["window"] = (int(sliding_window) - 1, 0)
-        if softcap is not None:
-            if not supported("softcap"):
-                raise NotImplementedError(f"softcap={softcap} (attention logit soft-capping, as Gemma2's "
-                                          f"attn_logit_softcapping): mpiring has no softcap option yet")
+        if softcap is not None:  # Gemma2's attn_logit_softcapping
             options["softcap"] = float(softcap)
-        call = {}
-        if s_aux is not None:
-            if not supported("s_aux"):
-                raise NotImplementedError("s_aux (attention sinks, per-head logits as gpt-oss's, trained): "
-                                          "mpiring.torch has no trainable sinks yet")
-            call["sinks"] = s_aux
+        call = {} if s_aux is None else {"sinks": s_aux}  # gpt-oss's trained sinks: their gradient flows back
         ring = self.cp.ring(self.seq_len, self.cu_seqlens, options)
         out = mpiring_torch.ring_attention(query, key, value, ring, **call)
         return out.transpose(1, 2).contiguous(), None

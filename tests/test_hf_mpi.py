@@ -5,8 +5,8 @@
 Tiny random-init models (2 layers, hidden 32, float64), 3 SGD steps on a packed
 batch: every rank's loss and parameters against the model trained on the whole
 batch in one process with a dense float64 attention (``reference_attention``, its mask
-from transformers' definitions). Models needing features mpiring has not
-built yet raise an error naming transformers' argument: ``NEEDS`` says which.
+from transformers' definitions): Gemma2's softcap and gpt-oss's trained sinks
+(``s_aux``, its gradient through ``mpiring.torch``'s ``sinks``) included.
 """
 
 import copy
@@ -39,9 +39,6 @@ MODELS = {  # name: (model class, config), all with grouped-query attention
     "gpt-oss sinks": ("GptOssForCausalLM", "GptOssConfig",
                       dict(sliding_window=5, num_local_experts=4, num_experts_per_tok=2)),
 }
-# the mpiring option each model needs that may not be built, and the error it raises until it is
-NEEDS = {"gemma2 softcap": ("softcap", NotImplementedError, "softcap=50.0 .attention logit soft-capping"),
-         "gpt-oss sinks": ("s_aux", NotImplementedError, "s_aux .attention sinks")}
 # Gemma2's RMSNorm computes in float32 (x.float()) even in a float64 model: attention's last-bit differences
 # may round its inputs differently there, so its float64 runs agree to float32's rounding, not 1e-10
 TOLERANCE = {"gemma2 alternating windows": 1e-6, "gemma2 softcap": 1e-6}
@@ -110,11 +107,6 @@ def test_model_trains_as_in_one_process(comm, name):
 
     torch.set_num_threads(1)
     ids = torch.randint(0, SMALL["vocab_size"], (2, S), generator=torch.Generator().manual_seed(1))
-    need = NEEDS.get(name)
-    if need and not mpiring.hf.supported(need[0]):  # once mpiring has the option: verified as the others
-        with mpiring.hf.ContextParallel(comm) as cp, pytest.raises(need[1], match=need[2]):
-            _train(_model(name, "mpiring"), cp, ids)
-        return
     reference = _model(name, REFERENCE)
     with mpiring.hf.ContextParallel(MPI.COMM_SELF, layout="contiguous") as one:
         want = _train(reference, one, ids)
@@ -176,7 +168,7 @@ def test_unsupported_arguments_name_themselves(comm):
         dropping.config.attention_dropout = 0.1
         for layer in dropping.model.layers:
             layer.self_attn.attention_dropout = 0.1
-        with pytest.raises(ValueError, match="dropout=0.1: attention dropout is not supported"):
+        with pytest.raises(ValueError, match="dropout=0.1: attention dropout is not mapped by mpiring.hf"):
             dropping.train()(**batch.inputs)
 
 
