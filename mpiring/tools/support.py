@@ -189,9 +189,8 @@ def _inputs(P, heads, dtype):
 
 def score_options(name, P):
     """The ``ring_attention`` options of score modifier ``name`` at P ranks (docs/masks.md)."""
-    hq = sizes(P)[2]
-    return {"none": {}, "softcap": {"softcap": 2.0}, "alibi": {"bias": alibi(hq)},
-            "sinks": {"sinks": np.linspace(-1.0, 1.0, hq)}, "dropout": {"dropout": 0.25, "seed": 3}}[name]
+    return {"none": {}, "softcap": {"softcap": 2.0}, "alibi": {"bias": alibi(sizes(P)[2])},
+            "sinks": {"sinks": np.linspace(-1.0, 1.0, sizes(P)[2])}, "dropout": {"dropout": 0.25, "seed": 3}}[name]
 
 
 @functools.lru_cache(maxsize=None)
