@@ -60,6 +60,9 @@ STRATEGIES = {"ring": {}, "bidirectional": dict(mode="bidirectional"), "allgathe
               "grid": dict(ulysses_size=2), "sparse": dict(mode="sparse")}
 
 
+LAYOUTS = ["contiguous", "zigzag", "striped"]
+
+
 def _applies(strategy, P, layout, S):
     if strategy == "ulysses" and H % P:
         return False
@@ -80,7 +83,9 @@ def test_masks_and_scores_match_the_reference(case, strategy):
     want_out, want_lse, want_max = scored_attention(q, k, v, allowed, **scores)
     want = scored_attention(q, k, v, allowed, dout=dout, **scores)
     tol = 1e-12 if case == "dropout" else 1e-10
-    for layout in ("contiguous", "zigzag", "striped"):
+    # two of the three layouts per case and strategy, turning with both: every pair of the three axes meets
+    turn = (list(CASES).index(case) + list(STRATEGIES).index(strategy)) % 3
+    for layout in LAYOUTS[turn:] + LAYOUTS[:turn - 1] if turn else LAYOUTS[:2]:
         if not _applies(strategy, P, layout, S):
             continue
         i = mpiring.shard_indices(S, P, r, layout)
