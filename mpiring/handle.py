@@ -315,7 +315,7 @@ class Ring:
             self._start_barrier(timeout)
         with self._running():
             grads = run_backward((dout, q, k, v, out, lses[0], delta.astype(q.dtype)), self.plan, self._rings,
-                                 Score.of(self.spec.replace(return_max_logit=False), scale), rec, timeout, pr)
+                                 Score.of(self.spec, scale), rec, timeout, pr)
             dsinks = sink_gradients(self.spec, lses[0], delta, self._rings[0].comm, timeout)
         grads = [self.plan.in_caller_order(self.rank, g.astype(pr.input, copy=False), kv=i > 0)
                  for i, g in enumerate(grads)]

@@ -63,7 +63,7 @@ def simulate(Q, K, V, num_devices, *, causal=False, scale=None, layout="contiguo
     problem = spec.scores_problem(Q)
     if problem:
         raise ValueError(problem)
-    score = Score.of(spec.replace(return_max_logit=False), scale)
+    score = Score.of(spec, scale)
     P = plan.size
     wire = pr.wire  # the others get a block coded by its owner, decoded on arrival
     kv = [tuple(pr.widen(np.take(X, plan.kv_shards[j], axis=-2)) for X in (K, V)) for j in range(P)]  # sorted

@@ -47,7 +47,8 @@ class Score:
     @classmethod
     def of(cls, spec, scale, q=None):
         """The spec's score at ``scale``, or the plain float when it has no modifier (the fast kernel's call);
-        ``q``: this rank's queries, for the max-logit statistic's shape (batch entries, heads)."""
+        ``q``: this rank's queries, for the max-logit statistic's shape (batch entries, heads); without it
+        (a backward pass) no statistic is kept."""
         stat = None
         if spec.return_max_logit and q is not None:
             stat = np.full(q.shape[:-2] if q.ndim > 2 else (1,), -np.inf)
@@ -57,8 +58,7 @@ class Score:
 
     def for_heads(self, heads):
         """The same score for a rank that holds the query heads ``heads`` (a slice of the global heads)."""
-        copy = Score(self.scale, self.softcap, self.bias, self.dropout, self.seed, heads, self.max_logit)
-        return copy
+        return Score(self.scale, self.softcap, self.bias, self.dropout, self.seed, heads, self.max_logit)
 
 
 def as_score(scale):

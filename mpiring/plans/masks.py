@@ -291,51 +291,44 @@ def _name(fn):
     return getattr(fn, "__qualname__", None) or repr(fn)
 
 
-class And(MaskPiece):
+class _Combination(MaskPiece):
+    """Pieces joined by one rule: ``JOIN`` of their ``allows``, their bounds narrowed (``&``) or widened (``|``)
+    from ``START``; nested combinations of the same kind are flattened."""
+
+    JOIN = SYMBOL = None
+    START = LO = HI = None  # the bounds before any part; how a part's first and last key combine into them
+
+    def __init__(self, *parts):
+        self.parts = tuple(q for p in parts for q in (p.parts if type(p) is type(self) else (p,)))
+
+    batched = property(lambda self: any(p.batched for p in self.parts))
+
+    def bounds(self, q_pos):  # never decreasing, as the parts'
+        lo, hi = (np.full(q_pos.shape, edge, np.int64) for edge in self.START)
+        for part in self.parts:
+            first, last = part.bounds(q_pos)
+            lo, hi = self.LO(lo, first), self.HI(hi, last)
+        return lo, hi
+
+    def allows(self, q_pos, k_pos):
+        return functools.reduce(self.JOIN, (p.allows(q_pos, k_pos) for p in self.parts))
+
+    def __repr__(self):
+        return f" {self.SYMBOL} ".join(f"({p!r})" if isinstance(p, _Combination) else repr(p) for p in self.parts)
+
+
+class And(_Combination):
     """Keys every part allows."""
 
-    def __init__(self, *parts):
-        self.parts = tuple(q for p in parts for q in (p.parts if isinstance(p, And) else (p,)))
-
+    JOIN, SYMBOL, START, LO, HI = np.logical_and, "&", (-BIG, BIG), np.maximum, np.minimum
     exact = property(lambda self: all(p.exact for p in self.parts))
-    batched = property(lambda self: any(p.batched for p in self.parts))
-
-    def bounds(self, q_pos):
-        lo, hi = super().bounds(q_pos)
-        for part in self.parts:
-            first, last = part.bounds(q_pos)
-            lo, hi = np.maximum(lo, first), np.minimum(hi, last)
-        return lo, hi
-
-    def allows(self, q_pos, k_pos):
-        return functools.reduce(np.logical_and, (p.allows(q_pos, k_pos) for p in self.parts))
-
-    def __repr__(self):
-        return " & ".join(f"({p!r})" if isinstance(p, Or) else repr(p) for p in self.parts)
 
 
-class Or(MaskPiece):
+class Or(_Combination):
     """Keys some part allows; its bounds are the parts' envelope, so it is never taken as exact."""
 
+    JOIN, SYMBOL, START, LO, HI = np.logical_or, "|", (BIG, -BIG), np.minimum, np.maximum
     exact = False
-
-    def __init__(self, *parts):
-        self.parts = tuple(q for p in parts for q in (p.parts if isinstance(p, Or) else (p,)))
-
-    batched = property(lambda self: any(p.batched for p in self.parts))
-
-    def bounds(self, q_pos):  # the parts' envelope: never decreasing, as theirs
-        lo, hi = np.full(q_pos.shape, BIG, np.int64), np.full(q_pos.shape, -BIG, np.int64)
-        for part in self.parts:
-            first, last = part.bounds(q_pos)
-            lo, hi = np.minimum(lo, first), np.maximum(hi, last)
-        return lo, hi
-
-    def allows(self, q_pos, k_pos):
-        return functools.reduce(np.logical_or, (p.allows(q_pos, k_pos) for p in self.parts))
-
-    def __repr__(self):
-        return " | ".join(f"({p!r})" if isinstance(p, And) else repr(p) for p in self.parts)
 
 
 def pieces(causal=False, window=(-1, -1), cu_seqlens=None, causal_block=None, mask=()):
