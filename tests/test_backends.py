@@ -155,10 +155,13 @@ def test_a_bad_environment_choice_raises_at_the_first_block(rng, monkeypatch):
 @needs_torch
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("options", [dict(), dict(causal=True, layout="zigzag"), dict(causal=True, window=(6, 0)),
-                                     dict(causal=True, layout="striped")])
+                                     dict(causal=True, layout="striped"), dict(mode="bidirectional", causal=True),
+                                     dict(rotate="q", causal=True, layout="zigzag"),
+                                     dict(mode="double_ring", node_size=1, causal=True)])
 @pytest.mark.parametrize("per_rank", [1, 5])
 def test_ring_on_torch_matches_the_reference(comm, dtype, options, per_rank):
-    """Forward and backward through the ring with the torch backend against the float64 reference, GQA."""
+    """Forward and backward through the ring with the torch backend against the float64 reference, GQA; K/V
+    travel as torch's op takes them (``buffers.PlainBuffers``), in every mode that passes them."""
     P = comm.size
     S = per_rank * P + (P > 1)  # uneven shards beyond one rank
     rng = np.random.default_rng(7)
@@ -180,3 +183,49 @@ def test_ring_on_torch_matches_the_reference(comm, dtype, options, per_rank):
     np.testing.assert_allclose(out, ref[..., idx, :], atol=tol(dtype), rtol=0)
     for got, full in zip(grads, want):
         np.testing.assert_allclose(got, full[..., idx, :], atol=GRAD_TOL[dtype], rtol=0)
+
+
+def test_progress_polls_while_a_long_call_runs():
+    """``Progress.during``: a helper thread polls while a call that releases the GIL runs, and an error the
+    poll raised is raised after the call; without the helper, one poll after the call."""
+    import time
+
+    from mpiring.core.tiles import THREAD_POLL_INTERVAL, Progress
+
+    polls = []
+    tick = Progress(lambda: polls.append(time.perf_counter()))
+    assert tick.threaded
+    start = time.perf_counter()
+    assert tick.during(lambda: time.sleep(40 * THREAD_POLL_INTERVAL) or "done") == "done"
+    during = [t for t in polls if t < start + 40 * THREAD_POLL_INTERVAL]
+    assert len(during) >= 10  # (time.sleep releases the GIL, as torch's ops do)
+
+    def fails():
+        raise RuntimeError("a peer failed")
+
+    with pytest.raises(RuntimeError, match="a peer failed"):
+        Progress(fails).during(lambda: time.sleep(10 * THREAD_POLL_INTERVAL))
+    polls.clear()
+    tick.threaded = False  # an MPI below MPI_THREAD_SERIALIZED: polls between calls only
+    tick.last = 0
+    tick.during(lambda: time.sleep(10 * THREAD_POLL_INTERVAL))
+    assert len(polls) == 1
+
+
+@needs_torch
+def test_blocks_are_kept_in_the_form_of_the_backend(rng):
+    """The ring keeps K/V as [x | 1]^T for the NumPy kernel and as given for torch's op (no copy per block)."""
+    from mpiring.mpi.buffers import KVBuffers, PlainBuffers, kernel_form
+
+    k, v = rng.standard_normal((2, 2, 5, 4)), rng.standard_normal((2, 2, 5, 3))
+    with backends.using("numpy"):
+        slots = kernel_form((k, v), 5)
+        kt, vt = slots.hold((k, v))
+        assert isinstance(slots, KVBuffers) and slots.padded and slots.pad == 1
+        np.testing.assert_array_equal(np.swapaxes(kt[..., :-1, :], -1, -2), k)
+    with backends.using("torch"):
+        slots = kernel_form((k, v), 5)
+        held = slots.hold((k, v))
+        assert isinstance(slots, PlainBuffers) and not slots.padded and slots.pad == 0
+        assert all(np.shares_memory(a, b) for a, b in zip(held, (k, v)))
+        assert [x.shape for x in slots.take(3)] == [(2, 2, 3, 4), (2, 2, 3, 3)]

@@ -78,3 +78,17 @@ def test_command(cache):
     bad = subprocess.run([sys.executable, "-m", "mpiring", "tune", "--seq", "0"], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and "--seq must be at least 1" in bad.stderr
+
+
+def test_untuned_until_tune_writes(cache, monkeypatch):
+    """The benchmark tunes first exactly when "auto" would otherwise pick a kernel backend unmeasured."""
+    several = len(backends.available()) > 1
+    assert tune.untuned() == several                       # no entry for this machine yet
+    with backends.using("numpy"):
+        assert not tune.untuned()                          # a backend named: nothing to measure
+    tune.tune(dims=(8,), dtypes=("float32",), seq=64, heads=2, repeats=1, log=lambda *a: None)
+    assert not tune.untuned()                              # measured: "auto" takes the cache's kernel
+    assert backends.backend() == json.loads(cache.read_text())[machine.machine_key()]["kernel"]
+    monkeypatch.setenv("MPIRING_TUNE_CACHE", "off")
+    machine.cached.cache_clear()
+    assert not tune.untuned()                              # cache off: "auto" is numpy, by choice

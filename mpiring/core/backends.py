@@ -27,8 +27,8 @@ from collections import Counter
 from . import kernels, torch_kernel
 from .machine import Choice
 
-__all__ = ["BACKENDS", "available", "set_backend", "using", "backend", "calls", "attention_block",
-           "attention_block_backward"]
+__all__ = ["BACKENDS", "available", "set_backend", "using", "backend", "choice", "takes_padded", "calls",
+           "attention_block", "attention_block_backward"]
 
 BACKENDS = ("numpy", "torch")
 calls = Counter()
@@ -45,6 +45,17 @@ _choice = Choice("kernel", "MPIRING_KERNEL", BACKENDS, available,
 set_backend = _choice.set  # "numpy", "torch" or "auto" (the tuning cache's choice) for this process
 using = _choice.using  # ``set_backend(name)`` inside a ``with`` block, the choice before it restored after
 backend = _choice.current  # the backend in use (a bad MPIRING_KERNEL raises at the first block, on every rank)
+
+
+def choice():
+    """What was chosen: a backend's name, or "auto" (``backend()`` says which backend that is)."""
+    return _choice.choice
+
+
+def takes_padded():
+    """Whether the backend in use takes K/V blocks as [x | 1]^T (``padded=True``): the NumPy kernel does, so
+    the ring keeps them so; torch's op takes them as (..., n, d)."""
+    return backend() != "torch"
 
 
 def attention_block(q, k, v, scale=None, klo=None, khi=None, *, padded=False, into=None, progress=None, **tiles):

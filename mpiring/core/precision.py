@@ -102,7 +102,7 @@ class Wire:
 
     ``coded`` is False only when the wire dtype is the input dtype and tiles
     compute in it (float32, float64): then blocks travel in the kernel's own
-    form with no copy (``comm.KVBuffers``). Otherwise ``encode`` makes the
+    form with no copy (``buffers.kernel_form``). Otherwise ``encode`` makes the
     wire form of an array (..., n, d): the wire dtype, (..., n, d + 4) int8
     with the row's float32 scale in its last 4 bytes; ``decode`` gives it back
     in the compute dtype. Every mode uses a block the same way: ``own`` is
@@ -115,7 +115,6 @@ class Wire:
         self.name = self.input.name if name is None else name
         self.dtype = np.dtype(np.int8) if self.name == "int8" else named_dtype(self.name)
         self.coded = not (self.dtype == self.input == self.compute)
-        self.pad = 0 if self.coded else 1  # the forward ring's row of ones stays home (``RingComm.shift``)
 
     def row(self, dim):
         """Wire elements of one token's row of ``dim`` values: ``dim``, plus the scale's 4 bytes for int8."""

@@ -5,6 +5,7 @@ are viewed as (B, g, S, D) blocks, which (query tile, key tile) pairs a mask
 leaves, and the per-thread scratch buffers kept between calls.
 """
 
+import sys
 import threading
 import time
 
@@ -14,7 +15,7 @@ from .machine import cached_tiles  # the tuning cache, read once per process
 
 __all__ = ["TILE_BYTES", "TILE_K", "PROGRESS_INTERVAL", "default_tiles", "default_scale", "kernel_dtype", "Shapes",
            "mask_arrays", "scratch", "filled", "release_workspace", "pad_ones", "transpose_into", "as_view",
-           "with_ones", "tile_max_norm", "tile_max_norm_t", "Tiles", "Progress"]
+           "with_ones", "tile_max_norm", "tile_max_norm_t", "Tiles", "Progress", "polls_from_a_thread"]
 
 # Default tiles, measured on a 2-core AMD EPYC (Zen 4), 1 BLAS thread, H=8,
 # S=4096: 512 x 256 for float32, 256 x 256 for float64, i.e. the
@@ -24,6 +25,8 @@ TILE_BYTES = 512 * 1024
 TILE_K = 256
 # Seconds of compute between two calls of the progress callback.
 PROGRESS_INTERVAL = 0.002
+# Seconds between two polls of ``Progress.during``'s helper thread (each wakes it on the compute core).
+THREAD_POLL_INTERVAL = 0.005
 
 
 def default_tiles(d, dtype, kind="fwd"):
@@ -77,7 +80,8 @@ class Shapes:
         self.dtype = kernel_dtype(q.dtype)
         if q.dtype != self.dtype:  # widened once: a product with a Python float would stay in a half dtype
             q = q.astype(self.dtype)
-            k, v = (k, v) if padded else (k.astype(self.dtype), v.astype(self.dtype))
+        if not padded:  # half K/V beside widened queries (pass-Q's own block) too
+            k, v = (x if x.dtype == self.dtype else x.astype(self.dtype) for x in (k, v))
         self.q = q.reshape(self.b, self.g, self.sq, self.d)
         if padded:  # no copies: views of the caller's blocks (B, D+1, Sk)
             self.kt, self.vt = as_view(kp, (self.b, self.d + 1, self.sk)), as_view(vp, (self.b, self.dv + 1, self.sk))
@@ -251,12 +255,25 @@ class Tiles:
         return m
 
 
+def polls_from_a_thread():
+    """Whether a progress callback may run in a helper thread while this one computes.
+
+    It may unless MPI is initialized at a thread level below MPI_THREAD_SERIALIZED (the
+    helper calls MPI only while this thread is inside a call that makes none).
+    """
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+        return True
+    return mpi.Query_thread() >= mpi.THREAD_SERIALIZED
+
+
 class Progress:
-    """Calls fn() at most every PROGRESS_INTERVAL seconds."""
+    """Calls fn() at most every PROGRESS_INTERVAL seconds; ``during`` calls it while a long call runs."""
 
     def __init__(self, fn):
         self.fn = fn
         self.last = time.perf_counter()
+        self.threaded = fn is not None and polls_from_a_thread()
 
     def __call__(self):
         if self.fn is not None:
@@ -264,5 +281,38 @@ class Progress:
             if now - self.last >= PROGRESS_INTERVAL:
                 self.fn()
                 self.last = time.perf_counter()
+
+    def during(self, call):
+        """``call()``, with fn() polled every THREAD_POLL_INTERVAL seconds meanwhile by a helper thread.
+
+        For calls that release the GIL (a torch op): MPI moves a rank's messages
+        while its one core computes, however long the call. An error fn raised
+        is raised here after the call. Without ``threaded``, fn() runs after it.
+        """
+        if not self.threaded:
+            result = call()
+            self()
+            return result
+        done, errors = threading.Event(), []
+
+        def poll():
+            while not done.wait(THREAD_POLL_INTERVAL):
+                try:
+                    self.fn()
+                except BaseException as exc:  # noqa: BLE001 - raised in the calling thread below
+                    errors.append(exc)
+                    return
+
+        helper = threading.Thread(target=poll, name="mpiring-progress", daemon=True)
+        helper.start()
+        try:
+            result = call()
+        finally:
+            done.set()
+            helper.join()
+        if errors:
+            raise errors[0]
+        self()
+        return result
 
 

@@ -40,9 +40,13 @@ from .tiles import (
 
 __all__ = ["available", "supports", "delta_matches", "forward", "backward", "CALL_SCORES"]
 
-# Score entries (heads x rows x keys) per call of the op: about 0.1 s of one core, so a rank polls
-# its messages (``progress``) between calls; larger calls gained < 3 % (docs/performance.md §14).
-CALL_SCORES = 1 << 25
+# Score entries (heads x rows x keys) per call of the op. A helper thread polls the rank's messages
+# while a call runs (``tiles.Progress.during``), so calls can be long: 2^28 entries, about 1 s of one
+# core, 4096 query rows of a 8-head x 8192-key block (whole blocks were 2 % faster than 1024-row calls,
+# 6 % than 512, docs/performance.md §14). A call with an additive mask, or without that helper (an MPI
+# below MPI_THREAD_SERIALIZED), takes 2^25: the mask's memory, and polls between calls.
+CALL_SCORES = 1 << 28
+SHORT_CALL_SCORES = 1 << 25
 
 
 @functools.cache
@@ -121,8 +125,7 @@ def _calls(lo, hi, sq, sk, rows_per_call):
             continue
         rlo, rhi = lo[a:e], hi[a:e]
         first, c0 = int(rlo[0]), int(rhi[0]) - 1
-        triangle = np.minimum(np.arange(c0 + 1, c0 + 1 + e - a), sk)  # row a+i sees keys < c0 + 1 + i
-        if np.all(rlo == first) and first <= c0 and np.array_equal(rhi, triangle):
+        if _unmasked(rlo, rhi, sk):
             if c0 > first:                             # keys every row of the chunk sees
                 yield a, e, first, c0, False, None, None
             if c0 < sk and rhi[-1] > rhi[0]:           # the triangle: row a+i sees keys c0..c0+i
@@ -138,9 +141,19 @@ def _calls(lo, hi, sq, sk, rows_per_call):
         yield a, e, c, d, False, (cols >= rlo[:, None]) & (cols < rhi[:, None]), ~sees
 
 
-def _rows_per_call(sh, lo, hi):
+def _unmasked(lo, hi, sk):
+    """Whether rows lo/hi are keys every row sees, then a top-left triangle: calls without a mask."""
+    first, c0 = int(lo[0]), int(hi[0]) - 1
+    triangle = np.minimum(np.arange(c0 + 1, c0 + 1 + len(hi)), sk)  # row i sees keys < c0 + 1 + i
+    return bool(np.all(lo == first)) and first <= c0 and np.array_equal(hi, triangle)
+
+
+def _rows_per_call(sh, lo, hi, threaded):
+    """Query rows per call: long calls when a helper thread polls meanwhile and no call needs a mask."""
     width = sh.sk if lo is None else max(1, int((hi - lo).max(initial=1)))
-    return max(16, CALL_SCORES // max(1, sh.b * sh.g * width))
+    unmasked = lo is None or (len(lo) > 0 and _unmasked(lo, hi, sh.sk))
+    scores = CALL_SCORES if threaded and unmasked else SHORT_CALL_SCORES
+    return max(16, scores // max(1, sh.b * sh.g * width))
 
 
 def _tensors(torch, sh):
@@ -177,14 +190,18 @@ def forward(q, k, v, scale=None, klo=None, khi=None, *, padded=False, into=None,
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     tick = Progress(progress)
     with torch.no_grad():
-        for a, e, c, d, causal, mask, dead in _calls(lo, hi, sq, sk, _rows_per_call(sh, lo, hi)):
+        for a, e, c, d, causal, mask, dead in _calls(lo, hi, sq, sk, _rows_per_call(sh, lo, hi, tick.threaded)):
             attn = None if mask is None else _additive(torch, mask, dt)
-            o, s = op(tq[:, :, a:e], tk[:, :, c:d], tv[:, :, c:d], 0.0, causal, attn_mask=attn, scale=scale)
+            o, s = tick.during(lambda: op(tq[:, :, a:e], tk[:, :, c:d], tv[:, :, c:d], 0.0, causal,  # noqa: B023
+                                          attn_mask=attn, scale=scale))  # noqa: B023 - called at once
             o, s = o.numpy(), s.numpy()
             if dead is not None and dead.any():
                 s[..., dead] = -np.inf
-            merge(out[:, :, a:e], lse[:, :, a:e], o, s, inplace=True)
-            tick()
+                o[..., dead, :] = 0
+            if np.isneginf(lse[:, :, a:e]).all():  # nothing merged into these rows yet: the call's pair is theirs
+                out[:, :, a:e], lse[:, :, a:e] = o, s
+            else:
+                merge(out[:, :, a:e], lse[:, :, a:e], o, s, inplace=True)
     if into is not None:
         return into
     return out.reshape(sh.lead + out.shape[-2:]), lse.reshape(sh.lead + lse.shape[-1:])
@@ -221,12 +238,12 @@ def backward(dout, q, k, v, out, lse, scale=None, klo=None, khi=None, *, progres
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
     tick = Progress(progress)
     with torch.no_grad():
-        for a, e, c, d_, causal, mask, _ in _calls(lo, hi, sq, sk, _rows_per_call(sh, lo, hi)):
+        for a, e, c, d_, causal, mask, _ in _calls(lo, hi, sq, sk, _rows_per_call(sh, lo, hi, tick.threaded)):
             attn = None if mask is None else _additive(torch, mask, dt)
-            gq, gk, gv = op(tdo[:, :, a:e], tq[:, :, a:e], tk[:, :, c:d_], tv[:, :, c:d_], to[:, :, a:e],
-                            tl[:, :, a:e], 0.0, causal, attn_mask=attn, scale=scale)
+            gq, gk, gv = tick.during(lambda: op(tdo[:, :, a:e], tq[:, :, a:e], tk[:, :, c:d_],  # noqa: B023
+                                                tv[:, :, c:d_], to[:, :, a:e], tl[:, :, a:e], 0.0,  # noqa: B023
+                                                causal, attn_mask=attn, scale=scale))  # noqa: B023
             dq[:, :, a:e] += gq.numpy()
             dk[:, c:d_] += gk.numpy()[:, 0]
             dvv[:, c:d_] += gv.numpy()[:, 0]
-            tick()
     return dq.reshape(sh.lead + dq.shape[-2:]), dk.reshape(sh.k_shape), dvv.reshape(sh.v_shape)

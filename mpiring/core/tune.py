@@ -10,7 +10,7 @@ kernel of a block (8 heads, 2048 x 2048 tokens, no mask) for each candidate
 under ``mpiexec`` with one rank per core, and keeps the fastest. Then it times
 each kernel backend (``mpiring.core.backends``: the NumPy kernel so tuned,
 PyTorch's flash-attention ops when installed) as the ring calls it (K/V in the
-receive buffers' form, merged into float64 accumulators) and keeps the fastest
+form the ring keeps for that backend, merged into float64 accumulators) and keeps the fastest
 as the ``kernel`` that "auto" picks: another backend only where it measured faster.
 Times are CPU seconds of the process (every candidate runs one thread), so
 other jobs on the machine disturb the choice less. The cache is a JSON file
@@ -38,7 +38,7 @@ from .kernels import attention_block, attention_block_backward
 from .machine import cache_path, cached, machine_key
 from .tiles import pad_ones
 
-__all__ = ["tune", "candidates"]
+__all__ = ["tune", "candidates", "reread", "untuned"]
 
 
 def candidates(dtype):
@@ -132,8 +132,9 @@ def _time_kernels(names, gemm_name, tiles, dims, dtypes, seq, heads, repeats, rn
                     fwd_tiles = dict(zip(("tile_q", "tile_k"), tiles["fwd"][dtype][str(d)]))
                     bwd_tiles = dict(zip(("tile_q", "tile_k"), tiles["bwd"][dtype][str(d)]))
                     with kernel_backends.using(name):
-                        fwd = _time(functools.partial(kernel_backends.attention_block, q, kt, vt, padded=True,
-                                                      into=acc, **fwd_tiles), repeats)
+                        padded = kernel_backends.takes_padded()  # K/V in the form the ring keeps for it
+                        fwd = _time(functools.partial(kernel_backends.attention_block, q, *((kt, vt) if padded
+                                                      else (k, v)), padded=padded, into=acc, **fwd_tiles), repeats)
                         bwd = _time(functools.partial(kernel_backends.attention_block_backward, dout, q, k, v, out,
                                                       lse, **bwd_tiles), repeats)
                     seconds[name] += fwd + bwd
@@ -157,6 +158,18 @@ def _write(entry):
     with os.fdopen(fd, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True)
     os.replace(tmp, path)
+    reread()
+
+
+def reread():
+    """Forget what this process read from the cache (another process, or this one, has just written it)."""
     cached.cache_clear()
     gemm.backend.cache_clear()  # their choices for "auto" came from the cache too
     kernel_backends.backend.cache_clear()
+
+
+def untuned():
+    """Whether "auto" would pick a kernel backend without a measurement: more than one installed, the choice
+    "auto", a tuning cache in use and no entry in it for this machine (``python -m mpiring tune`` makes one)."""
+    return (kernel_backends.choice() == "auto" and cache_path() is not None and "kernel" not in cached()
+            and len(kernel_backends.available()) > 1)

@@ -1,6 +1,7 @@
 """Where blocks arrive: receive slots kept between calls, and arrays as MPI takes them. No MPI here.
 
-The ring's K/V slots (``KVBuffers``: the kernel's own [x | 1]^T form;
+The ring's K/V slots in the form the kernel backend in use takes (``KVBuffers``:
+the NumPy kernel's [x | 1]^T; ``PlainBuffers``: (..., n, d) as given, torch's;
 ``CodedBuffers``: a wire's coded form), the slot each stream fills next
 (``next_buffers``), one flat buffer per v-collective (``flat_blocks``), and
 the bytes a message carries (``payload_bytes``).
@@ -8,10 +9,11 @@ the bytes a message carries (``payload_bytes``).
 
 import numpy as np
 
+from ..core import backends
 from ..core.tiles import scratch, transpose_into
 
-__all__ = ["Buffers", "KVBuffers", "CodedBuffers", "kv_slots", "next_buffers", "flat_blocks", "mpi_view",
-           "payload_bytes"]
+__all__ = ["Buffers", "KVBuffers", "PlainBuffers", "CodedBuffers", "kv_slots", "kernel_form", "next_buffers",
+           "flat_blocks", "mpi_view", "payload_bytes"]
 
 
 def mpi_view(a):
@@ -31,7 +33,12 @@ def payload_bytes(a, pad=0):
 
 
 class Buffers:
-    """Two flat receive buffers per array, so a block can arrive while another is used."""
+    """Two flat receive buffers per array, so a block can arrive while another is used.
+
+    ``padded``: blocks are [x | 1]^T (the kernel's ``padded=True``); ``pad``: their rows that stay home.
+    """
+
+    padded, pad = False, 0
 
     def __init__(self, templates, max_len, name=None):
         # one (2, n_elements) buffer per template array (K, V), sized for the longest shard; with a name,
@@ -58,13 +65,15 @@ class Buffers:
 
 
 class KVBuffers(Buffers):
-    """The forward ring's K/V blocks: two slots, each block kept as [x | 1]^T.
+    """The forward ring's K/V blocks for the NumPy kernel: two slots, each block kept as [x | 1]^T.
 
     A slot holds K and V transposed with a last row of ones, (..., D+1, n),
     the form the forward kernel takes (``kernels.pad_ones``). The ones are
     written here; ``RingComm.shift(..., pad=1)`` moves only the data rows, so
     a received block is ready for the kernel without a copy.
     """
+
+    padded, pad = True, 1
 
     @staticmethod
     def _shape(template, seq_len):
@@ -85,6 +94,15 @@ class KVBuffers(Buffers):
         return views
 
 
+class PlainBuffers(Buffers):
+    """The forward ring's K/V blocks for a backend that takes (..., n, d) blocks (torch's): two slots of that
+    form; this rank's own block is used as given, no copy."""
+
+    def hold(self, arrays):
+        """This rank's own (k, v), contiguous (the slots are left for the blocks that arrive)."""
+        return tuple(np.ascontiguousarray(a) for a in arrays)
+
+
 class CodedBuffers(Buffers):
     """The forward ring's K/V slots when blocks travel coded (``precision.Wire``): two slots of the wire form."""
 
@@ -100,11 +118,22 @@ class CodedBuffers(Buffers):
         return views
 
 
+def kernel_form(arrays, max_len, name=None):
+    """Slots for K/V blocks in the form the kernel backend in use takes: ``KVBuffers`` for the NumPy kernel,
+    ``PlainBuffers`` for torch's (its op takes (..., n, d) blocks; [x | 1]^T would cost it a copy per block)."""
+    return (KVBuffers if backends.takes_padded() else PlainBuffers)(arrays, max_len, name)
+
+
 def kv_slots(wire, arrays, max_len, name=None):
-    """The forward ring's receive slots for ``wire``: the kernel's own form (``KVBuffers``) unless it codes blocks.
+    """The forward ring's receive slots for ``wire``: the kernel's own form (``kernel_form``) unless it codes
+    blocks (then the slots hold the wire form, and ``padded`` says how ``wire.arrived`` decodes them).
 
     ``name``: in this thread's kept buffers of that name (``Buffers``)."""
-    return CodedBuffers(wire, arrays, max_len, name) if wire.coded else KVBuffers(arrays, max_len, name)
+    if not wire.coded:
+        return kernel_form(arrays, max_len, name)
+    slots = CodedBuffers(wire, arrays, max_len, name)
+    slots.padded = backends.takes_padded()
+    return slots
 
 
 def next_buffers(plan, rank, step, buffers):

@@ -12,6 +12,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from ..core.tiles import as_view
 from .buffers import mpi_view, payload_bytes
 from .waits import abandon, completed, test_all, wait_until
 
@@ -150,13 +151,19 @@ class HomeRing(RingComm):
         return 4 * chunk + (0 if stream > 0 else 2) + index
 
     def _keys(self, a, lo, hi):
-        """Keys lo:hi of the contiguous (..., n, d) array ``a`` as an MPI message (a subarray datatype)."""
+        """Keys lo:hi of the contiguous (..., n, d) array ``a`` as an MPI message: a vector datatype (one
+        contiguous run of (hi - lo) * d values per head) from key lo on.
+
+        Not a subarray datatype: MPICH moved such a message between two processes of one node through its
+        small copy cells, a few KiB per poll (4 MiB took 514 polls), where a vector of long runs moves in one
+        poll, as a contiguous message does (docs/performance.md §15).
+        """
+        a = mpi_view(a)
         rows, n, d = int(np.prod(a.shape[:-2])), a.shape[-2], a.shape[-1]
-        key = (a.dtype.char, rows, n, d, lo, hi)
+        key = (a.dtype.char, rows, n, d, hi - lo)
         if key not in self._types:
-            base = MPI._typedict[a.dtype.char]
-            self._types[key] = base.Create_subarray([rows, n, d], [rows, hi - lo, d], [0, lo, 0]).Commit()
-        return [a, 1, self._types[key]]
+            self._types[key] = MPI._typedict[a.dtype.char].Create_vector(rows, (hi - lo) * d, n * d).Commit()
+        return [as_view(a, (a.size,))[lo * d:], 1, self._types[key]]  # as_view: raises rather than copy
 
     def expect(self, stream, arrays, chunks):
         """Post the receives of every key chunk of ``arrays`` (dK, dV of this rank's block) on ``stream``."""

@@ -97,7 +97,7 @@ def double_ring_forward(q, k, v, plan, ring, scale, rec, timeout, pr=None):
         inner_slots, outer_slots = kv_slots(wire, (k, v), longest), kv_slots(wire, (k, v), longest)
         first = outer_slots.hold((k, v))  # a round's first block: this rank's own, then what the outer ring brings
         held = first
-        mine = first if not wire.coded else wire.own((k, v), padded=True)  # computed on exactly
+        mine = first if not wire.coded else wire.own((k, v), padded=outer_slots.padded)  # computed on exactly
 
         def progress():
             inner.progress()
@@ -109,14 +109,15 @@ def double_ring_forward(q, k, v, plan, ring, scale, rec, timeout, pr=None):
             waiting = []
             if i == 0 and o < m - 1:  # the next round's first block, behind this whole round
                 nxt = outer_slots.take(len(plan.kv_shards[plan.source_at(rank, step + n)]))
-                _shift(outer, first, nxt, rec, step, OUTER, pad=wire.pad)
+                _shift(outer, first, nxt, rec, step, OUTER, pad=outer_slots.pad)
             if i < n - 1:
                 incoming = inner_slots.take(len(plan.kv_shards[plan.source_at(rank, step + 1)]))
-                _shift(inner, held, incoming, rec, step, INNER, pad=wire.pad)
+                _shift(inner, held, incoming, rec, step, INNER, pad=outer_slots.pad)
                 waiting.append(inner)
             for task in plan.tasks(step, rank):
-                kv = mine if task.source == rank else wire.arrived(held, padded=True)
-                block.attend(q, kv, task, plan.pieces(rank, task.source), scale, acc, rec, progress, step, padded=True)
+                kv = mine if task.source == rank else wire.arrived(held, padded=outer_slots.padded)
+                block.attend(q, kv, task, plan.pieces(rank, task.source), scale, acc, rec, progress, step,
+                             padded=outer_slots.padded)
             if i == n - 1 and o < m - 1:
                 waiting.append(outer)
             if waiting:

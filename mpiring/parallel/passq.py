@@ -28,7 +28,7 @@ import numpy as np
 from ..core import block
 from ..core.kernels import merge
 from ..core.precision import Precision, compute_dtype, row_bytes
-from ..mpi.buffers import Buffers, KVBuffers
+from ..mpi.buffers import Buffers, kernel_form
 from ..mpi.comm import shift
 from ..mpi.waits import wait_until
 from ..plans.plan import NEXT, Task, reach
@@ -45,7 +45,8 @@ def passq_loop(q, k, v, plan, ring, scale, rec, timeout, pr=None):
     rank, size = ring.rank, ring.size
     pr = pr or Precision(q.dtype)
     wire = pr.wire
-    own_kv = KVBuffers((k, v), k.shape[-2]).hold((k, v))  # [k | 1]^T, [v | 1]^T: the kernel's form, made once
+    form = kernel_form((k, v), k.shape[-2])
+    own_kv = form.hold((k, v))  # the kernel backend's form ([k | 1]^T, [v | 1]^T for the NumPy kernel), made once
     buffers = Buffers((wire.template(q),), max(len(s) for s in plan.shards))
     mine = wire.own((q,))  # this rank's queries, attended exactly
     held = (wire.encode(q),)  # as the wire carries them: coded once, here
@@ -63,7 +64,7 @@ def passq_loop(q, k, v, plan, ring, scale, rec, timeout, pr=None):
             queries = (mine if source == rank else wire.arrived(held))[0]
             partials[source] = block.accumulators(queries, v, pr.out, pr.lse)
         block.attend(queries, own_kv, task, plan.pieces(source, rank), scale, partials.get(source), rec,
-                     ring.progress, step, padded=True)
+                     ring.progress, step, padded=form.padded)
         start = time.perf_counter()
         if incoming is not None:
             ring.wait(timeout)

@@ -30,20 +30,22 @@ def ring_loop(q, k, v, plan, ring, scale, rec, timeout, pr=None):
     acc = block.accumulators(q, v, pr.out, pr.lse, keep=pr.out != pr.input)
     q = pr.widen(q)  # half inputs: tiles compute in float32
     longest = max(len(s) for s in plan.kv_shards)
-    # K/V blocks are kept as the kernel takes them, [k | 1]^T and [v | 1]^T (or as the wire codes them,
-    # ``precision.Wire``), in two slots per stream, kept buffers of this thread; the first slot of the
-    # first stream starts with this rank's own block.
+    # K/V blocks are kept as the kernel backend takes them ([k | 1]^T and [v | 1]^T for the NumPy kernel,
+    # (..., n, d) for torch's) or as the wire codes them (``precision.Wire``), in two slots per stream, kept
+    # buffers of this thread; ``hold`` puts this rank's own block in the kernel's form.
     buffers = {stream: kv_slots(wire, (k, v), longest, f"ring.kv{stream}") for stream in plan.rounds or [+1]}
-    own = next(iter(buffers.values())).hold((k, v))
-    mine = own if not wire.coded else wire.own((k, v), padded=True)  # computed on exactly
+    form = next(iter(buffers.values()))  # [k | 1]^T for the NumPy kernel, (..., n, d) for torch's (``kv_slots``)
+    own = form.hold((k, v))
+    mine = own if not wire.coded else wire.own((k, v), padded=form.padded)  # computed on exactly
     held = {stream: own for stream in buffers}  # the block each stream holds now
     for step in range(plan.n_steps):
         incoming = next_buffers(plan, rank, step, buffers)
-        shift(ring, {s: held[s] for s in incoming}, incoming, rec, step, pad=wire.pad)  # Isend/Irecv, non-blocking
+        shift(ring, {s: held[s] for s in incoming}, incoming, rec, step, pad=form.pad)  # Isend/Irecv, non-blocking
         start = time.perf_counter()
         for task in plan.tasks(step, rank):  # one block (two when bidirectional)
-            kv = mine if task.source == rank else wire.arrived(held[task.stream], padded=True)
-            block.attend(q, kv, task, plan.pieces(rank, task.source), scale, acc, rec, ring.progress, step, padded=True)
+            kv = mine if task.source == rank else wire.arrived(held[task.stream], padded=form.padded)
+            block.attend(q, kv, task, plan.pieces(rank, task.source), scale, acc, rec, ring.progress, step,
+                         padded=form.padded)
         computed, start = time.perf_counter() - start, time.perf_counter()
         ring.wait(timeout, _slow_step_note(step, computed, timeout))
         rec.event("wait", start, step=step)

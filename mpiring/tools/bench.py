@@ -20,7 +20,10 @@ the kernel's scratch. Columns (see docs/performance.md):
   the busiest rank's share of the pairs. ``%lim`` = limit / wall,
   ``kern%`` = limit / time inside the kernels and merges.
 - eff: parallel efficiency T(P=1) / (P * T(P)) against a baseline CSV of P=1.
-- comm%: the largest fraction of wall any rank spent blocked in Wait.
+- comm%: exposed communication, the fraction of wall the least-blocked rank
+  spent in Wait: every rank waited at least that long for bytes still moving.
+  wait%: the most-blocked rank's fraction; what it adds to comm% is waiting
+  for a slower rank (load imbalance, or a core the machine slowed), not bytes.
 - bytes: bytes each rank sent, checked against ``predicted_bytes_sent``.
 - prec: the precision of the row: fp32 inputs (``fp32``), bfloat16 inputs
   (``bf16``: tiles in float32, K/V travel as bf16), fp32 inputs with K/V sent
@@ -62,7 +65,7 @@ from mpiring import (
     ring_attention,
     ring_attention_backward,
 )
-from mpiring.core import backends, gemm
+from mpiring.core import backends, gemm, tune
 from mpiring.core.machine import cpu_model, vector_extensions
 from mpiring.core.precision import Precision, named_dtype
 from mpiring.cost.costmodel import format_wire_model
@@ -196,8 +199,8 @@ def run_config(comm, cfg, *, repeats=3, budget=30.0, seed=0, limits=None, baseli
     del q, k, v, dout, rest
 
     walls = comm.gather([s[0] for s in samples], root=0)
-    fractions = [s[1] / s[0] for s in samples]
-    comm_frac = comm.allreduce(statistics.median(fractions), op=MPI.MAX)
+    fractions = statistics.median(s[1] / s[0] for s in samples)
+    comm_frac, wait_frac = comm.allreduce(fractions, op=MPI.MIN), comm.allreduce(fractions, op=MPI.MAX)
     compute = comm.allreduce(statistics.median(s[2] for s in samples), op=MPI.MAX)
     sent = comm.gather(samples[0][3], root=0)
     peaks = comm.gather(peak, root=0)
@@ -207,8 +210,8 @@ def run_config(comm, cfg, *, repeats=3, budget=30.0, seed=0, limits=None, baseli
     wall = statistics.median(max(per_rank) for per_rank in zip(*walls, strict=True))
     predicted = _predicted_bytes(cfg, plan)
     row.update(status="ok", repeats=len(samples), wall_s=wall, gflops=flops / wall / 1e9,
-               compute_s=compute, exposed_comm=comm_frac, bytes_sent=max(sent), bytes_predicted=max(predicted),
-               bytes_match=int(list(sent) == list(predicted)),
+               compute_s=compute, exposed_comm=comm_frac, most_wait=wait_frac, bytes_sent=max(sent),
+               bytes_predicted=max(predicted), bytes_match=int(list(sent) == list(predicted)),
                peak_rss_mb=max(peaks), rss_per_rank_mb=" ".join(f"{p:.0f}" for p in peaks))
     row["rss_vs_model"] = (row["peak_rss_mb"] - baseline_mb) / (model["total"] / MB) if model["total"] else ""
     row["scratch_mb"] = row["peak_rss_mb"] - baseline_mb - model["total"] / MB
@@ -329,6 +332,23 @@ def _configs(args):
             for dtype, wire in ([("float32", None)] if plain else []) + ([] if b or not c else extra)]
 
 
+def _tune_first(comm, skip):
+    """With no tuning cache for this CPU, rank 0 runs ``tune`` (under a minute on an idle core; the other ranks
+    sleep) before the first row, so "auto" times the backend measured fastest here, not an untuned default."""
+    if skip or not comm.bcast(tune.untuned() if comm.Get_rank() == 0 else None, root=0):
+        return
+    entry = None
+    if comm.Get_rank() == 0:
+        print("no tuning cache for this CPU: running `python -m mpiring tune` first ...", flush=True)
+        start = time.perf_counter()
+        entry = tune.tune(log=lambda *a: None)
+        print(f"tuned in {time.perf_counter() - start:.0f} s: kernel backend {entry['kernel']} (CPU s: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in entry["kernel_seconds"].items()) + f"), GEMMs {entry['gemm']}",
+              flush=True)
+    _idle_barrier(comm)
+    tune.reread()  # every rank reads the new cache
+
+
 @with_threads(bench_parser, user_api="blas")
 def bench(comm, args):
     """Time ring attention on every rank; rank 0 prints the benchmark table and writes CSV."""
@@ -347,6 +367,7 @@ def bench(comm, args):
     report = limits = None
     use_torch = not args.no_torch and not args.long and torch_available()
     machine = None
+    _tune_first(comm, quick or args.long)
     if rank == 0:
         machine = {"cpu": cpu_model(), "vector": vector_extensions(), "kernel": backends.backend(),
                    "fma_peak": fma_peak_flops()}

@@ -15,7 +15,7 @@ COLUMNS = [
     "wall_s", "gflops", "limit_s", "of_limit", "compute_s", "kernel_of_limit",
     "torch_s", "torch_gflops", "vs_torch", "torch1_s", "torch1_gflops", "of_peak", "torch_of_peak", "torch1_of_peak",
     "cp_s", "vs_cp", "cp_error",
-    "efficiency", "exposed_comm",
+    "efficiency", "exposed_comm", "most_wait",
     "bytes_sent", "bytes_predicted", "bytes_match",
     "peak_rss_mb", "rss_per_rank_mb", "model_mb", "baseline_mb", "rss_vs_model", "scratch_mb",
     "blas", "blas_arch", "blas_threads", "kernel", "cpu", "background_cores",
@@ -92,7 +92,8 @@ TABLE = [  # header, key, format, width
     ("wall s", "wall_s", ".3f", 8), ("GFLOP/s", "gflops", ".1f", 8), ("%lim", "of_limit", ".0%", 5),
     ("kern%", "kernel_of_limit", ".0%", 6), ("%peak", "of_peak", ".0%", 5), ("torch", "torch_gflops", ".1f", 6),
     ("x torch", "vs_torch", ".2f", 7), ("torch1", "torch1_gflops", ".1f", 6), ("t1%pk", "torch1_of_peak", ".0%", 5),
-    ("eff", "efficiency", ".0%", 5), ("comm%", "exposed_comm", ".1%", 6), ("bytes/rank", "bytes_sent", "d", 11),
+    ("eff", "efficiency", ".0%", 5), ("comm%", "exposed_comm", ".1%", 6), ("wait%", "most_wait", ".1%", 6),
+    ("bytes/rank", "bytes_sent", "d", 11),
     ("=model", "bytes_match", "", 6), ("RSS MB", "peak_rss_mb", ".0f", 7), ("model+base", None, "", 10),
     ("ratio", "rss_vs_model", ".2f", 6), ("bg", "background_cores", ".1f", 4),
 ]
