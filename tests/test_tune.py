@@ -92,3 +92,16 @@ def test_untuned_until_tune_writes(cache, monkeypatch):
     monkeypatch.setenv("MPIRING_TUNE_CACHE", "off")
     machine.cached.cache_clear()
     assert not tune.untuned()                              # cache off: "auto" is numpy, by choice
+
+
+def test_machine_key_does_not_depend_on_what_is_loaded():
+    """The key the cache is written under is the key a later process looks it up by, whether or not it has
+    loaded MKL for its GEMMs yet (the GEMM choice, read from the cache, decides that)."""
+    import ctypes
+
+    machine.machine_key.cache_clear()
+    before = machine.machine_key()
+    if machine.mkl_library():
+        ctypes.CDLL(machine.mkl_library())
+    machine.machine_key.cache_clear()
+    assert machine.machine_key() == before

@@ -72,12 +72,19 @@ def vector_extensions():
 
 @functools.cache
 def machine_key():
-    """What the fastest choice depends on: CPU model, NumPy's version and BLAS, whether MKL is installed."""
+    """What the fastest choice depends on: CPU model, NumPy's version and BLAS, whether MKL is installed.
+
+    The same whatever this process has loaded so far: the MKL that ``core.gemm`` loads (or not, as the cache
+    says) is left out of the BLAS list, so the key that found the cache is the key the cache was written under.
+    """
     from threadpoolctl import threadpool_info
 
+    mkl = mkl_library()
+    ours = os.path.realpath(mkl) if mkl else None
     blas = sorted(f"{p.get('internal_api')} {p.get('version')} {p.get('architecture')}"
-                  for p in threadpool_info() if p.get("user_api") == "blas")
-    return " | ".join([cpu_model(), f"numpy {np.__version__}", *blas, "mkl" if mkl_library() else "no mkl"])
+                  for p in threadpool_info()
+                  if p.get("user_api") == "blas" and os.path.realpath(p.get("filepath", "")) != ours)
+    return " | ".join([cpu_model(), f"numpy {np.__version__}", *blas, "mkl" if mkl else "no mkl"])
 
 
 @functools.cache

@@ -15,8 +15,14 @@ inputs, and in the backward an lse beyond ``kernels.LSE_LIMIT`` (refused there).
 A klo/khi mask is cut into calls the op computes exactly: per chunk of query
 rows, the keys every row sees (no mask), a causal triangle (``is_causal``,
 top-left aligned: row i sees keys c0..c0+i), or else an additive 0/-inf mask of
-the chunk's rows and the keys they see (``CALL_SCORES`` entries at most).
+the chunk's rows and the keys they see (``SHORT_CALL_SCORES`` entries at most).
 The forward merges every call's (out, lse) into the running pair (``merge``).
+
+While a call runs, a helper thread polls the rank's messages
+(``tiles.Progress.during``; the op releases the GIL), so calls can be long
+(``CALL_SCORES``) without leaving transfers unattended. The ring keeps K/V for
+this backend as (..., n, d) (``buffers.PlainBuffers``); a block in the NumPy
+kernel's [x | 1]^T form costs one contiguous copy (``_tensors``).
 """
 
 import functools
@@ -160,7 +166,7 @@ def _tensors(torch, sh):
     """q (B, g, Sq, D) and k, v (B, 1, Sk, D) as tensors sharing the arrays' memory (contiguous k, v)."""
     if hasattr(sh, "k"):
         k, v = sh.k, sh.v
-    else:  # the ring's padded [x | 1]^T blocks: one contiguous copy each (the op is 10x slower on transposed keys)
+    else:  # [x | 1]^T blocks (``padded=True``): one contiguous copy each (the op is 10x slower on transposed keys)
         k, v = scratch("torch.k", (sh.b, sh.sk, sh.d), sh.dtype), scratch("torch.v", (sh.b, sh.sk, sh.dv), sh.dtype)
         np.copyto(k, np.swapaxes(sh.kt[:, :sh.d], -1, -2))  # in kept buffers: ~0.6 % of a 8 x 8192^2 block
         np.copyto(v, np.swapaxes(sh.vt[:, :sh.dv], -1, -2))

@@ -10,8 +10,8 @@ No MPI. On one core (one BLAS thread) it times, on the same full-mask block:
 - the kernel's three steps alone, on its own tiles and operands: Q·Kᵀ into
   the score tile, ``exp2`` in place, P·V added into the accumulator, nothing
   else (no offsets, masks, checks or merges);
-- the kernel itself, ``attention_block`` on K/V in the ring's padded form,
-  merged into float64 accumulators as the ring does, with each kernel backend
+- the kernel itself, ``attention_block`` on K/V in the form the ring keeps
+  for its backend, merged into float64 accumulators as the ring does, with each kernel backend
   installed (``mpiring.core.backends``: numpy, and torch's flash-attention ops);
 - torch's ``scaled_dot_product_attention`` with one thread, and with
   ``--threads`` threads (in a child process, when torch is installed).
@@ -105,8 +105,11 @@ def percore(comm=None, args=None):
         out, lse = np.zeros((h, seq, d)), np.full((h, seq), -np.inf)
         for name in [b for b in backends.available() if not (args.no_torch and b == "torch")]:
             with backends.using(name):
+                padded = backends.takes_padded()  # K/V in the form the ring keeps for this backend
+                kv = (kt, vt) if padded else (k, v)
                 rows[f"the kernel (attention_block), {name}"] = best_seconds(
-                    lambda: backends.attention_block(q, kt, vt, scale, padded=True, into=(out, lse)), args.repeats)
+                    lambda: backends.attention_block(q, *kv, scale, padded=padded, into=(out, lse)),  # noqa: B023
+                    args.repeats)
     torch_p = None
     if not args.no_torch and torch_available():
         one = torch_times([cfg], 1, repeats=args.repeats)[0]
