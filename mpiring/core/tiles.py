@@ -5,6 +5,7 @@ are viewed as (B, g, S, D) blocks, which (query tile, key tile) pairs a mask
 leaves, and the per-thread scratch buffers kept between calls.
 """
 
+import functools
 import sys
 import threading
 import time
@@ -273,7 +274,11 @@ class Progress:
     def __init__(self, fn):
         self.fn = fn
         self.last = time.perf_counter()
-        self.threaded = fn is not None and polls_from_a_thread()
+
+    @functools.cached_property
+    def threaded(self):
+        """Whether ``during`` polls from a helper thread (asked only by kernels that call ``during``)."""
+        return self.fn is not None and polls_from_a_thread()
 
     def __call__(self):
         if self.fn is not None:

@@ -199,8 +199,8 @@ def run_config(comm, cfg, *, repeats=3, budget=30.0, seed=0, limits=None, baseli
     del q, k, v, dout, rest
 
     walls = comm.gather([s[0] for s in samples], root=0)
-    fractions = statistics.median(s[1] / s[0] for s in samples)
-    comm_frac, wait_frac = comm.allreduce(fractions, op=MPI.MIN), comm.allreduce(fractions, op=MPI.MAX)
+    blocked = statistics.median(s[1] / s[0] for s in samples)  # this rank's fraction of wall in Wait
+    comm_frac, wait_frac = comm.allreduce(blocked, op=MPI.MIN), comm.allreduce(blocked, op=MPI.MAX)
     compute = comm.allreduce(statistics.median(s[2] for s in samples), op=MPI.MAX)
     sent = comm.gather(samples[0][3], root=0)
     peaks = comm.gather(peak, root=0)
