@@ -229,3 +229,43 @@ def test_blocks_are_kept_in_the_form_of_the_backend(rng):
         assert isinstance(slots, PlainBuffers) and not slots.padded and slots.pad == 0
         assert all(np.shares_memory(a, b) for a, b in zip(held, (k, v)))
         assert [x.shape for x in slots.take(3)] == [(2, 2, 3, 4), (2, 2, 3, 3)]
+
+
+@needs_torch
+@pytest.mark.parametrize("threaded", [True, False])
+@pytest.mark.parametrize("kind", ["full", "causal", "offset causal", "window", "documents"])
+@pytest.mark.parametrize("sq,sk", [(15, 15), (17, 40), (50, 23), (64, 64)])
+def test_torch_in_many_calls_stores_then_merges(rng, monkeypatch, threaded, kind, sq, sk):
+    """Calls of 16 rows (the smallest), polled from a helper thread or between calls: the first call of each
+    row chunk stores its (out, lse) into empty rows, the next ones (a triangle after a chunk's full part)
+    merge; and the same block merged into an accumulator that already holds another block. Forward and
+    backward against the float64 reference."""
+    from mpiring.core import torch_kernel
+
+    monkeypatch.setattr(torch_kernel, "CALL_SCORES", 1)
+    monkeypatch.setattr(torch_kernel, "SHORT_CALL_SCORES", 1)
+    q, k, v = qkv(rng, (2, 4, sq, 8), (2, 2, sk, 8))
+    _, k0, v0 = qkv(rng, (2, 4, sq, 8), (2, 2, 9, 8))  # another block of 9 keys, all visible
+    dout = rng.standard_normal(q.shape)
+    klo, khi = _mask(kind, sq, sk)
+    want, want_lse = reference_attention(q, k, v, None, klo, khi)
+    first, first_lse = reference_attention(q, k0, v0)
+    both_lse = np.logaddexp(first_lse, want_lse)  # the two blocks merged, from the definition
+    both = (np.exp(first_lse - both_lse)[..., None] * first
+            + np.exp(np.where(np.isneginf(want_lse), -np.inf, want_lse - both_lse))[..., None] * want)
+    polls = []
+    progress = (lambda: polls.append(1)) if threaded else None
+    with backends.using("torch"):
+        alone, alone_lse = _computed_by("torch", lambda: backends.attention_block(q, k, v, None, klo, khi,
+                                                                                   progress=progress))
+        acc = (np.zeros(q.shape), np.full(q.shape[:-1], -np.inf))
+        backends.attention_block(q, k0, v0, None, into=acc)
+        backends.attention_block(q, k, v, None, klo, khi, into=acc, progress=progress)
+        grads = backends.attention_block_backward(dout, q, k, v, want, want_lse, None, klo, khi, progress=progress)
+    assert_attention_close(alone, want, np.float64)
+    np.testing.assert_allclose(alone_lse, want_lse, atol=1e-12, rtol=0)
+    assert_attention_close(acc[0], both, np.float64)
+    np.testing.assert_allclose(acc[1], both_lse, atol=1e-12, rtol=0)
+    for got, ref_g, name in zip(grads, reference_attention_backward(dout, q, k, v, None, klo, khi),
+                                ("dq", "dk", "dv")):
+        assert_attention_close(got, ref_g, np.float64, name)
