@@ -31,6 +31,7 @@ How a job ends under mpiexec:
 
 import argparse
 import contextlib
+import ctypes
 import importlib
 import os
 import signal
@@ -154,22 +155,45 @@ def _on_interrupt(rank):
             os.write(2, b"interrupted\n")
         mpi = sys.modules.get("mpi4py.MPI")
         if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-            threading.Thread(target=_exit_after, args=(FINALIZE_WAIT,), daemon=True).start()
+            tiles = sys.modules.get("mpiring.core.tiles")  # not imported: no helper thread polls MPI
+            if tiles is not None:
+                tiles.stop_helper_polls()  # the interrupted thread may be waiting for its helper's poll
+            finalized = threading.Event()
+            threading.Thread(target=_exit_unless, args=(finalized, FINALIZE_WAIT), daemon=True).start()
             mpi.Finalize()
-            # the launcher kills every rank still running once one leaves with a non-zero code: give a
-            # rank that is still finishing a tile (its handler runs after it) time to get here too
+            finalized.set()
+            # MPI_Finalize need not wait for the other ranks (MPICH's does), and a launcher may end the
+            # job once a rank leaves with a non-zero code (Open MPI's does): give a rank still finishing
+            # a tile (its handler runs after it) time to get here too
             time.sleep(EXIT_GRACE)
-        os._exit(INTERRUPTED)
+        _leave(INTERRUPTED)
     return handler
+
+
+def _leave(code):
+    """End this process with ``code`` as C's exit() does, without unwinding the interrupted Python code.
+
+    Not os._exit: MPICH tells its process manager that the rank finalized (PMI_Finalize) from a C exit
+    hook, and hydra takes a rank that leaves without it for a crash and kills the ranks still running
+    (SIGKILL, "BAD TERMINATION"), which some of them were, by a few milliseconds, now and then.
+    """
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    with contextlib.suppress(OSError, AttributeError):  # no C library to call: os._exit
+        ctypes.CDLL(None).exit(code)
+    os._exit(code)
 
 
 FINALIZE_WAIT = 10.0  # seconds an interrupted rank waits for the others in MPI_Finalize
 EXIT_GRACE = 5.0  # seconds an interrupted rank waits after finalizing, so the ranks leave together
 
 
-def _exit_after(seconds):
-    time.sleep(seconds)
-    os._exit(INTERRUPTED)
+def _exit_unless(finalized, seconds):
+    """The watchdog: exit at once unless MPI finalized within ``seconds`` (a rank that never got the signal
+    holds the others in MPI_Finalize; the launcher then ends it)."""
+    if not finalized.wait(seconds):
+        os._exit(INTERRUPTED)
 
 
 def main(argv=None):

@@ -212,6 +212,33 @@ def test_progress_polls_while_a_long_call_runs():
     assert len(polls) == 1
 
 
+def test_no_helper_polls_after_they_are_stopped(monkeypatch):
+    """Ctrl-C's handler stops the helper threads before it finalizes MPI: once ``stop_helper_polls``
+    returns, the helper of a call still running never calls the progress function again (a poll after
+    MPI_Finalize ends the rank with MPI's error, exit 1, instead of 130)."""
+    import threading
+    import time
+
+    from mpiring.core import tiles
+
+    monkeypatch.setattr(tiles, "_HELPERS_STOPPED", threading.Event())
+    polls, stopped_at = [], []
+
+    def call():  # releases the GIL like a torch op; "Ctrl-C" arrives in the middle of it
+        time.sleep(10 * tiles.THREAD_POLL_INTERVAL)
+        tiles.stop_helper_polls()
+        stopped_at.append(time.perf_counter())
+        time.sleep(10 * tiles.THREAD_POLL_INTERVAL)
+
+    def poll():
+        if threading.current_thread() is not threading.main_thread():  # (during polls once more after it)
+            polls.append(time.perf_counter())
+
+    tiles.Progress(poll).during(call)
+    assert polls and polls[0] < stopped_at[0]  # it polled before
+    assert max(polls) <= stopped_at[0], "a helper polled after stop_helper_polls returned"
+
+
 @needs_torch
 def test_blocks_are_kept_in_the_form_of_the_backend(rng):
     """The ring keeps K/V as [x | 1]^T for the NumPy kernel and as given for torch's op (no copy per block)."""

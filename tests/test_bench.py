@@ -102,8 +102,8 @@ def test_quick_bench_under_load_leaves_no_spinner(tmp_path):
 
 @pytest.mark.skipif(MPIEXEC is None or not os.path.isdir("/proc"), reason="no mpiexec on PATH, or no /proc")
 def test_interrupted_under_load_leaves_no_spinner():
-    """Ctrl-C passed on by mpiexec while a row runs loaded: the ranks exit 130 (os._exit: no finally, no atexit),
-    and the spinner, orphaned, leaves by itself."""
+    """Ctrl-C passed on by mpiexec while a row runs loaded: the ranks exit 130 (C's exit(): no finally, no
+    Python atexit), and the spinner, orphaned, leaves by itself."""
     before = set(spinner_pids())
     cmd = mpiexec_argv(2, sys.executable, "-m", "mpiring", "bench", "--sizes", "2048", "--dims", "64", "--mask",
                        "full", "--passes", "fwd", "--precisions", "fp32", "--repeats", "20", "--budget", "60",

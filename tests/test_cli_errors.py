@@ -17,11 +17,13 @@ import time
 import pytest
 
 from mpiring.__main__ import main
+from mpiring.core import torch_kernel
 
 from launch import MPIEXEC, clean_env, mpiexec_argv, open_mpi
 
 HERE = os.path.dirname(__file__)
 needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
+needs_torch = pytest.mark.skipif(not torch_kernel.available(), reason="no PyTorch with its CPU attention ops")
 try:
     import matplotlib  # noqa: F401
 
@@ -31,7 +33,7 @@ except ImportError:
 NOISE = ("Abort", "BAD TERMINATION", "Traceback")
 
 
-def _launch(n, *args, limit=120, interrupt_on=None):
+def _launch(n, *args, limit=120, interrupt_on=None, env=None):
     """Run ``mpiexec -n n python *args`` in its own process group: (exit code, stdout, stderr, seconds).
 
     ``interrupt_on``: send SIGINT to the whole group (mpiexec and the ranks, as a terminal's Ctrl-C does)
@@ -40,7 +42,7 @@ def _launch(n, *args, limit=120, interrupt_on=None):
     """
     cmd = mpiexec_argv(n, sys.executable, *args)
     start = time.perf_counter()
-    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=clean_env(),
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=clean_env(**(env or {})),
                            start_new_session=True)
     chunks = []
     try:
@@ -190,21 +192,62 @@ def test_a_second_sigint_during_the_first_does_not_cut_the_wait_short(monkeypatc
     monkeypatch.setitem(sys.modules, "mpi4py.MPI", FakeMPI())
     monkeypatch.setattr(cli.threading, "Thread", lambda **kw: type("T", (), {"start": lambda self: None})())
     monkeypatch.setattr(cli.time, "sleep", lambda seconds: events.append(("sleep", seconds)))
-    monkeypatch.setattr(cli.os, "_exit", fake_exit)
+    monkeypatch.setattr(cli, "_leave", fake_exit)
     with pytest.raises(_Exited):
         handler(signal.SIGINT, None)
     assert events == ["finalize", ("sleep", cli.EXIT_GRACE), ("exit", cli.INTERRUPTED)]
 
 
+def test_the_watchdog_ends_a_rank_only_while_mpi_finalize_hangs(monkeypatch):
+    """The watchdog exits (os._exit: Hydra then ends the job) when MPI_Finalize has not returned in time, and
+    never once it has: a rank in its exit grace must leave through C's exit(), or Hydra kills the others."""
+    import threading
+
+    import mpiring.__main__ as cli
+
+    exits = []
+    monkeypatch.setattr(cli.os, "_exit", exits.append)
+    finalized = threading.Event()
+    cli._exit_unless(finalized, 0.01)
+    assert exits == [cli.INTERRUPTED]
+    finalized.set()
+    cli._exit_unless(finalized, 0.01)
+    assert exits == [cli.INTERRUPTED]
+
+
+LEAVE_JOB = """
+import sys, time
+from mpi4py import MPI
+import mpiring.__main__ as cli
+rank = MPI.COMM_WORLD.Get_rank()
+MPI.Finalize()
+if rank == 0:
+    time.sleep(1.0)  # still running when rank 1 leaves
+    print("rank 0 outlived rank 1", flush=True)
+cli._leave(130)
+"""
+
+
 @needs_mpiexec
-@pytest.mark.parametrize("attempt", range(2))
-def test_ctrl_c_ends_every_rank_with_130(attempt):
+def test_a_rank_that_leaves_after_finalizing_does_not_end_the_others():
+    """How an interrupted rank leaves: after MPI_Finalize, one rank leaves 1 s before the other, and the
+    other still runs to its end (os._exit instead made Hydra kill it every time: no PMI_Finalize)."""
+    rc, out, err, _ = _launch(2, "-c", LEAVE_JOB, limit=60)
+    assert "rank 0 outlived rank 1" in out and rc == 130, out + err
+    assert not any(n in out + err for n in NOISE), out + err
+
+
+@needs_mpiexec
+@pytest.mark.parametrize("kernel", ["numpy", pytest.param("torch", marks=needs_torch)])
+def test_ctrl_c_ends_every_rank_with_130(kernel):
     """SIGINT to mpiexec's process group in the middle of a long ring: one line, exit 130, no traceback.
 
-    Open MPI's mpirun reports its own exit code (1) when the ranks end on SIGINT, whatever theirs are,
-    and stops forwarding their output, so rank 0's one line may not reach the terminal there.
+    Each kernel backend: torch's op runs while a helper thread polls MPI, which must stop before the handler
+    finalizes MPI. Open MPI's mpirun reports its own exit code (1) when the ranks end on SIGINT, whatever
+    theirs are, and stops forwarding their output, so rank 0's one line may not reach the terminal there.
     """
-    rc, out, err, seconds = _run(4, "--seq-len", "32768", "--progress", "on", interrupt_on="ring step")
+    rc, out, err, seconds = _run(4, "--seq-len", "32768", "--progress", "on", interrupt_on="ring step",
+                                 env={"MPIRING_KERNEL": kernel})
     assert not any(n in out + err for n in NOISE), out + err
     assert seconds < 60
     if open_mpi():  # mpirun stops forwarding the ranks' output once interrupted, and exits 1 itself

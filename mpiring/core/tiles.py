@@ -16,7 +16,8 @@ from .machine import cached_tiles  # the tuning cache, read once per process
 
 __all__ = ["TILE_BYTES", "TILE_K", "PROGRESS_INTERVAL", "default_tiles", "default_scale", "kernel_dtype", "Shapes",
            "mask_arrays", "scratch", "filled", "release_workspace", "pad_ones", "transpose_into", "as_view",
-           "with_ones", "tile_max_norm", "tile_max_norm_t", "Tiles", "Progress", "polls_from_a_thread"]
+           "with_ones", "tile_max_norm", "tile_max_norm_t", "Tiles", "Progress", "polls_from_a_thread",
+           "stop_helper_polls"]
 
 # Default tiles, measured on a 2-core AMD EPYC (Zen 4), 1 BLAS thread, H=8,
 # S=4096: 512 x 256 for float32, 256 x 256 for float64, i.e. the
@@ -256,6 +257,20 @@ class Tiles:
         return m
 
 
+_HELPERS_POLLING = threading.Lock()  # held by a helper thread (Progress.during) while it calls MPI
+_HELPERS_STOPPED = threading.Event()
+
+
+def stop_helper_polls():
+    """After this returns, no helper thread of ``Progress.during`` calls MPI again in this process.
+
+    For a SIGINT handler that finalizes MPI while the interrupted thread waits for its helper: a poll
+    after MPI_Finalize would end the process with MPI's own error instead of the handler's exit code.
+    """
+    with _HELPERS_POLLING:
+        _HELPERS_STOPPED.set()
+
+
 def polls_from_a_thread():
     """Whether a progress callback may run in a helper thread while this one computes.
 
@@ -302,11 +317,14 @@ class Progress:
 
         def poll():
             while not done.wait(THREAD_POLL_INTERVAL):
-                try:
-                    self.fn()
-                except BaseException as exc:  # noqa: BLE001 - raised in the calling thread below
-                    errors.append(exc)
-                    return
+                with _HELPERS_POLLING:
+                    if _HELPERS_STOPPED.is_set():
+                        return
+                    try:
+                        self.fn()
+                    except BaseException as exc:  # noqa: BLE001 - raised in the calling thread below
+                        errors.append(exc)
+                        return
 
         helper = threading.Thread(target=poll, name="mpiring-progress", daemon=True)
         helper.start()
