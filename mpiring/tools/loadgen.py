@@ -11,7 +11,7 @@ The spinners are plain interpreters running a loop (no numpy, no MPI), with
   ``busy_load`` kills and reaps them in its ``finally``;
 - the interpreter exits with spinners still running (a generator never closed):
   an ``atexit`` hook kills them;
-- the parent dies without running either (``os._exit`` in the Ctrl-C handler of
+- the parent dies without running either (C's ``exit()`` in the Ctrl-C handler of
   ``python -m mpiring``, ``MPI_Abort``, SIGKILL): each spinner checks its parent
   every few milliseconds and leaves once it has been orphaned.
 
