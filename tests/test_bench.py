@@ -85,6 +85,21 @@ def test_quick_bench_two_ranks_against_baseline(tmp_path):
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
+def test_p1_times_each_row_alone_in_the_same_run(tmp_path):
+    """--p1: each row again on rank 0 alone right after it; efficiency = that time / (P x the row's), no baseline."""
+    out = tmp_path / "p2.csv"
+    cmd = mpiexec_argv(2, sys.executable, "-m", "mpiring", "bench", *TINY, "--no-torch", "--precisions", "fp32",
+                       "--p1", "--csv", out)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=clean_env())
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [r for r in read_csv(out) if r["status"] == "ok"]
+    assert rows and all(r["P"] == 2 for r in rows)
+    for row in rows:
+        assert row["p1_s"] > 0
+        assert row["efficiency"] == pytest.approx(row["p1_s"] / (2 * row["wall_s"]), rel=1e-3)
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
 def test_quick_bench_under_load_leaves_no_spinner(tmp_path):
     """--load 1: every row timed again with a busy process beside it, which is gone when the job ends."""
     before = set(spinner_pids())

@@ -232,6 +232,18 @@ def _torch_seconds(comm, cfg, args, threads=None):
     return t
 
 
+def _alone_seconds(comm, cfg, args, baseline_mb, guard_mb):
+    """Rank 0: row ``cfg`` on one rank (COMM_SELF), the others asleep: its wall seconds (None if it did not
+    run; None on the other ranks). Right after the P-rank row, so both see the machine in the same state."""
+    t = None
+    if comm.Get_rank() == 0:
+        one = run_config(MPI.COMM_SELF, cfg, repeats=args.repeats, budget=args.budget * comm.Get_size(),
+                         seed=args.seed, baseline_mb=baseline_mb, guard_mb=guard_mb)
+        t = one["wall_s"] if one.get("status") == "ok" else None
+    _idle_barrier(comm)
+    return t
+
+
 def _context_parallel(comm, cfg):
     """Rank 0: PyTorch's context parallel on P processes for row ``cfg`` (the others sleep): (seconds, error)."""
     result = (None, None)
@@ -291,6 +303,9 @@ def bench_parser():
     p.add_argument("--threads", type=int, default=1, help="BLAS threads per rank")
     p.add_argument("--csv", metavar="PATH", help="write the rows as CSV")
     p.add_argument("--baseline", metavar="CSV", help="P=1 rows of an earlier run, for parallel efficiency")
+    p.add_argument("--p1", action="store_true",
+                   help="time each row again on rank 0 alone right after it (the other ranks asleep), for "
+                        "parallel efficiency measured in this run (instead of --baseline's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--precisions", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS),
                    help="fp32: float32 inputs; bf16: bfloat16 inputs; int8w: float32 inputs, K/V sent as int8 "
@@ -400,6 +415,8 @@ def bench(comm, args):
             row.update(torch1_s=row.get("torch_s"), torch1_gflops=row.get("torch_gflops"))
         elif with_torch and (t := _torch_seconds(comm, cfg, args, threads=1)):
             row.update(torch1_s=t, torch1_gflops=row["gflops"] * row["wall_s"] / t)
+        if ok and args.p1 and size > 1 and (t := _alone_seconds(comm, cfg, args, baseline_mb, guard)):
+            row.update(p1_s=t)
         if ok and args.load > 0:
             with busy_load(args.load if rank == 0 else 0):
                 again = run_config(comm, cfg, repeats=args.repeats, budget=args.budget, seed=args.seed,

@@ -15,7 +15,7 @@ COLUMNS = [
     "wall_s", "gflops", "limit_s", "of_limit", "compute_s", "kernel_of_limit",
     "torch_s", "torch_gflops", "vs_torch", "torch1_s", "torch1_gflops", "of_peak", "torch_of_peak", "torch1_of_peak",
     "cp_s", "vs_cp", "cp_error",
-    "efficiency", "exposed_comm", "most_wait",
+    "p1_s", "efficiency", "exposed_comm", "most_wait",
     "bytes_sent", "bytes_predicted", "bytes_match",
     "peak_rss_mb", "rss_per_rank_mb", "model_mb", "baseline_mb", "rss_vs_model", "scratch_mb",
     "blas", "blas_arch", "blas_threads", "kernel", "cpu", "background_cores",
@@ -70,12 +70,14 @@ def _row_key(row):
 
 
 def add_efficiency(rows, baseline_rows):
-    """Fill ``efficiency`` = T(P=1) / (P * T(P)) from P=1 rows (this run's or a baseline's)."""
-    ones = {_row_key(r): r for r in list(baseline_rows) + list(rows) if r.get("P") == 1 and _num(r.get("wall_s"))}
+    """Fill ``efficiency`` = T(P=1) / (P * T(P)): T(P=1) timed right after the row (``p1_s``, ``bench --p1``),
+    else from P=1 rows (this run's or a baseline's)."""
+    ones = {_row_key(r): r["wall_s"] for r in list(baseline_rows) + list(rows)
+            if r.get("P") == 1 and _num(r.get("wall_s"))}
     for row in rows:
-        one = ones.get(_row_key(row))
+        one = row.get("p1_s") if _num(row.get("p1_s")) else ones.get(_row_key(row))
         if one is not None and _num(row.get("wall_s")) and row["P"] > 1:
-            row["efficiency"] = one["wall_s"] / (row["P"] * row["wall_s"])
+            row["efficiency"] = one / (row["P"] * row["wall_s"])
     return rows
 
 
