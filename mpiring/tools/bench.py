@@ -221,36 +221,34 @@ def run_config(comm, cfg, *, repeats=3, budget=30.0, seed=0, limits=None, baseli
     return row
 
 
+def _on_rank0(comm, work, otherwise=None):
+    """``work()`` on rank 0 while the other ranks sleep (their cores left to it): its result on rank 0,
+    ``otherwise`` on the others."""
+    result = work() if comm.Get_rank() == 0 else otherwise
+    _idle_barrier(comm)
+    return result
+
+
 def _torch_seconds(comm, cfg, args, threads=None):
     """Rank 0: torch SDPA's seconds on row ``cfg`` with ``threads`` (default: all the ranks' BLAS threads; None if
     it failed; None on the other ranks, which sleep)."""
-    t = None
-    if comm.Get_rank() == 0:
-        t = torch_times([cfg], threads=threads or comm.Get_size() * args.threads, repeats=args.repeats,
-                        budget=args.budget)[0]
-    _idle_barrier(comm)
-    return t
+    return _on_rank0(comm, lambda: torch_times([cfg], threads=threads or comm.Get_size() * args.threads,
+                                               repeats=args.repeats, budget=args.budget)[0])
 
 
 def _alone_seconds(comm, cfg, args, baseline_mb, guard_mb):
     """Rank 0: row ``cfg`` on one rank (COMM_SELF), the others asleep: its wall seconds (None if it did not
     run; None on the other ranks). Right after the P-rank row, so both see the machine in the same state."""
-    t = None
-    if comm.Get_rank() == 0:
+    def alone():
         one = run_config(MPI.COMM_SELF, cfg, repeats=args.repeats, budget=args.budget * comm.Get_size(),
                          seed=args.seed, baseline_mb=baseline_mb, guard_mb=guard_mb)
-        t = one["wall_s"] if one.get("status") == "ok" else None
-    _idle_barrier(comm)
-    return t
+        return one["wall_s"] if one.get("status") == "ok" else None
+    return _on_rank0(comm, alone)
 
 
 def _context_parallel(comm, cfg):
     """Rank 0: PyTorch's context parallel on P processes for row ``cfg`` (the others sleep): (seconds, error)."""
-    result = (None, None)
-    if comm.Get_rank() == 0:
-        result = context_parallel_times([cfg], comm.Get_size())[0]
-    _idle_barrier(comm)
-    return result
+    return _on_rank0(comm, lambda: context_parallel_times([cfg], comm.Get_size())[0], (None, None))
 
 
 def _context_parallel_lines(rows, size):
@@ -383,7 +381,7 @@ def bench(comm, args):
     _tune_first(comm, quick or args.long)
     gemm.product()  # the kernels' GEMM library (MKL, when used) loaded: its code is baseline, not data
     tiny = np.ones((1, 16, 64), np.float32)
-    backends.attention_block(tiny, tiny, tiny)  # so is the kernel backend's (torch: ~300 MB of libraries)
+    backends.attention_block(tiny, tiny, tiny)  # so is the kernel backend's (torch: ~190 MB resident)
     baseline_mb = comm.allreduce(rss_mb(), op=MPI.MAX)  # interpreter + libraries, before any array
     if rank == 0:
         machine = {"cpu": cpu_model(), "vector": vector_extensions(), "kernel": backends.backend(),
