@@ -71,6 +71,37 @@ def test_torch_computes_what_it_supports(rng, dtype, kind, sq, sk):
 
 
 @needs_torch
+def test_a_call_with_fewer_threads_leaves_no_trace(rng):
+    """After a block under ``threads=1`` (a BLAS limit), torch's next block gives the bits it gave before.
+
+    Ending the limit restored OpenMP's count but not the one torch had set in its own MKL; torch reported the old
+    count, the backend skipped setting it, and the float64 backward ran on with one MKL thread: other bits than a
+    fresh process's (tests/test_history_mpi.py found it with MPIRING_KERNEL=torch)."""
+    from mpiring.core.threads import blas_threads, limited
+
+    if blas_threads() < 2:
+        pytest.skip("BLAS runs one thread here: nothing to restore")
+    q, k, v = qkv(rng, (1, 2, 23, 8), (1, 1, 23, 8))
+    dout = rng.standard_normal(q.shape)
+    klo, khi = _mask("window", 23, 23)
+    out, lse = reference_attention(q, k, v, None, klo, khi)
+
+    def grads():
+        return _computed_by("torch", lambda: backends.attention_block_backward(dout, q, k, v, out, lse, None, klo,
+                                                                               khi))
+
+    with backends.using("torch"):
+        before = grads()
+        with limited(1):
+            one_thread = grads()
+        after = grads()
+    if all(np.array_equal(a, b) for a, b in zip(before, one_thread)):
+        pytest.skip("one and two threads give the same bits here: the test would not see a thread count left over")
+    for a, b, name in zip(before, after, ("dq", "dk", "dv")):
+        assert np.array_equal(a, b), f"{name}: other bits after a call with threads=1"
+
+
+@needs_torch
 @pytest.mark.parametrize("case", ["dv != d", "huge logits", "nan in k", "inf in v", "no keys", "lse beyond limit",
                                   "dlse in delta"])
 def test_what_torch_cannot_do_goes_to_numpy_bit_for_bit(rng, case):

@@ -6,11 +6,14 @@ MKL's tests skip where it is not installed (``pip install mpiring[mkl]``;
 run/test installs it on x86-64 Linux).
 """
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from threadpoolctl import threadpool_limits
 
-from mpiring.core import gemm
+from mpiring.core import gemm, machine
 from mpiring.core.kernels import attention_block, attention_block_backward
 from mpiring.core.reference import reference_attention, reference_attention_backward
 
@@ -102,6 +105,35 @@ def test_using_restores_the_choice():
     with pytest.raises(KeyError), gemm.using("numpy"):
         raise KeyError
     assert gemm.backend() == before
+
+
+@pytest.mark.parametrize("vendor, want", [("AuthenticAMD", "numpy"), ("GenuineIntel", "mkl"), ("", "numpy")])
+def test_untuned_auto_takes_mkl_only_on_intel(monkeypatch, vendor, want):
+    """Without a tuning cache "auto" keeps NumPy's GEMMs on any CPU but Intel's (MKL measured slower on AMD)."""
+    if want == "mkl" and "mkl" not in GEMM_BACKENDS:
+        want = "numpy"
+    monkeypatch.setattr(gemm, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(machine, "cached_choice", lambda key: None)
+    gemm.set_backend("auto")  # clears the cached answer
+    try:
+        assert gemm.backend() == want
+    finally:
+        monkeypatch.undo()
+        gemm.set_backend("auto")
+
+
+def test_asking_what_is_available_loads_no_mkl():
+    """``available`` and an untuned "auto" on a CPU that is not Intel's leave MKL's library unloaded: loaded, it
+    would take over the MKL calls of a torch imported later (module docstring of mpiring.core.gemm)."""
+    code = ("import mpiring.core.gemm as g, mpiring.core.machine as m\n"
+            "m.cached_choice = lambda key: None\n"
+            "g.cpu_vendor = lambda: 'AuthenticAMD'\n"
+            "print(g.available(), g.backend(), g.product().__name__)\n"
+            "print(any('libmkl' in line for line in open('/proc/self/maps')))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    names, loaded = done.stdout.splitlines()
+    assert names == f"{GEMM_BACKENDS} numpy gemm" and loaded == "False", done.stdout
 
 
 @needs_mkl

@@ -10,7 +10,8 @@ on either of its last two axes), and ``out`` is written in place. With
 temporary and no second pass over it.
 
 Backends (``MPIRING_GEMM`` or ``set_backend``; ``"auto"``, the default, takes
-the tuning cache's choice, ``python -m mpiring tune``, else MKL when installed):
+the tuning cache's choice, ``python -m mpiring tune``, else MKL when it is
+installed and the CPU is Intel's, else NumPy's):
 
 - ``numpy``: ``np.matmul`` (OpenBLAS in NumPy's wheels). Always there.
 - ``mkl``: ``cblas_?gemm_batch_strided`` of Intel MKL's ``libmkl_rt``
@@ -20,9 +21,23 @@ the tuning cache's choice, ``python -m mpiring tune``, else MKL when installed):
   Used only while BLAS runs one thread per process (``mpiring.core.threads``);
   other thread counts take NumPy's path.
 
+The untuned rule, measured on both CPU families: MKL's kernel was 1.2-1.35x
+OpenBLAS's on an Intel Xeon (docs/performance.md §10), and slower on both AMD
+EPYCs measured (Zen 4: 1.397 against 1.317 s in ``tune``, §14; an AVX2 EPYC:
+28.1 against 34.4 GFLOP/s), so on any CPU but Intel's "auto" without a cache
+keeps NumPy's and MKL's library is never loaded.
+
 Whatever the backend, float32 and float64 give the same results up to the
 order of the sums (rounding); other dtypes and operands MKL cannot take as
 strided batches always go through NumPy.
+
+MKL and torch in one process: ``libmkl_rt`` loads MKL's libraries into the
+process's global symbol scope, and torch (which carries its own MKL, bound
+lazily) then calls this MKL for every MKL function it had not called yet, and
+takes one intra-op thread by default (torch asks MKL for its thread count, and
+this MKL is sequential). Results agree to rounding either way, but which bits
+a torch op gives then depends on what ran first. So MKL's library is loaded
+only when it is the backend in use (``available`` only looks for its file).
 """
 
 import ctypes
@@ -30,7 +45,7 @@ import functools
 
 import numpy as np
 
-from .machine import Choice, mkl_library
+from .machine import Choice, cpu_vendor, mkl_library
 from .threads import blas_threads
 from .tiles import scratch
 
@@ -75,16 +90,22 @@ def _mkl():
 
 
 def available():
-    """The backends this process can use."""
-    return [name for name in BACKENDS if name == "numpy" or _mkl() is not None]
+    """The backends this process can use. MKL's library is not loaded to answer (module docstring)."""
+    loaded = _mkl.cache_info().currsize
+    return [name for name in BACKENDS if name == "numpy" or (_mkl() is not None if loaded else mkl_library())]
+
+
+def _untuned():
+    """"auto" without a tuning cache: MKL on Intel CPUs where it is installed, else NumPy's (module docstring)."""
+    return "mkl" if cpu_vendor() == "GenuineIntel" and _mkl() is not None else "numpy"
 
 
 _choice = Choice("gemm", "MPIRING_GEMM", BACKENDS, available,
                  lambda name: "gemm backend 'mkl' needs Intel MKL's libmkl_rt: pip install mpiring[mkl]", "gemm",
-                 lambda: "mkl" if _mkl() is not None else "numpy")
+                 _untuned)
 set_backend = _choice.set  # "numpy", "mkl" or "auto" (the tuning cache's choice) for this process
 using = _choice.using  # ``set_backend(name)`` inside a ``with`` block, the choice before it restored after
-backend = _choice.current  # the backend in use: chosen, or for "auto" the tuning cache's pick, else MKL if here
+backend = _choice.current  # the backend in use: chosen, or for "auto" the tuning cache's pick, else _untuned()
 
 
 def _operand(x, itemsize):
@@ -107,7 +128,7 @@ def product():
 
     Kernels ask once per call (the thread count is read from the BLAS, a few microseconds).
     """
-    if backend() == "mkl" and blas_threads() == 1:
+    if backend() == "mkl" and blas_threads() == 1 and _mkl() is not None:
         return gemm_mkl
     return gemm
 

@@ -19,7 +19,7 @@ import sys
 import numpy as np
 
 __all__ = ["mkl_library", "cache_path", "machine_key", "cached", "cached_choice", "cached_tiles", "Choice",
-           "cpu_model", "vector_extensions"]
+           "cpu_model", "cpu_vendor", "vector_extensions"]
 
 
 def mkl_library():
@@ -40,16 +40,26 @@ def cache_path():
     return os.path.join(base, "mpiring", "tune.json")
 
 
-def cpu_model():
-    """This CPU's model name, as /proc/cpuinfo (or the platform) gives it."""
+def _cpuinfo(*fields):
+    """The value of the first line of /proc/cpuinfo that starts with one of ``fields``, or None."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
+                if line.startswith(fields):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def cpu_model():
+    """This CPU's model name, as /proc/cpuinfo (or the platform) gives it."""
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
+
+
+def cpu_vendor():
+    """This CPU's vendor as /proc/cpuinfo gives it ("GenuineIntel", "AuthenticAMD", ...; "" if unknown)."""
+    return _cpuinfo("vendor_id") or ""
 
 
 # the vector extensions that decide a kernel's speed, as /proc/cpuinfo names them (x86 flags, Arm features)
@@ -59,15 +69,8 @@ VECTOR_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl
 
 def vector_extensions():
     """This CPU's vector extensions among ``VECTOR_FLAGS``, e.g. "avx avx2 fma avx512f ..." ("" if unknown)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    have = set(line.split(":", 1)[1].split())
-                    return " ".join(flag for flag in VECTOR_FLAGS if flag in have)
-    except OSError:
-        pass
-    return ""
+    have = set((_cpuinfo("flags", "Features") or "").split())
+    return " ".join(flag for flag in VECTOR_FLAGS if flag in have)
 
 
 @functools.cache

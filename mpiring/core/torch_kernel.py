@@ -75,10 +75,15 @@ def available():
 
 
 def _threads(torch):
-    """Torch's intra-op threads as many as the BLAS's now (one per rank when ranks share the cores)."""
-    n = blas_threads()
-    if torch.get_num_threads() != n:
-        torch.set_num_threads(n)
+    """Torch's intra-op threads as many as the BLAS's now (one per rank when ranks share the cores).
+
+    Set on every call (0.1 us), not only when ``torch.get_num_threads()`` differs: that reads OpenMP's count,
+    which threadpoolctl restores when a ``threads=`` limit ends while torch's own MKL keeps the count it was
+    set to. Torch then reported 2 threads while its float64 backward ran with MKL's 1, and a block gave other
+    bits after a call with ``threads=1`` than in a fresh process (tests/test_history_mpi.py with the torch
+    backend).
+    """
+    torch.set_num_threads(blas_threads())
 
 
 def _fits(sh, scale):
