@@ -137,6 +137,29 @@ def test_ranks_passing_different_arguments(comm, name, change, expected):
     _run_case(comm, change, expected, dict(cu_seqlens=[0, 1, 4 * comm.size]))
 
 
+@pytest.mark.parametrize("which", ["kernel", "gemm"])
+def test_a_backend_one_rank_cannot_run_is_every_ranks_error(comm, monkeypatch, which):
+    """A bad MPIRING_KERNEL (or MPIRING_GEMM) on one rank: the agreement reports it on every rank, and the
+    backends are resolved there, before the ring, not in its first block where the others would wait."""
+    from mpiring.core import backends, gemm
+
+    choice = {"kernel": backends._choice, "gemm": gemm._choice}[which]
+    b = comm.size - 1
+    if comm.rank == b:
+        monkeypatch.setattr(choice, "choice", "blas")
+        choice.current.cache_clear()
+    q, k, v = _inputs(comm)
+    try:
+        texts = _errors(comm, ring_attention, q, k, v, comm)
+    finally:
+        monkeypatch.undo()
+        choice.current.cache_clear()
+    names = "('numpy', 'torch', 'auto')" if which == "kernel" else "('numpy', 'mkl', 'auto')"
+    env = "MPIRING_KERNEL" if which == "kernel" else "MPIRING_GEMM"
+    assert texts == [f"rank {b}: {which} backend must be one of {names}, not 'blas' ({env})"] * comm.size
+    _still_works(comm)
+
+
 def test_same_bad_input_everywhere_names_every_rank(comm):
     q, k, v = _inputs(comm)
     texts = _errors(comm, ring_attention, q, k, v, comm, layout="spiral", expected_size=comm.size)

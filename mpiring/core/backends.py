@@ -44,7 +44,7 @@ _choice = Choice("kernel", "MPIRING_KERNEL", BACKENDS, available,
                               "pip install torch (a CPU build)", "kernel", lambda: "numpy")
 set_backend = _choice.set  # "numpy", "torch" or "auto" (the tuning cache's choice) for this process
 using = _choice.using  # ``set_backend(name)`` inside a ``with`` block, the choice before it restored after
-backend = _choice.current  # the backend in use (a bad MPIRING_KERNEL raises at the first block, on every rank)
+backend = _choice.current  # the backend in use (a bad MPIRING_KERNEL: every rank's error, mpi.checks.backend_problem)
 
 
 def choice():

@@ -8,15 +8,32 @@ same ValueError on every rank.
 
 import numpy as np
 
+from ..core import backends, gemm
 from ..core.kernels import LSE_LIMIT
 from ..core.precision import compute_dtype, dtype_problem
 from ..core.ranks import ranks_text
 from ..plans.spec import FIELDS, digest, is_real, scale_problem
 
-__all__ = ["local_problem", "is_real", "timeout_problem", "AUTO_AGREE", "AUTO_BASE", "AUTO_RATE", "AUTO_ENTRY",
-           "agreement_timeout", "entry_timeout", "resolve_timeout", "size_problem", "Shown", "shape_text", "verdict",
-           "differences", "describe", "compared", "logit_problem", "grad_problem", "root_problem", "root_grad_problem",
-           "scale_problem", "call_values", "values_digest", "peaks"]
+__all__ = ["local_problem", "backend_problem", "is_real", "timeout_problem", "AUTO_AGREE", "AUTO_BASE", "AUTO_RATE",
+           "AUTO_ENTRY", "agreement_timeout", "entry_timeout", "resolve_timeout", "size_problem", "Shown", "shape_text",
+           "verdict", "differences", "describe", "compared", "logit_problem", "grad_problem", "root_problem",
+           "root_grad_problem", "scale_problem", "call_values", "values_digest", "peaks"]
+
+
+def backend_problem():
+    """Why the chosen kernel or GEMM backend cannot run here, or None.
+
+    Resolving the choice loads its library (torch's import: seconds, more with many ranks on few cores): done
+    here, before the agreement, a rank spends that before the ring starts rather than inside its first block
+    while the others wait on it, and a bad ``MPIRING_KERNEL`` or ``MPIRING_GEMM`` is every rank's error.
+    Cached after the first call.
+    """
+    try:
+        backends.backend()
+        gemm.backend()
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def local_problem(q, k, v, scale, check_finite=False, same_rows=True):
@@ -49,6 +66,8 @@ def local_problem(q, k, v, scale, check_finite=False, same_rows=True):
         return f"batch and head axes must not be empty, got q {q.shape}, k {k.shape}"
     if scale_problem(scale):
         return scale_problem(scale)
+    if backend_problem():
+        return backend_problem()
     if check_finite:  # one pass over the inputs: off by default
         for name, a in (("q", q), ("k", k), ("v", v)):
             bad = ~np.isfinite(a)
