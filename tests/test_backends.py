@@ -71,6 +71,25 @@ def test_torch_computes_what_it_supports(rng, dtype, kind, sq, sk):
 
 
 @needs_torch
+def test_each_torch_block_gives_freed_heap_back(rng, monkeypatch):
+    """Forward and backward blocks on torch's op end with ``malloc_trim``: glibc would keep the op's freed
+    outputs (docs/performance.md §17 measures what it was worth); blocks the NumPy kernel takes do not trim."""
+    from mpiring.core import torch_kernel
+
+    trims = []
+    monkeypatch.setattr(torch_kernel, "trim_heap", lambda: trims.append(1))
+    q, k, v = qkv(rng, (2, 40, 8))
+    out, lse = reference_attention(q, k, v)
+    with backends.using("torch"):
+        _computed_by("torch", lambda: backends.attention_block(q, k, v))
+        assert len(trims) == 1
+        _computed_by("torch", lambda: backends.attention_block_backward(q, q, k, v, out, lse))
+        assert len(trims) == 2
+        _computed_by("numpy", lambda: backends.attention_block(q, k, v[..., :5]))  # dv != d: the NumPy kernel
+        assert len(trims) == 2
+
+
+@needs_torch
 def test_a_call_with_fewer_threads_leaves_no_trace(rng):
     """After a block under ``threads=1`` (a BLAS limit), torch's next block gives the bits it gave before.
 

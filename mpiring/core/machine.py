@@ -19,7 +19,7 @@ import sys
 import numpy as np
 
 __all__ = ["mkl_library", "cache_path", "machine_key", "cached", "cached_choice", "cached_tiles", "Choice",
-           "cpu_model", "cpu_vendor", "vector_extensions"]
+           "cpu_model", "cpu_vendor", "vector_extensions", "trim_heap"]
 
 
 def mkl_library():
@@ -29,6 +29,22 @@ def mkl_library():
         if found:
             return found[0]
     return ctypes.util.find_library("mkl_rt")
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's ``malloc_trim``, or None (another C library)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def trim_heap():
+    """Give the C heap's free memory back to the OS (glibc's ``malloc_trim(0)``; nothing elsewhere)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def cache_path():

@@ -3,9 +3,10 @@
 Linux /proc first; elsewhere ``resource`` where it has an answer, else None.
 """
 
-import ctypes
 import os
 import resource
+
+from ..core.machine import trim_heap
 
 __all__ = ["rss_mb", "peak_rss_mb", "reset_peak_rss", "available_mb", "busy_cpu_seconds", "own_cpu_seconds",
            "child_env"]
@@ -42,10 +43,7 @@ def peak_rss_mb():
 
 def reset_peak_rss():
     """Give freed heap back to the OS and reset the peak (Linux: clear_refs 5). True if reset."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    trim_heap()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
