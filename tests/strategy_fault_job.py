@@ -30,6 +30,7 @@ import mpiring.handle
 import mpiring.parallel.grid
 import mpiring.parallel.strategies
 from mpiring.core import block
+from mpiring.mpi.checks import backend_problem
 
 STRATEGIES = {"ring": {}, "bidirectional": dict(mode="bidirectional"), "allgather": dict(mode="allgather"),
               "pass-q": dict(rotate="q"), "ulysses": dict(mode="ulysses"),
@@ -107,6 +108,11 @@ def main():
     parser.add_argument("--cases", nargs="*", default=CASES, help=f"default: all ({', '.join(CASES)})")
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
+    # the kernel backend's library loaded before the first case's clock starts (torch's import, with
+    # MPIRING_KERNEL=torch: 10-15 s for 16 ranks on 2 cores): a case's time is its ring's
+    problem = backend_problem()
+    if problem:
+        raise SystemExit(problem)
     for case in args.cases:
         seconds, outcome = run_case(comm, case, args.rank, args.timeout)
         said = comm.gather((seconds, outcome), root=0)  # blocking: every rank has returned by now
