@@ -27,10 +27,13 @@ kernel's [x | 1]^T form costs one contiguous copy (``_tensors``).
 The op allocates its outputs on every call (it has no ``out=``), and glibc
 keeps what torch frees: its mmap threshold rises to the size of the freed
 outputs, so the next calls take their memory from the heap, which grew by
-tens of MB a warm call. Each block ends with ``malloc_trim`` (about 1 ms
-against a block's second): P = 2, S = 16384, the bench's peak RSS over its
-memory model went from 1.50 / 1.54 / 1.59 / 1.36 to 1.30 / 1.39 / 1.17 /
-1.19 (forward full / causal, forward+backward full / causal; docs/performance.md §17).
+tens of MB a warm call. ``settle``, called when a ring call ends
+(``mpiring.handle``), gives the freed heap back (``malloc_trim``) if a torch
+block ran since: P = 2, S = 16384, the bench's peak RSS over its memory model
+went from 1.50 / 1.54 / 1.59 / 1.36 to 1.30 / 1.39 / 1.17 / 1.19 with a trim
+after every block (forward full / causal, forward+backward full / causal;
+docs/performance.md §17), which cost the causal forward+backward 2 % in
+page faults; once a call costs the first block's faults only.
 """
 
 import functools
@@ -53,7 +56,7 @@ from .tiles import (
     tile_max_norm_t,
 )
 
-__all__ = ["available", "supports", "delta_matches", "forward", "backward", "CALL_SCORES"]
+__all__ = ["available", "supports", "delta_matches", "forward", "backward", "settle", "CALL_SCORES"]
 
 # Score entries (heads x rows x keys) per call of the op. A helper thread polls the rank's messages
 # while a call runs (``tiles.Progress.during``), so calls can be long: 2^28 entries, about 1 s of one
@@ -76,6 +79,16 @@ def _torch():
             and hasattr(ops, "_scaled_dot_product_flash_attention_for_cpu_backward")):
         return None
     return torch
+
+
+_left = [False]  # whether a block has freed the op's outputs since the last ``settle``
+
+
+def settle():
+    """Give the heap the op's outputs left back to the OS, if a block ran since the last time (a call's end)."""
+    if _left[0]:
+        _left[0] = False
+        trim_heap()
 
 
 def available():
@@ -222,7 +235,7 @@ def forward(q, k, v, scale=None, klo=None, khi=None, *, padded=False, into=None,
                 out[:, :, a:e], lse[:, :, a:e] = o, s
             else:
                 merge(out[:, :, a:e], lse[:, :, a:e], o, s, inplace=True)
-    trim_heap()  # the op's outputs, freed: see the module docstring
+    _left[0] = True  # the op's outputs, freed: given back when the call ends (``settle``)
     if into is not None:
         return into
     return out.reshape(sh.lead + out.shape[-2:]), lse.reshape(sh.lead + lse.shape[-1:])
@@ -267,5 +280,5 @@ def backward(dout, q, k, v, out, lse, scale=None, klo=None, khi=None, *, progres
             dq[:, :, a:e] += gq.numpy()
             dk[:, c:d_] += gk.numpy()[:, 0]
             dvv[:, c:d_] += gv.numpy()[:, 0]
-    trim_heap()
+    _left[0] = True
     return dq.reshape(sh.lead + dq.shape[-2:]), dk.reshape(sh.k_shape), dvv.reshape(sh.v_shape)
