@@ -19,7 +19,6 @@ import contextlib
 
 import numpy as np
 
-from .core import backends
 from .core.block import GRAD_DTYPE
 from .core.kernels import default_scale
 from .core.precision import Precision, compute_dtype
@@ -174,7 +173,7 @@ class Ring:
     def _call(self):
         if self._failed:
             raise RuntimeError(f"this Ring cannot be used any more: {self._failed}")
-        with exclusive(self._rings[0].comm), limited(self.threads), backends.settled():
+        with exclusive(self._rings[0].comm), limited(self.threads):
             yield
 
     @contextlib.contextmanager
@@ -421,7 +420,7 @@ def ring_attention(
                                              problem=problem, rows="qkk", hosts=hosts, same_rows=same_rows,
                                              first=first)
         with Ring._agreed(comm, plan, spec, timeout, hosts, seq_axis, threads, backward=False) as ring:
-            with limited(ring.threads), backends.settled():
+            with limited(ring.threads):
                 return ring._forward(q, k, v, scale, record, checked=True)
 
 
@@ -495,5 +494,5 @@ def ring_attention_backward(
                                           rows="qqkkq" + "l" * (1 if dlse is None else 2), hosts=hosts,
                                           same_rows=same_rows, first=first)
         with Ring._agreed(comm, plan, spec, timeout, hosts, seq_axis, threads, backward=True) as ring:
-            with limited(ring.threads), backends.settled():
+            with limited(ring.threads):
                 return ring._backward(arrays[:5], arrays[5:], scale, record, checked=True)

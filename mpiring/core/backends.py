@@ -22,14 +22,13 @@ exactly (its ``supports``). Backends (``MPIRING_KERNEL`` or ``set_backend``):
 that the backend they chose did the work).
 """
 
-import contextlib
 from collections import Counter
 
 from . import kernels, torch_kernel
 from .machine import Choice
 
 __all__ = ["BACKENDS", "available", "set_backend", "using", "backend", "choice", "takes_padded", "calls",
-           "attention_block", "attention_block_backward", "settled"]
+           "attention_block", "attention_block_backward"]
 
 BACKENDS = ("numpy", "torch")
 calls = Counter()
@@ -51,15 +50,6 @@ backend = _choice.current  # the backend in use (a bad MPIRING_KERNEL: every ran
 def choice():
     """What was chosen: a backend's name, or "auto" (``backend()`` says which backend that is)."""
     return _choice.choice
-
-
-@contextlib.contextmanager
-def settled():
-    """A ring call: what the backends leave behind (torch's freed outputs in the heap) is given back at its end."""
-    try:
-        yield
-    finally:
-        torch_kernel.settle()
 
 
 def takes_padded():

@@ -27,13 +27,12 @@ kernel's [x | 1]^T form costs one contiguous copy (``_tensors``).
 The op allocates its outputs on every call (it has no ``out=``), and glibc
 keeps what torch frees: its mmap threshold rises to the size of the freed
 outputs, so the next calls take their memory from the heap, which grew by
-tens of MB a warm call. ``settle``, called when a ring call ends
-(``mpiring.handle``), gives the freed heap back (``malloc_trim``) if a torch
-block ran since: P = 2, S = 16384, the bench's peak RSS over its memory model
-went from 1.50 / 1.54 / 1.59 / 1.36 to 1.30 / 1.39 / 1.17 / 1.19 with a trim
-after every block (forward full / causal, forward+backward full / causal;
-docs/performance.md §17), which cost the causal forward+backward 2 % in
-page faults; once a call costs the first block's faults only.
+tens of MB a warm call. Each block ends with ``malloc_trim``: P = 2, S =
+16384, the bench's peak RSS over its memory model went from 1.50 / 1.54 /
+1.59 / 1.36 to 1.30 / 1.39 / 1.17 / 1.19 (forward full / causal,
+forward+backward full / causal), at about 1 ms a trim and 2 % of the causal
+forward+backward in page faults; a trim once a call instead cost nothing
+measurable but kept RSS/model at 1.40 / 1.55 / 1.46 / 1.34 (docs/performance.md §17).
 """
 
 import functools
@@ -56,7 +55,7 @@ from .tiles import (
     tile_max_norm_t,
 )
 
-__all__ = ["available", "supports", "delta_matches", "forward", "backward", "settle", "CALL_SCORES"]
+__all__ = ["available", "supports", "delta_matches", "forward", "backward", "CALL_SCORES"]
 
 # Score entries (heads x rows x keys) per call of the op. A helper thread polls the rank's messages
 # while a call runs (``tiles.Progress.during``), so calls can be long: 2^28 entries, about 1 s of one
@@ -79,16 +78,6 @@ def _torch():
             and hasattr(ops, "_scaled_dot_product_flash_attention_for_cpu_backward")):
         return None
     return torch
-
-
-_left = [False]  # whether a block has freed the op's outputs since the last ``settle``
-
-
-def settle():
-    """Give the heap the op's outputs left back to the OS, if a block ran since the last time (a call's end)."""
-    if _left[0]:
-        _left[0] = False
-        trim_heap()
 
 
 def available():
@@ -235,7 +224,7 @@ def forward(q, k, v, scale=None, klo=None, khi=None, *, padded=False, into=None,
                 out[:, :, a:e], lse[:, :, a:e] = o, s
             else:
                 merge(out[:, :, a:e], lse[:, :, a:e], o, s, inplace=True)
-    _left[0] = True  # the op's outputs, freed: given back when the call ends (``settle``)
+    trim_heap()  # the op's outputs, freed: see the module docstring
     if into is not None:
         return into
     return out.reshape(sh.lead + out.shape[-2:]), lse.reshape(sh.lead + lse.shape[-1:])
@@ -280,5 +269,5 @@ def backward(dout, q, k, v, out, lse, scale=None, klo=None, khi=None, *, progres
             dq[:, :, a:e] += gq.numpy()
             dk[:, c:d_] += gk.numpy()[:, 0]
             dvv[:, c:d_] += gv.numpy()[:, 0]
-    _left[0] = True
+    trim_heap()
     return dq.reshape(sh.lead + dq.shape[-2:]), dk.reshape(sh.k_shape), dvv.reshape(sh.v_shape)
