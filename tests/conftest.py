@@ -95,6 +95,11 @@ def local(x, comm, layout="contiguous"):
     return np.ascontiguousarray(shard(x, comm.size, comm.rank, layout))
 
 
+# tests of the torch kernel backend (and of what runs on it) skip where torch is not installed
+needs_torch = pytest.mark.skipif("torch" not in _kernels_available(), reason="torch with its CPU attention ops is "
+                                                                            "not installed here")
+
+
 # The kernels' GEMM backends (mpiring.core.gemm): kernel test modules that say
 # ``pytestmark = pytest.mark.usefixtures("each_gemm")`` run once per backend installed here.
 # MKL's path is taken only while BLAS runs one thread per process, as under mpiexec: it gets that.

@@ -20,9 +20,7 @@ from mpiring.core.reference import reference_attention, reference_attention_back
 from mpiring.plans.masks import visible_keys
 from mpiring.testing import assert_attention_close
 
-from conftest import GRAD_TOL, qkv, tol
-
-needs_torch = pytest.mark.skipif("torch" not in backends.available(), reason="torch is not installed here")
+from conftest import GRAD_TOL, needs_torch, qkv, tol
 
 
 def _mask(kind, sq, sk):

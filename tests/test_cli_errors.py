@@ -12,18 +12,18 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 from mpiring.__main__ import main
-from mpiring.core import torch_kernel
 
+from conftest import needs_torch
 from launch import MPIEXEC, clean_env, mpiexec_argv, open_mpi
 
 HERE = os.path.dirname(__file__)
 needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
-needs_torch = pytest.mark.skipif(not torch_kernel.available(), reason="no PyTorch with its CPU attention ops")
 try:
     import matplotlib  # noqa: F401
 
@@ -167,6 +167,7 @@ def test_a_second_sigint_during_the_first_does_not_cut_the_wait_short(monkeypatc
     exit early. It arrives inside MPI_Finalize here; the rank still waits its grace, then exits once.
     """
     import mpiring.__main__ as cli
+    from mpiring.core import tiles
 
     events = []
     handler = cli._on_interrupt([1])
@@ -190,6 +191,8 @@ def test_a_second_sigint_during_the_first_does_not_cut_the_wait_short(monkeypatc
         raise _Exited
 
     monkeypatch.setitem(sys.modules, "mpi4py.MPI", FakeMPI())
+    # the handler stops the helper threads that poll MPI: in this process's tiles, not for the tests after it
+    monkeypatch.setattr(tiles, "_HELPERS_STOPPED", threading.Event())
     monkeypatch.setattr(cli.threading, "Thread", lambda **kw: type("T", (), {"start": lambda self: None})())
     monkeypatch.setattr(cli.time, "sleep", lambda seconds: events.append(("sleep", seconds)))
     monkeypatch.setattr(cli, "_leave", fake_exit)

@@ -335,6 +335,8 @@ def with_sinks(out, lse, sinks):
     key of value 0, so out shrinks by exp(lse - new lse)."""
     sink = _sink_rows(sinks, lse)
     new = np.logaddexp(np.asarray(lse, np.float64), sink)
+    # the merge of kernels.merge with a block (0, sink), written as out * exp(lse - new) rather than merge's
+    # out + (0 - out) * exp(sink - new): when the sink takes nearly all the weight, 1 - exp(sink - new) cancels
     scaled = np.exp(np.asarray(lse, np.float64) - np.where(np.isneginf(new), 0, new))
     return (out * scaled[..., None]).astype(out.dtype, copy=False), new.astype(lse.dtype, copy=False)
 
