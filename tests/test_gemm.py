@@ -122,18 +122,34 @@ def test_untuned_auto_takes_mkl_only_on_intel(monkeypatch, vendor, want):
         gemm.set_backend("auto")
 
 
+def _untuned_process(vendor, lines):
+    """What ``lines`` print in a new interpreter with mpiring's GEMMs untuned on a CPU of ``vendor``; ``mkl()``
+    there says whether MKL's library is loaded."""
+    code = "\n".join(["import mpiring.core.gemm as g, mpiring.core.machine as m",
+                      "from threadpoolctl import threadpool_limits",
+                      "m.cached_choice = lambda key: None",
+                      f"g.cpu_vendor = lambda: {vendor!r}",
+                      "mkl = lambda: any('libmkl' in line for line in open('/proc/self/maps'))", *lines, ""])
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
 def test_asking_what_is_available_loads_no_mkl():
     """``available`` and an untuned "auto" on a CPU that is not Intel's leave MKL's library unloaded: loaded, it
     would take over the MKL calls of a torch imported later (module docstring of mpiring.core.gemm)."""
-    code = ("import mpiring.core.gemm as g, mpiring.core.machine as m\n"
-            "m.cached_choice = lambda key: None\n"
-            "g.cpu_vendor = lambda: 'AuthenticAMD'\n"
-            "print(g.available(), g.backend(), g.product().__name__)\n"
-            "print(any('libmkl' in line for line in open('/proc/self/maps')))\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    names, loaded = done.stdout.splitlines()
-    assert names == f"{GEMM_BACKENDS} numpy gemm" and loaded == "False", done.stdout
+    names, loaded = _untuned_process("AuthenticAMD", ["print(g.available(), g.backend(), g.product().__name__)",
+                                                      "print(mkl())"])
+    assert names == f"{GEMM_BACKENDS} numpy gemm" and loaded == "False", (names, loaded)
+
+
+@needs_mkl
+def test_resolving_the_backend_on_intel_loads_no_mkl_until_a_kernel_asks():
+    """Every call's checks resolve the backend (``mpi.checks.backend_problem``): on an Intel CPU that names MKL
+    without loading it; the first ``product()`` with one BLAS thread loads it."""
+    got = _untuned_process("GenuineIntel", ["print(g.backend(), mkl())", "with threadpool_limits(1, user_api='blas'):",
+                                            "    print(g.product().__name__, mkl())"])
+    assert got == ["mkl False", "gemm_mkl True"], got
 
 
 @needs_mkl

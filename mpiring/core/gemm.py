@@ -96,8 +96,11 @@ def available():
 
 
 def _untuned():
-    """"auto" without a tuning cache: MKL on Intel CPUs where it is installed, else NumPy's (module docstring)."""
-    return "mkl" if cpu_vendor() == "GenuineIntel" and _mkl() is not None else "numpy"
+    """"auto" without a tuning cache: MKL on Intel CPUs where it is installed, else NumPy's (module docstring).
+
+    Answered from MKL's file, as ``available``: resolving the backend (every call's checks do) loads nothing;
+    ``product`` loads MKL when a kernel first asks for it, and takes NumPy's GEMMs if it will not load."""
+    return "mkl" if cpu_vendor() == "GenuineIntel" and "mkl" in available() else "numpy"
 
 
 _choice = Choice("gemm", "MPIRING_GEMM", BACKENDS, available,
