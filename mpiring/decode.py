@@ -37,6 +37,7 @@ from .mpi.checks import AUTO_BASE, AUTO_RATE, Shown, describe, logit_problem, sc
 from .mpi.comm import RingComm
 from .mpi.record import Record
 from .mpi.waits import exclusive, wait_until
+from .plans.content import described
 from .plans.masks import combined
 from .plans.plan import Piece, Where
 from .plans.spec import Spec, digest, spec_problem
@@ -337,7 +338,8 @@ class Scores:
 
     def values(self):
         """What every rank must give alike: the pieces and functions by what they are."""
-        return {name: Shown(self.spec.field_key(name), repr(getattr(self.spec, name))) for name in SCORE_FIELDS}
+        return {name: Shown(None, described(getattr(self.spec, name)), self.spec.field_content(name))
+                for name in SCORE_FIELDS}
 
     def partial(self, q, blocks, scale, positions, causal, padded):
         out = np.zeros(q.shape[:-1] + (0,))

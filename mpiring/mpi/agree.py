@@ -19,10 +19,12 @@ from .checks import (
     compared,
     describe,
     differences,
+    differing_parts,
     entry_timeout,
     is_real,
     local_problem,
     logit_problem,
+    part_values,
     peaks,
     shape_text,
     size_problem,
@@ -86,10 +88,24 @@ def agreed(comm, problem, values=None, timeout=None, extra=None, entry=False):
     """
     gathered = (gather_entry(comm, (problem, values, extra), timeout) if entry
                 else allgather(comm, (problem, values, extra), agreement_timeout(timeout)))
-    message = verdict([g[0] for g in gathered]) or verdict(differences([g[1] for g in gathered], 0))
+    message = verdict([g[0] for g in gathered]) or _differences(comm, values, [g[1] for g in gathered], timeout)
     if message:
         raise ValueError(message)
     return [g[2] for g in gathered]
+
+
+def _differences(comm, mine, every, timeout):
+    """The message naming each rank whose values differ from rank 0's, or None.
+
+    Values with content (functions, arrays) that differ under the same text are named down to the part
+    that differs: a second all-gather (only then, on every rank alike) brings that part from both ranks.
+    """
+    wanted = differing_parts(every, 0)
+    parts = {}
+    if wanted:
+        sent = allgather(comm, part_values(mine, wanted, comm.Get_rank(), 0), agreement_timeout(timeout))
+        parts = {(r, name): (sent[r][(r, name)], sent[0][(r, name)]) for r, name, _ in wanted}
+    return verdict(differences(every, 0, parts))
 
 
 def agree(comm, problem, timeout=None, entry=False):

@@ -31,6 +31,7 @@ import functools
 import numpy as np
 
 from ..core.scores import count_allowed
+from .content import content
 
 __all__ = ["visible_keys", "block_kind", "doc_ids", "check_window", "check_cu_seqlens", "check_causal_block",
            "row_work", "MaskPiece", "Causal", "Window", "Documents", "Prefix", "Padding", "Function", "And", "Or",
@@ -113,8 +114,9 @@ class MaskPiece:
         raise NotImplementedError
 
     def key(self):
-        """What the piece is, comparable: its class and its fields (arrays by their values)."""
-        return (type(self).__qualname__, tuple((name, _field_key(value)) for name, value in sorted(vars(self).items())))
+        """What the piece is, comparable across processes: its class and the content of its fields (arrays by
+        their bytes, functions by everything they read: ``plans.content``)."""
+        return type(self).__qualname__, content(vars(self), type(self).__qualname__).digest
 
     def __eq__(self, other):
         return isinstance(other, MaskPiece) and other.key() == self.key()
@@ -127,28 +129,6 @@ class MaskPiece:
 
     def __or__(self, other):
         return Or(self, _piece(other, "|"))
-
-
-def _field_key(value):
-    if isinstance(value, np.ndarray):
-        return value.dtype.str, value.shape, value.tobytes()
-    if isinstance(value, MaskPiece):
-        return value.key()
-    if isinstance(value, tuple):
-        return tuple(_field_key(v) for v in value)
-    if callable(value):
-        return function_key(value)
-    return value
-
-
-def function_key(fn):
-    """A function, comparable across processes: its module, name, code, constants and the values it closes over
-    (not its address, which differs from rank to rank)."""
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return (getattr(fn, "__module__", None), getattr(fn, "__qualname__", repr(type(fn))))
-    cells = tuple(_field_key(c.cell_contents) for c in (fn.__closure__ or ()))
-    return (fn.__module__, fn.__qualname__, code.co_code, repr(code.co_consts), cells)
 
 
 def _piece(other, op):
