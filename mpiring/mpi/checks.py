@@ -17,8 +17,9 @@ from ..plans.spec import FIELDS, digest, is_real, scale_problem
 
 __all__ = ["local_problem", "backend_problem", "is_real", "timeout_problem", "AUTO_AGREE", "AUTO_BASE", "AUTO_RATE",
            "AUTO_ENTRY", "agreement_timeout", "entry_timeout", "resolve_timeout", "size_problem", "Shown", "shape_text",
-           "verdict", "differences", "differing_parts", "part_values", "describe", "compared", "logit_problem", "grad_problem", "root_problem",
-           "root_grad_problem", "scale_problem", "call_values", "values_digest", "peaks"]
+           "verdict", "differences", "differing_parts", "part_values", "describe", "compared", "logit_problem",
+           "grad_problem", "root_problem", "root_grad_problem", "scale_problem", "call_values", "values_digest",
+           "peaks"]
 
 
 def backend_problem():

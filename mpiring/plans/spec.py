@@ -33,10 +33,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.precision import canonical_precision
+from .content import content
 from .heads import heads_problem
 from .layouts import check_layout, sort_order
 from .make import make_plan
-from .content import content
 from .masks import MaskPiece, check_causal_block, check_mask, check_window
 from .plan import ALL_MODES, MODES
 
