@@ -18,15 +18,16 @@ wrong gradients.
 import contextlib
 
 import numpy as np
+from mpi4py import MPI
 
 from .core.block import GRAD_DTYPE
 from .core.kernels import default_scale
 from .core.precision import Precision, compute_dtype
-from .core.scores import Score
+from .core.scores import FunctionFailed, Score, bias_probe
 from .core.threads import limited, threads_for, threads_problem
 from .core.tiles import release_workspace
 from .lse import Lse, lse_problem, mismatch
-from .mpi.agree import check_call, check_comm, setup, setup_ring
+from .mpi.agree import agree, check_call, check_comm, setup, setup_ring
 from .mpi.axes import axis_problem, seq_index
 from .mpi.checks import (
     agreement_timeout,
@@ -38,8 +39,9 @@ from .mpi.checks import (
     peaks,
     resolve_timeout,
 )
+from .mpi.collectives import allreduced
 from .mpi.record import Record
-from .mpi.waits import CommTimeout, exclusive, wait_until
+from .mpi.waits import Announced, CommTimeout, Watch, exclusive, watching
 from .options import SCORES, options_problem
 from .parallel.strategies import private_rings, rotation, run_backward, run_forward, scored_forward, sink_gradients
 from .plans.layouts import LAYOUTS, shard, take_rows
@@ -116,6 +118,7 @@ class Ring:
         self._timeout, self._failed, self._rings = timeout, None, []
         # private duplicates: K/V; and what the strategy's backward needs (the ring modes: dK/dV onward and home)
         self.plan, self._rings = private_rings(comm, plan, spec.node_size, agreement_timeout(timeout), backward)
+        self._watch = Watch(self._rings[0].comm)  # the others' failure notices (``waits.Watch``)
 
     # ------------------------------------------------------------------ the handle's life
 
@@ -127,6 +130,7 @@ class Ring:
 
     def close(self):
         """Free the private communicators (collective only in that every rank should close its handle)."""
+        self._watch.close()
         for ring in self._rings:
             ring.free()  # pending transfers, after a failure, are abandoned, never cancelled
         self._rings = []
@@ -173,19 +177,33 @@ class Ring:
     def _call(self):
         if self._failed:
             raise RuntimeError(f"this Ring cannot be used any more: {self._failed}")
-        with exclusive(self._rings[0].comm), limited(self.threads):
-            yield
+        with exclusive(self._rings[0].comm), limited(self.threads), watching(self._watch):
+            try:
+                yield
+            except Announced as exc:  # another rank failed in this call or the last: this handle cannot go on
+                self._fail(exc)
+                raise
 
     @contextlib.contextmanager
     def _running(self):
-        """Inside the ring: a failure here leaves transfers behind, so the handle closes."""
+        """Inside the ring: a failure here leaves transfers behind, so the handle closes, and the others hear of
+        it at their next wait (``Watch.announce``): a user's function that failed as the same ValueError on every
+        rank, any other failure as CommTimeout naming it."""
         try:
             yield
         except BaseException as exc:
+            if isinstance(exc, FunctionFailed):
+                text = f"rank {self.rank}: {exc}"
+                self._watch.announce(text, value=True)
+                self._fail(exc)
+                raise ValueError(text) from exc
+            if not isinstance(exc, (CommTimeout, Announced, KeyboardInterrupt)):
+                self._watch.announce(f"rank {self.rank} failed in the call: {type(exc).__name__}: {exc}")
             self._fail(exc)
             raise
 
     def _fail(self, exc):
+        self._watch.close()
         self._failed = f"a call failed in the ring ({type(exc).__name__}: {exc})"
         for ring in self._rings:
             ring.free()
@@ -202,8 +220,8 @@ class Ring:
         own problem with the call, found by the caller (an adapter): every rank raises it as bad input.
         """
         with self._call():
-            (q, k, v), _, scale = self._agree_call({"q": q, "k": k, "v": v}, None, None, options, problem)
-            return self._forward(q, k, v, scale, record, checked=False)
+            (q, k, v), _, scale, timeout = self._agree_call({"q": q, "k": k, "v": v}, None, None, options, problem)
+            return self._forward(q, k, v, scale, record, timeout)
 
     def backward(self, dout, q, k, v, out, lse, *, dlse=None, record: Record | None = None, problem=None, **options):
         """This rank's ``(dq, dk, dv)`` (shapes and dtypes of q, k, v) from the forward's out and lse.
@@ -213,12 +231,13 @@ class Ring:
         """
         with self._call():
             arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out}
-            moved, lses, scale = self._agree_call(arrays, lse, dlse, options, problem)
-            return self._backward(moved, lses, scale, record, checked=False)
+            moved, lses, scale, timeout = self._agree_call(arrays, lse, dlse, options, problem)
+            return self._backward(moved, lses, scale, record, timeout)
 
     def _agree_call(self, tensors, lse, dlse, options, problem):
-        """Move the sequence to axis -2, check on this rank, agree on every rank; contiguous arrays and the scale."""
-        moved, lses, values, peak = [], [], None, [0.0, 0.0]
+        """Move the sequence to axis -2, check on this rank, agree on every rank; contiguous arrays, the scale and the
+        timeout of every wait."""
+        moved, lses, values, peak, timeout = [], [], None, [0.0, 0.0], None
         same_rows = self.spec.kv_positions is None
         try:
             tokens = {"q": len(self.plan.shards[self.rank]), "k": len(self.plan.kv_shards[self.rank])}
@@ -241,6 +260,7 @@ class Ring:
                 moved, lses = self._sorted(list(tensors), moved, lses)
                 values = call_values(names)
                 peak = peaks(names["q"], names["k"])
+                timeout, problem = self._before_ring(names["q"], 1.0 if lse is None else 2.5)
         except Exception as exc:  # reported collectively, never raised alone
             problem = describe(exc)
         try:
@@ -253,7 +273,7 @@ class Ring:
         message = logit_problem(scale, q.shape[-1], highest[0], highest[1], q.dtype)
         if message:
             raise ValueError(message)
-        return moved, lses, scale
+        return moved, lses, scale, timeout
 
     def _resolved_scale(self, q):
         return default_scale(q.shape[-1]) if self.spec.scale is None else self.spec.scale
@@ -282,15 +302,39 @@ class Ring:
     def _timeout_for(self, q, factor=1.0):
         return resolve_timeout(self._timeout, self.plan, q.size // (q.shape[-2] * q.shape[-1]), q.shape[-1], factor)
 
-    def _start_barrier(self, timeout):
-        """The common start of a call whose arguments were agreed by ``setup`` (a handle's all-reduce is one)."""
-        wait_until([self._rings[0].comm.Ibarrier()], timeout, self.rank, "start barrier", sync=True)
+    def _before_ring(self, q, factor):
+        """``(timeout, problem)``: the timeout of every wait, and this rank's problem with its own pairs: a mask with
+        holes is evaluated on them here (the plan keeps the result for the ring), before any data moves, and a
+        user's function that fails is this rank's problem, agreed (the same ValueError on every rank)."""
+        try:
+            timeout = self._timeout_for(q, factor)  # "auto": every rank's pairs counted, the same on every rank
+            if not self.plan.exact:
+                row = self.plan.kinds[self.rank]
+                for source in range(len(row)):
+                    row[source]
+            if self.spec.bias is not None:
+                bias_probe(self.spec.bias, q.shape[-3] if q.ndim > 2 else 1, self.plan.shards[self.rank],
+                           self.plan.seq_len)
+        except FunctionFailed as exc:
+            return agreement_timeout(self._timeout), str(exc)
+        return timeout, None
 
-    def _forward(self, q, k, v, scale, record, checked):
-        timeout = self._timeout_for(q)
+    def _opening(self, q, factor, timeout):
+        """The common start of a call whose arguments were agreed by ``setup`` (a handle's all-reduce is one): one
+        all-reduce of whether a rank found a problem with its own pairs (``_before_ring``); a second round names
+        it. Returns the timeout of every wait."""
+        if timeout is not None:  # a handle's call: agreed already
+            return timeout
+        timeout, problem = self._before_ring(q, factor)
+        found = allreduced(self._rings[0].comm, [1.0 if problem else 0.0], MPI.MAX, timeout, "start of the call")
+        if found[0]:
+            agree(self._rings[0].comm, problem, timeout)
+        return timeout
+
+    def _forward(self, q, k, v, scale, record, timeout=None):
+        """The ring's forward on agreed arrays; ``timeout`` None: a one-call handle, which starts with ``_opening``."""
+        timeout = self._opening(q, 1.0, timeout)
         rec = Record(self.rank) if record is None else record
-        if checked:
-            self._start_barrier(timeout)
         score = Score.of(self.spec, scale, q)
         with self._running():
             out, lse = run_forward(q, k, v, self.plan, self._rings[0], score, rec, timeout,
@@ -303,16 +347,14 @@ class Ring:
         out = np.moveaxis(out, -2, seq_index(self.seq_axis, out.ndim))
         return (out, lse) if top is None else (out, lse, top[0] if q.ndim == 2 else top)
 
-    def _backward(self, moved, lses, scale, record, checked):
+    def _backward(self, moved, lses, scale, record, timeout=None):
         dout, q, k, v, out = moved
         pr = Precision.of(k.dtype, self.spec.precision)
         delta = np.einsum("...d,...d->...", dout, out, dtype=GRAD_DTYPE)  # no float64 copies of dout and out
         if len(lses) > 1:  # d lse / d score = p: the dlse term joins delta (ds = p * (dp - delta + dlse))
             delta -= lses[1]
-        timeout = self._timeout_for(q, factor=2.5)
+        timeout = self._opening(q, 2.5, timeout)
         rec = Record(self.rank) if record is None else record
-        if checked:
-            self._start_barrier(timeout)
         with self._running():
             grads = run_backward((dout, q, k, v, out, lses[0], delta.astype(q.dtype)), self.plan, self._rings,
                                  Score.of(self.spec, scale), rec, timeout, pr)
@@ -420,8 +462,8 @@ def ring_attention(
                                              problem=problem, rows="qkk", hosts=hosts, same_rows=same_rows,
                                              first=first)
         with Ring._agreed(comm, plan, spec, timeout, hosts, seq_axis, threads, backward=False) as ring:
-            with limited(ring.threads):
-                return ring._forward(q, k, v, scale, record, checked=True)
+            with limited(ring.threads), watching(ring._watch):
+                return ring._forward(q, k, v, scale, record)
 
 
 def _call_spec(spec, **keywords):
@@ -494,5 +536,5 @@ def ring_attention_backward(
                                           rows="qqkkq" + "l" * (1 if dlse is None else 2), hosts=hosts,
                                           same_rows=same_rows, first=first)
         with Ring._agreed(comm, plan, spec, timeout, hosts, seq_axis, threads, backward=True) as ring:
-            with limited(ring.threads):
-                return ring._backward(arrays[:5], arrays[5:], scale, record, checked=True)
+            with limited(ring.threads), watching(ring._watch):
+                return ring._backward(arrays[:5], arrays[5:], scale, record)

@@ -12,12 +12,13 @@ import logging
 import threading
 import time
 
+import numpy as np
 from mpi4py import MPI
 
 from ..core.threads import cores, launcher_local_ranks
 
 __all__ = ["CommTimeout", "CAUSES", "wait_until", "wait_entry", "test_all", "completed", "exclusive", "abandon",
-           "ABANDONED", "shares_cores"]
+           "ABANDONED", "shares_cores", "Watch", "watching", "Announced"]
 
 
 # what a timed-out wait says when it knows no better
@@ -101,6 +102,65 @@ class CommTimeout(RuntimeError):
     """A ring transfer did not complete within the requested timeout (or failed with its peer)."""
 
 
+class Announced(ValueError):
+    """Another rank's failure inside a call, as it announced it (``Watch``): the error that rank raised."""
+
+
+# A rank that fails inside a call tells the others at once (``Watch.announce``): a notice of NOTICE_BYTES on the
+# call's private communicator with FAILURE_TAG (the ring's messages use tags below 8), which every wait of the
+# call polls for (``watching``), so the others raise within one poll of their next wait, not at their timeout.
+FAILURE_TAG = 32000
+NOTICE_BYTES = 2048
+_WATCHED = threading.local()
+
+
+class Watch:
+    """This rank's receive of the others' failure notices on a private communicator, posted once, polled by every
+    wait inside ``watching(watch)``; ``close()`` cancels it (a receive, unlike a send, cancels safely)."""
+
+    def __init__(self, comm):
+        self.comm, self.rank = comm, comm.Get_rank()
+        self._notice = np.zeros(NOTICE_BYTES, np.uint8)
+        self._request = comm.Irecv(self._notice, source=MPI.ANY_SOURCE, tag=FAILURE_TAG)
+
+    def check(self):
+        """Raise what another rank announced, if a notice has come: ``Announced`` (the same ValueError as on that
+        rank) for a bad function of the user's, CommTimeout for any other failure."""
+        if self._request is None or not completed([self._request]):
+            return
+        self._request = None
+        kind, text = chr(self._notice[0]), bytes(self._notice[1:]).rstrip(b"\0").decode(errors="replace")
+        raise Announced(text) if kind == "V" else CommTimeout(f"rank {self.rank}: {text}")
+
+    def announce(self, text, value=False):
+        """Tell every other rank that this one failed (``value``: with the ValueError ``text``, which they raise
+        as it is). The sends are never waited for nor freed (``abandon``): a notice is small (sent eagerly)."""
+        notice = np.zeros(NOTICE_BYTES, np.uint8)
+        data = (("V" if value else "T") + text).encode()[:NOTICE_BYTES - 1]
+        notice[:len(data)] = np.frombuffer(data, np.uint8)
+        sends = [self.comm.Isend(notice, dest=r, tag=FAILURE_TAG) for r in range(self.comm.Get_size())
+                 if r != self.rank]
+        abandon((self.comm, sends, notice))
+
+    def close(self):
+        if self._request is not None:
+            self._request.Cancel()
+            self._request.Wait()
+            self._request = None
+
+
+@contextlib.contextmanager
+def watching(watch):
+    """Every wait of this thread inside the block also polls ``watch`` for another rank's failure."""
+    before = getattr(_WATCHED, "watch", None)
+    _WATCHED.watch = watch
+    try:
+        watch.check()
+        yield
+    finally:
+        _WATCHED.watch = before
+
+
 def test_all(requests, rank, what):
     """``MPI.Request.Testall``; an MPI error on a transfer is raised as CommTimeout.
 
@@ -136,7 +196,10 @@ def _polls(requests, rank, what, sync, patient=False):
     """
     spin, burst = (SYNC_SPIN_SECONDS, 0.0) if sync else (SPIN_SECONDS, BURST_SECONDS)
     polled, nap = time.perf_counter(), NAP_SECONDS[0]
+    watch = getattr(_WATCHED, "watch", None)
     while not test_all(requests, rank, what):
+        if watch is not None:
+            watch.check()
         now = time.perf_counter()
         yield now
         if patient and now - polled > LONG_WAIT_SECONDS:
