@@ -18,28 +18,29 @@ wrong gradients.
 import contextlib
 
 import numpy as np
-from mpi4py import MPI
 
 from .core.block import GRAD_DTYPE
 from .core.kernels import default_scale
-from .core.precision import Precision, compute_dtype
-from .core.scores import FunctionFailed, Score, bias_probe
+from .core.precision import Precision
+from .core.scores import FunctionFailed, Score
 from .core.threads import limited, threads_for, threads_problem
 from .core.tiles import release_workspace
 from .lse import Lse, lse_problem, mismatch
-from .mpi.agree import agree, check_call, check_comm, setup, setup_ring
+from .mpi.agree import call_spec, check_call, check_comm, contiguous, moved_arrays, opening, setup, setup_ring
 from .mpi.axes import axis_problem, seq_index
 from .mpi.checks import (
     agreement_timeout,
     call_values,
     describe,
+    dlse_problem,
     grad_problem,
+    length_problem,
     local_problem,
     logit_problem,
+    pairs_problem,
     peaks,
     resolve_timeout,
 )
-from .mpi.collectives import allreduced
 from .mpi.record import Record
 from .mpi.waits import Announced, CommTimeout, Watch, exclusive, watching
 from .options import SCORES, options_problem
@@ -48,14 +49,6 @@ from .plans.layouts import LAYOUTS, shard, take_rows
 from .plans.spec import Spec, spec_problem
 
 __all__ = ["Ring", "Lse", "Spec", "ring_attention", "ring_attention_backward"]
-
-
-def contiguous(tensors, lses):
-    """The call's arrays made contiguous: the backward's dout, q, out and lse in the dtype tiles compute in
-    (float32 for half inputs; k and v travel in theirs), the forward's q, k, v as they are."""
-    work = compute_dtype(tensors["q"].dtype) if "dout" in tensors else None
-    arrays = [np.ascontiguousarray(a, None if name in ("k", "v") else work) for name, a in tensors.items()]
-    return arrays, [np.ascontiguousarray(a, work) for a in lses]
 
 
 class Ring:
@@ -248,11 +241,11 @@ class Ring:
                 q, k, v = names["q"], names["k"], names["v"]
                 problem = (local_problem(q, k, v, None, self.check_finite, same_rows)
                            or options_problem(options, self.options, q)
-                           or self._length_problem(q, k) or self.spec.heads_problem(q, k, self.size)
+                           or length_problem(self.plan, self.rank, q, k) or self.spec.heads_problem(q, k, self.size)
                            or self.spec.scores_problem(q))
                 if problem is None and lse is not None:
                     problem = (grad_problem(names["dout"], q, k, v, names["out"], lse)
-                               or self._dlse_problem(dlse, lse)
+                               or dlse_problem(dlse, lse)
                                or mismatch(lse, self.spec.made_by(self.size, self._resolved_scale(q),
                                                                   self.plan.seq_len)))
             if problem is None:  # may fail alone (MemoryError): agreed below
@@ -278,46 +271,23 @@ class Ring:
     def _resolved_scale(self, q):
         return default_scale(q.shape[-1]) if self.spec.scale is None else self.spec.scale
 
-    def _length_problem(self, q, k):
-        for name, a, shards in (("q", q, self.plan.shards), ("k", k, self.plan.kv_shards)):
-            want = len(shards[self.rank])
-            if a.shape[-2] != want:
-                held = (f"the {self.plan.layout} layout of {self.plan.seq_len} tokens over {self.size} ranks"
-                        if self.plan.layout in LAYOUTS else "its positions")
-                return f"{name} holds {a.shape[-2]} tokens, but {held} give this rank {want}"
-        return None
-
     def _sorted(self, names, arrays, lses):
         """The rows in position order, the order the ring works in (``Plan.in_caller_order`` undoes it)."""
         rows, kv_rows = self.plan.orders[self.rank], self.plan.kv_orders[self.rank]
         arrays = [take_rows(a, kv_rows if name in ("k", "v") else rows) for name, a in zip(names, arrays)]
         return arrays, [take_rows(a, rows, axis=-1) for a in lses]
 
-    @staticmethod
-    def _dlse_problem(dlse, lse):
-        if dlse is not None and not (isinstance(dlse, np.ndarray) and dlse.shape == lse.shape):
-            return f"dlse must be an array shaped as lse {lse.shape}, got {getattr(dlse, 'shape', type(dlse))}"
-        return None
-
     def _timeout_for(self, q, factor=1.0):
         return resolve_timeout(self._timeout, self.plan, q.size // (q.shape[-2] * q.shape[-1]), q.shape[-1], factor)
 
     def _before_ring(self, q, factor):
-        """``(timeout, problem)``: the timeout of every wait, and this rank's problem with its own pairs: a mask with
-        holes is evaluated on them here (the plan keeps the result for the ring), before any data moves, and a
-        user's function that fails is this rank's problem, agreed (the same ValueError on every rank)."""
+        """``(timeout, problem)``: the timeout of every wait, and this rank's problem with its own pairs
+        (``checks.pairs_problem``: a user's function that fails on them is found before any data moves)."""
         try:
             timeout = self._timeout_for(q, factor)  # "auto": every rank's pairs counted, the same on every rank
-            if not self.plan.exact:
-                row = self.plan.kinds[self.rank]
-                for source in range(len(row)):
-                    row[source]
-            if self.spec.bias is not None:
-                bias_probe(self.spec.bias, q.shape[-3] if q.ndim > 2 else 1, self.plan.shards[self.rank],
-                           self.plan.seq_len)
         except FunctionFailed as exc:
             return agreement_timeout(self._timeout), str(exc)
-        return timeout, None
+        return timeout, pairs_problem(self.plan, self.spec, self.rank, q.shape[-3] if q.ndim > 2 else 1)
 
     def _opening(self, q, factor, timeout):
         """The common start of a call whose arguments were agreed by ``setup`` (a handle's all-reduce is one): one
@@ -326,9 +296,7 @@ class Ring:
         if timeout is not None:  # a handle's call: agreed already
             return timeout
         timeout, problem = self._before_ring(q, factor)
-        found = allreduced(self._rings[0].comm, [1.0 if problem else 0.0], MPI.MAX, timeout, "start of the call")
-        if found[0]:
-            agree(self._rings[0].comm, problem, timeout)
+        opening(self._rings[0].comm, problem, timeout)
         return timeout
 
     def _forward(self, q, k, v, scale, record, timeout=None):
@@ -448,12 +416,12 @@ def ring_attention(
     comm = check_comm(comm)
     with exclusive(comm):  # one call per communicator at a time (threads: one Dup each)
         first = problem  # the caller's: before any other
-        spec, problem, same_rows = _call_spec(
+        spec, problem, same_rows = call_spec(
             spec, layout=layout, mode=mode, causal=causal, scale=scale, window=window, cu_seqlens=cu_seqlens,
             wire_dtype=wire_dtype, accumulate=accumulate, positions=positions, kv_positions=kv_positions,
             causal_block=causal_block, node_size=node_size, ulysses_size=ulysses_size, rotate=rotate, mask=mask,
             softcap=softcap, bias=bias, sinks=sinks, dropout=dropout, seed=seed, return_max_logit=return_max_logit)
-        moved, moved_problem = _moved({"q": q, "k": k, "v": v}, seq_axis, threads, same_rows)
+        moved, moved_problem = moved_arrays({"q": q, "k": k, "v": v}, seq_axis, threads, same_rows)
         problem = moved_problem or problem or spec.heads_problem(moved[0], moved[1], comm.Get_size()) \
             or spec.scores_problem(moved[0])
         hosts = []
@@ -464,21 +432,6 @@ def ring_attention(
         with Ring._agreed(comm, plan, spec, timeout, hosts, seq_axis, threads, backward=False) as ring:
             with limited(ring.threads), watching(ring._watch):
                 return ring._forward(q, k, v, scale, record)
-
-
-def _call_spec(spec, **keywords):
-    """A function call's spec (``spec_problem``), this rank's problem with it, and whether k holds q's tokens
-    (no ``kv_positions``: from the keywords when the spec could not be made)."""
-    spec, problem = spec_problem(keywords, spec)
-    return spec, problem, (keywords["kv_positions"] if spec is None else spec.kv_positions) is None
-
-
-def _moved(tensors, seq_axis, threads, same_rows=True, lse=None):
-    """The arrays with the sequence on axis -2 (unchanged if ``seq_axis`` is bad), and this rank's problem."""
-    problem = axis_problem(tensors, seq_axis, same_rows=same_rows, lse=lse) or threads_problem(threads)
-    if problem:
-        return list(tensors.values()), problem
-    return [np.moveaxis(a, seq_index(seq_axis, a.ndim), -2) for a in tensors.values()], None
 
 
 def ring_attention_backward(
@@ -514,15 +467,15 @@ def ring_attention_backward(
     comm = check_comm(comm)
     with exclusive(comm):  # one call per communicator at a time (threads: one Dup each)
         first = problem  # the caller's: before any other
-        spec, problem, same_rows = _call_spec(
+        spec, problem, same_rows = call_spec(
             spec, layout=layout, mode=mode, causal=causal, scale=scale, window=window, cu_seqlens=cu_seqlens,
             wire_dtype=wire_dtype, grad_wire_dtype=grad_wire_dtype, positions=positions, kv_positions=kv_positions,
             causal_block=causal_block, node_size=node_size, ulysses_size=ulysses_size, rotate=rotate, mask=mask,
             softcap=softcap, bias=bias, sinks=sinks, dropout=dropout, seed=seed)
         tensors = {"dout": dout, "q": q, "k": k, "v": v, "out": out}
-        moved, moved_problem = _moved(tensors, seq_axis, threads, same_rows, lse)
+        moved, moved_problem = moved_arrays(tensors, seq_axis, threads, same_rows, lse)
         if moved_problem is None:
-            problem = (grad_problem(*moved, lse) or Ring._dlse_problem(dlse, lse) or problem
+            problem = (grad_problem(*moved, lse) or dlse_problem(dlse, lse) or problem
                        or spec.heads_problem(moved[1], moved[2], comm.Get_size()) or spec.scores_problem(moved[1])
                        or lse_problem(lse, spec, comm.Get_size(), moved[1]))
         problem = moved_problem or problem

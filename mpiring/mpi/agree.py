@@ -12,7 +12,11 @@ import numpy as np
 from mpi4py import MPI
 
 from ..core.kernels import default_scale
+from ..core.precision import compute_dtype
+from ..core.threads import threads_problem
 from ..plans.layouts import take_rows
+from ..plans.spec import spec_problem
+from .axes import axis_problem, seq_index
 from .checks import (
     Shown,
     agreement_timeout,
@@ -32,11 +36,11 @@ from .checks import (
     values_digest,
     verdict,
 )
-from .collectives import allgather
+from .collectives import allgather, allreduced
 from .waits import abandon, completed, wait_entry, wait_until
 
 __all__ = ["agreed", "agree", "gather_entry", "setup", "agree_root", "setup_ring", "check_call", "check_comm",
-           "comm_problem"]
+           "comm_problem", "contiguous", "call_spec", "moved_arrays", "opening"]
 
 
 def comm_problem(comm):
@@ -274,3 +278,33 @@ def check_call(comm, problem, values, peaks, timeout):
         agreed(comm, problem, values, timeout)
         raise ValueError("the ranks passed arrays of different shapes or dtypes")
     return every[3:]
+
+
+def contiguous(tensors, lses):
+    """The call's arrays made contiguous: the backward's dout, q, out and lse in the dtype tiles compute in
+    (float32 for half inputs; k and v travel in theirs), the forward's q, k, v as they are."""
+    work = compute_dtype(tensors["q"].dtype) if "dout" in tensors else None
+    arrays = [np.ascontiguousarray(a, None if name in ("k", "v") else work) for name, a in tensors.items()]
+    return arrays, [np.ascontiguousarray(a, work) for a in lses]
+
+
+def call_spec(spec, **keywords):
+    """A function call's spec (``spec_problem``), this rank's problem with it, and whether k holds q's tokens
+    (no ``kv_positions``: from the keywords when the spec could not be made)."""
+    spec, problem = spec_problem(keywords, spec)
+    return spec, problem, (keywords["kv_positions"] if spec is None else spec.kv_positions) is None
+
+
+def moved_arrays(tensors, seq_axis, threads, same_rows=True, lse=None):
+    """The arrays with the sequence on axis -2 (unchanged if ``seq_axis`` is bad), and this rank's problem."""
+    problem = axis_problem(tensors, seq_axis, same_rows=same_rows, lse=lse) or threads_problem(threads)
+    if problem:
+        return list(tensors.values()), problem
+    return [np.moveaxis(a, seq_index(seq_axis, a.ndim), -2) for a in tensors.values()], None
+
+
+def opening(comm, problem, timeout):
+    """The common start of a call agreed already (by ``setup``): one all-reduce of whether a rank found a problem
+    since (``checks.pairs_problem``); only then a second round names it, the same ValueError on every rank."""
+    if allreduced(comm, [1.0 if problem else 0.0], MPI.MAX, timeout, "start of the call")[0]:
+        agree(comm, problem, timeout)

@@ -12,6 +12,7 @@ from ..core import backends, gemm
 from ..core.kernels import LSE_LIMIT
 from ..core.precision import compute_dtype, dtype_problem
 from ..core.ranks import ranks_text
+from ..core.scores import FunctionFailed, bias_probe
 from ..plans.content import described, difference, first_difference, leaf_value
 from ..plans.spec import FIELDS, digest, is_real, scale_problem
 
@@ -19,7 +20,7 @@ __all__ = ["local_problem", "backend_problem", "is_real", "timeout_problem", "AU
            "AUTO_ENTRY", "agreement_timeout", "entry_timeout", "resolve_timeout", "size_problem", "Shown", "shape_text",
            "verdict", "differences", "differing_parts", "part_values", "describe", "compared", "logit_problem",
            "grad_problem", "root_problem", "root_grad_problem", "scale_problem", "call_values", "values_digest",
-           "peaks"]
+           "peaks", "pairs_problem", "length_problem", "dlse_problem"]
 
 
 def backend_problem():
@@ -325,3 +326,36 @@ def values_digest(values):
 def peaks(*arrays):
     """Largest |entry| of each array (the logit bound of ``logit_problem``)."""
     return [_peak(a) for a in arrays]
+
+
+def pairs_problem(plan, spec, rank, heads):
+    """This rank's problem with its own (query, key) pairs under ``plan``, or None: a mask with holes is evaluated
+    on them (``plan.kinds``, kept for the ring), the bias probed (``scores.bias_probe``), so a user's function that
+    fails there is found before any data moves and agreed, not met inside the ring."""
+    try:
+        if not plan.exact:
+            row = plan.kinds[rank]
+            for source in range(len(row)):
+                row[source]
+        if spec.bias is not None:
+            bias_probe(spec.bias, heads, plan.shards[rank], plan.seq_len)
+    except FunctionFailed as exc:
+        return str(exc)
+    return None
+
+
+def length_problem(plan, rank, q, k):
+    """Why this rank's q and k do not hold the tokens ``plan`` gives it, or None."""
+    for name, a, shards in (("q", q, plan.shards), ("k", k, plan.kv_shards)):
+        want = len(shards[rank])
+        if a.shape[-2] != want:
+            held = (f"the {plan.layout} layout of {plan.seq_len} tokens over {plan.size} ranks"
+                    if plan.layout != "positions" else "its positions")
+            return f"{name} holds {a.shape[-2]} tokens, but {held} give this rank {want}"
+    return None
+
+
+def dlse_problem(dlse, lse):
+    if dlse is not None and not (isinstance(dlse, np.ndarray) and dlse.shape == lse.shape):
+        return f"dlse must be an array shaped as lse {lse.shape}, got {getattr(dlse, 'shape', type(dlse))}"
+    return None
