@@ -23,6 +23,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .decode import (
+    computing,
     decode_agreement,
     decode_timeout,
     draft_partial,
@@ -38,8 +39,9 @@ from .decode import (
 from .handle import ring_attention
 from .kvstore import ERROR_BOUND, QUANTIZE, TILE, KVStore, quantize
 from .mpi.agree import agree, agreed, check_comm, gather_entry
-from .mpi.checks import Shown, describe, timeout_problem, verdict
+from .mpi.checks import Shown, describe, timeout_problem
 from .mpi.comm import RingComm
+from .mpi.decoding import by_content
 from .mpi.record import Record
 from .mpi.waits import exclusive, wait_until
 from .plans.layouts import layout_positions
@@ -59,10 +61,14 @@ def interleave_problem(placement, interleave):
     return None
 
 
-def path_problem(draft, accepted):
-    """Why ``accepted`` is not a root-first path of the ``draft`` tree (k, v, parents), or None."""
+def path_problem(draft, accepted, length):
+    """Why ``accepted`` is not a root-first path of the ``draft`` tree (k, v, parents, the cache's length when
+    verified) of a cache of ``length`` tokens, or None."""
     if draft is None:
         return "commit needs a verify before it (and at most one commit per verify)"
+    if draft[3] != length:
+        return (f"commit follows a verify of drafts after {draft[3]} cached tokens, but the cache now holds {length} "
+                f"(extend or prefill in between): the drafts would land after the new tokens; verify again")
     parents = draft[2]
     if np.any((accepted < 0) | (accepted >= len(parents))):
         return f"accepted draft indices must lie in 0..{len(parents) - 1}, got {accepted.tolist()}"
@@ -106,15 +112,14 @@ class KVCache:
                 problem = problem or f"placement must be one of {', '.join(PLACEMENTS)}; got {placement!r}"
             problem = problem or interleave_problem(placement, interleave)
             problem = problem or timeout_problem(timeout)
-            values = repr((kv_heads, head_dim, value_dim, np.dtype(dtype).name, quantize, placement, interleave,
-                           timeout))
+            values = {name: Shown(value) for name, value in (
+                ("kv_heads", kv_heads), ("head_dim", head_dim), ("value_dim", value_dim),
+                ("dtype", np.dtype(dtype).name), ("quantize", quantize), ("placement", placement),
+                ("interleave", interleave), ("timeout", timeout))}
         except Exception as exc:  # reported collectively, never raised alone
-            problem = describe(exc)
+            problem, values = describe(exc), None
         with exclusive(self.comm):
-            metas = agreed(self.comm, problem, None, timeout, values, entry=True)
-        message = verdict([None if m == metas[0] else f"options {m} differ from rank 0's {metas[0]}" for m in metas])
-        if message:
-            raise ValueError(message)
+            agreed(self.comm, problem, values, timeout, entry=True)
         self.kv_heads, self.head_dim, self.value_dim = int(kv_heads), int(head_dim), int(value_dim)
         self.dtype, self.quantize, self.placement, self.timeout = np.dtype(dtype), quantize, placement, timeout
         self.interleave = None if placement == "contiguous" else int(interleave)  # "round_robin": 1
@@ -250,15 +255,11 @@ class KVCache:
             problem = values = None
             try:
                 problem = self._shape_problem(k, v)
-                if problem is None:
-                    values = (k.shape, v.shape, _bytes_digest(k), _bytes_digest(v))
+                if problem is None:  # extend takes the same new tokens on every rank
+                    values = {"new k": by_content("new k", k), "new v": by_content("new v", v)}
             except Exception as exc:  # reported collectively, never raised alone
-                problem = describe(exc)
-            metas = agreed(self.comm, problem, None, self.timeout, values, entry=True)
-            message = verdict([None if m == metas[0] else "k and v differ from rank 0's: extend takes the same new "
-                               "tokens on every rank" for m in metas])
-            if message:
-                raise ValueError(message)
+                problem, values = describe(exc), None
+            agreed(self.comm, problem, values, self.timeout, entry=True)
         self._add(k, v)
 
     def _add(self, k, v):
@@ -334,13 +335,13 @@ class KVCache:
                     None if k.shape[-2] == T else f"{k.shape[-2]} draft k/v tokens for {T} draft queries")
                 if problem is None:
                     parents = np.asarray(parents, np.int64)
-                    values = {"draft k, v, parents (sha1)": Shown(*[(_bytes_digest(k), _bytes_digest(v),
-                                                                      _bytes_digest(parents))] * 2)}
+                    values = {"draft k": by_content("draft k", k), "draft v": by_content("draft v", v),
+                              "parents": by_content("parents", parents, str(parents.tolist()))}
             except Exception as exc:  # reported collectively, never raised alone
-                problem = describe(exc)
+                problem, values = describe(exc), None
             self._draft = None
             result = self._attend(q, merge, scale, record, problem, values=values, draft=(k, v, parents))
-            self._draft = (k.copy(), v.copy(), parents)  # T tokens: safe from the caller's later writes
+            self._draft = (k.copy(), v.copy(), parents, len(self))  # T tokens: safe from the caller's later writes
             return result
 
     def commit(self, accepted):
@@ -354,13 +355,16 @@ class KVCache:
         with exclusive(self.comm):
             problem = values = None
             try:
-                accepted = np.asarray(accepted, np.int64).reshape(-1)
-                problem = path_problem(self._draft, accepted)
+                given = np.asarray(accepted)
+                if given.size and given.dtype.kind not in "iu":
+                    problem = f"accepted must be integer indices of draft tokens, got {given.dtype}: {given.tolist()}"
+                accepted = given.astype(np.int64).reshape(-1)
+                problem = problem or path_problem(self._draft, accepted, len(self))
                 values = {"accepted": Shown(accepted)}
             except Exception as exc:  # reported collectively, never raised alone
                 problem = describe(exc)
             agreed(self.comm, problem, values, self.timeout, entry=True)
-        k, v, _ = self._draft
+        k, v = self._draft[:2]
         self._draft = None
         self._add(k[..., accepted, :], v[..., accepted, :])
 
@@ -371,20 +375,24 @@ class KVCache:
         problem = problem or self._q_problem(q)
         k_peak = self.store.k_peak if draft is None or problem or not draft[0].size else \
             max(self.store.k_peak, float(np.abs(draft[0]).max()))
-        scale, lengths = decode_agreement(self.comm, q, k_like, v_like, scale, self.timeout, merge, causal,
-                                          positions, self.store.positions, k_peak=k_peak, problem=problem,
-                                          values={**(values or {}), **(scores.values() if scores else {})})
-        timeout = decode_timeout(self.timeout, q, v_like, lengths)
         rec = Record(self.rank) if record is None else record
-        start = time.perf_counter()
-        q = np.ascontiguousarray(q)
-        positions = None if positions is None else np.asarray(positions, np.int64)
-        out, lse = local_partial(q, self.store.tiles(), scale, positions, causal, padded=True, scores=scores)
-        rec.compute_time += rec.event("compute", start, kind="decode") - start
+
+        @computing(rec)
+        def work(scale):  # this rank's tiles (and the user's functions on them), before the agreement
+            own = None if positions is None else np.asarray(positions, np.int64)
+            return local_partial(np.ascontiguousarray(q), self.store.tiles(), scale, own, causal, padded=True,
+                                 scores=scores)
+
+        scale, lengths, (out, lse) = decode_agreement(
+            self.comm, q, k_like, v_like, scale, self.timeout, merge, causal, positions, self.store.positions,
+            k_peak=k_peak, problem=problem, values={**(values or {}), **(scores.values() if scores else {})},
+            work=work)
+        timeout = decode_timeout(self.timeout, q, v_like, lengths)
+        start = time.perf_counter() - work.seconds
         rows = merge_partials(packed(out, lse), self.comm, merge, timeout, ring=self._ring_for(merge, timeout),
                               rec=rec)
         if draft is not None:  # the drafts among themselves: the same inputs and bits on every rank
-            lse_merge(packed(*draft_partial(q, draft[0], draft[1], draft[2], scale)), rows)
+            lse_merge(packed(*draft_partial(np.ascontiguousarray(q), draft[0], draft[1], draft[2], scale)), rows)
         rec.wall_time = time.perf_counter() - start
         out, lse = unpacked(rows, out.shape, q.dtype)
         return (out, lse) if scores is None else scores.finish(out, lse)
@@ -418,7 +426,7 @@ class KVCache:
         self.close()
 
 
-def attend_many(caches, qs, *, merge="tree", scale=None, record=None):
+def attend_many(caches, qs, *, merge="tree", scale=None, record=None, comm=None, timeout=None):
     """Continuous batching: the new tokens ``qs[i]`` of sequence i over ``caches[i]``, one agreement, one merge.
 
     ``caches``: ``KVCache`` objects on one communicator, one per sequence (any
@@ -426,29 +434,46 @@ def attend_many(caches, qs, *, merge="tree", scale=None, record=None):
     sequence's queries (..., Hq, T_i, D), the same on every rank. Returns
     ``[(out, lse), ...]``, the same bits on every rank: what ``attend`` gives
     for each sequence (unmasked), with one reduction for the whole batch
-    (``decode.merge_many``) instead of one per sequence.
+    (``decode.merge_many``) instead of one per sequence. ``comm`` and ``timeout``: the caches' own, for a rank
+    that passes none (it still joins the agreement and raises its ValueError with every rank): default
+    COMM_WORLD and "auto".
     """
-    first = caches[0]
-    comm = first.comm
-    with exclusive(comm):
-        problem = None
-        if len(caches) != len(qs):
+    problem, likes, peaks = None, [], []
+    try:
+        if not isinstance(caches, (list, tuple)) or not isinstance(qs, (list, tuple)):
+            problem = "caches and qs must be lists, one entry per sequence"
+        elif not caches:
+            problem = "attend_many needs at least one cache"
+        elif len(caches) != len(qs):
             problem = f"{len(caches)} caches for {len(qs)} query arrays"
-        elif any(c.comm is not comm for c in caches):
+        elif not all(isinstance(c, KVCache) for c in caches):
+            problem = "caches must be KVCache objects"
+        elif any(c.comm is not caches[0].comm for c in caches):
             problem = "every cache of one attend_many must be on the same communicator object"
-        for i, (cache, q) in enumerate(zip(caches, qs)):
+        for i, (cache, q) in enumerate(zip(caches, qs) if problem is None else ()):
             found = cache._q_problem(q)
             problem = problem or (found and f"sequence {i}: {found}")
-        likes = [cache._like(q) for cache, q in zip(caches, qs)] if problem is None else []
-        peaks = [c.store.k_peak for c in caches][:len(likes)]
-        scale, lengths = decode_agreement(comm, list(qs)[:len(likes)], [k for k, _ in likes], [v for _, v in likes],
-                                          scale, first.timeout, merge, k_peak=peaks, problem=problem)
+        if problem is None:
+            likes = [cache._like(q) for cache, q in zip(caches, qs)]
+            peaks = [c.store.k_peak for c in caches]
+    except Exception as exc:  # reported collectively, never raised alone
+        problem, likes, peaks = describe(exc), [], []
+    comm = check_comm(caches[0].comm if problem is None else comm)  # a rank without caches: ``comm``
+    first = caches[0] if problem is None else None
+    timeout = first.timeout if first is not None else "auto" if timeout is None else timeout
+    with exclusive(comm):
+        rec = Record(comm.Get_rank()) if record is None else record
+
+        @computing(rec)
+        def work(scale):
+            return [local_partial(np.ascontiguousarray(q), cache.store.tiles(), scale, padded=True)
+                    for cache, q in zip(caches, qs)]
+
+        scale, lengths, parts = decode_agreement(
+            comm, list(qs)[:len(likes)], [k for k, _ in likes], [v for _, v in likes], scale, timeout, merge,
+            k_peak=peaks, problem=problem, values={"timeout": Shown(timeout)}, work=work)
         timeout = decode_timeout(first.timeout, max(qs, key=np.size), likes[0][1], lengths)
-        rec = Record(first.rank) if record is None else record
-        start = time.perf_counter()
-        parts = [local_partial(np.ascontiguousarray(q), cache.store.tiles(), scale, padded=True)
-                 for cache, q in zip(caches, qs)]
-        rec.compute_time += rec.event("compute", start, kind="decode") - start
+        start = time.perf_counter() - work.seconds
         result = merge_many(parts, comm, merge, timeout, ring=first._ring_for(merge, timeout), rec=rec,
                             dtype=first.dtype)
         rec.wall_time = time.perf_counter() - start

@@ -194,8 +194,8 @@ def differences(values, ref, parts=None):
                 if (r, name) in (parts or {}):
                     index = first_difference(val.content, theirs.content)
                     leaves = [c.leaves[index] if index < len(c.leaves) else None for c in (val.content, theirs.content)]
-                    out[r] = (f"{name} {val!r} differs from rank {ref}'s: "
-                              f"{difference(index, leaves, parts[(r, name)], (r, ref))}")
+                    what = difference(index, leaves, parts[(r, name)], (r, ref))
+                    out[r] = f"{name} differs from rank {ref}'s: {what}"
                 break
     return out
 

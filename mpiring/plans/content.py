@@ -78,10 +78,18 @@ def _rebuilt(leaves, digest):
     return made
 
 
-def content(obj, name="value"):
-    """The ``Content`` of ``obj``; paths start with ``name``. Raises ``Unreadable`` naming the part it cannot read."""
+def content(obj, name="value", parts=None):
+    """The ``Content`` of ``obj``; paths start with ``name``. Raises ``Unreadable`` naming the part it cannot read.
+
+    ``parts``: labels of ``obj``'s items (a sequence), for paths such as ``mask Function(f).fn`` rather than
+    ``mask[0].fn``."""
     walk = _Walk()
-    walk.visit(obj, name, 0)
+    if parts is None:
+        walk.visit(obj, name, 0)
+    else:
+        walk.leaf(name, f"{len(parts)} parts", b"")
+        for label, item in zip(parts, obj):
+            walk.visit(item, f"{name} {label}", 1)
     return Content(walk.leaves, walk.values)
 
 

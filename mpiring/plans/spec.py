@@ -353,7 +353,8 @@ class Spec:
         """A field's ``plans.content.Content``: what it is and reads, leaf by leaf (made once per spec)."""
         found = self._contents.get(name)
         if found is None:
-            found = self._contents[name] = content(getattr(self, name), name)
+            value = getattr(self, name)
+            found = self._contents[name] = content(value, name, [repr(p) for p in value] if name == "mask" else None)
         return found
 
     @functools.cached_property
