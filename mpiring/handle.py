@@ -205,15 +205,17 @@ class Ring:
 
     # ------------------------------------------------------------------ calls
 
-    def forward(self, q, k, v, *, record: Record | None = None, problem: str | None = None, **options):
+    def forward(self, q, k, v, *, record: Record | None = None, problem: str | None = None, shared=None, **options):
         """This rank's ``(out, lse)``: out shaped as q with v's head dim, lse ``(..., Hq, n)`` (an ``Lse``).
 
         ``options``: any of the Ring's own (``scale=``, ``causal=``, ...; ``mpiring.options``), as a
         model passes them at every call: equal to the Ring's or refused. ``problem``: this rank's
-        own problem with the call, found by the caller (an adapter): every rank raises it as bad input.
+        own problem with the call, found by the caller (an adapter): every rank raises it as bad input;
+        ``shared``: what else every rank must pass alike (an adapter's: ``{name: checks.Shown}``).
         """
         with self._call():
-            (q, k, v), _, scale, timeout = self._agree_call({"q": q, "k": k, "v": v}, None, None, options, problem)
+            (q, k, v), _, scale, timeout = self._agree_call({"q": q, "k": k, "v": v}, None, None, options, problem,
+                                                            shared)
             return self._forward(q, k, v, scale, record, timeout)
 
     def backward(self, dout, q, k, v, out, lse, *, dlse=None, record: Record | None = None, problem=None, **options):
@@ -227,7 +229,7 @@ class Ring:
             moved, lses, scale, timeout = self._agree_call(arrays, lse, dlse, options, problem)
             return self._backward(moved, lses, scale, record, timeout)
 
-    def _agree_call(self, tensors, lse, dlse, options, problem):
+    def _agree_call(self, tensors, lse, dlse, options, problem, shared=None):
         """Move the sequence to axis -2, check on this rank, agree on every rank; contiguous arrays, the scale and the
         timeout of every wait."""
         moved, lses, values, peak, timeout = [], [], None, [0.0, 0.0], None
@@ -251,7 +253,7 @@ class Ring:
             if problem is None:  # may fail alone (MemoryError): agreed below
                 moved, lses = contiguous(dict(zip(tensors, moved)), [a for a in (lse, dlse) if a is not None])
                 moved, lses = self._sorted(list(tensors), moved, lses)
-                values = call_values(names)
+                values = dict(call_values(names), **(shared or {}))
                 peak = peaks(names["q"], names["k"])
                 timeout, problem = self._before_ring(names["q"], 1.0 if lse is None else 2.5)
         except Exception as exc:  # reported collectively, never raised alone
@@ -347,7 +349,7 @@ def ring_attention(
     accumulate: str = "float64", positions=None, kv_positions=None, causal_block: int | None = None,
     node_size: int | None = None, ulysses_size: int | None = None, rotate: str = "kv", mask=None,
     softcap: float | None = None, bias=None, sinks=None, dropout: float = 0.0, seed: int = 0,
-    return_max_logit: bool = False, spec: Spec | None = None, problem: str | None = None,
+    return_max_logit: bool = False, spec: Spec | None = None, problem: str | None = None, shared=None,
 ) -> tuple[np.ndarray, np.ndarray]:  # out (..., Hq, n, Dv), lse (..., Hq, n)
     """Attention of this rank's queries against the whole distributed sequence.
 
@@ -406,7 +408,7 @@ def ring_attention(
         spec: a ``Spec`` (``mpiring.plans.spec``) holding the problem and strategy options above instead;
             options passed beside it must equal its own.
         problem: this rank's own problem with the call, found by its caller (an adapter): every rank
-            raises it, as bad input.
+            raises it, as bad input; shared: what else every rank must pass alike (``{name: checks.Shown}``).
 
     float16 and bfloat16 inputs compute in float32: out comes back in the input
     dtype, lse in float32. Bad arguments on any rank raise the same ``ValueError`` on every rank,
@@ -428,7 +430,7 @@ def ring_attention(
         plan, spec, scale, (q, k, v) = setup(*moved, comm, spec, check_finite, expected_size, timeout,
                                              prepare=lambda: [np.ascontiguousarray(a) for a in moved],
                                              problem=problem, rows="qkk", hosts=hosts, same_rows=same_rows,
-                                             first=first)
+                                             first=first, shared=shared)
         with Ring._agreed(comm, plan, spec, timeout, hosts, seq_axis, threads, backward=False) as ring:
             with limited(ring.threads), watching(ring._watch):
                 return ring._forward(q, k, v, scale, record)

@@ -24,6 +24,7 @@ varying lengths never rebuilds one it has (the oldest is closed beyond
 """
 
 import dataclasses
+import inspect
 from collections import OrderedDict
 
 import numpy as np
@@ -32,6 +33,7 @@ import torch
 from . import torch as mpiring_torch
 from .handle import Ring
 from .mpi.agree import check_comm
+from .options import foreign_problem
 from .plans.layouts import shard_indices
 
 __all__ = ["ContextParallel", "Batch", "register", "NAME"]
@@ -120,6 +122,11 @@ class _Call:
         return out.transpose(1, 2).contiguous(), None
 
 
+# what ContextParallel gives every Ring itself, from the model's layers and the batch
+SET_BY_THE_MODEL = dict.fromkeys(("comm", "seq_len", "seq_axis", "cu_seqlens", "causal", "scale", "window", "softcap"),
+                                 "ContextParallel sets it from the model and the batch")
+
+
 class ContextParallel:
     """Context parallelism for transformers models over ``comm``: every rank one device, one shard of each sequence.
 
@@ -132,6 +139,10 @@ class ContextParallel:
     """
 
     def __init__(self, comm=None, *, layout: str = "zigzag", name: str = NAME, max_rings: int = 8, **ring_options):
+        for option in ring_options:  # said now, not at the first forward's Ring
+            if option in SET_BY_THE_MODEL or option not in inspect.signature(Ring).parameters:
+                raise ValueError(f"{option}= is no ring option of ContextParallel: "
+                                 + SET_BY_THE_MODEL.get(option, foreign_problem(option, "see mpiring.Ring")))
         self.comm, self.layout, self.name = check_comm(comm), layout, name
         self.max_rings, self.ring_options = max_rings, ring_options
         self._rings = OrderedDict()

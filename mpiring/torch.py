@@ -24,7 +24,9 @@ from .core.precision import named_dtype
 from .handle import ring_attention as _ring_attention
 from .handle import ring_attention_backward as _ring_attention_backward
 from .mpi.axes import seq_index
+from .mpi.checks import Shown
 from .options import foreign_problem
+from .plans.content import content
 
 __all__ = ["ring_attention", "DTYPES"]
 
@@ -67,13 +69,13 @@ def _arrays(tensors, names):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring, options, problem):
+    def forward(ctx, q, k, v, ring, options, problem, shared):
         arrays, found = _arrays((q, k, v), "qkv")
         problem = problem or found  # reported by every rank, through the call's agreement
         if ring is not None:
-            out, lse, *top = ring.forward(*arrays, problem=problem, **options)
+            out, lse, *top = ring.forward(*arrays, problem=problem, shared=shared, **options)
         else:
-            out, lse, *top = _ring_attention(*arrays, problem=problem, **options)
+            out, lse, *top = _ring_attention(*arrays, problem=problem, shared=shared, **options)
         out_t = _tensor(out)
         ctx.save_for_backward(q, k, v, out_t)
         ctx.ring, ctx.options, ctx.lse = ring, options, lse  # lse as returned: it carries the forward's options
@@ -93,7 +95,7 @@ class _RingAttention(torch.autograd.Function):
         else:
             options = {name: value for name, value in ctx.options.items() if name in BACKWARD_OPTIONS}
             grads = _ring_attention_backward(*arrays, ctx.lse, dlse=dlse, problem=problem or found, **options)
-        return (*(_tensor(g) for g in grads[:3]), None, None, None)  # the Ring's own sinks: no tensor to feed
+        return (*(_tensor(g) for g in grads[:3]), None, None, None, None)  # the Ring's own sinks: no tensor
 
 
 def _with_sinks(out, lse, sinks, ring, options):
@@ -131,7 +133,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring=None,
     options = {name: value for name, value in options.items() if name not in unknown}
     if sinks is not None and problem is None:
         problem = _sinks_problem(sinks, q, ring, options)
-    out, lse, top = _RingAttention.apply(q, k, v, ring, options, problem)
+    out, lse, top = _RingAttention.apply(q, k, v, ring, options, problem, _shared(q, k, v, sinks, problem))
     if sinks is not None:
         out, lse = _with_sinks(out, lse, sinks, ring, options)
     results = (out, lse) if return_lse else (out,)
@@ -139,10 +141,23 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring=None,
     return results if len(results) > 1 else out
 
 
+def _shared(q, k, v, sinks, problem):
+    """What every rank's call must have alike beside the arrays: whether a backward follows (autograd calls it on
+    the ranks whose output needs a gradient: all or none), and the trainable sinks, by content."""
+    tensors = [t for t in (q, k, v, sinks) if isinstance(t, torch.Tensor)]
+    shared = {"requires_grad": Shown(torch.is_grad_enabled() and any(t.requires_grad for t in tensors))}
+    if sinks is not None and problem is None:
+        shared["sinks tensor"] = Shown(None, f"{sinks.dtype} ({len(sinks)},)", content(sinks.detach(), "sinks tensor"))
+    return shared
+
+
 def _sinks_problem(sinks, q, ring, options):
     """Why a call's trainable ``sinks`` cannot be used, or None."""
     if not isinstance(sinks, torch.Tensor) or sinks.ndim != 1 or not sinks.is_floating_point():
         return f"sinks must be a 1-D floating-point tensor of one logit per query head, got {sinks!r:.80}"
+    if not bool(torch.isfinite(sinks.detach()).all()):
+        bad = int((~torch.isfinite(sinks.detach())).sum())
+        return f"sinks must be finite logits, one per query head; got {bad} NaN/Inf of {len(sinks)}"
     if (ring is not None and ring.spec.sinks is not None) or options.get("sinks") is not None:
         return "sinks are given twice: as the Ring's (or an option's) fixed logits and as the call's tensor"
     seq_axis = ring.seq_axis if ring is not None else options.get("seq_axis", -2)

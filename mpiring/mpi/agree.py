@@ -118,7 +118,7 @@ def agree(comm, problem, timeout=None, entry=False):
 
 
 def setup(q, k, v, comm, spec, check_finite=False, expected_size=None, timeout=None, prepare=None,
-          problem=None, rows=None, hosts=None, same_rows=True, first=None):
+          problem=None, rows=None, hosts=None, same_rows=True, first=None, shared=None):
     """Validate on every rank, agree collectively (one all-gather), and build the shared plan.
 
     Every rank ends with the same verdict: either ``(plan, spec, scale,
@@ -133,7 +133,8 @@ def setup(q, k, v, comm, spec, check_finite=False, expected_size=None, timeout=N
     ``problem``: one more of this rank's problems, found by the caller (or None).
     ``hosts``: a list to fill with every rank's processor name (who shares a node).
     ``same_rows``: k holds q's tokens (no ``kv_positions``). ``first``: a
-    problem the caller's caller found (an adapter's), reported before the arrays'.
+    problem the caller's caller found (an adapter's), reported before the arrays'; ``shared``: its values
+    that every rank must pass alike (``Shown``).
     ``rows``: one letter per prepared array, "q" (query rows), "k" (key/value
     rows) or "l" (query rows on the last axis: lse); they come back sorted by
     position, the order the ring works in (``Plan.in_caller_order`` undoes it;
@@ -158,7 +159,7 @@ def setup(q, k, v, comm, spec, check_finite=False, expected_size=None, timeout=N
         if problem is None:
             held = spec.held()
             values = {f"{n} shape": Shown(*[shape_text(a)] * 2) for n, a in (("q", q), ("k", k), ("v", v))}
-            values.update({"dtype": Shown(str(q.dtype)), **compared(spec, timeout)})
+            values.update({"dtype": Shown(str(q.dtype)), **compared(spec, timeout), **(shared or {})})
             n_local = q.shape[-2]
             peak = peaks(q, k)
     except Exception as exc:  # whatever goes wrong here is reported collectively, never raised alone

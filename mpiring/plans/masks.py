@@ -113,6 +113,13 @@ class MaskPiece:
         """Whether query position q may see key position k, from the mask's definition (broadcasting)."""
         raise NotImplementedError
 
+    def check(self, seq_len):
+        """Raise ValueError unless the piece fits a sequence of ``seq_len`` tokens (documents: their ends)."""
+
+    def leaves(self):
+        """The pieces this one is made of (itself, or a combination's parts, all the way down)."""
+        return (self,)
+
     def key(self):
         """What the piece is, comparable across processes: its class and the content of its fields (arrays by
         their bytes, functions by everything they read: ``plans.content``)."""
@@ -183,6 +190,12 @@ class Documents(MaskPiece):
 
     def __init__(self, cu_seqlens):
         self.cu = np.asarray(cu_seqlens, np.int64)
+
+    def check(self, seq_len):
+        try:
+            check_cu_seqlens(self.cu, seq_len)
+        except ValueError as exc:
+            raise ValueError(f"mask {self!r}: {exc}") from None
 
     def bounds(self, q_pos):
         d = doc_ids(q_pos, self.cu)
@@ -283,6 +296,13 @@ class _Combination(MaskPiece):
 
     batched = property(lambda self: any(p.batched for p in self.parts))
 
+    def check(self, seq_len):
+        for part in self.parts:
+            part.check(seq_len)
+
+    def leaves(self):
+        return tuple(leaf for part in self.parts for leaf in part.leaves())
+
     def bounds(self, q_pos):  # never decreasing, as the parts'
         lo, hi = (np.full(q_pos.shape, edge, np.int64) for edge in self.START)
         for part in self.parts:
@@ -321,8 +341,9 @@ def pieces(causal=False, window=(-1, -1), cu_seqlens=None, causal_block=None, ma
     return tuple(named) + tuple(mask)
 
 
-def check_mask(mask):
-    """``mask`` (None, a piece, or pieces) as a tuple of ``MaskPiece``; ValueError otherwise."""
+def check_mask(mask, seq_len=None):
+    """``mask`` (None, a piece, or pieces) as a tuple of ``MaskPiece``; ValueError otherwise, or if one does not fit
+    a sequence of ``seq_len`` tokens (when given)."""
     if mask is None:
         return ()
     found = (mask,) if isinstance(mask, MaskPiece) else mask
@@ -334,6 +355,8 @@ def check_mask(mask):
     if bad:
         raise ValueError(f"mask must be mask pieces (mpiring.plans.masks.MaskPiece: Causal, Window, Documents, "
                          f"or a class of your own), got {bad[0]!r}")
+    for piece in found if seq_len is not None else ():
+        piece.check(seq_len)
     return found
 
 

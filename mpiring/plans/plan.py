@@ -365,7 +365,7 @@ def ring_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str 
         raise ValueError("kv_positions needs positions: the query rows' own positions")
     plan = Plan(seq_len, size, "positions" if positions is not None else layout, mode, bool(causal),
                 check_window(window), check_cu_seqlens(cu_seqlens, seq_len), check_causal_block(causal_block, causal),
-                check_mask(mask))
+                check_mask(mask, seq_len))
     if positions is None:
         plan.shards, plan.orders = Rows(size, lambda r: shard_indices(seq_len, size, r, layout)), [None] * size
     else:

@@ -255,9 +255,9 @@ class Spec:
             except Exception as exc:  # noqa: BLE001
                 return (f"bias(heads, q_pos, k_pos) must return an array broadcastable to (heads, queries, keys); "
                         f"on {heads} heads and 2 x 2 positions it gave {type(exc).__name__}: {exc}")
-        for piece in self.mask:
+        for piece in (leaf for part in self.mask for leaf in part.leaves()):
             lengths = getattr(piece, "lengths", None)
-            if getattr(piece, "batched", False) and lengths is not None and lengths.shape != q.shape[:-3]:
+            if lengths is not None and lengths.ndim and lengths.shape != q.shape[:-3]:
                 return (f"{piece!r} gives lengths of shape {lengths.shape}, one per batch entry, but q's batch "
                         f"shape is {q.shape[:-3]}")
         return None
