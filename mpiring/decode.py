@@ -30,7 +30,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .core.kernels import attention_block
+from .core.kernels import attention_block, empty_or_nan
 from .core.scores import Score, attend_general, with_sinks
 from .mpi.agree import check_comm
 from .mpi.checks import Shown
@@ -63,7 +63,7 @@ def lse_merge(a, b):
     safe = np.where(total > 0, total, 1.0)
     b[:, :-1] = (wa[:, None] * a[:, :-1] + wb[:, None] * b[:, :-1]) / safe[:, None]
     with np.errstate(divide="ignore"):
-        b[:, -1] = np.where(total > 0, m0 + np.log(safe), -np.inf)
+        b[:, -1] = np.where(total > 0, m0 + np.log(safe), empty_or_nan(total))
 
 
 def _reduce(inbuf, inoutbuf, datatype):

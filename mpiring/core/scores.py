@@ -26,7 +26,7 @@ import math
 
 import numpy as np
 
-from .kernels import merge
+from .kernels import empty_or_nan, merge
 from .tiles import kernel_dtype
 
 __all__ = ["Score", "attend_general", "grads_general", "alibi_slopes", "alibi", "with_sinks", "sink_grads",
@@ -309,7 +309,8 @@ def attend_general(q, k, v, piece, score, into, padded=False):
                                                      blk.v[..., j0:j1, :].astype(blk.dt, copy=False))
             m = m_new
         seen = total > 0
-        block_lse = np.where(seen, np.where(np.isfinite(m), m, 0) + np.log(np.where(seen, total, 1)), -np.inf)
+        block_lse = np.where(seen, np.where(np.isfinite(m), m, 0) + np.log(np.where(seen, total, 1)),
+                             empty_or_nan(total))
         block_out = acc / np.where(seen, total, 1)[..., None]
         rows = np.s_[..., a + i0:a + i1, :]
         o, s_ = out[rows], lse[..., a + i0:a + i1]
