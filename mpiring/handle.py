@@ -26,7 +26,7 @@ from .core.scores import FunctionFailed, Score
 from .core.threads import limited, threads_for, threads_problem
 from .core.tiles import release_workspace
 from .lse import Lse, lse_problem, mismatch
-from .mpi.agree import call_spec, check_call, check_comm, contiguous, moved_arrays, opening, setup, setup_ring
+from .mpi.agree import Hosts, call_spec, check_call, check_comm, contiguous, moved_arrays, opening, setup, setup_ring
 from .mpi.axes import axis_problem, seq_index
 from .mpi.checks import (
     agreement_timeout,
@@ -111,7 +111,7 @@ class Ring:
         self._timeout, self._failed, self._rings = timeout, None, []
         # private duplicates: K/V; and what the strategy's backward needs (the ring modes: dK/dV onward and home)
         self.plan, self._rings = private_rings(comm, plan, spec.node_size, agreement_timeout(timeout), backward)
-        self._watch = Watch(self._rings[0].comm)  # the others' failure notices (``waits.Watch``)
+        self._watch = Watch(self._rings[0].comm, getattr(hosts, "token", 0))  # the others' failure notices
 
     # ------------------------------------------------------------------ the handle's life
 
@@ -426,7 +426,7 @@ def ring_attention(
         moved, moved_problem = moved_arrays({"q": q, "k": k, "v": v}, seq_axis, threads, same_rows)
         problem = moved_problem or problem or spec.heads_problem(moved[0], moved[1], comm.Get_size()) \
             or spec.scores_problem(moved[0])
-        hosts = []
+        hosts = Hosts()
         plan, spec, scale, (q, k, v) = setup(*moved, comm, spec, check_finite, expected_size, timeout,
                                              prepare=lambda: [np.ascontiguousarray(a) for a in moved],
                                              problem=problem, rows="qkk", hosts=hosts, same_rows=same_rows,
@@ -486,7 +486,7 @@ def ring_attention_backward(
             arrays, lses = contiguous(dict(zip(tensors, moved)), [a for a in (lse, dlse) if a is not None])
             return arrays + lses
 
-        hosts = []
+        hosts = Hosts()
         plan, spec, scale, arrays = setup(*moved[1:4], comm, spec, timeout=timeout, prepare=prepare, problem=problem,
                                           rows="qqkkq" + "l" * (1 if dlse is None else 2), hosts=hosts,
                                           same_rows=same_rows, first=first)

@@ -8,6 +8,8 @@ ValueError naming each offending rank. Nothing here raises before that
 all-gather, so one rank's bad input cannot leave the others waiting.
 """
 
+import secrets
+
 import numpy as np
 from mpi4py import MPI
 
@@ -40,7 +42,7 @@ from .collectives import allgather, allreduced
 from .waits import abandon, completed, wait_entry, wait_until
 
 __all__ = ["agreed", "agree", "gather_entry", "setup", "agree_root", "setup_ring", "check_call", "check_comm",
-           "comm_problem", "contiguous", "call_spec", "moved_arrays", "opening"]
+           "comm_problem", "contiguous", "call_spec", "moved_arrays", "opening", "Hosts"]
 
 
 def comm_problem(comm):
@@ -164,9 +166,9 @@ def setup(q, k, v, comm, spec, check_finite=False, expected_size=None, timeout=N
             peak = peaks(q, k)
     except Exception as exc:  # whatever goes wrong here is reported collectively, never raised alone
         problem, values = describe(exc), None
-    metas = agreed(comm, problem, values, timeout, (n_local, peak, held, MPI.Get_processor_name()), entry=True)
+    metas = agreed(comm, problem, values, timeout, (n_local, peak, held, Host.mine()), entry=True)
     if hosts is not None:
-        hosts[:] = [m[3] for m in metas]
+        hosts[:] = Hosts(m[3] for m in metas)
     scale = default_scale(q.shape[-1]) if spec.scale is None else spec.scale
     message = logit_problem(scale, q.shape[-1], max(m[1][0] for m in metas), max(m[1][1] for m in metas), q.dtype)
     if message:
@@ -231,12 +233,40 @@ def setup_ring(comm, spec, timeout, expected_size=None, problem=None, values=Non
             shown = dict(compared(spec, timeout), **{name: Shown(value) for name, value in (values or {}).items()})
     except Exception as exc:  # reported collectively, never raised alone
         problem, shown = describe(exc), None
-    gathered = agreed(comm, problem, shown, timeout, (MPI.Get_processor_name(), held), entry=True)
+    gathered = agreed(comm, problem, shown, timeout, (Host.mine(), held), entry=True)
     spec, implied = spec.with_ranks([g[1] for g in gathered])
     if spec.seq_len is not None and implied is not None and implied != spec.seq_len:  # the same data everywhere
         raise ValueError(f"seq_len={spec.seq_len} but the ranks' positions hold {implied} tokens")
     plan = spec.plan(comm.Get_size(), implied or spec.seq_len)  # raises everywhere
-    return plan, spec, [g[0] for g in gathered]
+    return plan, spec, Hosts(g[0] for g in gathered)
+
+
+class Host(str):
+    """A rank's processor name, with a random ``nonce`` of its own (what the agreement gathers of every rank)."""
+
+    @classmethod
+    def mine(cls):
+        host = cls(MPI.Get_processor_name())
+        host.nonce = secrets.randbits(63)
+        return host
+
+    def __reduce__(self):
+        return _host, (str(self), self.nonce)
+
+
+def _host(name, nonce):
+    host = Host(name)
+    host.nonce = nonce
+    return host
+
+
+class Hosts(list):
+    """Every rank's ``Host``; ``token``: a number drawn from all their nonces, the same on every rank and new for
+    every agreement (a handle's failure notices carry it: ``waits.Watch``)."""
+
+    @property
+    def token(self):
+        return sum(getattr(h, "nonce", 0) for h in self) % (1 << 63)
 
 
 ENTRY_TAG = 7  # a Ring call's entry notices; the ring's own messages use tags 0-3 and, homeward, 4 per chunk and up

@@ -234,7 +234,8 @@ def compared(spec, timeout):
     rows = ("positions", "kv_positions")
     by_content = ("mask", "bias", "sinks")  # by what they are and read (``Spec.field_content``), not pickled
     return {name: Shown(val is not None, "given" if val is not None else "None") if name in rows
-            else Shown(None, described(val), spec.field_content(name)) if name in by_content
+            else Shown(None, " & ".join(map(repr, val)) or "()" if name == "mask" else described(val),
+                       spec.field_content(name)) if name in by_content
             else Shown(val) for name, val in values.items()}
 
 

@@ -306,7 +306,7 @@ _RANK = ("{path} reads {what}: a mask, bias or score function must compute the s
 
 
 def _a(kind):
-    name = f"{kind.__module__}.{kind.__qualname__}"
+    name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
     return f"an {name}" if name[0] in "aeiou" else f"a {name}"
 
 

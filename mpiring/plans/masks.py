@@ -31,7 +31,7 @@ import functools
 import numpy as np
 
 from ..core.scores import count_allowed
-from .content import content
+from .content import content, described
 
 __all__ = ["visible_keys", "block_kind", "doc_ids", "check_window", "check_cu_seqlens", "check_causal_block",
            "row_work", "MaskPiece", "Causal", "Window", "Documents", "Prefix", "Padding", "Function", "And", "Or",
@@ -281,7 +281,7 @@ class Function(MaskPiece):
 
 
 def _name(fn):
-    return getattr(fn, "__qualname__", None) or repr(fn)
+    return described(fn)  # no address: the same text on every rank
 
 
 class _Combination(MaskPiece):
