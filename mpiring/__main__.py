@@ -26,7 +26,8 @@ How a job ends under mpiexec:
 - an exception or a ``sys.exit`` on one rank: that rank prints it and aborts
   the job (``MPI_Abort``), so nobody waits for it forever;
 - Ctrl-C (SIGINT, which mpiexec passes to every rank): rank 0 prints
-  ``interrupted``, every rank exits 130 at once, no traceback.
+  ``interrupted``, every rank exits 130 at once, no traceback; once the
+  command is over (its verdict out), a Ctrl-C is ignored while the ranks leave.
 """
 
 import argparse
@@ -160,12 +161,11 @@ def _on_interrupt(rank):
                 tiles.stop_helper_polls()  # the interrupted thread may be waiting for its helper's poll
             finalized = threading.Event()
             threading.Thread(target=_exit_unless, args=(finalized, FINALIZE_WAIT), daemon=True).start()
+            grace = _exit_grace(mpi)
             mpi.Finalize()
             finalized.set()
-            # MPI_Finalize need not wait for the other ranks (MPICH's does), and a launcher may end the
-            # job once a rank leaves with a non-zero code (Open MPI's does): give a rank still finishing
-            # a tile (its handler runs after it) time to get here too
-            time.sleep(EXIT_GRACE)
+            if grace:
+                time.sleep(grace)
         _leave(INTERRUPTED)
     return handler
 
@@ -186,7 +186,19 @@ def _leave(code):
 
 
 FINALIZE_WAIT = 10.0  # seconds an interrupted rank waits for the others in MPI_Finalize
-EXIT_GRACE = 5.0  # seconds an interrupted rank waits after finalizing, so the ranks leave together
+EXIT_GRACE = 5.0  # seconds an interrupted rank waits after finalizing under Open MPI, so the ranks leave together
+
+
+def _exit_grace(mpi):
+    """Seconds to wait after MPI_Finalize before leaving: none under MPICH, whose MPI_Finalize returns once every
+    rank has called it and whose Hydra lets a finalized rank leave before the others (``_leave``: C's exit(),
+    so PMI_Finalize is sent; tests/test_cli_errors.py); EXIT_GRACE elsewhere: Open MPI's MPI_Finalize need not
+    wait for the others, and its mpirun ends the job once a rank leaves with a non-zero code, so a rank still
+    finishing a tile (its handler runs after it) gets time to get there too."""
+    try:
+        return 0.0 if mpi.get_vendor()[0] == "MPICH" else EXIT_GRACE
+    except Exception:  # noqa: BLE001 (no vendor known: the careful wait)
+        return EXIT_GRACE
 
 
 def _exit_unless(finalized, seconds):
@@ -196,7 +208,9 @@ def _exit_unless(finalized, seconds):
         os._exit(INTERRUPTED)
 
 
-def main(argv=None):
+def main(argv=None, keep_handler=False):
+    """Run a command line on this rank; ``keep_handler`` (the command line's own run): once the command is over,
+    SIGINT is ignored to the process's end, so a Ctrl-C while MPI finalizes at exit cannot kill the rank."""
     rank = [launch_rank()]  # known before MPI starts; the real one once it has
     try:  # --help, bad options and bad values: answered before MPI starts, by rank 0 alone
         with _only_on_rank0(rank[0]):
@@ -214,8 +228,9 @@ def main(argv=None):
     previous = signal.signal(signal.SIGINT, _on_interrupt(rank))
     try:
         return _main_mpi(func, top, rank)
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    finally:  # the command line's own run: the command is over, a late Ctrl-C changes nothing (Python would
+        # restore the default action before MPI finalizes at exit, and the signal would kill the rank)
+        signal.signal(signal.SIGINT, signal.SIG_IGN if keep_handler else previous)
 
 
 def _main_mpi(func, top, rank):
@@ -225,6 +240,8 @@ def _main_mpi(func, top, rank):
     comm = MPI.COMM_WORLD
     rank[0] = comm.Get_rank()
     sys.excepthook = _abort_hook(comm)
+    verdicts = comm.Dup()  # rank 0's verdict goes out on a duplicate: a Ctrl-C during it finalizes MPI with the
+    # broadcast pending, which MPICH turned into a crash (exit 11) on COMM_WORLD itself
     try:
         code = func(comm, top.args)
     except Agreed as exc:  # every rank has it: rank 0 says it, all leave with 2
@@ -247,7 +264,7 @@ def _main_mpi(func, top, rank):
         if comm.Get_size() > 1:
             _abort(comm, 2)
         return 2
-    return _rank0_code(comm, code)
+    return _rank0_code(verdicts, code)
 
 
 def _rank0_code(comm, code):
@@ -260,4 +277,4 @@ def _rank0_code(comm, code):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(keep_handler=True))
