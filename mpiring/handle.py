@@ -97,10 +97,10 @@ class Ring:
         self._start(comm, plan, spec, timeout, hosts, seq_axis, threads, check_finite, backward=True)
 
     @classmethod
-    def _agreed(cls, comm, plan, spec, timeout, hosts, seq_axis, threads, backward):
+    def _agreed(cls, comm, plan, spec, timeout, hosts, seq_axis, threads, backward, check_finite=False):
         """A handle for one call whose arguments were agreed already (``agree.setup``)."""
         ring = cls.__new__(cls)
-        ring._start(comm, plan, spec, timeout, hosts, seq_axis, threads, False, backward)
+        ring._start(comm, plan, spec, timeout, hosts, seq_axis, threads, check_finite, backward)
         return ring
 
     def _start(self, comm, plan, spec, timeout, hosts, seq_axis, threads, check_finite, backward):
@@ -289,7 +289,8 @@ class Ring:
             timeout = self._timeout_for(q, factor)  # "auto": every rank's pairs counted, the same on every rank
         except FunctionFailed as exc:
             return agreement_timeout(self._timeout), str(exc)
-        return timeout, pairs_problem(self.plan, self.spec, self.rank, q.shape[-3] if q.ndim > 2 else 1)
+        return timeout, pairs_problem(self.plan, self.spec, self.rank, q.shape[-3] if q.ndim > 2 else 1,
+                                      self.check_finite)
 
     def _opening(self, q, factor, timeout):
         """The common start of a call whose arguments were agreed by ``setup`` (a handle's all-reduce is one): one
@@ -305,7 +306,7 @@ class Ring:
         """The ring's forward on agreed arrays; ``timeout`` None: a one-call handle, which starts with ``_opening``."""
         timeout = self._opening(q, 1.0, timeout)
         rec = Record(self.rank) if record is None else record
-        score = Score.of(self.spec, scale, q)
+        score = Score.of(self.spec, scale, q, finite=self.check_finite)
         with self._running():
             out, lse = run_forward(q, k, v, self.plan, self._rings[0], score, rec, timeout,
                                    Precision.of(q.dtype, self.spec.precision),
@@ -327,7 +328,7 @@ class Ring:
         rec = Record(self.rank) if record is None else record
         with self._running():
             grads = run_backward((dout, q, k, v, out, lses[0], delta.astype(q.dtype)), self.plan, self._rings,
-                                 Score.of(self.spec, scale), rec, timeout, pr)
+                                 Score.of(self.spec, scale, finite=self.check_finite), rec, timeout, pr)
             dsinks = sink_gradients(self.spec, lses[0], delta, self._rings[0].comm, timeout)
         grads = [self.plan.in_caller_order(self.rank, g.astype(pr.input, copy=False), kv=i > 0)
                  for i, g in enumerate(grads)]
@@ -395,7 +396,8 @@ def ring_attention(
             waits forever. Must be the same on every rank and exceed the
             longest compute step.
         record: a ``Record`` to fill with tasks, events and traffic counters.
-        check_finite: also reject NaN/Inf in q, k, v (one extra pass over them).
+        check_finite: also reject NaN/Inf in q, k, v (one extra pass over them), and NaN/+Inf values from a
+            ``bias`` (on every tile: a failure inside the ring is every rank's ValueError).
         expected_size: raise unless the communicator has this many ranks.
         seq_axis: the sequence axis of q, k, v and out (-3 for ``(B, S, H, D)``).
         threads: BLAS threads per rank during the call ("auto": the node's
@@ -431,7 +433,7 @@ def ring_attention(
                                              prepare=lambda: [np.ascontiguousarray(a) for a in moved],
                                              problem=problem, rows="qkk", hosts=hosts, same_rows=same_rows,
                                              first=first, shared=shared)
-        with Ring._agreed(comm, plan, spec, timeout, hosts, seq_axis, threads, backward=False) as ring:
+        with Ring._agreed(comm, plan, spec, timeout, hosts, seq_axis, threads, False, check_finite) as ring:
             with limited(ring.threads), watching(ring._watch):
                 return ring._forward(q, k, v, scale, record)
 

@@ -109,6 +109,12 @@ def _pair_bias(hit):
     return pair_bias
 
 
+def _nan_bias(hit):
+    def nan_bias(h, q, k):  # NaN at one (query, key) pair, inside the ring
+        return np.where((q == hit[0]) & (k == hit[1]), np.nan, 0.0) + 0 * h
+    return nan_bias
+
+
 def _ring(c, **options):
     import mpiring
 
@@ -275,6 +281,9 @@ CASES = [
      "the bias function _pair_bias.<locals>.pair_bias fails on query positions", lambda c: _mid_ring_bias(c, "auto")),
     ("ring_attention", "a bias raising at one pair inside the ring (timeout=20)",
      "the bias function _pair_bias.<locals>.pair_bias fails on query positions", lambda c: _mid_ring_bias(c, 20)),
+    ("ring_attention", "a bias giving NaN at one pair, check_finite=True",
+     "the bias function _nan_bias.<locals>.nan_bias fails on query positions",
+     lambda c: _ring(c, causal=True, bias=_nan_bias((c.S - 2, 1)), check_finite=True)),
     ("ring_attention_backward", "grad_wire_dtype='float64'",
      "rank {b}: grad_wire_dtype 'float64' differs from rank 0's", lambda c: _backward(
          c, grad_wire_dtype=c.pick(None, "float64"))),

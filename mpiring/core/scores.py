@@ -30,7 +30,7 @@ from .kernels import empty_or_nan, merge
 from .tiles import kernel_dtype
 
 __all__ = ["Score", "attend_general", "grads_general", "alibi_slopes", "alibi", "with_sinks", "sink_grads",
-           "dropout_keep", "count_allowed", "FunctionFailed", "evaluated", "bias_probe"]
+           "dropout_keep", "count_allowed", "FunctionFailed", "evaluated", "bias_probe", "finite_bias"]
 
 TILE_Q, TILE_K = 128, 512
 
@@ -40,25 +40,27 @@ class Score:
     holds (None: all, in order; Ulysses holds a slice); ``max_logit``: where the forward keeps its largest
     visible logit per batch entry and global head (None: not asked)."""
 
-    def __init__(self, scale, softcap=None, bias=None, dropout=0.0, seed=0, heads=None, max_logit=None):
-        self.scale, self.softcap, self.bias = float(scale), softcap, bias
+    def __init__(self, scale, softcap=None, bias=None, dropout=0.0, seed=0, heads=None, max_logit=None,
+                 finite=False):
+        self.scale, self.softcap, self.bias, self.finite = float(scale), softcap, bias, finite
         self.dropout, self.seed, self.heads, self.max_logit = float(dropout or 0.0), int(seed or 0), heads, max_logit
 
     @classmethod
-    def of(cls, spec, scale, q=None):
+    def of(cls, spec, scale, q=None, finite=False):
         """The spec's score at ``scale``, or the plain float when it has no modifier (the fast kernel's call);
         ``q``: this rank's queries, for the max-logit statistic's shape (batch entries, heads); without it
-        (a backward pass) no statistic is kept."""
+        (a backward pass) no statistic is kept; ``finite``: a bias value that is NaN or +Inf raises
+        ``FunctionFailed`` (``check_finite=True``; -Inf hides a key, as a mask does)."""
         stat = None
         if spec.return_max_logit and q is not None:
             stat = np.full(q.shape[:-2] if q.ndim > 2 else (1,), -np.inf)
         if spec.softcap is None and spec.bias is None and not spec.dropout and stat is None:
             return scale
-        return cls(scale, spec.softcap, spec.bias, spec.dropout, spec.seed, None, stat)
+        return cls(scale, spec.softcap, spec.bias, spec.dropout, spec.seed, None, stat, finite)
 
     def for_heads(self, heads):
         """The same score for a rank that holds the query heads ``heads`` (a slice of the global heads)."""
-        return Score(self.scale, self.softcap, self.bias, self.dropout, self.seed, heads, self.max_logit)
+        return Score(self.scale, self.softcap, self.bias, self.dropout, self.seed, heads, self.max_logit, self.finite)
 
 
 def as_score(scale):
@@ -86,15 +88,25 @@ def evaluated(what, q_pos, k_pos, fn, *args):
                              f"{type(exc).__name__}: {exc}") from exc
 
 
-def bias_probe(bias, heads, q_pos, seq_len):
+def finite_bias(values):
+    """Raise ValueError if bias ``values`` hold NaN or +Inf (``check_finite=True``)."""
+    bad = np.isnan(values) | np.isposinf(values)
+    if bad.any():
+        raise ValueError(f"it returned {int(bad.sum())} NaN/+Inf values (check_finite=True; -Inf hides a key)")
+
+
+def bias_probe(bias, heads, q_pos, seq_len, finite=False):
     """Try ``bias`` on a rank's query positions ``q_pos`` against the sequence's first and last key, and on its
     first and last query against every key (``heads`` query heads): O(heads x seq_len) work that finds a function
     failing at some positions (an index past an array's end) before any data moves. ``FunctionFailed`` if it fails."""
     q_pos, h = np.asarray(q_pos, np.int64), np.arange(heads)[:, None, None]
     every = np.arange(seq_len, dtype=np.int64)
     for qp, kp in ((q_pos, every[[0, -1]]), (q_pos[[0, -1]], every)):
-        evaluated(f"the bias function {getattr(bias, '__qualname__', type(bias).__qualname__)}", qp, kp,
-                  bias, h, qp[None, :, None], kp[None, None, :])
+        values = evaluated(f"the bias function {getattr(bias, '__qualname__', type(bias).__qualname__)}", qp, kp,
+                           bias, h, qp[None, :, None], kp[None, None, :])
+        if finite:
+            evaluated(f"the bias function {getattr(bias, '__qualname__', type(bias).__qualname__)}", qp, kp,
+                      finite_bias, np.asarray(values))
 
 
 def _span(pos):
@@ -231,14 +243,16 @@ class _Block:
         if sc.bias is not None:
             heads, qp, kp = self.heads[:, None, None], self.q_pos[i0:i1], self.k_pos[j0:j1]
             extra = evaluated(f"the bias function {getattr(sc.bias, '__qualname__', type(sc.bias).__qualname__)}",
-                              qp, kp, self._bias, heads, qp, kp)
+                              qp, kp, self._bias, heads, qp, kp, sc.finite)
             s = s + extra.reshape(self.hk, self.g, i1 - i0, j1 - j0).astype(self.dt, copy=False)
         if allowed is not None:
             s = np.where(allowed, s, -np.inf)
         return s, t, allowed
 
-    def _bias(self, heads, q_pos, k_pos):
+    def _bias(self, heads, q_pos, k_pos, finite=False):
         extra = np.asarray(self.score.bias(heads, q_pos[None, :, None], k_pos[None, None, :]))
+        if finite:
+            finite_bias(extra)
         try:
             return np.broadcast_to(extra, (self.hq, len(q_pos), len(k_pos)))
         except ValueError:

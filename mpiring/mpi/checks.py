@@ -329,17 +329,18 @@ def peaks(*arrays):
     return [_peak(a) for a in arrays]
 
 
-def pairs_problem(plan, spec, rank, heads):
+def pairs_problem(plan, spec, rank, heads, finite=False):
     """This rank's problem with its own (query, key) pairs under ``plan``, or None: a mask with holes is evaluated
     on them (``plan.kinds``, kept for the ring), the bias probed (``scores.bias_probe``), so a user's function that
-    fails there is found before any data moves and agreed, not met inside the ring."""
+    fails there is found before any data moves and agreed, not met inside the ring (``finite``: or, with
+    ``check_finite=True``, returns NaN or +Inf there)."""
     try:
         if not plan.exact:
             row = plan.kinds[rank]
             for source in range(len(row)):
                 row[source]
         if spec.bias is not None:
-            bias_probe(spec.bias, heads, plan.shards[rank], plan.seq_len)
+            bias_probe(spec.bias, heads, plan.shards[rank], plan.seq_len, finite)
     except FunctionFailed as exc:
         return str(exc)
     return None
