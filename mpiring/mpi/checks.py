@@ -177,6 +177,16 @@ def verdict(problems, prefix="rank"):
     return "; ".join(parts) or None
 
 
+def _differing(values, ref):
+    """``(rank, name, its value, rank ref's)`` of each rank's first value that differs from rank ``ref``'s."""
+    for r, mine in enumerate(values):
+        if mine is None or values[ref] is None or r == ref:
+            continue
+        found = next(((name, val) for name, val in mine.items() if not val == values[ref][name]), None)
+        if found is not None:
+            yield r, found[0], found[1], values[ref][found[0]]
+
+
 def differences(values, ref, parts=None):
     """Per rank: which named value differs from rank ``ref``'s (values[r] is a dict, or None).
 
@@ -184,36 +194,20 @@ def differences(values, ref, parts=None):
     differs: ``parts[(rank, name)]`` holds both ranks' ``leaf_value`` of it (``differing_parts``).
     """
     out = [None] * len(values)
-    for r, mine in enumerate(values):
-        if mine is None or values[ref] is None or r == ref:
-            continue
-        for name, val in mine.items():
-            theirs = values[ref][name]
-            if not val == theirs:
-                out[r] = f"{name} {val!r} differs from rank {ref}'s {theirs!r}"
-                if (r, name) in (parts or {}):
-                    index = first_difference(val.content, theirs.content)
-                    leaves = [c.leaves[index] if index < len(c.leaves) else None for c in (val.content, theirs.content)]
-                    what = difference(index, leaves, parts[(r, name)], (r, ref))
-                    out[r] = f"{name} differs from rank {ref}'s: {what}"
-                break
+    for r, name, val, theirs in _differing(values, ref):
+        out[r] = f"{name} {val!r} differs from rank {ref}'s {theirs!r}"
+        if (r, name) in (parts or {}):
+            index = first_difference(val.content, theirs.content)
+            leaves = [c.leaves[index] if index < len(c.leaves) else None for c in (val.content, theirs.content)]
+            out[r] = f"{name} differs from rank {ref}'s: {difference(index, leaves, parts[(r, name)], (r, ref))}"
     return out
 
 
 def differing_parts(values, ref):
     """``[(rank, name, leaf index)]``: the values with content that differ from rank ``ref``'s under the same
     text, and the first leaf that differs (the same list on every rank, from the gathered values)."""
-    wanted = []
-    for r, mine in enumerate(values):
-        if mine is None or values[ref] is None or r == ref:
-            continue
-        for name, val in mine.items():
-            theirs = values[ref][name]
-            if not val == theirs:
-                if val.content is not None and theirs.content is not None and val.text == theirs.text:
-                    wanted.append((r, name, first_difference(val.content, theirs.content)))
-                break
-    return wanted
+    return [(r, name, first_difference(val.content, theirs.content)) for r, name, val, theirs in _differing(values, ref)
+            if val.content is not None and theirs.content is not None and val.text == theirs.text]
 
 
 def part_values(mine, wanted, rank, ref):
