@@ -111,6 +111,7 @@ class Announced(ValueError):
 # call polls for (``watching``), so the others raise within one poll of their next wait, not at their timeout.
 FAILURE_TAG = 32000
 DRAIN_SECONDS = 1.0  # how long a rank told of a failure lets what it waits for complete before leaving it
+WATCH_SECONDS = 1e-3  # a wait looks for a notice at most this often (an MPI test each: the polls stay cheap)
 NOTICE_BYTES = 2048
 _WATCHED = threading.local()
 
@@ -230,16 +231,17 @@ def _polls(requests, rank, what, sync, patient=False):
     """
     spin, burst = (SYNC_SPIN_SECONDS, 0.0) if sync else (SPIN_SECONDS, BURST_SECONDS)
     polled, nap = time.perf_counter(), NAP_SECONDS[0]
-    watch = getattr(_WATCHED, "watch", None)
+    watch, looked = getattr(_WATCHED, "watch", None), 0.0
     while not test_all(requests, rank, what):
-        if watch is not None:
+        now = time.perf_counter()
+        if watch is not None and now - looked > WATCH_SECONDS:
+            looked = now
             try:
                 watch.check()
             except BaseException:  # another rank failed: what this rank waits for may still complete (a
                 _drained(requests)  # collective that rank had joined): given a moment to, else kept for good
                 _WATCHED.cut_short = True  # the call's communicators are never freed (``cut_short``)
                 raise
-        now = time.perf_counter()
         yield now
         if patient and now - polled > LONG_WAIT_SECONDS:
             time.sleep(LONG_NAP_SECONDS)
