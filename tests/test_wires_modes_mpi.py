@@ -21,7 +21,7 @@ from mpi4py import MPI
 from mpiring import Record, ring_attention, ring_attention_backward, shard_indices
 from mpiring.cost.nodes import predicted_bytes
 from mpiring.parallel.passq import plan_bytes, rank_bytes
-from mpiring.plans.heads import query_heads
+from mpiring.plans.heads import deal_heads
 from mpiring.testing import assert_attention_close, reference, reference_backward
 
 pytestmark = pytest.mark.mpi
@@ -140,7 +140,7 @@ def test_what_a_rank_holds_is_never_coded(comm, mode, wire):
                 np.testing.assert_array_equal(a, b, err_msg=f"{name}: P = 1 with a {wire} wire")
             continue
         split = {"ulysses": size, "grid": run.get("ulysses_size")}.get(mode)
-        heads = query_heads(0, split, hq) if split else slice(None)
+        heads = deal_heads(hq, hk, split).q[0] if split else slice(None)
         if rank == 0:
             for name, a, b in zip(("out", "lse", "dq"), coded[:3], plain[:3]):
                 np.testing.assert_array_equal(a[:, heads], b[:, heads], err_msg=f"{name} of rank 0's own keys")

@@ -14,7 +14,7 @@ grad_itemsize, wire_dtype`` that ``nodes.traffic`` takes (``full_shape``).
 from typing import Callable, NamedTuple
 
 from ..core.precision import compute_itemsize, row_bytes
-from ..plans.heads import kv_heads, ulysses_pair_bytes
+from ..plans.heads import deal_heads, ulysses_pair_bytes
 from ..plans.make import make_plan
 
 __all__ = ["Strategy", "Analytic", "STRATEGIES", "TIME_VARIANTS", "strategy_of", "analytic", "full_shape",
@@ -223,27 +223,28 @@ def _group_pair(plan, r, d, *, batch, hq, hk, dim, dim_v, itemsize, backward, gr
     ``grad_itemsize`` bytes).
     """
     u = plan.ulysses_size
-    hq_l, n_r, n_d = hq // u, len(plan.shards[r]), len(plan.shards[d])
+    deal = deal_heads(hq, hk, u)
+    (q_r, q_d), (kv_r, kv_d) = ([c[x % u] for x in (r, d)] for c in (deal.counts(), deal.counts(kv=True)))
+    n_r, n_d = len(plan.shards[r]), len(plan.shards[d])
     m_r, m_d = len(plan.kv_shards[r]), len(plan.kv_shards[d])
-    kv_r, kv_d = (len(range(hk)[kv_heads(x % u, u, hk)]) for x in (r, d))
     kv_row = row_bytes(wire_dtype, dim, itemsize) + row_bytes(wire_dtype, dim_v, itemsize)
     compute = compute_itemsize(itemsize)
     if backward:
-        out = n_r * hq_l * (dim + 2 * dim_v + 1) * compute + m_r * kv_d * kv_row
-        back = (n_d * hq_l * dim + m_d * kv_r * (dim + dim_v)) * grad_itemsize
+        out = n_r * q_d * (dim + 2 * dim_v + 1) * compute + m_r * kv_d * kv_row
+        back = (n_d * q_r * dim + m_d * kv_r * (dim + dim_v)) * grad_itemsize
     else:
-        out = n_r * hq_l * dim * itemsize + m_r * kv_d * kv_row
-        back = n_d * hq_l * (dim_v * itemsize + compute)
+        out = n_r * q_d * dim * itemsize + m_r * kv_d * kv_row
+        back = n_d * q_r * (dim_v * itemsize + compute)
     return batch * (out + back)
 
 
 def _inner_shapes(plan, shape):
-    """Per place j of a group: the shape its ring across the groups moves (Hq/u heads, its K/V heads); the
-    backward's inputs in the dtype tiles compute in, as the all-to-all brought them."""
-    u, hk = plan.ulysses_size, shape["hk"]
+    """Per place j of a group: the shape its ring across the groups moves (its query heads, the K/V heads it
+    computes with: ``HeadDeal.held_counts``); the backward's inputs in the dtype tiles compute in, as the
+    all-to-all brought them."""
+    deal = deal_heads(shape["hq"], shape["hk"], plan.ulysses_size)
     itemsize = compute_itemsize(shape["itemsize"]) if shape["backward"] else shape["itemsize"]
-    return [dict(shape, hq=shape["hq"] // u, hk=len(range(hk)[kv_heads(j, u, hk)]), itemsize=itemsize)
-            for j in range(u)]
+    return [dict(shape, hq=hq, hk=hk, itemsize=itemsize) for hq, hk in zip(deal.counts(), deal.held_counts())]
 
 
 def _grid_traffic(plan, shape):
@@ -320,11 +321,13 @@ def _double_ring_time(plan, cluster, link, shape):
 
 
 def _ulysses_time(plan, cluster, link, shape):
-    """All-to-all in, compute (every pair, Hq/P heads), all-to-all back."""
-    pair = 4 * shape["batch"] * shape["hq"] * shape["dim"] / cluster.flops
+    """All-to-all in, compute (every pair, the most query heads a rank gets: Hq/P when they split evenly),
+    all-to-all back."""
+    heads = max(deal_heads(shape["hq"], shape["hk"], plan.size).counts())
+    pair = 4 * shape["batch"] * heads * shape["dim"] / cluster.flops
     matrix = traffic_of(plan, full_shape(**shape))
     sends = [(r, d, b) for r, row in enumerate(matrix) for d, b in enumerate(row) if b]
-    work = max(plan.computed_pairs()) * pair / plan.size
+    work = max(plan.computed_pairs()) * pair
     comm = link(sends)  # both all-to-alls' bytes, as one exchange's worth of link time
     return {"total": work + comm, "compute": work, "exposed": comm}
 
@@ -336,9 +339,10 @@ def _grid_time(plan, cluster, link, shape):
     matrix = traffic_of(plan, full_shape(**shape))
     a2a = link([(r, d, matrix[r][d]) for r in range(plan.size) for d in range(plan.size)
                 if r // u == d // u and matrix[r][d]])
-    pair = 4 * batch * (hq // u) * dim / cluster.flops
-    places = [_step_sends(ring, batch * len(range(hk)[kv_heads(j, u, hk)]) * (dim + dim_v) * itemsize)
-              for j in range(u)]  # place j of every group: its K/V heads of the group's tokens
+    deal = deal_heads(hq, hk, u)
+    pair = 4 * batch * max(deal.counts()) * dim / cluster.flops  # the place with the most query heads
+    places = [_step_sends(ring, batch * held * (dim + dim_v) * itemsize)
+              for held in deal.held_counts()]  # place j of every group: its K/V heads of the group's tokens
     total = work = 0.0
     for step in range(ring.n_steps):
         compute = max(sum((p.q1 - p.q0) * (p.k1 - p.k0) for t in ring.tasks(step, g) for p in ring.pieces(g, t.source))
@@ -365,10 +369,10 @@ def _grid_compared(seq_len, cluster, layout, causal):
 
 def compared_plan(name, seq_len, cluster, *, layout, causal, hq, hk):
     """The plan ``compare_modes`` times as ``name`` (a mode, or an entry's ``label``); None when the heads do
-    not split over the ranks that share them out."""
+    not split over the ranks that share them out (fewer query heads than those ranks)."""
     entry = _LABELS.get(name)
     split = entry.head_split(cluster) if entry and entry.head_split else None
-    if split and (hq % split or (hk % split and split % hk)):
+    if split and hq < split:
         return None
     if entry and entry.compared:
         return entry.compared(seq_len, cluster, layout, causal)
