@@ -26,6 +26,17 @@ def problem(rng, S, hq, hk, dtype=np.float64, dim=8, dim_v=6):
     return [rng.standard_normal(s).astype(dtype) for s in shapes]
 
 
+def head_cases(P):
+    """``(Hq, Hk)`` pairs that Ulysses (or a grid's group) deals over P ranks unevenly, each with why it is here:
+    query heads not divisible by P, GQA groups split between ranks, fewer K/V heads than ranks, K/V heads
+    neither dividing nor divisible by P (``heads.deal_heads``); those with Hq >= P."""
+    u = P + P // 2  # not divisible by P from P = 2: 3 over 2, 4 over 3, 6 over 4, 12 over 8
+    cases = {(u, u): "MHA, uneven", (2 * u, u): "GQA, groups split", (u, 1): "MQA, uneven",
+             (8, 2): "8 query heads, 2 K/V", (9, 3): "3 K/V heads", (6, 3): "3 K/V heads, 2 each",
+             (2 * P, 2 * P): "even, as before"}
+    return {hk: why for hk, why in cases.items() if hk[0] >= P}
+
+
 def local(x, rows, axis=-2):
     """This rank's shard of a full array: the rows at ``rows`` (global positions) on ``axis``."""
     return np.ascontiguousarray(np.take(x, rows, axis=axis))

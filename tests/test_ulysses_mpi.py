@@ -5,12 +5,12 @@
 Every rank builds the same seeded problem, keeps its shard, and checks its own
 results, bytes and recorded schedule; P is the world size. Query heads are 2P,
 K/V heads 2P (no grouping), 2 and 1: with P > 2 the K/V heads are fewer than
-the ranks and are replicated.
+the ranks and are replicated; and the uneven deals of ``modecheck.head_cases``.
 """
 
 import numpy as np
 import pytest
-from modecheck import check_mode
+from modecheck import check_mode, head_cases
 from modecheck import problem as _problem
 
 from mpiring import LAYOUTS, distributed_attention, make_plan, ring_attention, ring_attention_backward, shard
@@ -38,8 +38,9 @@ def test_forward_and_backward_match_reference(comm, rng, layout, causal, window,
     P = comm.size
     S = 5 * P + 3  # uneven on purpose
     options = dict(layout=layout, mode="ulysses", causal=causal, window=window, cu_seqlens=cu)
-    for hk in _kv_counts(P):
-        check_mode(comm, *_problem(rng, S, 2 * P, hk), options, f"{hk} K/V heads")
+    cases = {(2 * P, hk): f"{hk} K/V heads" for hk in _kv_counts(P)}
+    for (hq, hk), why in {**cases, **head_cases(P)}.items():  # and any number of heads (deal_heads)
+        check_mode(comm, *_problem(rng, S, hq, hk), options, f"{hq}/{hk} ({why})")
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

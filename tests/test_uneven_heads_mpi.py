@@ -4,15 +4,16 @@
 
 Query heads not divisible by the ranks that share them out (4 over 3, 6 over 4, 12 over 8), K/V heads
 that neither divide nor are divisible by them (3 over 2 or 4, 6 over 4), fewer K/V heads than ranks, GQA
-groups split between ranks: every rank draws the whole problem from one seed, keeps its shard
-(``shard_indices``) and checks out, lse, dq, dk, dv against the float64 reference, its bytes against
-``nodes.predicted_bytes``, its messages and tasks against the plan (``modecheck.check_mode``), over every
-layout and mask Ulysses takes. P is the world size; at P = 1 everything is one rank's.
+groups split between ranks (``modecheck.head_cases``): every rank draws the whole problem from one seed,
+keeps its shard (``shard_indices``) and checks out, lse, dq, dk, dv against the float64 reference, its
+bytes against ``nodes.predicted_bytes``, its messages and tasks against the plan (``modecheck.check_mode``),
+over every layout and mask (Ulysses' sweep of them: tests/test_ulysses_mpi.py). P is the world size; at
+P = 1 everything is one rank's.
 """
 
 import numpy as np
 import pytest
-from modecheck import check_mode, local
+from modecheck import check_mode, head_cases, local
 from modecheck import problem as _problem
 
 from mpiring import LAYOUTS, Record, ring_attention, ring_attention_backward, shard_indices
@@ -24,29 +25,10 @@ pytestmark = pytest.mark.mpi
 MASKS = [(False, None, None), (True, None, None), (True, (4, 0), None), (False, (2, 2), "docs")]
 
 
-def head_cases(P):
-    """``(Hq, Hk)`` pairs over P parts, each with a reason to be there; those with Hq >= P."""
-    u = P + P // 2  # not divisible by P from P = 2: 3 over 2, 4 over 3, 6 over 4, 12 over 8
-    cases = {(u, u): "MHA, uneven", (2 * u, u): "GQA, groups split", (u, 1): "MQA, uneven",
-             (8, 2): "8 query heads, 2 K/V", (9, 3): "3 K/V heads", (6, 3): "3 K/V heads, 2 each",
-             (2 * P, 2 * P): "even, as before"}
-    return {hk: why for hk, why in cases.items() if hk[0] >= P}
-
-
 def _grids(P):
     """Every group size u dividing P, with a ring mode across the groups (each mode in turn)."""
     modes = ("ring", "bidirectional", "allgather")
     return [(u, modes[i % 3]) for i, u in enumerate(u for u in range(1, P + 1) if P % u == 0)]
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("causal,window,cu", MASKS)
-def test_ulysses_any_heads_match_reference(comm, rng, layout, causal, window, cu):
-    P = comm.size
-    S = 5 * P + 3  # uneven shards too
-    options = dict(layout=layout, mode="ulysses", causal=causal, window=window, cu_seqlens=cu)
-    for (hq, hk), why in head_cases(P).items():
-        check_mode(comm, *_problem(rng, S, hq, hk), options, f"{hq}/{hk} ({why})")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -279,6 +279,7 @@ def format_time_model(total_seq_len, num_devices, *, heads, head_dim, kv_heads=N
 
 
 # bytes per element of K/V on the wire (``wire_dtype``); int8's float32 scale per token and head adds 4 / head_dim
+# (the FP8 wires move exactly int8's bytes: its row stands for them)
 WIRE_BYTES = {"float32": lambda d: 4, "bfloat16": lambda d: 2, "float16": lambda d: 2, "int8": lambda d: 1 + 4 / d}
 
 

@@ -18,8 +18,8 @@ call's record.
 A coded ``wire_dtype`` codes K/V on both: the group's all-to-all (each
 rank's own share stays exact) and the ring across groups (the inner call,
 given the same wire). A token from another member so crosses two coded
-hops, but coding is idempotent (a half rounding exactly; int8 to within
-float32 rounding of its scale), so it carries one coding's error. The ring
+hops, but coding is idempotent (a half rounding exactly; int8 and FP8 to
+within float32 rounding of the scale), so it carries one coding's error. The ring
 across groups accumulates as ``accumulate=`` says, as the ring modes do
 (results bit for bit those of ``ring_attention`` on the cross communicator).
 Gradients come back in ``grad_wire_dtype``, which the inner ring's partials use too.

@@ -3,10 +3,11 @@
     python -m mpiring schedule -P 4 --mode ulysses --causal --layout zigzag
 
 One all-to-all turns every rank's sequence shard of all heads into all tokens
-of its share of the heads: rank d gets query heads ``d*Hq/P .. (d+1)*Hq/P``
-of every rank's tokens. It attends them over the whole sequence with the same
-block code as the ring (``block.attend`` / ``block.grads_of``), and a second
-all-to-all returns each rank's tokens.
+of its share of the heads: rank d gets its run of query heads (``deal_heads``,
+``d*Hq/P .. (d+1)*Hq/P`` when P divides Hq) of every rank's tokens. It attends
+them over the whole sequence with the same block code as the ring
+(``block.attend`` / ``block.grads_of``), and a second all-to-all returns each
+rank's tokens.
 
 After the first all-to-all a rank holds the tokens in shard order (rank 0's
 positions, then rank 1's, ...). It puts the rows in position order once

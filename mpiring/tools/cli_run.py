@@ -87,8 +87,8 @@ def run_parser():
     p.add_argument("--batch", type=int, default=1, help="batch size")
     p.add_argument("--dtype", default="float32", choices=INPUT_DTYPES,
                    help="dtype of Q, K, V (half ones compute in float32; bfloat16 needs ml_dtypes)")
-    p.add_argument("--wire-dtype", choices=WIRE_DTYPES, help="K/V travel coded so (int8: with a float32 scale per "
-                   "token and head); default: the input dtype")
+    p.add_argument("--wire-dtype", choices=WIRE_DTYPES, help="K/V travel coded so (int8 and FP8: with a float32 "
+                   "scale per token and head; FP8 and bfloat16 need ml_dtypes); default: the input dtype")
     p.add_argument("--grad-wire-dtype", choices=GRAD_WIRE_DTYPES, help="dtype of the travelling dK/dV partials "
                    "(--backward); default float32, float64 for float64 inputs")
     p.add_argument("--accumulate", choices=ACCUMULATE, default="float64",
@@ -348,7 +348,7 @@ def _wire(args):
 def _wire_line(args, pr):
     """What travels and what accumulates, in one line; with the wire's size against float32 K/V."""
     row = pr.wire.row(args.dim) * pr.wire.dtype.itemsize
-    scales = " (+ a float32 scale per token and head)" if pr.wire.name == "int8" else ""
+    scales = " (+ a float32 scale per token and head)" if pr.wire.scaled else ""
     line = (f"K/V on the wire: {pr.wire.name}{scales}, {row / (4 * args.dim):.3g}x the bytes of float32; "
             f"running (out, lse): {pr.out}, {pr.lse}")
     if args.backward:

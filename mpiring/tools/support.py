@@ -13,7 +13,7 @@ gives both). A cell works when every rank's result is within
 rounded to the dtype, or raises the same ValueError on every rank before any
 data moved (its ``Record`` stays empty); anything else is WRONG (exit code 1).
 
-The full product is 6,000 runs per strategy. The matrix (``matrix``) runs,
+The full product is 15,000 runs per strategy. The matrix (``matrix``) runs,
 per strategy, every option alone (the other axes at their ``DEFAULTS``);
 then the options that work alone, 5 at a time, in the rows of an orthogonal
 array of strength 2 (``covering``: every pair of them meets in a row); then
@@ -41,14 +41,13 @@ from mpiring.testing import attention_error, tolerance
 from .cli import Agreed, command_parser
 from .verify import run_tolerance
 
-__all__ = ["AXES", "DEFAULTS", "Cell", "strategies", "cells", "changed", "label", "covering", "matrix", "sample",
-           "run_cell", "run_cells", "run_case", "render", "doc_section", "write_section", "support",
-           "support_parser"]
+__all__ = ["AXES", "DEFAULTS", "Cell", "strategies", "head_counts", "cells", "changed", "label", "covering", "matrix",
+           "sample", "run_cells", "run_case", "render", "doc_section", "write_section", "support", "support_parser"]
 
 SEED = 20240611
 AXES = {"assignment": LAYOUTS + ("positions", "kv_positions"),
         "mask": ("none", "causal", "window", "documents", "block-causal"),
-        "heads": ("MHA", "GQA", "MQA"),  # K/V heads: as many as q's, half as many, one
+        "heads": ("MHA", "GQA", "MQA", "uneven", "uneven GQA"),  # ``head_counts``
         "dtype": INPUT_DTYPES,
         "wire": ("none",) + WIRE_DTYPES,
         "score": ("none", "softcap", "alibi", "sinks", "dropout")}  # docs/masks.md's score modifiers
@@ -96,8 +95,15 @@ def strategies(P):
 
 
 def sizes(P):
-    """``(S, dim, query heads)`` of every cell at P ranks: uneven shards, heads that Ulysses can split."""
+    """``(S, dim, query heads)`` of every cell at P ranks: uneven shards, heads that split evenly over P."""
     return 4 * P + 3, 8, 4 * P // math.gcd(4, P)
+
+
+def head_counts(P, heads):
+    """``(query heads, K/V heads)`` of the heads axis' value ``heads`` at P ranks: K/V heads as many as q's, half
+    as many, one; "uneven": P + P // 2 heads (not divisible by P from 2), and twice as many over those in GQA."""
+    hq, u = sizes(P)[2], P + P // 2
+    return {"MHA": (hq, hq), "GQA": (hq, hq // 2), "MQA": (hq, 1), "uneven": (u, u), "uneven GQA": (2 * u, u)}[heads]
 
 
 def cells(P):
@@ -117,8 +123,7 @@ def label(cell):
 
 def _cell(strategy, options, pass_):
     """The cell of ``strategy`` with ``options`` (``(axis, value)`` pairs), the other axes at their defaults."""
-    values = dict(DEFAULTS, **dict(options))
-    return Cell(strategy, *(values[axis] for axis in DEFAULTS), pass_)
+    return Cell(strategy, *dict(DEFAULTS, **dict(options)).values(), pass_)
 
 
 def covering(levels):
@@ -180,32 +185,30 @@ def placement(P, rank, assignment):
 @functools.lru_cache(maxsize=None)
 def _inputs(P, heads, dtype):
     """Whole q, k, v, dout in ``dtype`` (the same on every rank), and the same as float64."""
-    S, D, hq = sizes(P)
-    hk = {"MHA": hq, "GQA": hq // 2, "MQA": 1}[heads]
+    (S, D, _), (hq, hk) = sizes(P), head_counts(P, heads)
     rng = np.random.default_rng([SEED, S, hq, hk])
     arrays = [rng.standard_normal((h, S, D)).astype(named_dtype(dtype)) for h in (hq, hk, hk, hq)]
     return arrays, [a.astype(np.float64) for a in arrays]
 
 
-def score_options(name, P):
-    """The ``ring_attention`` options of score modifier ``name`` at P ranks (docs/masks.md)."""
-    return {"none": {}, "softcap": {"softcap": 2.0}, "alibi": {"bias": alibi(sizes(P)[2])},
-            "sinks": {"sinks": np.linspace(-1.0, 1.0, sizes(P)[2])}, "dropout": {"dropout": 0.25, "seed": 3}}[name]
+def score_options(name, hq):
+    """The ``ring_attention`` options of score modifier ``name`` with ``hq`` query heads (docs/masks.md)."""
+    return {"none": {}, "softcap": {"softcap": 2.0}, "alibi": {"bias": alibi(hq)},
+            "sinks": {"sinks": np.linspace(-1.0, 1.0, hq)}, "dropout": {"dropout": 0.25, "seed": 3}}[name]
 
 
 @functools.lru_cache(maxsize=None)
 def _reference(P, heads, dtype, mask, prefill, score="none"):
     """float64 ``(out, lse, dq, dk, dv[, dsinks])`` over the whole sequence; ``prefill``: only the queries of
     ``placement``'s kv_positions (the last S - S//2) count in dk, dv (dout is zero for the others)."""
-    S = sizes(P)[0]
-    q, k, v, dout = _inputs(P, heads, dtype)[1]
+    S, (q, k, v, dout) = sizes(P)[0], _inputs(P, heads, dtype)[1]
     pos = np.arange(S)
     allowed = definition_mask(pos, pos, **mask_options(mask, S))
     rows = lambda a, b: allowed[a:b]  # noqa: E731
     if prefill:
         dout = np.where(pos[:, None] >= S // 2, dout, 0.0)
     if score != "none":  # the scored reference, from the definitions (core.reference.scored_attention)
-        extra = score_options(score, P)
+        extra = score_options(score, head_counts(P, heads)[0])
         grads = scored_attention(q, k, v, allowed, dout=dout, **extra)
         return scored_attention(q, k, v, allowed, **extra)[:2] + grads[:3] + grads[3:] * ("sinks" in extra)
     return dense_attention(q, k, v, None, rows) + dense_attention_backward(dout, q, k, v, None, rows)
@@ -214,12 +217,14 @@ def _reference(P, heads, dtype, mask, prefill, score="none"):
 # ---------------------------------------------------------------- running cells
 
 
-def _have_bfloat16():
-    try:
-        named_dtype("bfloat16")
-    except ValueError:
-        return False
-    return True
+def _missing(names):
+    """Why a dtype of ``names`` cannot be made here (bfloat16 and FP8 need ml_dtypes), or None."""
+    for name in names:
+        try:
+            named_dtype(name)
+        except ValueError as exc:
+            return str(exc)
+    return None
 
 
 def _error(name, got, want, tol, dtype):
@@ -278,14 +283,14 @@ def run_case(comm, case, backward=True, records=None, keep_going=False):
     from mpiring import ring_attention, ring_attention_backward
 
     strategy, assignment, mask, heads, dtype, wire, score = case
-    if "bfloat16" in (dtype, wire) and not _have_bfloat16():
-        skipped = 'skipped: bfloat16 needs ml_dtypes (pip install -e ".[half]")'
-        return {"forward": skipped, "backward": skipped}
+    missing = _missing([dtype] + [wire] * (wire != "none"))
+    if missing:
+        return {"forward": f"skipped: {missing}", "backward": f"skipped: {missing}"}
     P, rank = comm.Get_size(), comm.Get_rank()
     mine, kv, held = placement(P, rank, assignment)
     wire = None if wire == "none" else wire
     options = dict(strategies(P)[strategy], **mask_options(mask, sizes(P)[0]), **held, wire_dtype=wire,
-                   **score_options(score, P))
+                   **score_options(score, head_counts(P, heads)[0]))
     arrays = _inputs(P, heads, dtype)[0]
     q, dout = (np.ascontiguousarray(a[..., mine, :]) for a in (arrays[0], arrays[3]))
     k, v = (np.ascontiguousarray(a[..., kv, :]) for a in arrays[1:3])
@@ -302,13 +307,13 @@ def run_case(comm, case, backward=True, records=None, keep_going=False):
                                forward_errors, keep_going)
     verdicts = {"forward": verdict, "backward": verdict}
     if backward and result is not None:
-        options.pop("rotate", None)  # the backward has no pass-Q: K/V travel
+        codings = 2 if options.pop("rotate", None) == "q" else 1  # no pass-Q backward: K/V travel (coded too)
 
         def backward_errors(grads):
-            found = [(name, g, r[..., rows, :], run_tolerance(kind, wire), kind)
+            found = [(name, g, r[..., rows, :], run_tolerance(kind, wire, codings), kind)
                      for name, g, r, rows in zip(("dq", "dk", "dv"), grads, ref[2:], (mine, kv, kv))]
             if len(ref) > 5 or len(grads) > 3:  # sinks: their gradient, summed over every rank's rows
-                found.append(("dsinks", grads[3], ref[5], run_tolerance(kind, wire), np.float64))
+                found.append(("dsinks", grads[3], ref[5], run_tolerance(kind, wire, codings), np.float64))
             return found
 
         verdicts["backward"] = _verdict(comm, lambda: ring_attention_backward(dout, q, k, v, *result, comm,
@@ -327,11 +332,6 @@ def run_cells(comm, chosen, keep_going=False):
         got = run_case(comm, case, backward="backward" in passes, keep_going=keep_going)
         verdicts.update({Cell(*case, p): got[p] for p in passes})
     return {cell: verdicts[cell] for cell in chosen}
-
-
-def run_cell(comm, cell):
-    """The verdict of one cell: "works", "raises: <message>", "skipped: <why>" or "WRONG: <what>"."""
-    return run_case(comm, cell[:-1], backward=cell.pass_ == "backward")[cell.pass_]
 
 
 def matrix(comm, keep_going=False):
@@ -363,8 +363,7 @@ def matrix(comm, keep_going=False):
 
 def _table(header, rows, markdown):
     if markdown:
-        lines = [header, ["---"] * len(header)] + rows
-        return "\n".join("| " + " | ".join(line) + " |" for line in lines)
+        return "\n".join("| " + " | ".join(line) + " |" for line in [header, ["---"] * len(header)] + rows)
     widths = [max(len(line[i]) for line in [header] + rows) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in [header] + rows)
 
@@ -402,8 +401,9 @@ def render(verdicts, P, markdown=False):
     S, D, hq = sizes(P)
     bold = "**" if markdown else ""
     out = [f"P = {P}: {len(verdicts)} cells of the {len(cells(P))} of the full product ({S} tokens, head dim {D}, "
-           f"{hq} query heads): {counts['works']} work, {counts['raises']} raise, {counts['WRONG']} WRONG, "
-           f"{counts['skipped']} skipped.",
+           f"{hq} query heads; uneven {head_counts(P, 'uneven')[0]}, uneven GQA "
+           f"{'/'.join(map(str, head_counts(P, 'uneven GQA')))}): {counts['works']} work, {counts['raises']} raise, "
+           f"{counts['WRONG']} WRONG, {counts['skipped']} skipped.",
            "",
            f"Each option alone, the others at their defaults ({', '.join(f'{a} {v}' for a, v in DEFAULTS.items())}); "
            f"a cell is forward / backward where they differ:"]

@@ -41,10 +41,10 @@ ROW_CHUNK = 256  # query rows per matrix product in the forward pass (bounds its
 TOLERANCE = {np.dtype(np.float64): 1e-10, np.dtype(np.float32): 1e-4}
 
 
-def run_tolerance(dtype, wire=None):
+def run_tolerance(dtype, wire=None, codings=1):
     """The error ``run`` accepts for inputs of ``dtype`` with K/V on the ``wire``: TOLERANCE above, half
-    inputs and coded wires by the library's one table (``mpiring.testing.TOLERANCE``)."""
-    return max(TOLERANCE.get(np.dtype(dtype), 0.0), tolerance(dtype, wire))
+    inputs and coded wires by the library's one table (``mpiring.testing.TOLERANCE``; ``codings`` as there)."""
+    return max(TOLERANCE.get(np.dtype(dtype), 0.0), tolerance(dtype, wire, codings))
 
 
 class Inputs:
