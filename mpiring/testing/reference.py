@@ -110,6 +110,9 @@ def reference(q, k, v, *, causal=False, window=None, cu_seqlens=None, q_position
         out, lse, top = _scored_call(q, k, v, q_positions, k_positions, options, scores, scale)
         return (out, lse, top) if return_max_logit else (out, lse)
     rows = _prepare(q, k, v, q_positions, k_positions, options)
+    if np.shape(k)[-2] == 0:  # no keys (an empty shard): every row sees nothing
+        lead = np.shape(q)[:-2]
+        return np.zeros(lead + (np.shape(q)[-2], np.shape(v)[-1])), np.full(lead + (np.shape(q)[-2],), -np.inf)
     with limited(node_threads()):
         return dense_attention(q, k, v, scale, rows)
 

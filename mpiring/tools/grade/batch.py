@@ -76,8 +76,10 @@ def _records(path):
 
 def _why(output, limit):
     lines = [ln.strip() for ln in output.splitlines() if ln.startswith("grade: rank") and "abort" in ln]
-    return lines[0] if lines else (f"the job was killed after {limit:g} s" if limit else "the job ended early: "
-                                   + " / ".join(output.strip().splitlines()[-3:]))
+    if lines:
+        return lines[0]
+    last = (output.strip().splitlines() or ["no output"])[-1]
+    return f"the job was killed after {limit:g} s" if limit else f"the job ended early: {last}"
 
 
 def _aborted(path, P, records, why, args):
@@ -135,22 +137,18 @@ def grade_batch(argv):
                 records = _records(results)
                 ended = {r["file"]: r["entry"] for r in records if r["event"] == "end"}
                 started = [r["file"] for r in records if r["event"] == "start"]
+                cut = next((f for f in started if f not in ended), None)  # the file the job ended in
                 for path in todo:
                     if path in ended:
                         entries.append(ended[path])
-                        print(_line(ended[path]), flush=True)
+                    elif path == cut or not started:
+                        entries.append(_aborted(path, P, records, _why(output, killed), args))
+                    else:
+                        continue
+                    print(_line(entries[-1]), flush=True)
                 if not started:
-                    why = _why(output, None)
-                    for path in todo:
-                        entries.append(_aborted(path, P, [], why, args))
-                        print(_line(entries[-1]), flush=True)
                     break
-                last = started[-1]
-                if last in ended:
-                    break
-                entries.append(_aborted(last, P, records, _why(output, killed), args))
-                print(_line(entries[-1]), flush=True)
-                todo = todo[todo.index(last) + 1:]
+                todo = [f for f in todo if f not in ended and f != cut]  # the files after the one it ended in
     seconds = time.perf_counter() - start
     for line in class_summary(entries, ranks, seconds):
         print(line)

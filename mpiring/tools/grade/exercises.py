@@ -38,6 +38,7 @@ class Exercise:
     directions: bool = False  # bidirectional: both neighbours, at most floor(P/2) blocks each way
     overlap: bool = False  # every send posted before, and completed after, some of the compute
     heads: str = "any"  # "multiple": H a multiple of P (head-parallel code can be graded)
+    heads_per_rank: int = 1  # with heads="multiple": at least this many heads per rank
     group: int = 1  # query heads per K/V head (grouped-query attention)
     traffic: str = "ring"  # the cost model: ring | ulysses | passq | backward | allreduce | tree | none
 
@@ -60,7 +61,8 @@ EXERCISES = {
                           "ring_allreduce(x, comm) -> the sum of every rank's x", kind="allreduce",
                           traffic="allreduce"),
     "ulysses": Exercise("ulysses", "ulysses_attention", "Ulysses: all-to-all of heads",
-                        "ulysses_attention(q, k, v, comm, causal=False) -> out", heads="multiple", traffic="ulysses"),
+                        "ulysses_attention(q, k, v, comm, causal=False) -> out", heads="multiple", heads_per_rank=2,
+                        traffic="ulysses"),
     "decode": Exercise("decode", "decode_attention", "decode against a sharded KV cache, merged as a tree",
                        "decode_attention(q, k_cache, v_cache, comm) -> (out, lse) on rank 0", kind="decode",
                        causal=(False,), traffic="tree"),
@@ -118,7 +120,7 @@ def _heads(exercise, h, P):
         h = max(h, 2 * exercise.group)
         h = -(-h // exercise.group) * exercise.group
     if exercise.heads == "multiple":
-        h = -(-h // P) * P
+        h = -(-max(h, exercise.heads_per_rank * P) // P) * P
     return h, h // exercise.group
 
 

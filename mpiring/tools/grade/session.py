@@ -39,6 +39,13 @@ def grade_file(gcomm, exercise, opts, sink=None):
     so a job aborted by ``--time-limit`` still leaves what was graded. ``clean`` is False when a
     collective of the student's was left unfinished (the job must then end).
     """
+    result, clean = _grade_file(gcomm, exercise, opts, sink)
+    if gcomm.Get_rank() == 0 and sink:
+        sink({"event": "end", "file": opts.name, "entry": result})
+    return result, clean
+
+
+def _grade_file(gcomm, exercise, opts, sink):
     rank, P = gcomm.Get_rank(), gcomm.Get_size()
     name = opts.name
     start = time.perf_counter()
@@ -121,10 +128,7 @@ def grade_file(gcomm, exercise, opts, sink=None):
     seconds = time.perf_counter() - start
     summary(rank, table, checks, P, seconds, hints)
     traced = _write_timeline(rank, opts, trace_runs, f"{name}: {exercise.name}, P={P}")
-    result = entry(name, exercise.name, P, table, hints, seconds, trace=traced)
-    if rank == 0 and sink:
-        sink({"event": "end", "file": name, "entry": result})
-    return result, clean
+    return entry(name, exercise.name, P, table, hints, seconds, trace=traced), clean
 
 
 def _write_timeline(rank, opts, runs, title):

@@ -11,7 +11,8 @@ import numpy as np
 from mpi4py import MPI
 
 from ...mpi.waits import CommTimeout
-from ...testing.strictcomm import Stuck, settle
+from ...testing.strictcomm import settle
+from ...testing.timed import Stuck
 
 __all__ = ["Lost", "allgather", "drain", "fatal", "timed_sum", "wait_for"]
 
