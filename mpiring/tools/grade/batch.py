@@ -16,9 +16,9 @@ import sys
 import tempfile
 import time
 
-from . import check_options, parser
+from .cli import check_options, parser
 from .exercises import EXERCISES, declared_exercise, make_cases, student_files
-from .report import class_summary, write_csv, write_json
+from .report import class_summary, verdict_text, write_csv, write_json
 
 __all__ = ["grade_batch", "launcher", "parse_ranks"]
 
@@ -51,18 +51,18 @@ def launcher():
     return [mpiexec], env
 
 
-def _passed_on(args, P, many_ranks):
-    """The options a job gets (the report's are written here)."""
+def _passed_on(args, P, many_ranks, many_files):
+    """The options a job gets (the report's are written here); --trace/--plot paths named per file and P."""
     out = ["--timeout", str(args.timeout), "--time-limit", str(args.time_limit)]
     out += ["--exercise", args.exercise] if args.exercise else []
     out += ["--quick"] if args.quick else []
     out += ["--cases", args.cases] if args.cases else []
     for flag, path in (("--trace", args.trace), ("--plot", args.plot)):
         if path:
-            if many_ranks and "{P}" not in path:
-                stem, ext = os.path.splitext(path)
-                path = f"{stem}-P{{P}}{ext}"
-            out += [flag, path.replace("{P}", str(P))]
+            stem, ext = os.path.splitext(path)
+            stem += "-{file}" if many_files and "{file}" not in path else ""
+            stem += "-P{P}" if many_ranks and "{P}" not in path else ""
+            out += [flag, (stem + ext).replace("{P}", str(P))]
     return out
 
 
@@ -87,7 +87,7 @@ def _aborted(path, P, records, why, args):
     for r in records:
         if r["event"] == "abort" and r["file"] == path:
             e = r["entry"]
-            e["aborted"] = why
+            e["aborted"], e["hints"] = why, [why] + e["hints"]
             return e
     exercise = args.exercise or declared_exercise(path) or "forward"
     done = [r["case"] for r in records if r["event"] == "case" and r["file"] == path]
@@ -100,10 +100,8 @@ def _aborted(path, P, records, why, args):
 
 
 def _line(e):
-    c = e["checks"]
-    text = "pass" if e["verdict"] == "pass" else f"FAIL ({c['failed']} failed, {c['not_run']} not run)"
     hint = f"; hint: {e['hints'][0]}" if e["verdict"] != "pass" and e["hints"] else ""
-    return f"P={e['P']} {e['file']} ({e['exercise']}): {text}{' ' + e['aborted'] if e['aborted'] else ''}{hint}"
+    return f"P={e['P']} {e['file']} ({e['exercise']}): {verdict_text(e)}{hint}"
 
 
 def grade_batch(argv):
@@ -132,7 +130,7 @@ def grade_batch(argv):
             while todo:
                 results = os.path.join(scratch, f"P{P}-{len(entries)}.jsonl")
                 cmd = prefix + ["-n", str(P), sys.executable, "-m", "mpiring.tools.grade",
-                                *_passed_on(args, P, len(ranks) > 1), "--results", results, *todo]
+                                *_passed_on(args, P, len(ranks) > 1, len(files) > 1), "--results", results, *todo]
                 output, killed = _run(cmd, env, limit * len(todo), args.verbose)
                 records = _records(results)
                 ended = {r["file"]: r["entry"] for r in records if r["event"] == "end"}

@@ -91,7 +91,7 @@ def _watchdog(limit, ledger, rank, what, last_words=None):
         sys.stderr.flush()
         time.sleep(0.3 * rank)  # rank 0 first: the job ends before the others repeat it
         if last_words is not None:
-            last_words(f"{what} did not return within --time-limit {limit:g} s")
+            last_words(f"{what} has not returned after {limit:g} s (--time-limit)")
         time.sleep(0.5)
         MPI.COMM_WORLD.Abort(4)
 

@@ -8,8 +8,8 @@ import json
 import os
 from dataclasses import dataclass
 
-from . import EXERCISES, check_options, parser
-from .exercises import declared_exercise, student_files
+from .cli import check_options, parser
+from .exercises import EXERCISES, declared_exercise, student_files
 from .report import class_summary, say, write_csv, write_json
 from .session import grade_file
 from .sync import Lost, fatal

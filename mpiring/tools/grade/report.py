@@ -10,7 +10,7 @@ import collections
 import csv
 import json
 
-__all__ = ["CSV_FIELDS", "class_summary", "entry", "say", "show", "summary", "write_csv", "write_json"]
+__all__ = ["CSV_FIELDS", "class_summary", "entry", "say", "show", "summary", "verdict_text", "write_csv", "write_json"]
 
 CSV_FIELDS = ["file", "exercise", "P", "verdict", "passed", "failed", "not_run", "not_judged", "seconds", "aborted",
               "hints"]
@@ -90,6 +90,16 @@ def write_csv(path, entries):
                           "seconds": e["seconds"], "aborted": e["aborted"] or "", "hints": " | ".join(e["hints"])})
 
 
+def verdict_text(e):
+    """"pass", "FAIL (2 failed, 0 not run)" or "FAIL (aborted, 1 passed, 11 not run)"."""
+    c = e["checks"]
+    if e["verdict"] == "pass":
+        return "pass"
+    if e["aborted"]:
+        return f"FAIL (aborted, {c['passed']} passed, {c['not_run']} not run)"
+    return f"FAIL ({c['failed']} failed, {c['not_run']} not run)"
+
+
 def class_summary(entries, ranks, seconds):
     """Lines of the class's table: one row per file, a column per P, then the totals."""
     files = list(dict.fromkeys(e["file"] for e in entries))
@@ -98,9 +108,7 @@ def class_summary(entries, ranks, seconds):
     def mark(e):
         if e is None:
             return "-"
-        c = e["checks"]
-        text = "pass" if e["verdict"] == "pass" else f"FAIL ({c['failed']} failed, {c['not_run']} not run)"
-        return text + (" aborted" if e["aborted"] else "")
+        return verdict_text(e)
 
     rows = [[f, by[(f, ranks[0])]["exercise"] if (f, ranks[0]) in by else ""] + [mark(by.get((f, P))) for P in ranks]
             for f in files]

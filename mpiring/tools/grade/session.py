@@ -67,9 +67,11 @@ def _grade_file(gcomm, exercise, opts, sink):
     say(rank, f"  {exercise.signature}")
     table, hints, clean, stopped = [], {}, True, None
     trace_runs, current = None, ["the counted call"]
+    labels = [_label(case, exercise) for case in cases]
 
     def last_words(why):  # the watchdog's, before it aborts the job: the summary so far, from this rank
-        partial = table + [(current[0], {n: Verdict("not run") for n in checks})]
+        left = labels[labels.index(current[0]):] if current[0] in labels else [current[0]]
+        partial = table + [(label, {n: Verdict("not run") for n in checks}) for label in left]
         summary(0, partial, checks, P, time.perf_counter() - start, hints, stopped=f"aborted: {why}")
         if sink:
             sink({"event": "abort", "file": name, "why": why,
@@ -77,7 +79,7 @@ def _grade_file(gcomm, exercise, opts, sink):
 
     opts.last_words = last_words
     for i, case in enumerate(cases):
-        label = current[0] = _label(case, exercise)
+        label = current[0] = labels[i]
         run, check = RUNNERS[exercise.kind](case, exercise, fn, gcomm, opts, events=bool(opts.trace or opts.plot))
         everyone = allgather(gcomm, (run, check), opts.sync_timeout)
         runs = [r for r, _ in everyone]
