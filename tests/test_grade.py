@@ -252,6 +252,15 @@ def test_a_students_timeline_is_a_chrome_trace(solutions):
     assert len(list(tmp.glob("trace-*-P*.json"))) == 3 * len(LABS)
 
 
+def test_a_students_timeline_is_drawn(tmp_path):
+    """--plot draws the student's timeline as ``run --plot`` draws mpiring's own (needs matplotlib)."""
+    pytest.importorskip("matplotlib")
+    picture = tmp_path / "ring.png"
+    code, output, report, _ = batch(tmp_path, EXERCISES / "solutions" / "02_ring.py", "3", "--plot", picture)
+    assert code == 0 and picture.stat().st_size > 10_000, output
+    assert report["entries"][0]["trace"] == str(picture)
+
+
 def test_exercise_skeletons_fail(tmp_path):
     code, output, report, _ = batch(tmp_path, EXERCISES, "2")
     assert code == 1, output
