@@ -93,3 +93,18 @@ def test_merge_rounds():
     gather = [_Run({}, ["gather"])] + [_Run({}, ["gather"]) for _ in range(3)]
     butterfly = [_Run({1: 8, 2: 8}), _Run({0: 8, 3: 8}), _Run({3: 8, 0: 8}), _Run({2: 8, 1: 8})]
     assert [merge_rounds(r) for r in (tree, chain, gather, butterfly)] == [2, 3, 3, 2]
+
+
+def test_the_batch_grader_runs_outside_mpi(monkeypatch, capsys):
+    """``grade --ranks`` starts the jobs itself: no MPI in its own process, and refused inside a job."""
+    from mpiring.__main__ import needs_mpi
+    from mpiring.tools.grade import grade_class
+
+    assert needs_mpi("grade", ["class/", "--ranks", "2,3"]) is False
+    assert needs_mpi("grade", ["student.py"]) is True and needs_mpi("run", []) is True
+    monkeypatch.setenv("PMI_RANK", "0")
+    assert grade_class(["tests/students", "--ranks", "2"]) == 2
+    assert "run it without mpiexec" in capsys.readouterr().err
+    monkeypatch.delenv("PMI_RANK")
+    assert grade_class(["no/such/folder", "--ranks", "2"]) == 2
+    assert "no such file or folder: no/such/folder" in capsys.readouterr().err

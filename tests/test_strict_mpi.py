@@ -8,6 +8,10 @@ receives: MPI buffers its 2 KiB messages, so it works on a plain communicator, a
 messages pass the eager limit. The strict fixture (synchronous sends) catches it at 2 KiB.
 """
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import thirdparty_attention as third
@@ -15,6 +19,8 @@ from mpi4py import MPI
 
 import mpiring
 from mpiring.testing import Stuck, assert_attention_close, assert_sharded_attention, reference, strict
+
+from launch import MPIEXEC, mpiexec_argv, run_limited
 
 strict_comm = mpiring.testing.strict_comm_fixture(timeout=2.0, modules=["thirdparty_attention"])
 
@@ -113,3 +119,13 @@ def test_a_skipped_block_is_named_with_its_rank(strict_comm):
         assert f"[rank {P - 1}] out: max error" in str(info.value) and "global position" in str(info.value)
         assert (f"hint: rank {P - 1}'s output is exactly attention in which rank 0's K/V block is skipped (it must be "
                 f"attended in full)") in str(info.value), str(info.value)
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
+def test_a_deadline_ends_a_wait_nothing_can_time():
+    """strict(deadline=): mpi4py's own Waitall, in a module not instrumented, ends the job instead of hanging it."""
+    job = Path(__file__).with_name("strict_deadline_job.py")
+    code, output, _ = run_limited(mpiexec_argv(2, sys.executable, job), 60, stderr=subprocess.STDOUT)
+    assert code != 0 and "returned" not in output, output
+    assert ("strict: rank 0: Irecv from rank 0 (tag 5, 32 B) unfinished 2 s after it was posted, outside any timed "
+            "wait") in output, output

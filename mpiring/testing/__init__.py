@@ -47,7 +47,7 @@ def __getattr__(name):
     elif name in _WITH_MPI:
         from . import strictcomm, timed
 
-        value = getattr(timed if name in ("Stuck", "Ledger") else strictcomm, name)
+        value = getattr(strictcomm if name in ("strict", "StrictComm") else timed, name)
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value

@@ -45,13 +45,14 @@ def ring_comm_fixture(params=("world", "dup", "self")):
     return ring_comm
 
 
-def strict_comm_fixture(timeout=10.0, params=("world",), modules=()):
+def strict_comm_fixture(timeout=10.0, params=("world",), modules=(), deadline=None):
     """A pytest fixture of strict communicators (``mpiring.testing.strict``); ``strict_comm`` is the default one.
 
     ``params``: "world" (a duplicate of COMM_WORLD: every rank) and/or "self" (COMM_SELF, one
     rank); ``timeout``: seconds any call may block before ``Stuck`` is raised; ``modules``: whose
-    ``MPI.Request.Wait*`` to time as well. After the test, every rank settles together: messages
-    left unmatched by a failed test are received and dropped, so they cannot reach the next test.
+    ``MPI.Request.Wait*`` to time as well; ``deadline``: see ``strict``. After the test, every rank
+    settles together: messages left unmatched by a failed test are received and dropped, so they
+    cannot reach the next test.
     """
     import pytest
 
@@ -64,11 +65,12 @@ def strict_comm_fixture(timeout=10.0, params=("world",), modules=()):
         """A strict communicator: sends in synchronous mode, every wait timed, a ledger of traffic per rank."""
         from mpi4py import MPI
 
-        from .strictcomm import settle, strict
+        from .strictcomm import strict
+        from .timed import settle
 
         base = MPI.COMM_WORLD if request.param == "world" else MPI.COMM_SELF
         comm, control = base.Dup(), base.Dup()
-        sc = strict(comm, timeout, modules)
+        sc = strict(comm, timeout, modules, deadline)
         try:
             yield sc
         finally:

@@ -14,6 +14,8 @@ are preceded by a timed ``Ibarrier``. Anything else is forwarded untimed and not
 """
 
 import pickle
+import sys
+import threading
 import time
 
 import numpy as np
@@ -22,19 +24,45 @@ from mpi4py import MPI
 from . import timed
 from .timed import nbytes_of, peer_text, poll, timed_request
 
-__all__ = ["StrictComm", "settle", "strict"]
+__all__ = ["StrictComm", "strict"]
 
 
-def strict(comm, timeout=timed.DEFAULT_TIMEOUT, modules=()):
+def strict(comm, timeout=timed.DEFAULT_TIMEOUT, modules=(), deadline=None):
     """A ``StrictComm`` over ``comm`` (an mpi4py communicator); ``modules``: whose ``MPI`` name to time too.
 
     Code that calls ``MPI.Request.Waitall(requests)`` reaches mpi4py's own (untimed) wait unless
     its module is in ``modules`` (module objects or names): while the strict communicator is open
-    (``with``, until ``close``) their ``MPI`` is a proxy with timed ``Request`` waits.
+    (``with``, until ``close``) their ``MPI`` is a proxy with timed ``Request`` waits. ``deadline``
+    (seconds, off by default): the last resort for waits nothing can time: a request still
+    unfinished that long after it was posted, outside any timed call, aborts the job (MPI Abort)
+    with what this rank was waiting for. Make it longer than any compute between post and wait.
     """
-    if not timeout > 0:
-        raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
-    return StrictComm(comm, timed.Ledger(timeout, comm.Get_rank()), modules=modules)
+    if not timeout > 0 or not (deadline is None or deadline > 0):
+        raise ValueError(f"timeout and deadline must be positive seconds, got {timeout!r}, {deadline!r}")
+    sc = StrictComm(comm, timed.Ledger(timeout, comm.Get_rank()), modules=modules)
+    if deadline is not None:
+        sc._watch = _Watch(sc.ledger, deadline)
+    return sc
+
+
+class _Watch:
+    """``strict(deadline=)``: a thread that aborts the job when a request outlives the deadline outside a timed call."""
+
+    def __init__(self, ledger, deadline):
+        self.stop = threading.Event()
+        threading.Thread(target=self._run, args=(ledger, deadline), daemon=True).start()
+
+    def _run(self, ledger, deadline):
+        while not self.stop.wait(min(0.25, deadline / 4)):
+            now = time.perf_counter()
+            old = [r for r in ledger.pending() if now - r.posted > deadline]
+            if old and ledger.current is None:
+                sys.stderr.write(f"strict: rank {ledger.rank}: {timed.request_text(old[0])} unfinished {deadline:g} s "
+                                 f"after it was posted, outside any timed wait (an MPI wait the strict communicator "
+                                 f"cannot time?); {ledger.state_text()}; aborting the job\n")
+                sys.stderr.flush()
+                time.sleep(0.2)
+                MPI.COMM_WORLD.Abort(5)
 
 
 def _pickled(obj):
@@ -59,7 +87,7 @@ class StrictComm:
             ledger.comms.append(comm)
         import importlib
 
-        self._undo = []
+        self._undo, self._watch = [], None
         for module in modules:
             module = importlib.import_module(module) if isinstance(module, str) else module
             self._undo += timed.instrument(module, ledger.timeout)
@@ -98,6 +126,8 @@ class StrictComm:
         """Put back the modules' ``MPI`` names (``strict(..., modules=)``)."""
         timed.uninstrument(self._undo)
         self._undo = []
+        if self._watch is not None:
+            self._watch.stop.set()
 
     def _note(self):
         if self._world:
@@ -420,58 +450,3 @@ def _fold(values, op):
     for value in values[1:]:
         result = op(result, value)
     return result
-
-
-def settle(control, ledger, timeout):
-    """Bring communicators back to a clean state after code under test returned or got Stuck (every rank calls it).
-
-    Unfinished receives are cancelled; unfinished sends are matched by receives posted here (every
-    rank learns which sends are addressed to it), so no message is left in flight and every
-    communicator can be freed. ``control``: an mpi4py communicator of the same ranks that carries
-    no messages of the code under test. Returns ``(unfinished requests as text, clean)``; ``clean``
-    is False when a collective was left unfinished somewhere (those cannot be cancelled).
-    Raises CommTimeout if the other ranks do not join within ``timeout``.
-    """
-    from ..mpi.collectives import allgather, together
-    from ..mpi.waits import wait_until
-
-    left = [timed.request_text(r) for r in ledger.pending()]
-    states = allgather(control, (bool(left), any(getattr(r, "kind", None) == "collective" for r in ledger.pending())),
-                       timeout)
-    if not any(pending for pending, _ in states):
-        return left, True
-    if any(collective for _, collective in states):
-        return left, False
-    me = control.Get_rank()
-    receives = [r for r in ledger.pending() if getattr(r, "kind", None) == "recv"]
-    for req in receives:
-        try:
-            req.Cancel()
-        except MPI.Exception:
-            pass
-    wait_until(receives, timeout, me, "cancelling unfinished receives")
-    together(control, timeout, "clean-up")  # from here on no receive of the code under test can match
-    # Rounds: every rank lists its sends still unfinished; each receiver takes the listed messages it
-    # can probe. A listed send whose message was already matched (by a receive that completed before
-    # it was cancelled) finishes on its own, and leaves the list in a later round.
-    index = {id(c): i for i, c in enumerate(ledger.comms)}
-    start = time.perf_counter()
-    while True:
-        sends = [r for r in ledger.pending() if getattr(r, "kind", None) == "send"]
-        MPI.Request.Testall(sends)
-        listed = [(index[id(r.comm)], r.peer, r.tag) for r in ledger.pending() if getattr(r, "kind", None) == "send"]
-        everyone = allgather(control, listed, timeout)
-        if not any(everyone):
-            break
-        if time.perf_counter() - start > timeout:
-            waited = time.perf_counter() - start
-            raise timed.Stuck("clean-up: unfinished sends could not be matched", [], waited, timeout, me)
-        for source, theirs in enumerate(everyone):
-            for i, dest, tag in theirs:
-                status = MPI.Status()
-                if dest == me and ledger.comms[i].Iprobe(source, tag, status):
-                    ledger.comms[i].Recv(bytearray(status.Get_count(MPI.BYTE)), source, status.Get_tag())
-        time.sleep(1e-3)
-    together(control, timeout, "clean-up")
-    return left, True
-

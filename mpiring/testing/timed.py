@@ -4,6 +4,7 @@
 and the timeout) once the ledger's timeout has passed. ``TimedRequest`` is an mpi4py Request
 whose ``Wait``/``Waitall``/... poll so; ``instrument`` points a module's ``MPI`` name at a proxy
 whose ``Request`` is that class, so code that calls ``MPI.Request.Waitall`` is timed too.
+``settle`` brings the communicators back to a clean state after a call got ``Stuck``.
 """
 
 import collections
@@ -14,7 +15,7 @@ import numpy as np
 from mpi4py import MPI
 
 __all__ = ["DEFAULT_TIMEOUT", "Ledger", "Stuck", "TimedRequest", "instrument", "nbytes_of", "peer_text", "poll",
-           "request_text", "size_text", "uninstrument"]
+           "request_text", "settle", "size_text", "uninstrument"]
 
 DEFAULT_TIMEOUT = 10.0  # seconds one MPI call may block
 NAP = 5e-5  # first sleep between two polls; grows to NAP_MAX, so waiting ranks leave the cores to working ones
@@ -243,7 +244,7 @@ def timed_request(req, kind, peer, text, ledger, comm=None, tag=None):
     """``req`` as a TimedRequest noted in ``ledger`` ("post" event; the receive or send it stands for)."""
     timed = TimedRequest(req)
     timed.kind, timed.peer, timed.text, timed.comm, timed.tag = kind, peer, text, comm, tag
-    timed.ledger, timed.id = ledger, len(ledger.requests)
+    timed.ledger, timed.id, timed.posted = ledger, len(ledger.requests), time.perf_counter()
     ledger.requests.append(timed)
     ledger.note("post", request=timed.id, kind=kind, peer=peer, text=text)
     return timed
@@ -277,3 +278,58 @@ def uninstrument(undo):
     """Put back what ``instrument`` replaced."""
     for module, name, value in undo:
         setattr(module, name, value)
+
+
+def settle(control, ledger, timeout):
+    """Bring communicators back to a clean state after code under test returned or got Stuck (every rank calls it).
+
+    Unfinished receives are cancelled; unfinished sends are matched by receives posted here (every
+    rank learns which sends are addressed to it), so no message is left in flight and every
+    communicator can be freed. ``control``: an mpi4py communicator of the same ranks that carries
+    no messages of the code under test. Returns ``(unfinished requests as text, clean)``; ``clean``
+    is False when a collective was left unfinished somewhere (those cannot be cancelled).
+    Raises CommTimeout if the other ranks do not join within ``timeout``.
+    """
+    from ..mpi.collectives import allgather, together
+    from ..mpi.waits import wait_until
+
+    left = [request_text(r) for r in ledger.pending()]
+    states = allgather(control, (bool(left), any(getattr(r, "kind", None) == "collective" for r in ledger.pending())),
+                       timeout)
+    if not any(pending for pending, _ in states):
+        return left, True
+    if any(collective for _, collective in states):
+        return left, False
+    me = control.Get_rank()
+    receives = [r for r in ledger.pending() if getattr(r, "kind", None) == "recv"]
+    for req in receives:
+        try:
+            req.Cancel()
+        except MPI.Exception:
+            pass
+    wait_until(receives, timeout, me, "cancelling unfinished receives")
+    together(control, timeout, "clean-up")  # from here on no receive of the code under test can match
+    # Rounds: every rank lists its sends still unfinished; each receiver takes the listed messages it
+    # can probe. A listed send whose message was already matched (by a receive that completed before
+    # it was cancelled) finishes on its own, and leaves the list in a later round.
+    index = {id(c): i for i, c in enumerate(ledger.comms)}
+    start = time.perf_counter()
+    while True:
+        sends = [r for r in ledger.pending() if getattr(r, "kind", None) == "send"]
+        MPI.Request.Testall(sends)
+        listed = [(index[id(r.comm)], r.peer, r.tag) for r in ledger.pending() if getattr(r, "kind", None) == "send"]
+        everyone = allgather(control, listed, timeout)
+        if not any(everyone):
+            break
+        if time.perf_counter() - start > timeout:
+            waited = time.perf_counter() - start
+            raise Stuck("clean-up: unfinished sends could not be matched", [], waited, timeout, me)
+        for source, theirs in enumerate(everyone):
+            for i, dest, tag in theirs:
+                status = MPI.Status()
+                if dest == me and ledger.comms[i].Iprobe(source, tag, status):
+                    ledger.comms[i].Recv(bytearray(status.Get_count(MPI.BYTE)), source, status.Get_tag())
+        time.sleep(1e-3)
+    together(control, timeout, "clean-up")
+    return left, True
+

@@ -11,8 +11,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ...mpi.waits import CommTimeout
-from ...testing.strictcomm import settle
-from ...testing.timed import Stuck
+from ...testing.timed import Stuck, settle
 
 __all__ = ["Lost", "allgather", "drain", "fatal", "timed_sum", "wait_for"]
 
