@@ -24,7 +24,7 @@ from .diagnose import diagnose_backward, diagnose_layout, diagnose_merge
 from .exercises import EXERCISES, Case, Exercise, make_cases
 from .flops import Meter, counted, mark
 from .sync import drain, timed_sum
-from .wire import ACTIVE, GradedComm, Ledger, Stuck, instrument
+from .wire import ACTIVE, Ledger, StrictComm, Stuck, instrument
 
 __all__ = ["EXERCISES", "Case", "Exercise", "Run", "call_student", "load_student", "make_cases", "run_backward_case",
            "run_forward_case", "run_merge_case"]
@@ -89,10 +89,10 @@ def _watchdog(limit, ledger, rank, what, last_words=None):
         sys.stderr.write(f"grade: rank {rank}: {what} has not returned after {limit:g} s (--time-limit); it is "
                          f"{ledger.state_text()}; aborting the job\n")
         sys.stderr.flush()
-        time.sleep(0.3 * rank)  # rank 0 first: the job ends before the others repeat it
+        time.sleep(1.0 + 0.2 * rank if rank else 0.0)  # rank 0 first: the job ends before the others repeat it
         if last_words is not None:
             last_words(f"{what} has not returned after {limit:g} s (--time-limit)")
-        time.sleep(0.5)
+        time.sleep(0.3)
         MPI.COMM_WORLD.Abort(4)
 
     timer = threading.Timer(limit, fire)
@@ -114,7 +114,7 @@ def call_student(call, gcomm, opts, what, meter=None, events=False):
     ledger.on_object = mark
     if meter is not None:
         meter.ledger = ledger
-    comm = GradedComm(scomm, ledger)
+    comm = StrictComm(scomm, ledger)
     run = Run()
     ACTIVE.ledger = ledger
     timer = _watchdog(opts.time_limit, ledger, gcomm.Get_rank(), what, getattr(opts, "last_words", None))

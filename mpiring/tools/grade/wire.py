@@ -1,7 +1,7 @@
 """The communicator the student's code gets: the kit's strict communicator, and the student's ``MPI`` name.
 
-``GradedComm`` is ``mpiring.testing``'s ``StrictComm`` (synchronous sends, every wait timed,
-a ledger); ``instrument`` points the student's module's ``MPI`` at a proxy whose ``Request``
+The student's ``comm`` is ``mpiring.testing``'s ``StrictComm`` (synchronous sends, every wait
+timed, a ledger); ``instrument`` points the student's module's ``MPI`` at a proxy whose ``Request``
 waits are timed and whose ``COMM_WORLD``, during a graded call, is a strict communicator that
 counts the calls made on it (the ring must use the ``comm`` it is given).
 """
@@ -11,12 +11,9 @@ from mpi4py import MPI
 from ...testing.strictcomm import StrictComm
 from ...testing.timed import Ledger, MPIProxy, Stuck, TimedRequest, request_text, size_text
 from ...testing.timed import instrument as _instrument
+from .cli import DEFAULT_TIMEOUT
 
-__all__ = ["ACTIVE", "DEFAULT_TIMEOUT", "GradedComm", "Ledger", "Stuck", "TimedRequest", "instrument",
-           "request_text", "size_text"]
-
-DEFAULT_TIMEOUT = 5.0  # seconds any one MPI call of the student's may block
-GradedComm = StrictComm
+__all__ = ["ACTIVE", "Ledger", "StrictComm", "Stuck", "TimedRequest", "instrument", "request_text", "size_text"]
 
 
 class _Active:
