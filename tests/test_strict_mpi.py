@@ -121,11 +121,21 @@ def test_a_skipped_block_is_named_with_its_rank(strict_comm):
                 f"attended in full)") in str(info.value), str(info.value)
 
 
+JOBS = Path(__file__).with_name("strict_jobs.py")
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
+def test_a_collective_one_rank_never_joins_raises_on_the_others():
+    code, output, _ = run_limited(mpiexec_argv(3, sys.executable, JOBS, "bcast"), 60, stderr=subprocess.STDOUT)
+    assert code == 0 and "rank 0 returned" in output, output
+    for r in (1, 2):
+        assert f"Stuck: rank {r}: Bcast blocked for 1." in output and "(timeout 1 s)" in output, output
+
+
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
 def test_a_deadline_ends_a_wait_nothing_can_time():
     """strict(deadline=): mpi4py's own Waitall, in a module not instrumented, ends the job instead of hanging it."""
-    job = Path(__file__).with_name("strict_deadline_job.py")
-    code, output, _ = run_limited(mpiexec_argv(2, sys.executable, job), 60, stderr=subprocess.STDOUT)
+    code, output, _ = run_limited(mpiexec_argv(2, sys.executable, JOBS, "deadline"), 60, stderr=subprocess.STDOUT)
     assert code != 0 and "returned" not in output, output
     assert ("strict: rank 0: Irecv from rank 0 (tag 5, 32 B) unfinished 2 s after it was posted, outside any timed "
             "wait") in output, output
