@@ -1,25 +1,11 @@
-"""The benchmark's inference rows: decode latency with tree and ring merges, prefill passing K/V or Q.
+"""The benchmark's inference rows (decode with tree and ring merges, prefill passing K/V or Q) and the serving
+table of docs/inference.md (decode, speculative verify and Helix over 64k- and 256k-token caches).
 
-    mpiexec -n 2 python -m mpiring bench --inference-only     # just these rows (run/bench prints them too)
+    mpiexec -n 2 python -m mpiring bench --inference only     # the rows (the full table prints them too)
+    mpiexec -n 4 python -m mpiring bench serving              # the serving table: minutes at 256k tokens
 
-Decode: a cache of ``cache`` tokens (8 query heads, 2 K/V heads, D = 64,
-float32) filled with ``KVCache.extend`` (the ring prefill of 64k tokens would
-take an hour of NumPy), then ``steps`` single-token steps, each timed as one
-``attend`` call (agreement, compute, merge), the slowest rank's; the same
-steps on rank 0 alone (COMM_SELF) for the single-process time. Every step's
-result is compared with the float64 reference before it counts.
-
-Serving (``serving_table``, not part of ``bench``: minutes at 256k tokens; the
-table in docs/inference.md): per cache size, ``serving_rows`` (decode with both
-merges, bytes against the model, one speculative ``verify`` against T separate
-calls) and ``helix_row`` (Helix with and without HOP-B against ``helix_time``):
-
-    mpiexec -n 4 python -m mpiring.tools.benchinfer      # serving_table(MPI.COMM_WORLD): 64k and 256k tokens
-
-Prefill: T new tokens after C cached ones (``kv_positions``, round-robin over
-the ranks), causal, 8 query heads and 1 K/V head, timed with ``rotate="kv"``
-and ``rotate="q"``; the bytes each rank sent and the time model's prediction
-on this machine (``calibrate``) beside them.
+Caches are filled with ``KVCache.extend``; every result is checked against the float64 reference before it
+counts; times are the slowest rank's, next to the time model's with this machine ``calibrate``d.
 """
 
 import time
@@ -34,24 +20,46 @@ from mpiring.helix import HelixGrid, helix_attention
 from mpiring.parallel.passq import chosen_rotation
 from mpiring.testing import TOLERANCE
 
-from .calibrate import calibrate
-from .cli_generate import grouped_reference
+from ..calibrate import calibrate
+from ..cli import command_parser, on_rank0
+from ..cli_generate import grouped_reference
 
-__all__ = ["inference_rows", "decode_row", "prefill_row", "serving_rows", "helix_row"]
+__all__ = ["inference_rows", "decode_row", "prefill_row", "serving_rows", "helix_row", "serving", "serving_parser"]
 
 
 def _median_ms(values):
     return f"{float(np.median(values)) * 1e3:.3g} ms"
 
 
+def _machine(comm, dim):
+    return calibrate(comm, head_dim=dim, tokens=256, seconds=0.2, nbytes=1 << 22)
+
+
+def _alone(comm, K, V, Q, kv_heads, dim, steps, grow=False):
+    """Rank 0, the others asleep: per step, seconds of one ``attend`` over the whole cache on COMM_SELF
+    (``grow``: the cache grows by a token before each step)."""
+    def steps_alone():
+        cache = K.shape[-2] - (steps if grow else 0)
+        with KVCache(MPI.COMM_SELF, kv_heads, dim) as alone:
+            alone.extend(K[..., :cache, :], V[..., :cache, :])
+            times = []
+            for t in range(steps):
+                if grow:
+                    alone.extend(K[..., cache + t:cache + t + 1, :], V[..., cache + t:cache + t + 1, :])
+                times.append(_slowest(MPI.COMM_SELF, partial(alone.attend, Q[..., t:t + 1, :]), 1)[0])
+            return times
+    return on_rank0(comm, steps_alone)
+
+
 def decode_row(comm, cache=65536, steps=16, heads=8, kv_heads=2, dim=64, seed=0):
-    """Per-token decode latency over a cache of ``cache`` tokens: tree, ring, and rank 0 alone. Text on rank 0."""
-    rank, size = comm.Get_rank(), comm.Get_size()
+    """Per-token decode latency over a cache of ``cache`` tokens growing a token a step: tree, ring, and rank 0
+    alone. Text on rank 0."""
+    size = comm.Get_size()
     rng = np.random.default_rng(seed)
     K, V = (rng.standard_normal((1, kv_heads, cache + steps, dim), dtype=np.float32) for _ in range(2))
     Q = rng.standard_normal((1, heads, steps, dim), dtype=np.float32)
     K64, V64 = K.astype(np.float64), V.astype(np.float64)
-    times = {"tree": [], "ring": [], "alone": []}
+    times = {"tree": [], "ring": []}
     error = 0.0
     with KVCache(comm, kv_heads, dim) as kv:
         kv.extend(K[..., :cache, :], V[..., :cache, :])
@@ -60,22 +68,13 @@ def decode_row(comm, cache=65536, steps=16, heads=8, kv_heads=2, dim=64, seed=0)
             q = Q[..., t:t + 1, :]
             want = grouped_reference(q, K64[..., :cache + t + 1, :], V64[..., :cache + t + 1, :])
             for merge in ("tree", "ring"):
-                comm.Barrier()
-                start = time.perf_counter()
-                out, _ = kv.attend(q, merge=merge)
-                times[merge].append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
+                seconds, (out, _) = _slowest(comm, partial(kv.attend, q, merge=merge), 1)
+                times[merge].append(seconds)
                 error = max(error, float(np.abs(out - want[0]).max()))
         nbytes = kv.nbytes
-    if rank == 0:
-        with KVCache(MPI.COMM_SELF, kv_heads, dim) as alone:
-            alone.extend(K[..., :cache, :], V[..., :cache, :])
-            for t in range(steps):
-                alone.extend(K[..., cache + t:cache + t + 1, :], V[..., cache + t:cache + t + 1, :])
-                start = time.perf_counter()
-                alone.attend(Q[..., t:t + 1, :])
-                times["alone"].append(time.perf_counter() - start)
-    machine = calibrate(comm, head_dim=dim, tokens=256, seconds=0.2, nbytes=1 << 22)
-    if rank != 0:
+    times["alone"] = _alone(comm, K, V, Q, kv_heads, dim, steps, grow=True)
+    machine = _machine(comm, dim)
+    if comm.Get_rank() != 0:
         return None
     ok = error <= TOLERANCE[np.dtype(np.float32)]
     model = {m: decode_time(cache, size, heads=heads, head_dim=dim, machine=machine, merge=m)["total_s"]
@@ -100,15 +99,12 @@ def _slowest(comm, call, repeats):
 
 def serving_rows(comm, cache=65536, steps=8, draft=4, heads=8, kv_heads=2, dim=64, seed=0, repeats=3):
     """One decode token over ``cache`` tokens (tree, ring, rank 0 alone), bytes against the model, and one
-    speculative ``verify`` of ``draft`` tokens against ``draft`` separate decode calls. A dict on rank 0.
-
-    Results are checked on rank 0 against the float64 reference (``grouped_reference``) before they count.
-    """
+    speculative ``verify`` of ``draft`` tokens against ``draft`` separate decode calls. A dict on rank 0."""
     rank, size = comm.Get_rank(), comm.Get_size()
     rng = np.random.default_rng(seed)
     K, V = (rng.standard_normal((1, kv_heads, cache + draft, dim), dtype=np.float32) for _ in range(2))
     Q = rng.standard_normal((1, heads, max(steps, draft), dim), dtype=np.float32)
-    machine = calibrate(comm, head_dim=dim, tokens=256, seconds=0.2, nbytes=1 << 22)
+    machine = _machine(comm, dim)
     row = {"cache": cache, "P": size, "error": 0.0}
 
     def check(got, q, end, causal):
@@ -138,11 +134,9 @@ def serving_rows(comm, cache=65536, steps=8, draft=4, heads=8, kv_heads=2, dim=6
         row["separate"], _ = _slowest(comm, lambda: [kv.attend(Q[..., i:i + 1, :]) for i in range(draft)], repeats)
         row["verify_model"] = decode_time(cache, size, heads=heads, head_dim=dim, machine=machine,
                                           new_tokens=draft)["total_s"]
+    alone = _alone(comm, K[..., :cache, :], V[..., :cache, :], Q, kv_heads, dim, steps)
     if rank == 0:
-        with KVCache(MPI.COMM_SELF, kv_heads, dim) as alone:
-            alone.extend(K[..., :cache, :], V[..., :cache, :])
-            row["alone"] = float(np.median([_slowest(MPI.COMM_SELF, partial(alone.attend, Q[..., t:t + 1, :]), 1)[0]
-                                            for t in range(steps)]))
+        row["alone"] = float(np.median(alone))
     row["ok"] = row["error"] <= TOLERANCE[np.dtype(np.float32)]
     return row if rank == 0 else None
 
@@ -150,12 +144,10 @@ def serving_rows(comm, cache=65536, steps=8, draft=4, heads=8, kv_heads=2, dim=6
 def helix_row(comm, cache=65536, batch=4, heads=12, kv_heads=2, dim=64, seed=0, repeats=3):
     """Helix over a KVP x TP grid (TP = 2 when P is even and above 2, else 1): one token per sequence of a
     batch, with and without HOP-B (``chunks`` = 1 and = batch), against ``helix_time``. A dict on rank 0.
-
-    12 query heads: a multiple of TP x KVP for every P = 1..4 (8 is not, at P = 3).
-    """
+    12 query heads: a multiple of TP x KVP for every P = 1..4."""
     rank, size = comm.Get_rank(), comm.Get_size()
     tp = 2 if size % 2 == 0 and size > 2 else 1
-    machine = calibrate(comm, head_dim=dim, tokens=256, seconds=0.2, nbytes=1 << 22)
+    machine = _machine(comm, dim)
     row = {"cache": cache, "P": size, "tp": tp, "kvp": size // tp, "batch": batch, "error": 0.0}
     Q = np.random.default_rng([seed, 0]).standard_normal((batch, heads, 1, dim), dtype=np.float32)
     with HelixGrid(comm, tp) as grid:
@@ -204,18 +196,14 @@ def prefill_row(comm, new, cached, heads=8, kv_heads=1, dim=64, seed=0, repeats=
     k, v = (rng.standard_normal((1, kv_heads, len(kv_pos), dim), dtype=np.float32) for _ in range(2))
     result = {}
     for rotate in ("kv", "q"):
-        walls = []
-        for _ in range(repeats):
-            rec = Record(rank)
-            comm.Barrier()
-            start = time.perf_counter()
-            out = ring_attention(q, k, v, comm, causal=True, positions=q_pos, kv_positions=kv_pos, rotate=rotate,
-                                 record=rec)
-            walls.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
-        result[rotate] = (min(walls), comm.allreduce(rec.bytes_sent, op=MPI.MAX), out)
+        rec = Record(rank)
+        call = partial(ring_attention, q, k, v, comm, causal=True, positions=q_pos, kv_positions=kv_pos,
+                       rotate=rotate, record=rec)
+        seconds, out = _slowest(comm, call, repeats)
+        result[rotate] = (seconds, comm.allreduce(rec.bytes_sent, op=MPI.MAX) // repeats, out)
     same = float(np.abs(result["q"][2][0] - result["kv"][2][0]).max())
     auto = chosen_rotation("auto", rec.plan, q, k, v)
-    machine = calibrate(comm, head_dim=dim, tokens=256, seconds=0.2, nbytes=1 << 22)
+    machine = _machine(comm, dim)
     if rank != 0:
         return None
     kw = dict(heads=heads, kv_heads=kv_heads, head_dim=dim, bytes_per_element=4, machine=machine)
@@ -264,5 +252,13 @@ def inference_rows(comm, quick=False):
     return lines
 
 
-if __name__ == "__main__":
-    serving_table(MPI.COMM_WORLD)
+def serving_parser():
+    p = command_parser("bench serving", serving)
+    p.add_argument("--caches", type=int, nargs="+", default=[65536, 262144], metavar="TOKENS", help="cache sizes")
+    return p
+
+
+def serving(comm, args=None):
+    """The serving table of docs/inference.md: decode, speculative verify and Helix per cache size (Markdown)."""
+    serving_table(comm, serving_parser().parse_args(args).caches)
+    return 0

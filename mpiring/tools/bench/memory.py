@@ -13,20 +13,11 @@ MB = 2**20
 
 
 def memory_model(cfg, P, kv_heads=None):
-    """Bytes per rank the cost model says ring attention holds for benchmark row ``cfg`` on ``P`` ranks.
+    """Bytes per rank that ring attention holds for benchmark row ``cfg`` on ``P`` ranks, by part.
 
-    The cost report's ``memory_per_gpu`` (local Q and K/V) plus the output and
-    its log-sum-exp, plus the two receive buffers of a K/V block that let one
-    block arrive while another is in use (only when P > 1). Forward+backward
-    adds dout and the dq, dk, dv results (input dtype), their accumulators in
-    float64, and when P > 1 two receive buffers of a travelling dK/dV partial
-    and one for the partial coming home (float32; float64 for float64 inputs).
-    K/V receive buffers hold the wire's form (bf16 inputs: 2 bytes; an int8
-    wire: 1 byte and a 4-byte scale per row); blocks that travel coded are also
-    held decoded in the compute dtype (the own block exactly, the block in use),
-    and half inputs' q widened to float32.
-    Kernel scratch is not in the model: it is what the 0.5x allowance and the
-    "scratch" column show.
+    Local Q, K, V (the cost report's ``memory_per_gpu``), out and lse, two K/V receive buffers in the wire's
+    form (P > 1), coded blocks decoded, half inputs' q widened; forward+backward adds dout and the gradients,
+    their float64 accumulators and the dK/dV partials' buffers. Kernel scratch is not in the model.
     """
     hk = kv_heads or cfg.H
     pr = Precision(named_dtype(cfg.dtype), getattr(cfg, "wire", None))
@@ -55,10 +46,7 @@ def memory_model(cfg, P, kv_heads=None):
 
 
 def kernel_scratch(cfg, plan):
-    """Estimated peak scratch bytes of the tiled kernel on the busiest rank (for the out-of-memory guard).
-
-    O(tile^2) scores per head plus padded copies of K/V, on the longest shard.
-    """
+    """Estimated peak scratch bytes of the tiled kernel on the busiest rank (for the out-of-memory guard)."""
     work = Precision(named_dtype(cfg.dtype)).compute  # tiles compute in float32 for half inputs
     e = work.itemsize
     n = max(len(s) for s in plan.shards)

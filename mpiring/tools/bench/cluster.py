@@ -1,18 +1,14 @@
-"""Flat ring, double ring and Ulysses on the emulated cluster at several link rates, next to the time model.
+"""Flat ring, double ring, Ulysses and ring x Ulysses on the emulated cluster at several link rates, next to
+the two-level time model (docs/cluster.md section 4).
 
-    python -m mpiring.tools.cluster_bench --hosts 2 --per-host 2 --links 100mbit 1gbit    # as root
+    .venv/bin/python -m mpiring bench cluster --hosts 2 --per-host 2 --links 100mbit 1gbit    # as root
 
-For each link rate: ``run/cluster up HOSTS --link RATE``, then ``python -m
-mpiring run`` for every mode across the hosts (verified), then
-``run/cluster down`` (also on failure). Each row: the wall time of the
-attention call, the most any rank was blocked in waits, the bytes the hosts
-put on their links (interface counters, with TCP/IP headers) against the
-model's inter-node payload, and the two-level time model's prediction
-(``cluster_model``, with the FLOP rate each run measured). Prints a
-Markdown table (docs/cluster.md has one).
+Per link rate: ``run/cluster up``, ``python -m mpiring run`` (verified) for every mode across the hosts,
+``run/cluster down`` (also on failure). Rows in Markdown: wall, the most any rank was blocked, the bytes the
+hosts put on their links against the model's inter-node payload, the prediction of ``cluster_model`` with the
+FLOP rate each run measured.
 """
 
-import argparse
 import os
 import re
 import subprocess
@@ -21,9 +17,11 @@ import sys
 from mpiring import make_plan
 from mpiring.cost.cluster_model import cluster_time, emulated
 
-__all__ = ["measure", "main"]
+from ..cli import command_parser
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+__all__ = ["measure", "cluster", "cluster_parser"]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 CLUSTER = os.path.join(ROOT, "run", "cluster")
 INTRA_BETA = 3.8e9  # bytes/s between two ranks of one host: run's calibration on the development VM
 
@@ -44,8 +42,8 @@ def measure(out):
             "model": sum(int(p) for _, p in nodes), "gflops": gflops, "verified": "\nVERIFIED" in out}
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m mpiring.tools.cluster_bench", description=__doc__.splitlines()[0])
+def cluster_parser():
+    p = command_parser("bench cluster", cluster)
     p.add_argument("--hosts", type=int, default=2)
     p.add_argument("--per-host", type=int, default=2)
     p.add_argument("--links", nargs="+", default=["100mbit", "1gbit"])
@@ -54,7 +52,12 @@ def main(argv=None):
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--dim", type=int, default=64)
-    args = p.parse_args(argv)
+    return p
+
+
+def cluster(comm=None, args=None):
+    """Ring, double ring and Ulysses on the emulated cluster at several link rates, against the time model."""
+    args = cluster_parser().parse_args(args)
     ranks = args.hosts * args.per_host
     shape = dict(batch=1, hq=args.heads, hk=args.heads, dim=args.dim, dim_v=args.dim, itemsize=4)
     print(f"P={ranks} ({args.hosts} hosts x {args.per_host}), seq_len={args.seq_len}, heads={args.heads}, "
@@ -87,7 +90,3 @@ def main(argv=None):
         finally:
             subprocess.run([CLUSTER, "down"], capture_output=True)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

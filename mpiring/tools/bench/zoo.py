@@ -1,7 +1,7 @@
 """Bytes moved for a zoo of masks: the sparse movement against the minimum, the ring and the all-gather, measured.
 
-    mpiexec -n 4 python -m mpiring zoo                 # the table at P = 4, on rank 0
-    mpiexec -n 8 python -m mpiring zoo --markdown      # the rows of docs/balance.md §7 at P = 8
+    mpiexec -n 4 python -m mpiring bench zoo                 # the table at P = 4, on rank 0
+    mpiexec -n 8 python -m mpiring bench zoo --markdown      # the rows of docs/balance.md §7 at P = 8
 
 Every mask of ``zoo_masks`` (over ``TOKENS`` tokens per rank), contiguous and
 zigzag, runs forward and backward under each movement (``MOVEMENTS``). Each
@@ -20,7 +20,7 @@ from mpiring.core.reference import definition_mask
 from mpiring.cost.nodes import predicted_bytes
 from mpiring.mpi.record import Record
 
-from .cli import command_parser
+from ..cli import command_parser, table_text
 
 __all__ = ["TOKENS", "SHAPE", "MOVEMENTS", "zoo_masks", "minimum_bytes", "measure", "rows", "render",
            "zoo", "zoo_parser"]
@@ -109,10 +109,7 @@ def render(found, P, markdown=False):
         body.append([str(P), name, layout, str(least)] + [str(sent[c][0]) for c in MOVEMENTS]
                     + [str(sent[c][1]) for c in MOVEMENTS]
                     + [_ratio(sent["sparse"][0], least), _ratio(sent["sparse"][0], sent["ring"][0])])
-    if markdown:
-        return "\n".join("| " + " | ".join(r) + " |" for r in [head, ["---"] * len(head)] + body)
-    widths = [max(len(r[i]) for r in [head] + body) for i in range(len(head))]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in [head] + body)
+    return table_text(head, body, markdown)
 
 
 def _ratio(a, b):
@@ -120,7 +117,7 @@ def _ratio(a, b):
 
 
 def zoo_parser():
-    p = command_parser("zoo", zoo)
+    p = command_parser("bench zoo", zoo)
     p.add_argument("--markdown", action="store_true", help="the rows as a Markdown table (docs/balance.md)")
     p.add_argument("--mask", action="append", help="only this mask of the zoo (repeatable)")
     return p

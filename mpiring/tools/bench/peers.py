@@ -1,17 +1,8 @@
-"""The peers, timed in child processes: torch SDPA on the whole sequence, and PyTorch's own context parallel.
+"""The peers, timed in child processes while the ranks idle: torch SDPA on the whole sequence, and PyTorch's own
+context parallel over gloo (``torch.distributed.tensor.experimental.context_parallel``).
 
-    python mpiring/tools/torchref.py --torch-worker < job.json        # what ``torch_times`` starts
-    python mpiring/tools/torchref.py --cp-worker R P PORT JOB         # rank R of P (``context_parallel_times``)
-
-The children run this file as a script: it imports no part of the package, so
-they never start MPI, and torch's threads run while the ranks idle.
-
-``context_parallel_times``: ``torch.distributed.tensor.experimental.context_parallel``
-over gloo on P processes (one thread each), SDPA on each one's shard, as a user
-of PyTorch would run context parallelism on CPUs. Where the installed torch
-cannot (2.13.0 on CPUs: its CPU flash-attention op has no sharding strategy
-without grad, and with grad the buffers cannot be resized), the error it raised
-is returned, and the benchmark prints it.
+The children run this file as a script (``--torch-worker``, ``--cp-worker R P PORT JOB``): it imports no part
+of the package, so they never start MPI. Where torch's context parallel raises, the error is the result.
 """
 
 import functools
@@ -31,16 +22,19 @@ def torch_available():
     return importlib.util.find_spec("torch") is not None
 
 
+def _job(configs, **extra):
+    return json.dumps({"configs": [[c.S, c.D, c.H, c.B, c.causal, c.backward, c.dtype] for c in configs], **extra})
+
+
 def torch_times(configs, threads, repeats=3, budget=30.0, timeout=3600):
     """Median seconds of torch SDPA per benchmark row in ``configs`` (None where it failed), from a child process."""
-    from .probes import child_env  # here, not at the top: this file also runs as a script
+    from .probes import child_env
 
-    job = {"configs": [[c.S, c.D, c.H, c.B, c.causal, c.backward, c.dtype] for c in configs],
-           "threads": threads, "repeats": repeats, "budget": budget}
     env = child_env(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     try:
-        done = subprocess.run([sys.executable, os.path.abspath(__file__), "--torch-worker"], input=json.dumps(job),
-                              env=env, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run([sys.executable, os.path.abspath(__file__), "--torch-worker"], env=env, text=True,
+                              input=_job(configs, threads=threads, repeats=repeats, budget=budget),
+                              capture_output=True, timeout=timeout)
         return json.loads(done.stdout.strip().splitlines()[-1])
     except (subprocess.SubprocessError, OSError, ValueError, IndexError):
         return [None] * len(configs)
@@ -52,7 +46,6 @@ def context_parallel_times(configs, ranks, timeout=600):
 
     from .probes import child_env
 
-    job = json.dumps({"configs": [[c.S, c.D, c.H, c.B, c.causal, c.backward, c.dtype] for c in configs]})
     with socket.socket() as sock:  # a free port for gloo's rendezvous
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -60,10 +53,9 @@ def context_parallel_times(configs, ranks, timeout=600):
     procs = []
     try:  # the job on the command line: every process has it at once (they meet in gloo's rendezvous)
         procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--cp-worker", str(r), str(ranks),
-                                   str(port), job], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
-                                  text=True) for r in range(ranks)]
-        outs = [p.communicate(timeout=timeout)[0] for p in procs]
-        per_rank = [json.loads(out.strip().splitlines()[-1]) for out in outs]
+                                   str(port), _job(configs)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                  env=env, text=True) for r in range(ranks)]
+        per_rank = [json.loads(p.communicate(timeout=timeout)[0].strip().splitlines()[-1]) for p in procs]
     except (subprocess.SubprocessError, OSError, ValueError, IndexError) as e:
         for p in procs:
             p.kill()
@@ -75,6 +67,18 @@ def context_parallel_times(configs, ranks, timeout=600):
     return results
 
 
+def _inputs(torch, row):
+    """q, k, v (and dout for a backward row) of a job row, from a seeded generator."""
+    S, D, H, B, causal, backward, dtype = row
+    gen, dt = torch.Generator().manual_seed(0), getattr(torch, dtype)
+    arrays = [torch.randn(B, H, S, D, generator=gen, dtype=dt, requires_grad=backward) for _ in range(3)]
+    return arrays + [torch.randn(B, H, S, D, generator=gen, dtype=dt) if backward else None]
+
+
+def _error(e):
+    return f"{type(e).__name__}: {e}".splitlines()[0]
+
+
 def _cp_worker(rank, ranks, port, job):
     """Child process ``rank`` of ``ranks``: context parallel SDPA on each job row; prints [(seconds, error), ...]."""
     import torch
@@ -83,8 +87,7 @@ def _cp_worker(rank, ranks, port, job):
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     torch.set_num_threads(1)
-    job = json.loads(job)
-    results = []
+    rows = json.loads(job)["configs"]
     try:
         dist.init_process_group("gloo", rank=rank, world_size=ranks)
         from torch.distributed.device_mesh import init_device_mesh
@@ -92,13 +95,13 @@ def _cp_worker(rank, ranks, port, job):
 
         mesh = init_device_mesh("cpu", (ranks,))
     except Exception as e:  # noqa: BLE001 - the error is the result
-        print(json.dumps([(None, f"{type(e).__name__}: {e}".splitlines()[0])] * len(job["configs"])))
+        print(json.dumps([(None, _error(e))] * len(rows)))
         return
-    for S, D, H, B, causal, backward, dtype in job["configs"]:
+    results = []
+    for row in rows:
+        causal, backward = row[4], row[5]
         try:
-            gen = torch.Generator().manual_seed(0)
-            dt = getattr(torch, dtype)
-            q, k, v = (torch.randn(B, H, S, D, generator=gen, dtype=dt, requires_grad=backward) for _ in range(3))
+            q, k, v, _ = _inputs(torch, row)
             samples = []
             for _ in range(2):
                 dist.barrier()
@@ -111,7 +114,7 @@ def _cp_worker(rank, ranks, port, job):
                 samples.append(time.perf_counter() - start)
             results.append((min(samples), None))
         except Exception as e:  # noqa: BLE001 - the error is the result, printed in the table
-            results.append((None, f"{type(e).__name__}: {e}".splitlines()[0]))
+            results.append((None, _error(e)))
     dist.destroy_process_group()
     print(json.dumps(results))
 
@@ -120,8 +123,7 @@ def _sdpa_seconds(F, torch, q, k, v, dout, causal):
     """Seconds of one SDPA pass: forward, and backward too when ``dout`` is given."""
     start = time.perf_counter()
     if dout is not None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        out.backward(dout)
+        F.scaled_dot_product_attention(q, k, v, is_causal=causal).backward(dout)
         q.grad = k.grad = v.grad = None
     else:
         with torch.no_grad():
@@ -130,20 +132,16 @@ def _sdpa_seconds(F, torch, q, k, v, dout, causal):
 
 
 def _torch_worker():
-    """Child process: read a job from stdin, print the median SDPA seconds of each config."""
+    """Child process: read a job from stdin, print the median SDPA seconds of each row (within the budget)."""
     import torch
     import torch.nn.functional as F
 
     job = json.loads(sys.stdin.read())
     torch.set_num_threads(job["threads"])
     results = []
-    for S, D, H, B, causal, backward, dtype in job["configs"]:
+    for row in job["configs"]:
         try:
-            gen = torch.Generator().manual_seed(0)
-            dt = getattr(torch, dtype)
-            q, k, v = (torch.randn(B, H, S, D, generator=gen, dtype=dt, requires_grad=backward) for _ in range(3))
-            dout = torch.randn(B, H, S, D, generator=gen, dtype=dt) if backward else None
-            once = functools.partial(_sdpa_seconds, F, torch, q, k, v, dout, causal)
+            once = functools.partial(_sdpa_seconds, F, torch, *_inputs(torch, row), row[4])
             first = once()
             samples = [first] if first * (job["repeats"] + 1) > job["budget"] else []
             while len(samples) < job["repeats"] and (not samples or sum(samples) + samples[-1] <= job["budget"]):

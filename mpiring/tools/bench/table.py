@@ -1,51 +1,12 @@
-"""Benchmark of ring attention: throughput, machine limits, communication, memory.
+"""The benchmark table: ring attention's throughput, machine limits, communication and memory, torch beside it.
 
     mpiexec -n 1 python -m mpiring bench --csv p1.csv
     mpiexec -n 2 python -m mpiring bench --baseline p1.csv --csv bench.csv
     mpiexec -n 2 python -m mpiring bench --long        # long context, 1 head
     run/bench                                          # both runs and the combined table
 
-One rank per core and one BLAS thread per rank. Every rank makes random inputs
-for its own shard only (no root scatter), so memory per rank is O(S/P) plus
-the kernel's scratch. Columns (see docs/performance.md):
-
-- wall: median over repeats of the slowest rank's ``ring_attention`` time
-  (forward+backward: the forward and the backward ring back to back).
-- GFLOP/s: forward 4*B*H*D*visible pairs; forward+backward 3.5x that
-  (FlashAttention's count: 2 GEMMs forward, 5 backward).
-- limit: the same work at the single-core rate of the kernels' GEMMs
-  (``mpiring.core.gemm``: ``np.matmul``, or MKL's) on the GEMM shapes of a tile,
-  plus the faster of ``np.exp``/``np.exp2`` on one exponential per visible
-  pair (two for forward+backward), measured at the start of the run;
-  the busiest rank's share of the pairs. ``%lim`` = limit / wall,
-  ``kern%`` = limit / time inside the kernels and merges.
-- eff: parallel efficiency T(P=1) / (P * T(P)) against a baseline CSV of P=1.
-- comm%: exposed communication, the fraction of wall the least-blocked rank
-  spent in Wait: every rank waited at least that long for bytes still moving.
-  wait%: the most-blocked rank's fraction; what it adds to comm% is waiting
-  for a slower rank (load imbalance, or a core the machine slowed), not bytes.
-- bytes: bytes each rank sent, checked against ``predicted_bytes_sent``.
-- prec: the precision of the row: fp32 inputs (``fp32``), bfloat16 inputs
-  (``bf16``: tiles in float32, K/V travel as bf16), fp32 inputs with K/V sent
-  as int8 (``int8w``: one float32 scale per token and head). ``--precisions``;
-  the bf16 and int8 rows are the forward causal rows.
-- RSS: peak resident memory per rank (VmHWM, reset before each row) against
-  ``memory_model`` plus the interpreter baseline measured at start.
-- torch: ``torch.nn.functional.scaled_dot_product_attention`` on the whole
-  sequence with P threads, in a child process while the ranks idle, right
-  after the row (the machine's speed drifts over minutes); torch1: the same
-  with one thread, the best single-core attention kernel at hand.
-- %peak: GFLOP/s as a fraction of P cores at this core's peak FMA rate
-  (``tools.peak``: a small C loop; the physical limit); t1%pk: torch1's.
-- after the table: PyTorch's own context parallel over gloo on P processes
-  (``torchref.context_parallel_times``), timed right after each row: its
-  seconds and "x context parallel" (its time over ours), or the error it raised.
-- every table's header names the CPU, its vector extensions, the BLAS and the
-  kernel backend (``mpiring.core.backends``).
-- bg: cores kept busy by other processes while the row ran (0 on an idle machine).
-- with ``--load N``: every row is timed again while rank 0 keeps N extra processes
-  spinning (``tools.loadgen``), and so is the torch column: wall@L, torch@L,
-  x torch@L, and the drop of "x torch" from idle to loaded.
+One rank per core and one BLAS thread per rank; every rank makes random inputs for its own shard only (no
+scatter). docs/performance.md explains every column.
 """
 
 import importlib.util
@@ -66,21 +27,30 @@ from mpiring import (
     ring_attention_backward,
 )
 from mpiring.core import backends, gemm, tune
-from mpiring.core.machine import cpu_model, vector_extensions
 from mpiring.core.precision import Precision, named_dtype
 from mpiring.cost.costmodel import format_wire_model
 
-from .benchinfer import inference_rows
-from .benchtable import add_efficiency, format_header, format_long, format_table, format_targets, read_csv, write_csv
-from .cli import at_least, command_parser, with_threads
-from .limits import blas_report, limit_seconds, measure_limits
-from .loadgen import busy_load
+from ..cli import at_least, command_parser, on_rank0, with_threads
+from .infer import inference_rows
 from .memory import MB, kernel_scratch, memory_model
-from .peak import fma_peak_flops
-from .probes import available_mb, busy_cpu_seconds, own_cpu_seconds, peak_rss_mb, reset_peak_rss, rss_mb
-from .torchref import context_parallel_times, torch_available, torch_times
+from .peers import context_parallel_times, torch_available, torch_times
+from .probes import (
+    available_mb,
+    blas_report,
+    busy_cpu_seconds,
+    busy_load,
+    cpu_text,
+    fma_peak_flops,
+    limit_seconds,
+    measure_limits,
+    own_cpu_seconds,
+    peak_rss_mb,
+    reset_peak_rss,
+    rss_mb,
+)
+from .sheet import add_efficiency, format_header, format_long, format_table, format_targets, read_csv, write_csv
 
-__all__ = ["Config", "bench", "bench_parser", "run_config"]
+__all__ = ["Config", "table", "table_parser", "run_config"]
 
 
 @dataclass(frozen=True)
@@ -111,18 +81,8 @@ class Config:
         short = {"float32": "fp32", "float64": "fp64", "float16": "fp16", "bfloat16": "bf16"}[self.dtype]
         return short if self.wire is None else f"{short}/{self.wire}w" if self.dtype != "float32" else f"{self.wire}w"
 
-    def key(self):
-        return (self.S, self.D, self.H, self.B, self.causal, self.name, self.precision)
-
 
 # ---------------------------------------------------------------- running one configuration
-
-
-def _idle_barrier(comm, poll=0.01):
-    """A barrier that sleeps instead of spinning, so an idle rank leaves its core free."""
-    request = comm.Ibarrier()
-    while not request.Test():
-        time.sleep(poll)
 
 
 def _local_inputs(cfg, plan, rank, seed):
@@ -221,34 +181,51 @@ def run_config(comm, cfg, *, repeats=3, budget=30.0, seed=0, limits=None, baseli
     return row
 
 
-def _on_rank0(comm, work, otherwise=None):
-    """``work()`` on rank 0 while the other ranks sleep (their cores left to it): its result on rank 0,
-    ``otherwise`` on the others."""
-    result = work() if comm.Get_rank() == 0 else otherwise
-    _idle_barrier(comm)
-    return result
-
-
 def _torch_seconds(comm, cfg, args, threads=None):
-    """Rank 0: torch SDPA's seconds on row ``cfg`` with ``threads`` (default: all the ranks' BLAS threads; None if
-    it failed; None on the other ranks, which sleep)."""
-    return _on_rank0(comm, lambda: torch_times([cfg], threads=threads or comm.Get_size() * args.threads,
-                                               repeats=args.repeats, budget=args.budget)[0])
+    """Rank 0: torch SDPA's seconds on row ``cfg`` with ``threads`` (default: all the ranks' BLAS threads), the
+    other ranks asleep; None if it failed, and on the other ranks."""
+    return on_rank0(comm, lambda: torch_times([cfg], threads=threads or comm.Get_size() * args.threads,
+                                              repeats=args.repeats, budget=args.budget)[0])
 
 
 def _alone_seconds(comm, cfg, args, baseline_mb, guard_mb):
-    """Rank 0: row ``cfg`` on one rank (COMM_SELF), the others asleep: its wall seconds (None if it did not
-    run; None on the other ranks). Right after the P-rank row, so both see the machine in the same state."""
+    """Rank 0: row ``cfg`` on one rank (COMM_SELF) right after the P-rank row, the others asleep: its wall
+    seconds (None if it did not run, and on the other ranks)."""
     def alone():
         one = run_config(MPI.COMM_SELF, cfg, repeats=args.repeats, budget=args.budget * comm.Get_size(),
                          seed=args.seed, baseline_mb=baseline_mb, guard_mb=guard_mb)
         return one["wall_s"] if one.get("status") == "ok" else None
-    return _on_rank0(comm, alone)
+    return on_rank0(comm, alone)
 
 
-def _context_parallel(comm, cfg):
-    """Rank 0: PyTorch's context parallel on P processes for row ``cfg`` (the others sleep): (seconds, error)."""
-    return _on_rank0(comm, lambda: context_parallel_times([cfg], comm.Get_size())[0], (None, None))
+def _peers(comm, cfg, row, args, use_torch, baseline_mb, guard):
+    """Beside a row that ran, right after it (the machine's speed drifts over minutes): torch with P threads
+    and with one, PyTorch's context parallel, the row on rank 0 alone (``--p1``), and the row and torch again
+    beside ``--load`` busy processes. Every rank takes the same branches; the figures land on rank 0."""
+    size = comm.Get_size()
+    with_torch = use_torch and cfg.precision == "fp32"  # the bf16 and int8 rows compare to fp32
+    if with_torch and (t := _torch_seconds(comm, cfg, args)):
+        row.update(torch_s=t, torch_gflops=row["gflops"] * row["wall_s"] / t, vs_torch=t / row["wall_s"])
+    if with_torch:  # its time, or the error it raised
+        t, err = on_rank0(comm, lambda: context_parallel_times([cfg], size)[0], (None, None))
+        row.update({"cp_s": t, "vs_cp": t / row["wall_s"]} if t else {"cp_error": err or "no result"})
+    if with_torch and size * args.threads == 1:  # torch's own column is its one-thread time
+        row.update(torch1_s=row.get("torch_s"), torch1_gflops=row.get("torch_gflops"))
+    elif with_torch and (t := _torch_seconds(comm, cfg, args, threads=1)):
+        row.update(torch1_s=t, torch1_gflops=row["gflops"] * row["wall_s"] / t)
+    if args.p1 and size > 1 and (t := _alone_seconds(comm, cfg, args, baseline_mb, guard)):
+        row.update(p1_s=t)
+    if args.load > 0:
+        with busy_load(args.load if comm.Get_rank() == 0 else 0):
+            again = run_config(comm, cfg, repeats=args.repeats, budget=args.budget, seed=args.seed,
+                               baseline_mb=baseline_mb)
+            t = _torch_seconds(comm, cfg, args) if with_torch else None  # beside the same busy processes
+        if comm.Get_rank() == 0:
+            row.update(load=args.load, wall_loaded_s=again["wall_s"])
+            if t:
+                row.update(torch_loaded_s=t, vs_torch_loaded=t / row["wall_loaded_s"])
+                if "vs_torch" in row:
+                    row["load_drop"] = row["vs_torch"] - row["vs_torch_loaded"]
 
 
 def _context_parallel_lines(rows, size):
@@ -264,6 +241,11 @@ def _context_parallel_lines(rows, size):
         lines.insert(0, f"PyTorch context parallel (torch.distributed.tensor.experimental.context_parallel, gloo, "
                         f"{size} processes x 1 thread), right after each row:")
     return lines
+
+
+def _clock(comm):
+    """Now, the machine's busy CPU seconds and the ranks' own (and their children's): for ``_background_load``."""
+    return time.perf_counter(), busy_cpu_seconds(), comm.allreduce(own_cpu_seconds())
 
 
 def _background_load(comm, clock):
@@ -282,10 +264,14 @@ def _background_load(comm, clock):
 QUICK_SIZES, QUICK_DIMS = [512, 1024], [32, 64]
 FULL_SIZES, FULL_DIMS = [4096, 8192, 16384, 32768], [64, 128]
 LONG_SIZES = [32768, 65536, 131072, 262144]
+PRECISIONS = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int8w": ("float32", "int8")}
 
 
-def bench_parser():
-    p = command_parser("bench", bench)
+def table_parser():
+    from . import EPILOG
+
+    p = command_parser("bench", table)
+    p.usage, p.epilog = "%(prog)s [SUBCOMMAND] [options]", EPILOG
     p.add_argument("--quick", action="store_true", help="small sizes, a smoke test (seconds)")
     p.add_argument("--sizes", type=int, nargs="+", metavar="S", help=f"sequence lengths (default {FULL_SIZES})")
     p.add_argument("--dims", type=int, nargs="+", metavar="D", help=f"head dims (default {FULL_DIMS})")
@@ -311,16 +297,13 @@ def bench_parser():
     p.add_argument("--positions", action="store_true", help="pass each rank's shard of the layout as explicit "
                    "positions= instead of layout= (the same tokens: times should not change)")
     p.add_argument("--inference", choices=["auto", "on", "off", "only"], default="auto",
-                   help="the inference rows (decode tree vs ring over a 64k cache, prefill pass-KV vs pass-Q; "
-                        "tools.benchinfer): auto = with the full table, not with --quick or --long")
+                   help="the inference rows (decode tree vs ring over a 64k cache, prefill pass-KV vs pass-Q): "
+                        "auto = with the full table, not with --quick or --long")
     p.add_argument("--load", type=int, default=0, metavar="N",
                    help="also time every row (and its torch column) with N busy background processes "
                         "started by rank 0 (0: idle only)")
     p.checks.append(at_least(0, **{"--load": "load"}))
     return p
-
-
-PRECISIONS = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int8w": ("float32", "int8")}
 
 
 def _configs(args):
@@ -333,9 +316,8 @@ def _configs(args):
     passes = {"both": (False, True), "fwd": (False,), "fwd+bwd": (True,)}[args.passes]
     if args.no_backward:
         passes = (False,)
-    # every forward row before any fwd+bwd row: a process keeps some memory of a larger row
-    # (MPI's buffers, heap fragments) that the RSS reset cannot return, and a forward row
-    # measured after a fwd+bwd row would count it (about 50 MiB at S=16384).
+    # every forward row before any fwd+bwd row: a process keeps some memory of a larger row (MPI's buffers,
+    # heap fragments) that the RSS reset cannot return, and a forward row measured after it would count it
     extra = [PRECISIONS[p] for p in args.precisions if p != "fp32"  # bf16 inputs, int8 wire: forward causal rows
              and (p != "bf16" or importlib.util.find_spec("ml_dtypes"))]  # no bf16 rows without ml_dtypes
     plain = "fp32" in args.precisions
@@ -345,25 +327,29 @@ def _configs(args):
             for dtype, wire in ([("float32", None)] if plain else []) + ([] if b or not c else extra)]
 
 
-def _tune_first(comm, skip):
-    """With no tuning cache for this CPU, rank 0 runs ``tune`` (under a minute on an idle core; the other ranks
-    sleep) before the first row, so "auto" times the backend measured fastest here, not an untuned default."""
-    if skip or not comm.bcast(tune.untuned() if comm.Get_rank() == 0 else None, root=0):
-        return
-    entry = None
-    if comm.Get_rank() == 0:
-        print("no tuning cache for this CPU: running `python -m mpiring tune` first ...", flush=True)
-        start = time.perf_counter()
-        entry = tune.tune(log=lambda *a: None)
-        print(f"tuned in {time.perf_counter() - start:.0f} s: kernel backend {entry['kernel']} (CPU s: "
-              + ", ".join(f"{k} {v:.2f}" for k, v in entry["kernel_seconds"].items()) + f"), GEMMs {entry['gemm']}",
-              flush=True)
-    _idle_barrier(comm)
-    tune.reread()  # every rank reads the new cache
+def _tune():
+    """Rank 0's tuning before the first row, when nothing is cached for this CPU."""
+    print("no tuning cache for this CPU: running `python -m mpiring bench tune` first ...", flush=True)
+    start = time.perf_counter()
+    entry = tune.tune(log=lambda *a: None)
+    print(f"tuned in {time.perf_counter() - start:.0f} s: kernel backend {entry['kernel']} (CPU s: "
+          + ", ".join(f"{k} {v:.2f}" for k, v in entry["kernel_seconds"].items()) + f"), GEMMs {entry['gemm']}",
+          flush=True)
 
 
-@with_threads(bench_parser, user_api="blas")
-def bench(comm, args):
+def _machine(comm, configs, quick):
+    """What rank 0 measures before the first row, the others asleep: the machine (CPU, kernel backend, FMA
+    peak), the BLAS report, and one core's limits (these on every rank)."""
+    def measure():
+        machine = {"cpu": cpu_text(), "kernel": backends.backend(), "fma_peak": fma_peak_flops()}
+        limits = measure_limits(sorted({c.D for c in configs}), n=256 if quick else 1024, repeats=3 if quick else 5)
+        return machine, blas_report(), limits
+    machine, report, limits = on_rank0(comm, measure, (None, None, None))
+    return machine, report, comm.bcast(limits, root=0)
+
+
+@with_threads(table_parser, user_api="blas")
+def table(comm, args):
     """Time ring attention on every rank; rank 0 prints the benchmark table and writes CSV."""
     rank, size = comm.Get_rank(), comm.Get_size()
     if args.inference == "only":
@@ -374,23 +360,17 @@ def bench(comm, args):
     local.Free()
     configs = _configs(args)
     quick = args.quick and not args.sizes
-    clock = (time.perf_counter(), busy_cpu_seconds(), comm.allreduce(own_cpu_seconds()))
-    report = limits = None
+    clock = _clock(comm)
     use_torch = not args.no_torch and not args.long and torch_available()
-    machine = None
-    _tune_first(comm, quick or args.long)
+    # no tuning cache for this CPU: "auto" would time an unmeasured default (under a minute, once)
+    if not (quick or args.long) and comm.bcast(tune.untuned() if rank == 0 else None, root=0):
+        on_rank0(comm, _tune)
+        tune.reread()  # every rank reads the new cache
     gemm.product()  # the kernels' GEMM library (MKL, when used) loaded: its code is baseline, not data
     tiny = np.ones((1, 16, 64), np.float32)
     backends.attention_block(tiny, tiny, tiny)  # so is the kernel backend's (torch: ~190 MB resident)
     baseline_mb = comm.allreduce(rss_mb(), op=MPI.MAX)  # interpreter + libraries, before any array
-    if rank == 0:
-        machine = {"cpu": cpu_model(), "vector": vector_extensions(), "kernel": backends.backend(),
-                   "fma_peak": fma_peak_flops()}
-        report = blas_report()
-        limits = measure_limits(sorted({c.D for c in configs}), n=256 if quick else 1024,
-                                repeats=3 if quick else 5)
-    _idle_barrier(comm)
-    limits = comm.bcast(limits, root=0)
+    machine, report, limits = _machine(comm, configs, quick)
     guard = comm.bcast(available_mb() if rank == 0 else None, root=0)
     if rank == 0:
         print(format_header(size=size, threads=args.threads, long=args.long, rows=len(configs), report=report,
@@ -398,55 +378,32 @@ def bench(comm, args):
                             machine=machine))
     rows = []
     for cfg in configs:
-        start = (time.perf_counter(), busy_cpu_seconds(), comm.allreduce(own_cpu_seconds()))
+        start = _clock(comm)
         row = run_config(comm, cfg, repeats=args.repeats, budget=args.budget, seed=args.seed, limits=limits,
                          baseline_mb=baseline_mb, guard_mb=guard, local_ranks=local_ranks)
         load = _background_load(comm, start)  # other processes' cores while this row ran (idle part)
-        # rank 0 decides what runs next: every rank must take the same branches
-        ok = comm.bcast(row.get("status") == "ok" if rank == 0 else None, root=0)
-        # torch right after the row, not after all rows: the machine's speed drifts over minutes
-        with_torch = ok and use_torch and cfg.precision == "fp32"  # the bf16 and int8 rows compare to fp32
-        if with_torch and (t := _torch_seconds(comm, cfg, args)):
-            row.update(torch_s=t, torch_gflops=row["gflops"] * row["wall_s"] / t, vs_torch=t / row["wall_s"])
-        if with_torch:  # PyTorch's own context parallel on P processes: its time, or the error it raised
-            t, err = _context_parallel(comm, cfg)
-            row.update({"cp_s": t, "vs_cp": t / row["wall_s"]} if t else {"cp_error": err or "no result"})
-        if with_torch and size * args.threads == 1:  # torch's own column is its one-thread time
-            row.update(torch1_s=row.get("torch_s"), torch1_gflops=row.get("torch_gflops"))
-        elif with_torch and (t := _torch_seconds(comm, cfg, args, threads=1)):
-            row.update(torch1_s=t, torch1_gflops=row["gflops"] * row["wall_s"] / t)
-        if ok and args.p1 and size > 1 and (t := _alone_seconds(comm, cfg, args, baseline_mb, guard)):
-            row.update(p1_s=t)
-        if ok and args.load > 0:
-            with busy_load(args.load if rank == 0 else 0):
-                again = run_config(comm, cfg, repeats=args.repeats, budget=args.budget, seed=args.seed,
-                                   baseline_mb=baseline_mb)
-                t = _torch_seconds(comm, cfg, args) if with_torch else None  # beside the same busy processes
-            if rank == 0:
-                row.update(load=args.load, wall_loaded_s=again["wall_s"])
-                if t:
-                    row.update(torch_loaded_s=t, vs_torch_loaded=t / row["wall_loaded_s"])
-                    if "vs_torch" in row:
-                        row["load_drop"] = row["vs_torch"] - row["vs_torch_loaded"]
+        if comm.bcast(row.get("status") == "ok" if rank == 0 else None, root=0):  # rank 0 decides for all
+            _peers(comm, cfg, row, args, use_torch, baseline_mb, guard)
         if rank == 0:
             row.update(blas=report["blas"], blas_arch=report["blas_arch"], blas_threads=args.threads,
-                       background_cores="" if load is None else load, kernel=machine["kernel"],
-                       cpu=f"{machine['cpu']} ({machine['vector']})")
-            if machine["fma_peak"]:
-                cores = size * args.threads
-                for key, name, n in (("gflops", "of_peak", cores), ("torch_gflops", "torch_of_peak", cores),
+                       background_cores="" if load is None else load, kernel=machine["kernel"], cpu=machine["cpu"])
+            for key, name, cores in (("gflops", "of_peak", size * args.threads),
+                                     ("torch_gflops", "torch_of_peak", size * args.threads),
                                      ("torch1_gflops", "torch1_of_peak", 1)):
-                    if row.get(key):
-                        row[name] = row[key] * 1e9 / (n * machine["fma_peak"])
+                if machine["fma_peak"] and row.get(key):
+                    row[name] = row[key] * 1e9 / (cores * machine["fma_peak"])
             rows.append(row)
             print(format_table([row], loaded=args.load > 0).splitlines()[1], flush=True)
     if args.inference == "on" or (args.inference == "auto" and not (args.quick or args.long or args.sizes)):
         if rank == 0:
-            print("\ninference rows (mpiring.tools.benchinfer):", flush=True)
+            print("\ninference rows (python -m mpiring bench --inference only):", flush=True)
         inference_rows(comm, quick=args.quick)
     others = _background_load(comm, clock)
-    if rank != 0:
-        return 0
+    return _report(args, rows, configs, size, limits, others) if rank == 0 else 0
+
+
+def _report(args, rows, configs, size, limits, others):
+    """Rank 0, after the last row: the whole table (with the baseline's rows), its summary, the peers, CSV."""
     baseline_rows = read_csv(args.baseline) if args.baseline else []
     add_efficiency(rows, baseline_rows)
     everything = [r for r in baseline_rows if r.get("P") != size] + rows

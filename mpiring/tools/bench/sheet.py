@@ -1,4 +1,4 @@
-"""The benchmark's rows on paper: CSV in and out, parallel efficiency, the table and its summaries."""
+"""The benchmark table's rows on paper: CSV in and out, parallel efficiency, the table and its summaries."""
 
 import csv
 import math
@@ -41,27 +41,22 @@ def write_csv(rows, path):
 
 
 def _csv_value(v):
-    if isinstance(v, float):
-        return f"{v:.6g}"
-    return v
+    return f"{v:.6g}" if isinstance(v, float) else v
+
+
+def _parsed(text):
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def read_csv(path):
     """Rows of a benchmark CSV, numbers converted back."""
-    rows = []
     with open(path, newline="") as f:
-        for raw in csv.DictReader(f):
-            row = {}
-            for key, val in raw.items():
-                try:
-                    row[key] = int(val)
-                except ValueError:
-                    try:
-                        row[key] = float(val)
-                    except ValueError:
-                        row[key] = val
-            rows.append(row)
-    return rows
+        return [{key: _parsed(val) for key, val in raw.items()} for raw in csv.DictReader(f)]
 
 
 def _row_key(row):
@@ -140,7 +135,7 @@ def format_header(*, size, threads, long, rows, report, limits, baseline_mb, use
              f"{rows} rows{' (long context)' if long else ''}"]
     if machine:
         peak = machine.get("fma_peak")
-        lines.append(f"CPU: {machine['cpu']} ({machine['vector']}); kernel backend {machine['kernel']}; FMA peak, one "
+        lines.append(f"CPU: {machine['cpu']}; kernel backend {machine['kernel']}; FMA peak, one "
                      f"core (float32): " + (f"{peak / 1e9:.1f} GFLOP/s (%peak: of {size} x that)" if peak
                                             else "not measured (no C compiler)"))
     lines += [
@@ -223,14 +218,9 @@ def _loaded_line(r):
 def format_targets(rows, limits=None):
     """The performance targets at S=16384, D=64, P=2 (whichever rows this run has; "" if none).
 
-    Under each row, two bounds of "x torch": the ratio a ring would reach
-    with every rank's kernel at the matmul+exp limit and nothing else in its
-    wall time (torch's time / the row's ``limit_s``: the most this design of
-    kernel can give, since its every score costs those GEMMs and one
-    exponential), and with ``limits`` the ceiling, two cores' square-GEMM
-    speed over torch's, the most any kernel could reach on this machine. Rows
-    timed under ``--load`` add a line: "x torch" under the load, and its drop
-    from the idle ratio against ``LOAD_DROP``.
+    Under each row, bounds of "x torch": with every rank's kernel at the matmul+exp limit (torch's time over
+    the row's ``limit_s``), and with ``limits`` the ceiling of P cores of square GEMM; under ``--load``, "x
+    torch" under the load and its drop from idle against ``LOAD_DROP``.
     """
     pick = {(r["pass"], r["causal"]): r for r in rows
             if r.get("P") == 2 and r.get("S") == 16384 and r.get("D") == 64 and r.get("H") == 8

@@ -1,8 +1,8 @@
-"""The ``tune`` command: which kernel backend, GEMM backend and tile sizes run a block fastest on this CPU, cached.
+"""``bench tune``: which kernel backend, GEMM backend and tile sizes run a block fastest on this CPU, cached.
 
-    python -m mpiring tune                   # D 64 and 128, float32 (under a minute)
-    python -m mpiring tune --dims 64 --dtypes float32 --repeats 3
-    python -m mpiring tune --show            # the cached choice for this machine, timing nothing
+    python -m mpiring bench tune                   # D 64 and 128, float32 (under a minute)
+    python -m mpiring bench tune --dims 64 --dtypes float32 --repeats 3
+    python -m mpiring bench tune --show            # the cached choice for this machine, timing nothing
 
 No MPI. Run it on an idle machine (the timings pick the winner); every later
 process on this machine reads the cache (``mpiring.core.machine``).
@@ -15,13 +15,13 @@ from mpiring.core import gemm
 from mpiring.core.machine import cache_path, cached, machine_key
 from mpiring.core.tune import tune as run_tune
 
-from .cli import at_least, command_parser
+from ..cli import at_least, command_parser
 
 __all__ = ["tune", "tune_parser"]
 
 
 def tune_parser():
-    p = command_parser("tune", tune)
+    p = command_parser("bench tune", tune)
     p.add_argument("--dims", type=int, nargs="+", default=[64, 128], metavar="D", help="head dims")
     p.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "float64"],
                    help="compute dtypes (half inputs compute in float32)")

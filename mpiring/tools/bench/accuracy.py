@@ -1,7 +1,7 @@
-"""The ``accuracy`` command: how the error against float64 grows with P, per input dtype and accumulation dtype.
+"""``bench accuracy``: how the error against float64 grows with P, per input dtype and accumulation dtype.
 
-    python -m mpiring accuracy --seq-len 2048 --heads 4 --dim 64 --causal
-    python -m mpiring accuracy --dtype float32 --wire-dtype int8 --ranks 1 2 4 8
+    python -m mpiring bench accuracy --seq-len 2048 --heads 4 --dim 64 --causal
+    python -m mpiring bench accuracy --dtype float32 --wire-dtype int8 --ranks 1 2 4 8
 
 No MPI: the one-process simulator (``mpiring.simulate``) runs every rank's part
 of the ring with the same kernels, merges, wire coding and accumulators as
@@ -15,13 +15,13 @@ from mpiring.core.precision import ACCUMULATE, INPUT_DTYPES, WIRE_DTYPES, named_
 from mpiring.simulate import simulate
 from mpiring.testing import reference
 
-from .cli import at_least, command_parser
+from ..cli import at_least, command_parser
 
 __all__ = ["accuracy", "accuracy_parser", "error_growth"]
 
 
 def accuracy_parser():
-    p = command_parser("accuracy", accuracy)
+    p = command_parser("bench accuracy", accuracy)
     p.add_argument("--seq-len", type=int, default=2048, help="tokens of the whole sequence")
     p.add_argument("--heads", type=int, default=4, help="heads (K/V heads too)")
     p.add_argument("--dim", type=int, default=64, help="head dim")
