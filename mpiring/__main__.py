@@ -52,8 +52,8 @@ COMMANDS = {
     "bench": ("bench", True, "the benchmark table; 'bench SUBCOMMAND': percore, tune, plan, accuracy, zoo, ... "
               "(see 'bench --help')"),
     "support": ("support", True, "every strategy x option against the float64 reference: works, or its error"),
-    "grade": ("cli_teach", True, "grade a student's ring attention (docs/exercises.md)"),
-    "demo": ("cli_teach", True, "demonstrations: 'demo deadlock' shows a blocking ring deadlock and its fixes"),
+    "grade": ("grade", True, "grade a student's ring attention (docs/exercises.md)"),
+    "demo": ("deadlock", True, "demonstrations: 'demo deadlock' shows a blocking ring deadlock and its fixes"),
 }
 
 # commands of an earlier release, now subcommands of bench: they still run, with a note, for one release

@@ -1,6 +1,6 @@
 """Correct, but turns q, k, v into plain arrays first: the grader cannot count its products.
 
-    mpiexec -n 4 python -m mpiring.tools.grade --exercise causal tests/students/plain_arrays.py  # passes
+    mpiexec -n 4 python -m mpiring grade --exercise causal tests/students/plain_arrays.py  # passes
 """
 
 import numpy as np

@@ -27,63 +27,8 @@ from ..cli_generate import grouped_reference
 __all__ = ["inference_rows", "decode_row", "prefill_row", "serving_rows", "helix_row", "serving", "serving_parser"]
 
 
-def _median_ms(values):
-    return f"{float(np.median(values)) * 1e3:.3g} ms"
-
-
 def _machine(comm, dim):
     return calibrate(comm, head_dim=dim, tokens=256, seconds=0.2, nbytes=1 << 22)
-
-
-def _alone(comm, K, V, Q, kv_heads, dim, steps, grow=False):
-    """Rank 0, the others asleep: per step, seconds of one ``attend`` over the whole cache on COMM_SELF
-    (``grow``: the cache grows by a token before each step)."""
-    def steps_alone():
-        cache = K.shape[-2] - (steps if grow else 0)
-        with KVCache(MPI.COMM_SELF, kv_heads, dim) as alone:
-            alone.extend(K[..., :cache, :], V[..., :cache, :])
-            times = []
-            for t in range(steps):
-                if grow:
-                    alone.extend(K[..., cache + t:cache + t + 1, :], V[..., cache + t:cache + t + 1, :])
-                times.append(_slowest(MPI.COMM_SELF, partial(alone.attend, Q[..., t:t + 1, :]), 1)[0])
-            return times
-    return on_rank0(comm, steps_alone)
-
-
-def decode_row(comm, cache=65536, steps=16, heads=8, kv_heads=2, dim=64, seed=0):
-    """Per-token decode latency over a cache of ``cache`` tokens growing a token a step: tree, ring, and rank 0
-    alone. Text on rank 0."""
-    size = comm.Get_size()
-    rng = np.random.default_rng(seed)
-    K, V = (rng.standard_normal((1, kv_heads, cache + steps, dim), dtype=np.float32) for _ in range(2))
-    Q = rng.standard_normal((1, heads, steps, dim), dtype=np.float32)
-    K64, V64 = K.astype(np.float64), V.astype(np.float64)
-    times = {"tree": [], "ring": []}
-    error = 0.0
-    with KVCache(comm, kv_heads, dim) as kv:
-        kv.extend(K[..., :cache, :], V[..., :cache, :])
-        for t in range(steps):
-            kv.extend(K[..., cache + t:cache + t + 1, :], V[..., cache + t:cache + t + 1, :])
-            q = Q[..., t:t + 1, :]
-            want = grouped_reference(q, K64[..., :cache + t + 1, :], V64[..., :cache + t + 1, :])
-            for merge in ("tree", "ring"):
-                seconds, (out, _) = _slowest(comm, partial(kv.attend, q, merge=merge), 1)
-                times[merge].append(seconds)
-                error = max(error, float(np.abs(out - want[0]).max()))
-        nbytes = kv.nbytes
-    times["alone"] = _alone(comm, K, V, Q, kv_heads, dim, steps, grow=True)
-    machine = _machine(comm, dim)
-    if comm.Get_rank() != 0:
-        return None
-    ok = error <= TOLERANCE[np.dtype(np.float32)]
-    model = {m: decode_time(cache, size, heads=heads, head_dim=dim, machine=machine, merge=m)["total_s"]
-             for m in ("tree", "ring")}
-    return (f"decode: cache {cache} tokens, P={size}, {heads} heads / {kv_heads} K/V heads, D={dim}, float32, "
-            f"{steps} steps, cache {nbytes / 2**20:.1f} MiB on rank 0: per-token latency (median of the slowest "
-            f"rank) tree {_median_ms(times['tree'])} (model {model['tree'] * 1e3:.3g} ms), ring "
-            f"{_median_ms(times['ring'])} (model {model['ring'] * 1e3:.3g} ms), single process "
-            f"{_median_ms(times['alone'])}; max error {error:.1e} {'ok' if ok else 'FAILED'}")
 
 
 def _slowest(comm, call, repeats):
@@ -97,15 +42,27 @@ def _slowest(comm, call, repeats):
     return best, result
 
 
+def _alone(comm, K, V, Q, kv_heads, dim):
+    """Rank 0, the others asleep: the median seconds of one ``attend`` per query of ``Q`` over the whole cache
+    ``K``, ``V`` on COMM_SELF (None on the other ranks)."""
+    def steps_alone():
+        with KVCache(MPI.COMM_SELF, kv_heads, dim) as alone:
+            alone.extend(K, V)
+            return float(np.median([_slowest(MPI.COMM_SELF, partial(alone.attend, Q[..., t:t + 1, :]), 1)[0]
+                                    for t in range(Q.shape[-2])]))
+    return on_rank0(comm, steps_alone)
+
+
 def serving_rows(comm, cache=65536, steps=8, draft=4, heads=8, kv_heads=2, dim=64, seed=0, repeats=3):
-    """One decode token over ``cache`` tokens (tree, ring, rank 0 alone), bytes against the model, and one
-    speculative ``verify`` of ``draft`` tokens against ``draft`` separate decode calls. A dict on rank 0."""
+    """``steps`` decode tokens over ``cache`` tokens (tree, ring, rank 0 alone), bytes against the model, and
+    (``draft``) one speculative ``verify`` of ``draft`` tokens against ``draft`` separate decode calls. Every
+    result is checked against the float64 reference on rank 0. A dict on rank 0."""
     rank, size = comm.Get_rank(), comm.Get_size()
     rng = np.random.default_rng(seed)
     K, V = (rng.standard_normal((1, kv_heads, cache + draft, dim), dtype=np.float32) for _ in range(2))
     Q = rng.standard_normal((1, heads, max(steps, draft), dim), dtype=np.float32)
     machine = _machine(comm, dim)
-    row = {"cache": cache, "P": size, "error": 0.0}
+    row = {"cache": cache, "P": size, "steps": steps, "heads": heads, "kv_heads": kv_heads, "dim": dim, "error": 0.0}
 
     def check(got, q, end, causal):
         if rank == 0:
@@ -115,6 +72,7 @@ def serving_rows(comm, cache=65536, steps=8, draft=4, heads=8, kv_heads=2, dim=6
 
     with KVCache(comm, kv_heads, dim) as kv:
         kv.extend(K[..., :cache, :], V[..., :cache, :])
+        row["nbytes"] = kv.nbytes
         for merge in ("tree", "ring"):
             walls, sent = [], []
             for t in range(steps):
@@ -122,23 +80,35 @@ def serving_rows(comm, cache=65536, steps=8, draft=4, heads=8, kv_heads=2, dim=6
                 wall, got = _slowest(comm, partial(kv.attend, Q[..., t:t + 1, :], merge=merge, record=rec), 1)
                 walls.append(wall)
                 sent.append(comm.allreduce(rec.bytes_sent, op=MPI.MAX))
-                if t == 0:
-                    check(got, Q[..., :1, :], cache, False)
+                check(got, Q[..., t:t + 1, :], cache, False)
             model = decode_time(cache, size, heads=heads, head_dim=dim, machine=machine, merge=merge)
             row[merge] = {"latency": float(np.median(walls)), "model": model["total_s"],
                           "bytes": int(np.median(sent)), "model_bytes": model["transfers"] * model["partial_bytes"]}
-        qd = Q[..., :draft, :]
-        dk, dv = K[..., cache:cache + draft, :], V[..., cache:cache + draft, :]
-        row["verify"], got = _slowest(comm, lambda: kv.verify(qd, dk, dv), repeats)
-        check(got, qd, cache + draft, True)
-        row["separate"], _ = _slowest(comm, lambda: [kv.attend(Q[..., i:i + 1, :]) for i in range(draft)], repeats)
-        row["verify_model"] = decode_time(cache, size, heads=heads, head_dim=dim, machine=machine,
-                                          new_tokens=draft)["total_s"]
-    alone = _alone(comm, K[..., :cache, :], V[..., :cache, :], Q, kv_heads, dim, steps)
-    if rank == 0:
-        row["alone"] = float(np.median(alone))
+        if draft:
+            qd = Q[..., :draft, :]
+            dk, dv = K[..., cache:cache + draft, :], V[..., cache:cache + draft, :]
+            row["verify"], got = _slowest(comm, lambda: kv.verify(qd, dk, dv), repeats)
+            check(got, qd, cache + draft, True)
+            row["separate"], _ = _slowest(comm, lambda: [kv.attend(Q[..., i:i + 1, :]) for i in range(draft)],
+                                          repeats)
+            row["verify_model"] = decode_time(cache, size, heads=heads, head_dim=dim, machine=machine,
+                                              new_tokens=draft)["total_s"]
+    row["alone"] = _alone(comm, K[..., :cache, :], V[..., :cache, :], Q[..., :steps, :], kv_heads, dim)
     row["ok"] = row["error"] <= TOLERANCE[np.dtype(np.float32)]
     return row if rank == 0 else None
+
+
+def decode_row(comm, cache=65536, steps=16, **shape):
+    """Per-token decode latency over ``cache`` tokens: tree, ring and rank 0 alone, against the model. Text on
+    rank 0."""
+    r = serving_rows(comm, cache, steps, draft=0, **shape)
+    if r is None:
+        return None
+    return (f"decode: cache {cache} tokens, P={r['P']}, {r['heads']} heads / {r['kv_heads']} K/V heads, "
+            f"D={r['dim']}, float32, {steps} steps, cache {r['nbytes'] / 2**20:.1f} MiB on rank 0: per-token latency "
+            f"(median of the slowest rank) tree {_ms(r['tree']['latency'])} ms (model {_ms(r['tree']['model'])} ms), "
+            f"ring {_ms(r['ring']['latency'])} ms (model {_ms(r['ring']['model'])} ms), single process "
+            f"{_ms(r['alone'])} ms; max error {r['error']:.1e} {'ok' if r['ok'] else 'FAILED'}")
 
 
 def helix_row(comm, cache=65536, batch=4, heads=12, kv_heads=2, dim=64, seed=0, repeats=3):

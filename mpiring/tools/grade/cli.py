@@ -24,7 +24,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parser(rank=0):
-    p = _Parser(prog="python -m mpiring.tools.grade", description=DESCRIPTION)
+    p = _Parser(prog="python -m mpiring grade", description=DESCRIPTION)
     p.rank = rank
     p.add_argument("students", nargs="+", metavar="FILE", help="students' .py files, or folders of them")
     p.add_argument("--exercise", choices=list(EXERCISES),

@@ -4,6 +4,7 @@ Every call here polls with a timeout longer than any student call may take, so a
 never joins ends the job (``Lost``, then ``fatal``) instead of hanging it.
 """
 
+import contextlib
 import sys
 import time
 
@@ -12,30 +13,27 @@ from mpi4py import MPI
 
 from ...mpi.waits import CommTimeout
 from ...testing.timed import Stuck, settle
+from ..cli import objects, poll
 
-__all__ = ["Lost", "allgather", "drain", "fatal", "timed_sum", "wait_for"]
+__all__ = ["Lost", "allgather", "drain", "fatal", "timed_sum"]
 
 
 class Lost(Exception):
     """The grader's own communication with the other ranks did not complete in time."""
 
 
-def wait_for(requests, timeout, what):
-    start = time.perf_counter()
-    while not MPI.Request.Testall(requests):
-        if time.perf_counter() - start > timeout:
-            raise Lost(f"{what}: the other ranks did not join within {timeout:g} s")
-        time.sleep(2e-4)
+@contextlib.contextmanager
+def _joined(timeout, what):
+    """A wait of the grader's that outlives ``timeout`` raises ``Lost``."""
+    try:
+        yield
+    except TimeoutError:
+        raise Lost(f"{what}: the other ranks did not join within {timeout:g} s") from None
 
 
 def allgather(comm, obj, timeout, what="exchange of results"):
-    data = np.frombuffer(MPI.pickle.dumps(obj), np.uint8)
-    sizes = np.empty(comm.Get_size(), np.int64)
-    wait_for([comm.Iallgather(np.array([data.size], np.int64), sizes)], timeout, what)
-    flat = np.empty(int(sizes.sum()), np.uint8)
-    wait_for([comm.Iallgatherv(data, [flat, sizes])], timeout, what)
-    edges = np.concatenate([[0], np.cumsum(sizes)])
-    return [MPI.pickle.loads(flat[edges[r]:edges[r + 1]].tobytes()) for r in range(comm.Get_size())]
+    with _joined(timeout, what):
+        return objects(comm, obj, timeout=timeout, what=what)
 
 
 def fatal(comm, message, code=3):
@@ -57,5 +55,6 @@ def drain(gcomm, ledger, timeout):
 
 def timed_sum(comm, a, timeout):
     out = np.empty_like(a)
-    wait_for([comm.Iallreduce(a, out, MPI.SUM)], timeout, "reference gradients")
+    with _joined(timeout, "reference gradients"):
+        poll([comm.Iallreduce(a, out, MPI.SUM)], timeout)
     return out
