@@ -6,8 +6,8 @@
 
 docs/exercises.md says what is checked (output, traffic, safety, work, overlap) and how; docs/course.md how
 a class is graded. Under ``mpiexec -n P`` every file is graded at P in that job (``job``, ``session``); with
-``--ranks`` the grader runs outside MPI and starts one job per P (``batch``: ``python -m mpiring.tools.grade``,
-this package's job entry). The student's ``comm`` is ``mpiring.testing``'s strict communicator (``wire``).
+``--ranks`` the grader runs outside MPI and starts one job per P (``batch``). The student's ``comm`` is
+``mpiring.testing``'s strict communicator (``wire``).
 
 The package: ``exercises`` (the labs and their cases), ``cli`` (the options), ``sync`` (the grader's own
 exchanges), ``cases`` and ``labs`` (one call of the student's function and its check), ``diagnose`` (hints),
@@ -16,6 +16,7 @@ exchanges), ``cases`` and ``labs`` (one call of the student's function and its c
 
 import sys
 
+from ..cli import launch_rank
 from .cli import check_options, parser
 from .exercises import EXERCISES
 
@@ -49,7 +50,10 @@ def grade_class(argv):
 
 
 def main(argv=None):
+    """``python -m mpiring.tools.grade``, the earlier spelling of ``python -m mpiring grade``."""
     argv = sys.argv[1:] if argv is None else argv
+    if launch_rank() == 0:
+        print("python -m mpiring.tools.grade is deprecated: use python -m mpiring grade", file=sys.stderr)
     if any(a == "--ranks" or a.startswith("--ranks=") for a in argv):
         return grade_class(argv)
     from mpi4py import MPI

@@ -2,7 +2,7 @@
 
     python -m mpiring grade class/ --ranks 2,3,4 --report report.json --csv report.csv
 
-Each job (``mpiexec -n P python -m mpiring.tools.grade ... FILES``) grades all the files; its rank
+Each job (``mpiexec -n P python -m mpiring grade ... FILES``) grades all the files; its rank
 0 writes a JSON line per case and per file. A file that makes the job end early (``--time-limit``,
 an unfinished collective) gets a "fail" entry saying why, with the checks done so far, and a new
 job grades the files after it. The class summary and the report are written whatever happened.
@@ -129,7 +129,7 @@ def grade_batch(argv):
             todo = list(files)
             while todo:
                 results = os.path.join(scratch, f"P{P}-{len(entries)}.jsonl")
-                cmd = prefix + ["-n", str(P), sys.executable, "-m", "mpiring.tools.grade",
+                cmd = prefix + ["-n", str(P), sys.executable, "-m", "mpiring", "grade",
                                 *_passed_on(args, P, len(ranks) > 1, len(files) > 1), "--results", results, *todo]
                 output, killed = _run(cmd, env, limit * len(todo), args.verbose)
                 records = _records(results)
