@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mpiring.tools import zoo
+from mpiring.tools.bench import zoo
 
 pytestmark = pytest.mark.mpi
 

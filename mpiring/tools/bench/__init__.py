@@ -42,8 +42,11 @@ def _module(name):
 
 
 def subparser(name):
-    """The parser of subcommand ``name``."""
-    return getattr(_module(name), f"{name}_parser")()
+    """The parser of subcommand ``name``; the table's lists the subcommands too."""
+    p = getattr(_module(name), f"{name}_parser")()
+    if name == "table":
+        p.epilog = EPILOG
+    return p
 
 
 class _Dispatch:

@@ -268,10 +268,8 @@ PRECISIONS = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int8w": ("
 
 
 def table_parser():
-    from . import EPILOG
-
     p = command_parser("bench", table)
-    p.usage, p.epilog = "%(prog)s [SUBCOMMAND] [options]", EPILOG
+    p.usage = "%(prog)s [SUBCOMMAND] [options]"
     p.add_argument("--quick", action="store_true", help="small sizes, a smoke test (seconds)")
     p.add_argument("--sizes", type=int, nargs="+", metavar="S", help=f"sequence lengths (default {FULL_SIZES})")
     p.add_argument("--dims", type=int, nargs="+", metavar="D", help=f"head dims (default {FULL_DIMS})")
