@@ -95,10 +95,7 @@ def _grade_file(gcomm, exercise, opts, sink):
         line = " | ".join(f"{n} {v.status}" + (f" ({v.short})" if v.short and v.status != "not run" else "")
                           for n, v in verdicts.items())
         say(rank, f"[{i + 1:2d}/{len(cases)}] {label}: {line}")
-        show(rank, verdicts)
-        for v in verdicts.values():
-            for kind, text in v.hints:
-                hints.setdefault(kind, text)
+        _shown(rank, verdicts, hints)
         clean = all(r.clean for r in runs)
         if rank == 0 and sink:
             sink({"event": "case", "file": name, "case": label})
@@ -113,24 +110,35 @@ def _grade_file(gcomm, exercise, opts, sink):
     if clean and exercise.kind == "forward" and (exercise.work or exercise.overlap):
         current[0] = "the counted call"
         counted = None if stopped else counted_runs(exercise, fn, gcomm, opts, causal=bool(exercise.work))
-        extra = []
-        if exercise.work:
-            title = "work: causal skipping" if exercise.work == "skip" else "work: zigzag balance"
-            extra.append((title, work_verdict(exercise, counted and measure_work(exercise, *counted, P))))
-        if exercise.overlap:
-            extra.append(("overlap: sends during compute", overlap_verdict(counted and counted[1])))
-        for title, verdict in extra:
+        for title, verdict in _counted_verdicts(exercise, counted, P):
             table.append((title, {"output": verdict}))
             say(rank, f"{title}: {verdict.status}" + (f" ({verdict.short})" if verdict.short else ""))
-            show(rank, {title.split(":")[0]: verdict})
-            for kind, text in verdict.hints:
-                hints.setdefault(kind, text)
+            _shown(rank, {title.split(":")[0]: verdict}, hints)
         if counted and all(r.outcome == "returned" for r in counted[1]):
             trace_runs = counted[1]
     seconds = time.perf_counter() - start
     summary(rank, table, checks, P, seconds, hints)
     traced = _write_timeline(rank, opts, trace_runs, f"{name}: {exercise.name}, P={P}")
     return entry(name, exercise.name, P, table, hints, seconds, trace=traced), clean
+
+
+def _shown(rank, verdicts, hints):
+    """Rank 0 prints the verdicts' details and hints; the first hint of each kind is kept in ``hints``."""
+    show(rank, verdicts)
+    for v in verdicts.values():
+        for kind, text in v.hints:
+            hints.setdefault(kind, text)
+
+
+def _counted_verdicts(exercise, counted, P):
+    """``[(title, verdict)]`` of the checks the counted call answers: the work, the overlap."""
+    extra = []
+    if exercise.work:
+        title = "work: causal skipping" if exercise.work == "skip" else "work: zigzag balance"
+        extra.append((title, work_verdict(exercise, counted and measure_work(exercise, *counted, P))))
+    if exercise.overlap:
+        extra.append(("overlap: sends during compute", overlap_verdict(counted and counted[1])))
+    return extra
 
 
 def _write_timeline(rank, opts, runs, title):
