@@ -351,3 +351,23 @@ def test_long_mode_reports_memory_per_rank(tmp_path, capsys):
     assert [(r["S"], r["H"], r["D"], r["causal"], r["pass"]) for r in rows] == [(256, 1, 64, 1, "fwd"),
                                                                               (512, 1, 64, 1, "fwd")]
     assert all(r["status"] == "ok" and r["peak_rss_mb"] > 0 for r in rows)
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
+@pytest.mark.parametrize("args, expect", [
+    (["--inference", "only", "--quick"], r"^decode: cache 4096 tokens, P=2, .* max error \S+ ok$"),
+    (["serving", "--caches", "1024"], r"^\| 1024 \| 2 \| .* \| \S+ ok \|$"),
+    (["overhead", "--sizes", "64", "--repeats", "1"], r"^64\s+Ring\s+[\d.]+"),
+    (["overlap", "--seq-len", "256", "--repeats", "1", "--heads", "2"], r"^transfer alone .*: [\d.]+ s$"),
+    (["peak"], r"(GFLOP/s float32 FMA peak, one core|no C compiler)"),  # no MPI: one process
+])
+def test_subcommands(args, expect):
+    """The subcommands behind docs/inference.md, cluster.md and performance.md run on two ranks, rank 0 reports."""
+    import re
+
+    cmd = [sys.executable, "-m", "mpiring", "bench", *args]
+    cmd = cmd if args == ["peak"] else mpiexec_argv(2, *cmd)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=clean_env())
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert len(re.findall(expect, result.stdout, re.M)) == 1, result.stdout  # found, and printed once
+    assert "FAILED" not in result.stdout
