@@ -232,21 +232,25 @@ class Plan:
         """Source of the block that ``stream`` brings to ``rank`` at ``step``."""
         return (rank - stream * step) % self.size
 
-    def pieces(self, rank, source):
+    def pieces(self, rank, source, rows=None):
         """Sub-blocks worth computing, as ``Piece(q0, q1, k0, k1, klo, khi)``: query rows q0:q1 against keys k0:k1.
 
         A rank's positions fall into runs (zigzag: two chunks). For each run the
         visible keys form one index range; only that range is computed, which is
         what makes zigzag's causal work half a block per step. ``klo, khi`` are
-        relative to c, or None when the whole sub-block is visible.
+        relative to c, or None when the whole sub-block is visible. ``rows``: only
+        these (sorted) key rows of source's block, indexed as they are taken.
         """
         if self.kinds[rank][source] == "skip":
             return []
-        n_q, n_k = len(self.shards[rank]), len(self.kv_shards[source])
         where = self.where(rank, source)
+        if rows is not None:
+            where = where._replace(k_pos=where.k_pos[rows])
+        n_q, n_k = len(self.shards[rank]), len(where.k_pos)
         if self.kinds[rank][source] == "full":
             return [Piece(0, n_q, 0, n_k, where=where._replace(mask=None))]
-        klo, khi = self.mask(rank, source)
+        klo, khi = self.mask(rank, source) if rows is None else visible_keys(where.q_pos, where.k_pos,
+                                                                             **self._mask_options())
         out = []
         for a, b in self.runs[rank]:
             lo, hi = klo[a:b], khi[a:b]
@@ -366,6 +370,9 @@ def ring_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str 
     plan = Plan(seq_len, size, "positions" if positions is not None else layout, mode, bool(causal),
                 check_window(window), check_cu_seqlens(cu_seqlens, seq_len), check_causal_block(causal_block, causal),
                 check_mask(mask))
+    problem = next(filter(None, (piece.problem(seq_len) for piece in plan.mask_pieces)), None)
+    if problem:
+        raise ValueError(problem)
     if positions is None:
         plan.shards, plan.orders = Rows(size, lambda r: shard_indices(seq_len, size, r, layout)), [None] * size
     else:
