@@ -348,8 +348,9 @@ def pieces(causal=False, window=(-1, -1), cu_seqlens=None, causal_block=None, ma
     return tuple(named) + tuple(mask)
 
 
-def check_mask(mask):
-    """``mask`` (None, a piece, or pieces) as a tuple of ``MaskPiece``; ValueError otherwise."""
+def check_mask(mask, seq_len=None):
+    """``mask`` (None, a piece, or pieces) as a tuple of ``MaskPiece``; ValueError otherwise, or if a piece cannot
+    mask ``seq_len`` tokens (``MaskPiece.problem``)."""
     if mask is None:
         return ()
     found = (mask,) if isinstance(mask, MaskPiece) else mask
@@ -361,6 +362,9 @@ def check_mask(mask):
     if bad:
         raise ValueError(f"mask must be mask pieces (mpiring.plans.masks.MaskPiece: Causal, Window, Documents, "
                          f"or a class of your own), got {bad[0]!r}")
+    problem = next(filter(None, (piece.problem(seq_len) for piece in found)), None) if seq_len is not None else None
+    if problem:
+        raise ValueError(problem)
     return found
 
 

@@ -221,6 +221,10 @@ class Plan:
                             window=self.window, cu_seqlens=self.cu_seqlens, causal_block=self.causal_block,
                             mask=self.mask_pieces)
 
+    def kept(self, rank, source):
+        """The rows of source's block that travel to rank: None, all (the sparse movement may send fewer)."""
+        return None
+
     def in_caller_order(self, rank, a, kv=False, axis=-2):
         """``rank``'s results, computed on its rows sorted by position, back in the order it passed them.
 
@@ -317,8 +321,7 @@ class Plan:
 
 
 PROBLEM_FIELDS = ("seq_len", "size", "layout", "causal", "window", "cu_seqlens", "causal_block", "mask_pieces",
-                  "shards", "kv_shards",
-                  "orders", "kv_orders", "runs", "kinds", "pairs")  # what a call computes; the rest is how
+                  "shards", "kv_shards", "orders", "kv_orders", "runs", "kinds", "pairs")  # what a call computes
 
 
 def problem_fields(plan):
@@ -369,10 +372,7 @@ def ring_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str 
         raise ValueError("kv_positions needs positions: the query rows' own positions")
     plan = Plan(seq_len, size, "positions" if positions is not None else layout, mode, bool(causal),
                 check_window(window), check_cu_seqlens(cu_seqlens, seq_len), check_causal_block(causal_block, causal),
-                check_mask(mask))
-    problem = next(filter(None, (piece.problem(seq_len) for piece in plan.mask_pieces)), None)
-    if problem:
-        raise ValueError(problem)
+                check_mask(mask, seq_len))
     if positions is None:
         plan.shards, plan.orders = Rows(size, lambda r: shard_indices(seq_len, size, r, layout)), [None] * size
     else:

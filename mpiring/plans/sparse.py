@@ -47,7 +47,7 @@ class SparsePlan(Plan):
     keys: PairTable | None = None  # keys[r][j]: the rows of j's block that travel to r (None: whole blocks)
 
     def kept(self, rank, source):
-        """The sorted rows of ``source``'s block that travel to ``rank``; None: all of them."""
+        """The sorted rows of ``source``'s block that travel to ``rank``; None: all of them (``keys``)."""
         return None if self.keys is None or rank == source else self.keys[rank][source]
 
     def tokens(self, rank, source):

@@ -62,8 +62,9 @@ def topk_problem(topk, block, indexer, index_q, index_k, weights):
         return f"index_q and index_k must share a positive head dim, got {index_q.shape} and {index_k.shape}"
     heads = index_q.shape[0]
     if index_k.shape[0] != (1 if indexer == "relu" else heads):
-        want = "1 (the lightning indexer's keys are shared)" if indexer == "relu" else f"{heads}, as index_q"
-        return f"index_k must have {want} heads for indexer {indexer!r}, got {index_k.shape[0]}"
+        want = "1 head for indexer 'relu' (its heads share one key)" if indexer == "relu" else \
+            f"{heads} heads for indexer 'mean', as index_q"
+        return f"index_k must have {want}, got {index_k.shape[0]}"
     if weights is not None and (indexer != "relu" or not isinstance(weights, np.ndarray)
                                 or weights.shape != index_q.shape[:2]):
         return (f"weights must be an array (heads, tokens) {index_q.shape[:2]} for indexer 'relu' (none for "
