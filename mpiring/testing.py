@@ -165,7 +165,8 @@ def latent_reference_backward(dout, q, c_kv, k_rope, w_uk, w_uv, **options):
     nope, c = dk[..., :w_uk.shape[-1]], f64[2][..., 0, :, :]
     dc = np.einsum("...hnd,hrd->...nr", nope, f64[3]) + np.einsum("...hnd,hrd->...nr", dv, f64[4])
     return (dq, dc[..., None, :, :], dk[..., w_uk.shape[-1]:].sum(axis=-3, keepdims=True),
-            np.einsum("...nr,...hnd->hrd", c, nope), np.einsum("...nr,...hnd->hrd", c, dv))
+            *(np.einsum("bnr,bhnd->hrd", c.reshape((-1,) + c.shape[-2:]), g.reshape((-1,) + g.shape[-3:]))
+              for g in (nope, dv)))
 
 
 def _pieces(mask):

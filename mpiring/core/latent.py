@@ -25,14 +25,17 @@ the outputs, in latent space, times ``W_UV[h]`` (``unabsorbed``).
 
 import numpy as np
 
-__all__ = ["Latent", "LatentWire", "Expanded", "latent_problem", "expand", "absorbed", "latent_keys", "unabsorbed",
+from .precision import dtype_problem
+
+__all__ = ["Latent", "LatentWire", "Expanded", "latent_problem", "expand", "weight_grad", "absorbed", "latent_keys", "unabsorbed",
            "latent_bytes", "per_head_bytes"]
 
 
 def latent_problem(q, c, k_rope, w_uk, w_uv):
     """Why this rank's MLA arrays do not fit together, or None (never raises)."""
     for name, a in (("q", q), ("c_kv", c), ("k_rope", k_rope), ("w_uk", w_uk), ("w_uv", w_uv)):
-        if not isinstance(a, np.ndarray) or a.dtype.kind != "f" or a.ndim < 3:
+        if not isinstance(a, np.ndarray) or a.ndim < 3 or (dtype_problem(name, a) if name[0] != "w" else
+                                                           a.dtype.kind != "f"):
             return (f"{name} must be a float array of 3 or more axes, got {getattr(a, 'dtype', type(a).__name__)} "
                     f"of shape {getattr(a, 'shape', None)}")
     if not q.dtype == c.dtype == k_rope.dtype:
@@ -72,6 +75,11 @@ def _padded(x):
     return out
 
 
+def weight_grad(c, g):
+    """``sum c^T g`` over batch entries and tokens, per head: c (..., n, r), g (..., H, n, d) -> (H, r, d)."""
+    return np.einsum("bnr,bhnd->hrd", c.reshape((-1,) + c.shape[-2:]), g.reshape((-1,) + g.shape[-3:]))
+
+
 class Latent:
     """A call's up-projections and this rank's sums of their gradients (float64, filled by ``Expanded.fold``)."""
 
@@ -107,8 +115,8 @@ class Expanded(tuple):
         for k0, k1, dk, dv in grads:
             nope, c = dk[..., :lat.d_nope], self.c[..., 0, k0:k1, :]
             dc = (np.matmul(nope, np.swapaxes(lat.w_uk, -1, -2)) + np.matmul(dv, np.swapaxes(lat.w_uv, -1, -2)))
-            lat.weight_grads[0] += np.einsum("...nr,...hnd->hrd", c, nope)
-            lat.weight_grads[1] += np.einsum("...nr,...hnd->hrd", c, dv)
+            lat.weight_grads[0] += weight_grad(c, nope)
+            lat.weight_grads[1] += weight_grad(c, dv)
             out.append((k0, k1, dc.sum(axis=-3, keepdims=True), dk[..., lat.d_nope:].sum(axis=-3, keepdims=True)))
         return out
 

@@ -63,9 +63,8 @@ def _agree(comm, tensors, weights, keywords, spec, timeout, rows, who):
     plan, spec, scale, arrays = setup(q, k, v, comm, spec, timeout=timeout, prepare=prepare, rows=rows, hosts=hosts,
                                       same_rows=spec is None or spec.kv_positions is None)
     if not strategy_of(plan, spec.rotate).latent:
-        raise ValueError(f"{who}: mode={spec.mode!r}{' with ulysses_size' * (spec.ulysses_size is not None)} "
-                         f"moves heads or queries, not K/V blocks: the latent cannot travel in their place; use "
-                         f"mode ring, bidirectional, allgather, double_ring or sparse")
+        raise ValueError(f"{who}: mode={spec.mode!r} moves heads, not K/V blocks: the latent cannot travel in "
+                         f"their place; use mode ring, bidirectional, allgather, double_ring or sparse")
     return plan, spec, scale, arrays, hosts
 
 
