@@ -27,8 +27,8 @@ import numpy as np
 
 from .precision import dtype_problem
 
-__all__ = ["Latent", "LatentWire", "Expanded", "latent_problem", "expand", "weight_grad", "absorbed", "latent_keys", "unabsorbed",
-           "latent_bytes", "per_head_bytes"]
+__all__ = ["Latent", "LatentWire", "Expanded", "latent_problem", "expand", "weight_grad", "absorbed", "latent_keys",
+           "unabsorbed", "latent_bytes", "per_head_bytes"]
 
 
 def latent_problem(q, c, k_rope, w_uk, w_uv):
