@@ -84,14 +84,15 @@ def _run(comm, plan, spec, hosts, timeout, backward, body):
 def mla_attention(q, c_kv, k_rope, w_uk, w_uv, comm=None, *, causal=False, scale=None, layout="contiguous",
                   mode="ring", window=None, cu_seqlens=None, positions=None, kv_positions=None, causal_block=None,
                   mask=None, wire_dtype=None, accumulate="float64", node_size=None, timeout="auto", record=None,
-                  spec=None):
+                  spec=None, **others):
     """This rank's ``(out, lse)`` of MLA: out (..., H, n, dv), lse (..., H, n); the latent travels.
 
     Args:
         q: (..., H, n, d_nope + dr) this rank's queries, [q_nope | q_rope].
         c_kv, k_rope: (..., 1, n_k, r) and (..., 1, n_k, dr): this rank's tokens' latents and rope keys.
         w_uk, w_uv: (H, r, d_nope) and (H, r, dv): the up-projections, the same on every rank.
-        The options: as ``ring_attention`` (scale defaults to 1/sqrt(d_nope + dr)); ``spec``: a ``Spec``.
+        The options: as ``ring_attention`` (scale defaults to 1/sqrt(d_nope + dr)); ``spec``: a ``Spec``;
+        ``others``: the rest of ring_attention's options (score modifiers, Ulysses' and the grid's), refused by name.
 
     Bad input on any rank raises the same ValueError on every rank.
     """
@@ -99,7 +100,7 @@ def mla_attention(q, c_kv, k_rope, w_uk, w_uv, comm=None, *, causal=False, scale
     with exclusive(comm):
         keywords = dict(causal=causal, scale=scale, layout=layout, mode=mode, window=window, cu_seqlens=cu_seqlens,
                         positions=positions, kv_positions=kv_positions, causal_block=causal_block, mask=mask,
-                        wire_dtype=wire_dtype, accumulate=accumulate, node_size=node_size)
+                        wire_dtype=wire_dtype, accumulate=accumulate, node_size=node_size, **others)
         plan, spec, scale, (q, c, k_rope), hosts = _agree(comm, dict(q=q, c_kv=c_kv, k_rope=k_rope), (w_uk, w_uv),
                                                           keywords, spec, timeout, "qkk", "mla_attention")
         rank = comm.Get_rank()
@@ -118,20 +119,20 @@ def mla_attention(q, c_kv, k_rope, w_uk, w_uv, comm=None, *, causal=False, scale
 def mla_attention_backward(dout, q, c_kv, k_rope, w_uk, w_uv, out, lse, comm=None, *, causal=False, scale=None,
                            layout="contiguous", mode="ring", window=None, cu_seqlens=None, positions=None,
                            kv_positions=None, causal_block=None, mask=None, wire_dtype=None, grad_wire_dtype=None,
-                           node_size=None, sum_weights=True, timeout="auto", record=None, spec=None):
+                           node_size=None, sum_weights=True, timeout="auto", record=None, spec=None, **others):
     """This rank's ``(dq, dc_kv, dk_rope, dw_uk, dw_uv)`` from the forward's out and lse (the same options).
 
     The latent travels as in the forward pass, and the dK/dV partials of a block
     travel folded into the latent (dc_kv, dk_rope; in ``grad_wire_dtype``).
     ``dw_uk, dw_uv``: summed over every rank's tokens (the same on every rank);
     ``sum_weights=False``: this rank's share only. Results in the input dtype
-    (the weights' gradients in the weights' dtype).
+    (the weights' gradients in the weights' dtype). Options as ``mla_attention``'s.
     """
     comm = check_comm(comm)
     with exclusive(comm):
         keywords = dict(causal=causal, scale=scale, layout=layout, mode=mode, window=window, cu_seqlens=cu_seqlens,
                         positions=positions, kv_positions=kv_positions, causal_block=causal_block, mask=mask,
-                        wire_dtype=wire_dtype, grad_wire_dtype=grad_wire_dtype, node_size=node_size)
+                        wire_dtype=wire_dtype, grad_wire_dtype=grad_wire_dtype, node_size=node_size, **others)
         tensors = dict(dout=dout, q=q, c_kv=c_kv, k_rope=k_rope, out=out, lse=lse)
         plan, spec, scale, arrays, hosts = _agree(comm, tensors, (w_uk, w_uv), keywords, spec, timeout, "qqkkql",
                                                   "mla_attention_backward")
