@@ -151,13 +151,18 @@ def test_training_guide_runs(tmp_path, P):
             code.append(text)
         elif lang == "text":
             shown += [ln.rstrip() for ln in text.splitlines() if ln.strip()]
-    script = tmp_path / "training.py"
+    _runs_and_prints(tmp_path, P, code, shown)
+
+
+def _runs_and_prints(tmp_path, P, code, shown):
+    """``code`` (python blocks) runs as one script under mpiexec -n P and prints every line of ``shown``."""
+    script = tmp_path / "blocks.py"
     script.write_text("\n".join(code))
     result = subprocess.run(mpiexec_argv(P, sys.executable, str(script)), capture_output=True, text=True,
                             timeout=300, cwd=tmp_path, env=clean_env())
     assert result.returncode == 0, result.stdout + result.stderr
     printed = {ln.rstrip() for ln in result.stdout.splitlines()}
-    assert shown and not [ln for ln in shown if ln not in printed], result.stdout
+    assert code and shown and not [ln for ln in shown if ln not in printed], result.stdout
 
 
 CHECKED = re.compile(r"<!-- checked: begin -->\n(.*?)<!-- checked: end -->", re.S)
@@ -177,10 +182,4 @@ def test_checked_sections_run(tmp_path, section, P):
     code = [text for lang, text in FENCE.findall(SECTIONS[section]) if lang == "python"]
     shown = [ln.rstrip() for lang, text in FENCE.findall(SECTIONS[section]) if lang == "text"
              for ln in text.splitlines() if ln.strip()]
-    script = tmp_path / "section.py"
-    script.write_text("\n".join(code))
-    result = subprocess.run(mpiexec_argv(P, sys.executable, str(script)), capture_output=True, text=True,
-                            timeout=300, cwd=tmp_path, env=clean_env())
-    assert result.returncode == 0, result.stdout + result.stderr
-    printed = {ln.rstrip() for ln in result.stdout.splitlines()}
-    assert code and shown and not [ln for ln in shown if ln not in printed], result.stdout
+    _runs_and_prints(tmp_path, P, code, shown)

@@ -10,7 +10,9 @@ loop (``ring.allgather_loop``) over the blocks ``delivered`` yields: the own
 block while the others travel, then each needed block once it has arrived.
 The backward pass computes the same blocks and sends each one's dK/dV partial
 home as soon as it is done; the owner's receives of them are posted at the
-start and added up, in the order of the users' ranks, at the end.
+start and added up, in the order of the users' ranks, at the end. Under a
+top-k choice (``plan.kept``) only the chosen keys of a block travel, and
+their partial comes home into those rows.
 """
 
 import time

@@ -143,38 +143,41 @@ def latent_table(found, P, markdown=False, shapes=None):
     return render(head, body, markdown)
 
 
-def topk_parser():
-    p = command_parser("topk", topk)
-    p.add_argument("--markdown", action="store_true", help="a Markdown table (docs/masks.md)")
+def _parser(name, func, doc):
+    p = command_parser(name, func)
+    p.add_argument("--markdown", action="store_true", help=f"a Markdown table ({doc})")
     return p
+
+
+def _report(comm, args, parser, measure, table, note):
+    """A command: measure the rows, print the table and ``note(ok)`` on rank 0; exit 1 if a measurement differs."""
+    args = parser().parse_args(args)
+    found, ok = measure(comm)
+    if comm.Get_rank() == 0:
+        print(table(found, comm.Get_size(), args.markdown))
+        print(note("equal" if ok else "DIFFER FROM"))
+    return 0 if ok else 1
+
+
+def topk_parser():
+    return _parser("topk", topk, "docs/masks.md")
 
 
 def topk(comm, args=None):
     """Bytes of top-k attention chosen by an indexer against the dense ring, as S and k vary, measured."""
-    args = topk_parser().parse_args(args)
-    found, ok = topk_rows(comm)
-    if comm.Get_rank() == 0:
-        print(topk_table(found, comm.Get_size(), args.markdown))
-        print(f"\nbytes summed over the ranks; zigzag, causal, blocks of {BLOCK} tokens; K/V one head of "
-              f"{SHAPE['dim']} + {SHAPE['dim_v']} float32, DSA's indexer {INDEX['heads']} heads of {INDEX['dim']}. "
-              f"Every rank's bytes {'equal' if ok else 'DIFFER FROM'} the models (nodes.predicted_bytes, "
-              f"select_topk's).")
-    return 0 if ok else 1
+    return _report(comm, args, topk_parser, topk_rows, topk_table, lambda verdict: (
+        f"\nbytes summed over the ranks; zigzag, causal, blocks of {BLOCK} tokens; K/V one head of {SHAPE['dim']} "
+        f"+ {SHAPE['dim_v']} float32, DSA's indexer {INDEX['heads']} heads of {INDEX['dim']}. Every rank's bytes "
+        f"{verdict} the models (nodes.predicted_bytes, select_topk's)."))
 
 
 def latent_parser():
-    p = command_parser("latent", latent)
-    p.add_argument("--markdown", action="store_true", help="a Markdown table (docs/training.md)")
-    return p
+    return _parser("latent", latent, "docs/training.md")
 
 
 def latent(comm, args=None):
     """Bytes per token of MLA's latent on the ring against per-head K/V, measured."""
-    args = latent_parser().parse_args(args)
-    found, ok = latent_rows(comm)
-    if comm.Get_rank() == 0:
-        print(latent_table(found, comm.Get_size(), args.markdown))
-        print(f"\nbytes sent per token moved, summed over the ranks; the causal ring, zigzag, {TOKENS} tokens per "
-              f"rank, float32; backward: K/V again and the partials (dc_kv, dk_rope or dK, dV), the weights' "
-              f"all-reduce left out. Measured {'equal' if ok else 'DIFFER FROM'} core.latent's formulas.")
-    return 0 if ok else 1
+    return _report(comm, args, latent_parser, latent_rows, latent_table, lambda verdict: (
+        f"\nbytes sent per token moved, summed over the ranks; the causal ring, zigzag, {TOKENS} tokens per rank, "
+        f"float32; backward: K/V again and the partials (dc_kv, dk_rope or dK, dV), the weights' all-reduce left "
+        f"out. Measured {verdict} core.latent's formulas."))
