@@ -164,3 +164,18 @@ def test_bad_input_raises_on_every_rank(comm):
     with pytest.raises(ValueError, match=f"chose blocks for {S} query positions, but the sequence has {other}"):
         ring_attention(x, x, x, comm, mask=sel, record=rec)
     assert rec.bytes_sent == 0
+
+
+def test_decoding_refuses_a_choice_made_for_the_prompt(comm):
+    """New tokens past the positions a choice covers would see nothing: refused on every rank."""
+    import mpiring
+
+    S = 3 * comm.size + 1
+    q, k, _, _ = _indexer(S)
+    rows = shard_indices(S, comm.size, comm.rank)
+    sel = select_topk(q[:, rows], k[:, rows], comm, seq_len=S, topk=2)
+    x = np.zeros((1, 2, 1, 4))
+    mine = np.arange(comm.rank, S + 1, comm.size)
+    kv = np.zeros((1, 1, len(mine), 4))
+    with pytest.raises(ValueError, match=f"chose blocks for {S} query positions, but the sequence has {S + 1}"):
+        mpiring.decode_attention(x, kv, kv, comm, mask=sel, positions=[S], kv_positions=mine)

@@ -25,6 +25,7 @@ from ..core.block import GRAD_DTYPE
 from ..core.latent import Latent, LatentWire, expand, latent_problem
 from ..core.precision import Precision, compute_dtype
 from ..core.threads import limited, threads_for
+from ..core.tiles import release_workspace
 from ..mpi.agree import agreed, check_comm, setup
 from ..mpi.checks import agreement_timeout, describe, resolve_timeout
 from ..mpi.collectives import allreduced
@@ -69,13 +70,17 @@ def _agree(comm, tensors, weights, keywords, spec, timeout, rows, who):
 
 
 def _run(comm, plan, spec, hosts, timeout, backward, body):
-    """``body(rings, timeout)`` on the call's private rings, after a start barrier, with this rank's BLAS threads."""
+    """``body(plan, rings)`` on the call's private rings (freed after it), after a start barrier, with this rank's
+    BLAS threads; a failure leaves no kept buffer that an abandoned receive may still fill (``release_workspace``)."""
     rank = comm.Get_rank()
     plan, rings = private_rings(comm, plan, spec.node_size, agreement_timeout(timeout), backward)
     try:
         wait_until([rings[0].comm.Ibarrier()], agreement_timeout(timeout), rank, "start barrier", sync=True)
         with limited(threads_for("auto", hosts, rank)):
             return body(plan, rings)
+    except BaseException:
+        release_workspace()
+        raise
     finally:
         for ring in rings:
             ring.free()
