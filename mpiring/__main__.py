@@ -56,6 +56,8 @@ COMMANDS = {
                 "and torch (no MPI)"),
     "accuracy": ("cli_accuracy", False, "error against float64 as P grows, per dtype and accumulation (no MPI)"),
     "zoo": ("zoo", True, "bytes each movement sends for a zoo of masks, measured, against the minimum"),
+    "topk": ("frontier", True, "bytes of top-k attention chosen by an indexer against the dense ring, measured"),
+    "latent": ("frontier", True, "bytes per token of MLA's latent against per-head K/V, measured"),
     "support": ("support", True, "every strategy x option against the float64 reference: works, or its error"),
     "grade": ("cli_teach", True, "grade a student's ring attention (docs/exercises.md)"),
     "demo": ("cli_teach", True, "demonstrations: 'demo deadlock' shows a blocking ring deadlock and its fixes"),
