@@ -152,7 +152,10 @@ LAYER_TYPE_FIELDS = ("layer_types", "layers_block_type", "block_types")
 
 
 def _name(module, prefixes):
-    """The class name, lower case, without its family prefix; None for a container (a decoder layer, a model)."""
+    """The class name, lower case, without its family prefix; None for a container (a decoder layer, a model) and
+    for torch's own layers (judged by their type)."""
+    if type(module).__module__.startswith("torch."):
+        return None
     name = type(module).__name__
     for prefix in prefixes:
         if name.startswith(prefix) and len(name) > len(prefix):
