@@ -88,6 +88,20 @@ def test_mapping_problems_are_refused_at_every_p(comm):
             cp.prepare(unchunked)
 
 
+def test_a_window_only_the_mask_has_is_refused(comm):
+    """Phimoe builds transformers' sliding-window mask from config.sliding_window but passes no sliding_window
+    to its attention: refused at every P (mpiring would attend to every earlier token)."""
+    config = transformers.PhimoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, num_local_experts=2,
+                                       sliding_window=5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    with mpiring.hf.ContextParallel(comm) as cp:
+        model = transformers.PhimoeForCausalLM._from_config(config, attn_implementation="mpiring",
+                                                            dtype=torch.float64)
+        with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn \(PhimoeAttention\): config sliding_window"
+                                             r"=5 but the call passes no sliding_window"):
+            model(**cp.shard(batch_ids()).inputs)
+
+
 def test_the_table_finds_mixers_by_type_name_and_config():
     """Generic finds: a convolution over the sequence (kernel > 1, not 1), torch's MultiheadAttention, an RNN, a
     layer type named only by the config; the sliding-window checks of a Site."""
@@ -112,9 +126,10 @@ def test_the_table_finds_mixers_by_type_name_and_config():
         "layers [0] of type 'conv' (layer_types): " + edge.CONVOLUTION,
         "layers [1] of type 'linear_attention' (layer_types): " + edge.RECURRENCE]
     assert everywhere == ["layers [2] of type 'index_me' (layer_types): a layer type mpiring.hf does not map"]
-    assert "passes no sliding_window" in edge.Site("a", "sliding_attention").problem(S, 2, None)
+    sliding = edge.Site("a", "sliding_attention", window="layer type 'sliding_attention'")
+    assert "a: layer type 'sliding_attention' but the call passes no sliding_window" in sliding.problem(S, 2, None)
+    assert sliding.problem(S, 2, 5) is None
     assert "passes sliding_window=5" in edge.Site("a", "full_attention").problem(S, 2, 5)
-    assert edge.Site("a", "sliding_attention").problem(S, 2, 5) is None
     tuned = edge.Site("a", "full_attention", floor_scale=8192)
     assert tuned.problem(S, 4, None) is None and tuned.problem(8192, 1, None) is None
     assert "floor_scale=8192" in tuned.problem(8192, 2, None)

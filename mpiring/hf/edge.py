@@ -88,6 +88,7 @@ class Site:
     layer_type: str | None = None
     chunk: int | None = None
     floor_scale: float | None = None
+    window: str | None = None  # what says the layer has a sliding window: its calls must pass it
 
     @property
     def how(self):
@@ -98,9 +99,9 @@ class Site:
 
     def problem(self, seq_len, size, sliding_window):
         """Why this call of the layer cannot be run exactly, or None (the same on every rank)."""
-        if self.layer_type == "sliding_attention" and sliding_window is None:
-            return (f"{self.path}: layer type 'sliding_attention' but the call passes no sliding_window "
-                    f"(mpiring would attend to every earlier token)")
+        if self.window and sliding_window is None:
+            return (f"{self.path}: {self.window} but the call passes no sliding_window (transformers' mask has "
+                    f"the window; mpiring would attend to every earlier token)")
         if self.layer_type in ("full_attention", "chunked_attention") and sliding_window is not None:
             return f"{self.path}: layer type {self.layer_type!r} but the call passes sliding_window={sliding_window}"
         if self.floor_scale is not None and size > 1 and seq_len >= self.floor_scale:
@@ -128,7 +129,10 @@ def _attention(module, path):
         floor = getattr(module, "floor_scale", None)
     elif getattr(config, "attn_temperature_tuning", False) and not hasattr(module, "attn_temperature_tuning"):
         return f"{path}: attn_temperature_tuning=True on an attention class mpiring.hf does not know it for"
-    return Site(path, layer_type, chunk, floor)
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    window = ("layer type 'sliding_attention'" if layer_type == "sliding_attention" else
+              f"config sliding_window={window}" if window and not layer_types else None)
+    return Site(path, layer_type, chunk, floor, window)
 
 
 MIXERS = (
