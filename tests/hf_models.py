@@ -24,8 +24,9 @@ SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_lay
              num_key_value_heads=2, head_dim=8, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 S, ROWS, STEPS, DOCUMENTS = 48, 2, 3, [0, 13, 30, 48]
 REFERENCE = "float64 reference"
-# float32 inside float64 models: Gemma's RMSNorms (x.float()), Cohere2's LayerNorm, DeepSeek-V3's router
-FLOAT32_NORMS, FLOAT32_ROUTER = 1e-6, 1e-9
+# float32 inside these float64 models (Gemma's RMSNorms, x.float(); Cohere2's LayerNorm; DeepSeek-V3's router) rounds
+# attention's last-bit differences there: 2e-9 at most measured (tests/hf_models.py at P = 1..4)
+FLOAT32 = 1e-7
 # a tiny NoPE layer after a chunked one; Llama 4's default attn_temperature_tuning (floor_scale 8192) stays on
 LLAMA4 = dict(attention_chunk_size=8, no_rope_layers=[1, 0], num_local_experts=4, intermediate_size_mlp=64)
 MAMBA = dict(mamba_d_state=8, mamba_expand=1)
@@ -49,7 +50,7 @@ FAMILIES = {  # name: the model, its config, what makes it tiny; refused: what t
     "SmolLM3": Family("SmolLM3ForCausalLM", "SmolLM3Config", dict(no_rope_layers=[1, 0])),
     "Cohere2": Family("Cohere2ForCausalLM", "Cohere2Config",
                       dict(sliding_window=5, layer_types=["sliding_attention", "full_attention"]),
-                      tolerance=FLOAT32_ROUTER),
+                      tolerance=FLOAT32),
     "GPT-NeoX": Family("GPTNeoXForCausalLM", "GPTNeoXConfig", {}),
     "Granite": Family("GraniteForCausalLM", "GraniteConfig", {}),
     "Qwen3-MoE": Family("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
@@ -58,11 +59,11 @@ FAMILIES = {  # name: the model, its config, what makes it tiny; refused: what t
                           dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
                                head_dim=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
                                n_group=1, topk_group=1, first_k_dense_replace=1, moe_intermediate_size=32),
-                          tolerance=FLOAT32_ROUTER),
-    "Gemma2": Family("Gemma2ForCausalLM", "Gemma2Config", dict(sliding_window=5), REFERENCE, FLOAT32_NORMS),
+                          tolerance=FLOAT32),
+    "Gemma2": Family("Gemma2ForCausalLM", "Gemma2Config", dict(sliding_window=5), REFERENCE, FLOAT32),
     "Gemma3": Family("Gemma3ForCausalLM", "Gemma3TextConfig",
                      dict(sliding_window=5, layer_types=["sliding_attention", "full_attention"]),
-                     tolerance=FLOAT32_NORMS),
+                     tolerance=FLOAT32),
     "gpt-oss": Family("GptOssForCausalLM", "GptOssConfig",
                       dict(sliding_window=5, num_local_experts=4, num_experts_per_tok=2), REFERENCE),
     "LFM2": Family("Lfm2ForCausalLM", "Lfm2Config", dict(layer_types=["conv", "full_attention"]),
