@@ -72,8 +72,13 @@ def test_wrapped_model_is_inspected_whole(comm):
 
     with mpiring.hf.ContextParallel(comm) as cp:
         wrapper = Wrapper(build("Llama", "mpiring"))
-        wrapper(**cp.shard(batch_ids()).inputs)
+        batch = cp.shard(batch_ids())
+        wrapper(**batch.inputs)
         assert [path for path, *_ in cp._models[wrapper]] == [f"inner.model.layers.{i}.self_attn" for i in (0, 1)]
+        with pytest.raises(ValueError, match=GENERATION):  # the transformers models inside are armed
+            wrapper.inner.generate(**batch.inputs)
+        with pytest.raises(ValueError, match=GENERATION):
+            wrapper.inner.model(**{**batch.inputs, "use_cache": True})
 
 
 def test_mapping_problems_are_refused_at_every_p(comm):

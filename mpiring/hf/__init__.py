@@ -176,33 +176,34 @@ class ContextParallel:
             self._rings.popitem(last=False)[1].close()
 
     def prepare(self, model):
-        """Inspect ``model`` (collective; its first attention call does it otherwise): every sequence mixer mapped,
+        """Inspect ``model`` (collective; its first attention call does it otherwise): every sequence layer mapped,
         or a ValueError on every rank naming each layer and config field mpiring cannot run exactly at this P.
-        Returns one row ``(path, class, kind, how mpiring runs it)`` per sequence mixer. The model then refuses a
+        Returns one row ``(path, class, kind, how mpiring runs it)`` per sequence layer. The model then refuses a
         forward with a cache or without the context, and ``generate``, while its attention is mpiring's."""
+        return self._inspect(model)
+
+    def _inspect(self, model, entry=None):
+        """``prepare``, with what the first call's keywords make impossible (``entry``) agreed with the rest."""
         if model in self._models:
             return self._models[model]
         mapped, rows, local, everywhere = edge.inspect(model, self.allow_unsharded)
         size = self.comm.Get_size()
         problems = everywhere + (local if size > 1 else [])
-        agree(self.comm, f"mpiring.hf cannot run this model exactly at P={size}: " + "; ".join(problems)
-              + (" (ContextParallel(allow_unsharded=[...]) would run such layers on each rank's shard alone)"
-                 if local and size > 1 else "") if problems else None,
-              self.ring_options.get("timeout", "auto"), entry=True)
+        hatch = " (ContextParallel(allow_unsharded=[...]) would run such layers on each rank's shard alone)"
+        problem = (f"mpiring.hf cannot run this model exactly at P={size}: " + "; ".join(problems)
+                   + (hatch if local and size > 1 else "")) if problems else None
+        agree(self.comm, entry or problem, self.ring_options.get("timeout", "auto"), entry=True)
         self._sites.update(mapped)
         self._models[model] = rows
         edge.arm(model)
         return rows
 
     def site(self, module):
-        """The Site of an attention module, the model it belongs to inspected at its first call."""
+        """The Site of an attention module; the model it belongs to is inspected at its first call."""
         if module not in self._sites:
             model, kwargs = edge.calling_model()
-            problem = edge.entry_problem(model, kwargs) if model is not None else None
-            if problem:
-                raise ValueError(problem)
-            if model is not None:
-                self.prepare(model)
+            if model is not None and model not in self._models:
+                self._inspect(model, edge.entry_problem(model, kwargs) if edge.runs_mpiring(model) else None)
         if module not in self._sites:
             raise ValueError(f"an attention call from {type(module).__name__}, which the inspection of the model "
                              f"did not find: call the model itself (model(**batch.inputs)), or prepare(model) first")

@@ -37,6 +37,8 @@ CONVOLUTION = ("a convolution along the sequence: each rank's first tokens would
                "kernel - 1 tokens (a halo exchange is not mapped yet)")
 OUTSIDE = ("attention computed by the module itself, not through transformers' attention interface "
            "(attn_implementation): each rank would attend to its own tokens only")
+CONVOLUTIONS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.ConvTranspose1d, torch.nn.ConvTranspose2d,
+                torch.nn.ConvTranspose3d)
 HYBRID = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
 CONTAINERS = ("layer", "block", "model", "forcausallm", "stack", "decoder", "encoder", "backbone")
 
@@ -52,10 +54,10 @@ class Mixer:
     run: object  # (module, label) -> a mapping with a ``how`` text, or why not (str); or a str: why not
 
 
-def _named(*parts, types=(), test=None):
-    """Matches modules whose name holds one of ``parts``, or which are one of ``types`` (and pass ``test``)."""
+def _named(*parts, classes=(), test=None):
+    """Matches modules whose name holds one of ``parts``, or which are one of ``classes`` (and pass ``test``)."""
     def matches(module, name):
-        if isinstance(module, types) and (test is None or test(module)):
+        if isinstance(module, classes) and (test is None or test(module)):
             return True
         return name is not None and any(p in name for p in parts)
     return matches
@@ -65,7 +67,7 @@ def _named(*parts, types=(), test=None):
 def calls_interface(cls) -> bool:
     """Whether a module class (not a whole model) calls transformers' attention interface (the code of its own
     methods, or of its base classes', names ``ALL_ATTENTION_FUNCTIONS``)."""
-    if any(c.__name__ == "PreTrainedModel" for c in cls.__mro__):
+    if _is_model(cls):
         return False
     for c in cls.__mro__:
         if c.__module__.split(".")[0] in ("torch", "builtins"):
@@ -140,10 +142,10 @@ MIXERS = (
     Mixer("linear attention", _named("gateddelta", "deltanet", "linearattention", "lightningattention",
                                      "retention", "rwkv", "hgrn"), RECURRENCE),
     Mixer("state space", _named("mamba", "mixer", "ssm", "hyena"), RECURRENCE),
-    Mixer("recurrent", _named("recurrent", "rglru", "lstm", types=(torch.nn.RNNBase,)), RECURRENCE),
-    Mixer("convolution", _named("conv", types=(torch.nn.modules.conv._ConvNd,),
-                                test=lambda m: any(k > 1 for k in m.kernel_size)), CONVOLUTION),
-    Mixer("attention outside the interface", _named("attention", "attn", types=(torch.nn.MultiheadAttention,)),
+    Mixer("recurrent", _named("recurrent", "rglru", "lstm", classes=(torch.nn.RNNBase,)), RECURRENCE),
+    Mixer("convolution", _named("conv", classes=CONVOLUTIONS, test=lambda m: any(k > 1 for k in m.kernel_size)),
+          CONVOLUTION),
+    Mixer("attention outside the interface", _named("attention", "attn", classes=(torch.nn.MultiheadAttention,)),
           OUTSIDE),
 )
 BY_KIND = {m.kind: m for m in MIXERS}
@@ -232,14 +234,15 @@ def _field_problems(config, refused, everywhere):
     return local
 
 
-_CALL = torch.nn.Module._call_impl.__code__
+_CALLS = (torch.nn.Module._call_impl.__code__, torch.nn.Module._wrapped_call_impl.__code__)
 
 
 def calling_model():
-    """The outermost module whose forward is running (the model the user called) and its call's keywords."""
+    """The outermost module whose forward is running (the model the user called) and its call's keywords: the
+    ``self`` of the outermost frame of ``Module.__call__`` on the stack."""
     found, frame = (None, {}), sys._getframe(1)
     while frame is not None:
-        if frame.f_code is _CALL:
+        if frame.f_code in _CALLS:
             found = frame.f_locals.get("self"), frame.f_locals.get("kwargs") or {}
         frame = frame.f_back
     return found
@@ -279,12 +282,18 @@ def _generate(model, *args, **kwargs):
     return type(model).generate(model, *args, **kwargs)
 
 
+def _is_model(cls):
+    """Whether ``cls`` is a transformers model class (a ``PreTrainedModel``), not one of a model's layers."""
+    return any(c.__name__ == "PreTrainedModel" for c in cls.__mro__)
+
+
 def arm(model):
-    """Make an inspected model refuse what mpiring cannot run from its next call on: a forward with a cache or
-    without the context, and ``generate`` (both only while its attention implementation is mpiring's)."""
-    if getattr(model, "_mpiring_armed", False):
-        return
-    model.register_forward_pre_hook(_entry, with_kwargs=True)
-    if callable(getattr(model, "generate", None)):
-        model.generate = types.MethodType(_generate, model)  # a method: a deep copy rebinds it to the copy
-    model._mpiring_armed = True
+    """Make the transformers models in an inspected ``model`` refuse what mpiring cannot run from their next call
+    on: a forward with a cache or without the context, and ``generate`` (while their attention is mpiring's)."""
+    for module in model.modules():
+        if not _is_model(type(module)) or getattr(module, "_mpiring_armed", False):
+            continue
+        module.register_forward_pre_hook(_entry, with_kwargs=True)
+        if callable(getattr(module, "generate", None)):
+            module.generate = types.MethodType(_generate, module)  # a method: a deep copy rebinds it to the copy
+        module._mpiring_armed = True
