@@ -186,7 +186,7 @@ class ContextParallel:
         """``prepare``, with what the first call's keywords make impossible (``entry``) agreed with the rest."""
         if model in self._models:
             return self._models[model]
-        mapped, rows, local, everywhere = edge.inspect(model, self.allow_unsharded)
+        mapped, rows, local, everywhere = edge.inspect(model, self, self.allow_unsharded)
         size = self.comm.Get_size()
         problems = everywhere + (local if size > 1 else [])
         hatch = " (ContextParallel(allow_unsharded=[...]) would run such layers on each rank's shard alone)"

@@ -46,12 +46,15 @@ CONTAINERS = ("layer", "block", "model", "forcausallm", "stack", "decoder", "enc
 @dataclasses.dataclass(frozen=True)
 class Mixer:
     """A kind of sequence mixer: ``matches(module, name)`` (``name``: the class name, lower case, without the
-    model family's prefix; None for containers such as decoder layers); ``run``: a function
-    ``(module, path) -> mapping or why not (str)``, or a str: why mpiring cannot run it on shards."""
+    model family's prefix; None for containers such as decoder layers and for torch's own layers); ``run``: a
+    function ``(module, label, cp) -> mapping`` that sets the module up to run exactly under the
+    ``ContextParallel`` ``cp`` (the mapping has a ``how`` text) or returns why not (a str), or a str: why mpiring
+    cannot run it on shards. A mapped layer finds each forward's context (sequence, documents, ``cp``) as the
+    ``mpiring`` keyword of the model's call (``calling_model()``)."""
 
     kind: str
     matches: object
-    run: object  # (module, label) -> a mapping with a ``how`` text, or why not (str); or a str: why not
+    run: object
 
 
 def _named(*parts, classes=(), test=None):
@@ -115,7 +118,7 @@ class Site:
         return None
 
 
-def _attention(module, path):
+def _attention(module, path, cp=None):
     """The Site of a module that calls the attention interface, or why mpiring cannot map it."""
     config = getattr(module, "config", None)
     layer_types, index = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
@@ -171,10 +174,11 @@ def _name(module, prefixes):
     return None if name.endswith(CONTAINERS) else name
 
 
-def inspect(model, allow_unsharded=()):
-    """Walk ``model``: ``(mapped, rows, local, everywhere)``: the mapping of every module mpiring runs (an attention
-    layer's ``Site``), one row ``(path, class, kind, how)`` per sequence mixer, the refusals of layers exact only
-    at P = 1 (run on each rank's shard alone) and the problems at every P."""
+def inspect(model, cp=None, allow_unsharded=()):
+    """Walk ``model`` for the ``ContextParallel`` ``cp`` (which mappings may keep): ``(mapped, rows, local,
+    everywhere)``: the mapping of every module mpiring runs (an attention layer's ``Site``), one row ``(path,
+    class, kind, how)`` per sequence mixer, the refusals of layers exact only at P = 1 (run on each rank's shard
+    alone) and the problems at every P."""
     configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules()) if hasattr(c, "to_dict")}
     prefixes = sorted({type(c).__name__.removesuffix("Config") for c in configs.values()}, key=len, reverse=True)
     mapped, rows, refused, everywhere, claimed = {}, [], {}, [], []
@@ -193,7 +197,7 @@ def inspect(model, allow_unsharded=()):
             else:
                 by_class.setdefault(cls, []).append(path)
         else:
-            how = mixer.run(module, f"{path or 'the model'} ({cls})")
+            how = mixer.run(module, f"{path or 'the model'} ({cls})", cp)
             if not isinstance(how, str):
                 mapped[module] = how
                 rows.append((path, cls, mixer.kind, how.how))
