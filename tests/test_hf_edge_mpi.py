@@ -45,8 +45,10 @@ def test_hybrid_is_refused_before_any_ring(comm):
                 model(**cp.shard(ids).inputs)
             assert not cp._rings
         else:
-            rows = cp.prepare(model)
-            assert rows == [("model.layers.1.self_attn", "Lfm2Attention", "attention", "mpiring's ring attention")]
+            assert cp.prepare(model) == [
+                ("model.layers.0.conv", "Lfm2ShortConv", "convolution",
+                 "each rank's shard alone: exact at P = 1, refused at P > 1"),
+                ("model.layers.1.self_attn", "Lfm2Attention", "attention", "mpiring's ring attention")]
     with mpiring.hf.ContextParallel(comm, allow_unsharded=["Lfm2ShortConv"]) as unsharded:
         model = build("LFM2", "mpiring")
         rows = unsharded.prepare(model)
@@ -118,7 +120,7 @@ def test_the_table_finds_mixers_by_type_name_and_config():
             self.config = types.SimpleNamespace(to_dict=dict, layer_types=["conv", "moe", "hybrid_sliding"])
 
     mapped, rows, local, everywhere = edge.inspect(Toy())
-    assert not mapped and not rows and not everywhere
+    assert not mapped and not everywhere and len(rows) == 3
     text = "; ".join(local)
     assert "Conv1d at smooth: a convolution along the sequence" in text and "pointwise" not in text
     assert "MultiheadAttention at mha: attention computed by the module itself" in text

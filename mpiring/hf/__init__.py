@@ -160,7 +160,7 @@ class ContextParallel:
         self.max_rings, self.ring_options = max_rings, ring_options
         self.allow_unsharded = tuple(allow_unsharded)
         self._rings = OrderedDict()
-        self._sites = weakref.WeakKeyDictionary()  # attention module -> edge.Site
+        self._sites = weakref.WeakKeyDictionary()  # module -> its mapping (an attention layer's edge.Site)
         self._models = weakref.WeakKeyDictionary()  # inspected model -> its rows
         register(name)
 

@@ -196,6 +196,7 @@ def inspect(model, cp=None, allow_unsharded=()):
                 rows.append((path, cls, mixer.kind, "allowed unsharded: each rank's shard alone"))
             else:
                 by_class.setdefault(cls, []).append(path)
+                rows.append((path, cls, mixer.kind, "each rank's shard alone: exact at P = 1, refused at P > 1"))
         else:
             how = mixer.run(module, f"{path or 'the model'} ({cls})", cp)
             if not isinstance(how, str):
