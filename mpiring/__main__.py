@@ -10,6 +10,7 @@
     python -m mpiring percore                           # one core: the kernel, its parts, the limit, torch
     mpiexec -n 4 python -m mpiring support              # which strategy works with which option (docs/reliability.md)
     mpiexec -n 4 python -m mpiring grade student.py     # grade a student's ring (docs/exercises.md)
+    python -m mpiring grade class/ --ranks 2,3,4 --report report.json  # a class, at several P (docs/course.md)
     mpiexec -n 2 python -m mpiring demo deadlock        # a blocking ring deadlocks; the two fixes
 
 Every command lives in ``mpiring.tools``, owns its parser (``<command>_parser()``)
@@ -74,6 +75,13 @@ def command(name):
 def parser(name):
     """The argument parser of command ``name``."""
     return getattr(importlib.import_module(f"mpiring.tools.{COMMANDS[name][0]}"), f"{name}_parser")()
+
+
+def needs_mpi(name, args):
+    """Whether command ``name`` runs under MPI with options ``args`` (its module may decide: ``<name>_needs_mpi``)."""
+    module = importlib.import_module(f"mpiring.tools.{COMMANDS[name][0]}")
+    decide = getattr(module, f"{name}_needs_mpi", None)
+    return COMMANDS[name][1] if decide is None else decide(args)
 
 
 def parse(argv):
@@ -205,7 +213,7 @@ def main(argv=None):
     except SystemExit as exc:
         return _exit_code(exc)
     func = command(top.command)
-    if not COMMANDS[top.command][1]:
+    if not needs_mpi(top.command, top.args):
         try:
             return func(None, top.args)
         except ValueError as exc:

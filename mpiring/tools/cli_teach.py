@@ -1,12 +1,13 @@
-"""The teaching commands: grade a student's ring attention, and see a blocking ring deadlock.
+"""The teaching commands: grade students' code (one job, or a class at many P), and see a blocking ring deadlock.
 
     mpiexec -n 4 python -m mpiring grade student.py [--exercise NAME] [--quick]
+    python -m mpiring grade class/ --ranks 2,3,4 --report report.json   # starts the MPI jobs itself
     mpiexec -n 2 python -m mpiring demo deadlock
 """
 
 import argparse
 
-__all__ = ["grade", "grade_parser", "demo", "demo_parser"]
+__all__ = ["grade", "grade_needs_mpi", "grade_parser", "demo", "demo_parser"]
 
 
 def grade_parser():
@@ -18,11 +19,19 @@ def grade_parser():
     return p
 
 
-def grade(comm, args=None):
-    """Grade a student's file on every rank of ``comm``; the same exit code everywhere (0: every check passed)."""
-    from .grade import grade as run_grade
+def grade_needs_mpi(args):
+    """With ``--ranks`` the grader starts the MPI jobs itself, and runs outside MPI."""
+    return not grade_parser().parse_args(list(args or [])).ranks
 
-    return run_grade(comm, list(args or []))
+
+def grade(comm, args=None):
+    """Grade students' files on every rank of ``comm``, or (``comm`` None, ``--ranks``) a class at several P.
+
+    The same exit code everywhere: 0 when every check passed."""
+    from .grade import grade as run_grade
+    from .grade import grade_class
+
+    return grade_class(list(args or [])) if comm is None else run_grade(comm, list(args or []))
 
 
 DEMOS = {"deadlock": "a ring of blocking Sends: fine below MPI's eager limit, deadlocked above; the two fixes"}

@@ -10,6 +10,8 @@ from mpi4py import MPI
 
 import mpiring
 
+EXERCISE = "causal"  # graded as this exercise unless --exercise says otherwise
+
 
 def masked_ring(q, k, v, comm, causal, layout):
     rank, size = comm.Get_rank(), comm.Get_size()

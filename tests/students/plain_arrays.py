@@ -6,6 +6,8 @@
 import numpy as np
 from correct_sendrecv import ring_attention as correct_ring
 
+EXERCISE = "causal"  # graded as this exercise unless --exercise says otherwise
+
 
 def ring_attention(q, k, v, comm, causal=False):
     q, k, v = (np.array(x) for x in (q, k, v))  # np.array makes a plain ndarray of any subclass

@@ -5,6 +5,8 @@
 
 from no_skip import masked_ring
 
+EXERCISE = "zigzag"  # graded as this exercise unless --exercise says otherwise
+
 
 def ring_attention(q, k, v, comm, causal=False):
     return masked_ring(q, k, v, comm, causal, "zigzag")

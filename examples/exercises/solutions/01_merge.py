@@ -5,6 +5,8 @@
 
 import numpy as np
 
+EXERCISE = "merge"
+
 
 def merge(out1, lse1, out2, lse2):
     """Attention over the keys of two blocks, from each block's (out, lse): returns (out, lse).

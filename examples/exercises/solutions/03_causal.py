@@ -11,6 +11,8 @@ s < r is visible in full, s == r (step 0) with the triangle j <= i, s > r not at
 import numpy as np
 from mpi4py import MPI
 
+EXERCISE = "causal"
+
 
 def block_attention(q, k, v, scale, mask=None):
     """Softmax attention of q against one K/V block: (out, lse), in float64. mask: (nq, nk) bool or None."""

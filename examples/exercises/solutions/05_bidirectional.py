@@ -12,6 +12,8 @@ s < r, with the triangle if s == r).
 import numpy as np
 from mpi4py import MPI
 
+EXERCISE = "bidirectional"
+
 
 def block_attention(q, k, v, scale, mask=None):
     """Softmax attention of q against one K/V block: (out, lse), in float64. mask: (nq, nk) bool or None."""
