@@ -9,9 +9,9 @@ command must show lines that command prints. Everything runs in a temporary
 directory, and the tutorial's scratch files ``/tmp/mpiring-*`` go there too, so
 concurrent runs do not share them; the committed pictures in docs/img/ (drawn
 by run/figures) must come out untouched. Other docs/*.md: their ``python -m
-mpiring`` command lines must parse, docs/training.md runs as one script, and
-every section between ``<!-- checked: begin -->`` and ``<!-- checked: end -->``
-runs as one under mpiexec, printing the ```text block it shows.
+mpiring`` command lines must parse, docs/training.md runs as one script,
+docs/masks.md's ALiBi snippet runs, and every section between ``<!-- checked: begin -->``
+and ``<!-- checked: end -->`` runs as one under mpiexec, printing the ```text block it shows.
 """
 
 import hashlib
@@ -137,6 +137,14 @@ def test_other_docs_commands_parse(path):
             words = shlex.split(line.split("#")[0])
             if "mpiring" in words:  # not example scripts (tests/test_examples.py runs those)
                 parse(words[words.index("mpiring") + 1:])
+
+
+def test_alibi_slopes_snippet_runs():
+    """docs/masks.md, "ALiBi's slopes": its python block runs (one process, COMM_SELF) and its asserts hold."""
+    section = (DOCS / "masks.md").read_text().split("### ALiBi's slopes", 1)[1].split("\n#", 1)[0]
+    code = [text for lang, text in (m.groups() for m in FENCE.finditer(section)) if lang == "python"]
+    assert len(code) == 1
+    exec(compile(code[0], "docs/masks.md (ALiBi's slopes)", "exec"), {})
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
