@@ -57,7 +57,8 @@ COMMANDS = {
 }
 
 # commands of an earlier release, now subcommands of bench: they still run, with a note, for one release
-MOVED = {"tune": "tune", "percore": "percore", "planbench": "plan", "accuracy": "accuracy", "zoo": "zoo"}
+MOVED = {"tune": "tune", "percore": "percore", "planbench": "plan", "accuracy": "accuracy", "zoo": "zoo",
+         "topk": "topk", "latent": "latent"}
 
 DESCRIPTION = "Ring attention (context parallelism) on CPUs with MPI and NumPy."
 EPILOG = ("commands:\n" + "".join(f"  {name:<10}{what}\n" for name, (_, _, what) in COMMANDS.items())

@@ -27,14 +27,22 @@ from .problems import (
     merge_heads,
     split_heads,
 )
-from .reference import TOLERANCE, dense_mask, reference, reference_backward, tolerance
+from .reference import (
+    TOLERANCE,
+    dense_mask,
+    latent_reference,
+    latent_reference_backward,
+    reference,
+    reference_backward,
+    tolerance,
+)
 
 # with mpi4py (made on first use): strict, StrictComm, Stuck, Ledger, settle; with pytest: ring_comm, strict_comm
 __all__ = ["TOLERANCE", "AttentionProblem", "Ledger", "StrictComm", "Stuck", "assert_attention_close",
            "assert_on_all_ranks", "assert_sharded_attention", "attention_error", "attention_problems", "dense_mask",
-           "diagnose_forward", "head_indices", "head_shard", "local_shards", "merge_heads", "reference",
-           "reference_backward", "ring_comm", "ring_comm_fixture", "settle", "split_heads", "strict", "strict_comm",
-           "strict_comm_fixture", "tolerance"]
+           "diagnose_forward", "head_indices", "head_shard", "latent_reference", "latent_reference_backward",
+           "local_shards", "merge_heads", "reference", "reference_backward", "ring_comm", "ring_comm_fixture", "settle",
+           "split_heads", "strict", "strict_comm", "strict_comm_fixture", "tolerance"]
 
 _WITH_MPI = {"strict", "StrictComm", "Stuck", "Ledger", "settle"}
 _FIXTURES = {"ring_comm": ring_comm_fixture, "strict_comm": strict_comm_fixture}

@@ -9,11 +9,13 @@ kernels, so it can check them.
 
 import numpy as np
 
+from ..core.latent import expand
 from ..core.reference import definition_mask, dense_attention, dense_attention_backward, scored_attention
 from ..core.threads import limited, node_threads
 from ..plans.masks import MaskPiece
 
-__all__ = ["TOLERANCE", "dense_mask", "reference", "reference_backward", "tolerance"]
+__all__ = ["TOLERANCE", "dense_mask", "latent_reference", "latent_reference_backward", "reference",
+           "reference_backward", "tolerance"]
 
 # Largest error allowed against the float64 reference (computed from the inputs as rounded to
 # their dtype), per input dtype: absolute for outputs, relative to max(1, max|ref|) for gradients
@@ -135,6 +137,26 @@ def reference_backward(dout, q, k, v, *, causal=False, window=None, cu_seqlens=N
     rows = _prepare(q, k, v, q_positions, k_positions, options)
     with limited(node_threads()):
         return dense_attention_backward(dout, q, k, v, scale, rows)
+
+
+def latent_reference(q, c_kv, k_rope, w_uk, w_uv, **options):
+    """MLA in float64 (``mpiring.mla_attention``): the latent expanded per head (``core.latent.expand``), then
+    ``reference`` with its options."""
+    k, v = expand(c_kv, k_rope, w_uk, w_uv, np.float64)
+    return reference(np.asarray(q, np.float64), k, v, **options)
+
+
+def latent_reference_backward(dout, q, c_kv, k_rope, w_uk, w_uv, **options):
+    """``(dq, dc_kv, dk_rope, dw_uk, dw_uv)`` of ``latent_reference`` in float64: ``reference_backward``'s per-head
+    dk, dv taken back through the expansion, k_h = [c W_UK[h] | k_rope], v_h = c W_UV[h]."""
+    f64 = [np.asarray(a, np.float64) for a in (dout, q, c_kv, w_uk, w_uv)]
+    k, v = expand(c_kv, k_rope, w_uk, w_uv, np.float64)
+    dq, dk, dv = reference_backward(f64[0], f64[1], k, v, **options)
+    nope, c = dk[..., :w_uk.shape[-1]], f64[2][..., 0, :, :]
+    dc = np.einsum("...hnd,hrd->...nr", nope, f64[3]) + np.einsum("...hnd,hrd->...nr", dv, f64[4])
+    return (dq, dc[..., None, :, :], dk[..., w_uk.shape[-1]:].sum(axis=-3, keepdims=True),
+            *(np.einsum("bnr,bhnd->hrd", c.reshape((-1,) + c.shape[-2:]), g.reshape((-1,) + g.shape[-3:]))
+              for g in (nope, dv)))
 
 
 def _pieces(mask):

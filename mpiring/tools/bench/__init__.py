@@ -24,6 +24,8 @@ SUBCOMMANDS = {
     "overlap": ("micro", True, "one ring step's transfer alone, then compute and blocked time per step"),
     "accuracy": ("accuracy", False, "error against float64 as P grows, per dtype and accumulation"),
     "zoo": ("zoo", True, "bytes each movement sends for a zoo of masks, against the minimum and the model"),
+    "topk": ("frontier", True, "bytes of top-k attention chosen by an indexer against the dense ring"),
+    "latent": ("frontier", True, "bytes per token of MLA's latent against per-head K/V"),
     "serving": ("infer", True, "decode, speculative verify and Helix over 64k- and 256k-token caches"),
     "cluster": ("cluster", False, "ring, double ring and Ulysses on the emulated cluster at several link rates"),
 }

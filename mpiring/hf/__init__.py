@@ -15,8 +15,12 @@ keeps its own tokens; the labels are shifted on the whole sequence before
 sharding (a document's last token predicts nothing). The attention function
 reads what transformers passes (``scaling``, ``is_causal``,
 ``sliding_window``, ``softcap``, ``s_aux`` (sinks), ``dropout``, the attention
-mask) and maps each to mpiring's options, or raises naming the argument. No
-module state: the ``ContextParallel`` object travels with each call as the
+mask) and maps each to mpiring's options, or raises naming the argument. The
+model's first attention call inspects the whole model (``mpiring.hf.edge``):
+every layer that mixes tokens and every config field that changes attention
+is mapped (chunked attention, sliding windows, ...) or refused by name on
+every rank before any step; the model then refuses a cache and ``generate``.
+No module state: the ``ContextParallel`` object travels with each call as the
 ``mpiring=`` keyword of ``batch.inputs``, and keeps the ``Ring`` handles, one
 per (sequence length, documents, scale, causal, window), so a loop over
 varying lengths never rebuilds one it has (the oldest is closed beyond
@@ -24,15 +28,17 @@ varying lengths never rebuilds one it has (the oldest is closed beyond
 """
 
 import dataclasses
+import weakref
 from collections import OrderedDict
 
 import numpy as np
 import torch
 
-from . import torch as mpiring_torch
-from .handle import Ring
-from .mpi.agree import check_comm
-from .plans.layouts import shard_indices
+from .. import torch as mpiring_torch
+from ..handle import Ring
+from ..mpi.agree import agree, check_comm
+from ..plans.layouts import shard_indices
+from . import edge
 
 __all__ = ["ContextParallel", "Batch", "register", "NAME"]
 
@@ -61,9 +67,9 @@ def attention(module, query, key, value, attention_mask, *, scaling=None, dropou
               sliding_window=None, softcap=None, s_aux=None, mpiring=None, **kwargs):
     """The attention function transformers calls: ``query`` ``(B, Hq, n, D)``, key and value ``(B, Hk, n, D)``
     (this rank's n tokens), returns ``((B, n, Hq, D), None)``."""
-    if mpiring is None:
-        raise ValueError('attn_implementation="mpiring" needs its context at every call: run the model as '
-                         "model(**batch.inputs) with batch = ContextParallel.shard(...) (the mpiring= keyword)")
+    problem = edge.entry_problem(None, {"mpiring": mpiring, "use_cache": kwargs.get("use_cache")})
+    if problem:
+        raise ValueError(problem)
     for name in ("cu_seq_lens_q", "cu_seq_lens_k"):  # flash-attn's packed documents: shard(documents=) says them
         given = kwargs.get(name)
         if given is not None and [int(e) for e in given] != list(mpiring.cu_seqlens or (0, mpiring.seq_len)):
@@ -89,8 +95,18 @@ class Batch:
 class _Call:
     """One forward's context: the sequence it belongs to; attention layers get their Ring from it."""
 
-    def __init__(self, cp, seq_len, cu_seqlens):
+    def __init__(self, cp, seq_len, cu_seqlens, positions):
         self.cp, self.seq_len, self.cu_seqlens = cp, seq_len, cu_seqlens
+        self.positions = positions  # (S,): every token's position id (global, or within its document)
+        self.attended = 0  # attention calls served
+
+    def documents(self, chunk):
+        """The Ring's documents of a layer attending in chunks of ``chunk`` position ids (transformers' chunked
+        attention: key j visible to query i iff both are in one chunk of one document), or of any other layer."""
+        if chunk is None:
+            return self.cu_seqlens
+        starts = np.flatnonzero(self.positions % chunk == 0).tolist()
+        return tuple(sorted(set(starts) | set(self.cu_seqlens or ()) | {0, self.seq_len}))
 
     def attend(self, module, query, key, value, attention_mask, *, scaling, dropout, is_causal, sliding_window,
                softcap, s_aux):
@@ -103,8 +119,12 @@ class _Call:
                              f"draws from a seed fixed per Ring, and a training step needs a fresh one); build the "
                              f"model with attention_dropout=0.0")
         if query.shape[-2] != key.shape[-2]:
-            raise ValueError(f"key holds {key.shape[-2]} tokens, the queries {query.shape[-2]}: a cache "
-                             f"(past_key_values) is not supported in training; run the model with use_cache=False")
+            raise ValueError(f"key holds {key.shape[-2]} tokens, the queries {query.shape[-2]} (a cache): "
+                             f"{edge.GENERATION}")
+        site = self.cp.site(module)
+        problem = site.problem(self.seq_len, self.cp.comm.Get_size(), sliding_window)
+        if problem:
+            raise ValueError(problem)
         causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
         options = {"causal": causal, "scale": None if scaling is None else float(scaling)}
         if sliding_window is not None:  # transformers: key j visible iff j > i - sliding_window (and j <= i)
@@ -115,8 +135,9 @@ class _Call:
         if softcap is not None:  # Gemma2's attn_logit_softcapping
             options["softcap"] = float(softcap)
         call = {} if s_aux is None else {"sinks": s_aux}  # gpt-oss's trained sinks: their gradient flows back
-        ring = self.cp.ring(self.seq_len, self.cu_seqlens, options)
+        ring = self.cp.ring(self.seq_len, self.documents(site.chunk), options)
         out = mpiring_torch.ring_attention(query, key, value, ring, **call)
+        self.attended += 1
         return out.transpose(1, 2).contiguous(), None
 
 
@@ -128,13 +149,19 @@ class ContextParallel:
         layout: which tokens each rank holds ("zigzag", "contiguous", "striped"; ``mpiring.shard_indices``).
         name: the ``attn_implementation`` to register ("mpiring").
         max_rings: Ring handles kept (one per sequence length, documents and attention options).
+        allow_unsharded: module paths or class names of sequence layers that mpiring refuses (a convolution, a
+            recurrence) to run anyway on each rank's shard alone: wrong at P > 1 if they mix tokens.
         ring_options: more options for every Ring (``mode=``, ``timeout=``, ``threads=``, ``wire_dtype=``, ...).
     """
 
-    def __init__(self, comm=None, *, layout: str = "zigzag", name: str = NAME, max_rings: int = 8, **ring_options):
+    def __init__(self, comm=None, *, layout: str = "zigzag", name: str = NAME, max_rings: int = 8,
+                 allow_unsharded=(), **ring_options):
         self.comm, self.layout, self.name = check_comm(comm), layout, name
         self.max_rings, self.ring_options = max_rings, ring_options
+        self.allow_unsharded = tuple(allow_unsharded)
         self._rings = OrderedDict()
+        self._sites = weakref.WeakKeyDictionary()  # module -> its mapping (an attention layer's edge.Site)
+        self._models = weakref.WeakKeyDictionary()  # inspected model -> its rows
         register(name)
 
     def __enter__(self):
@@ -147,6 +174,40 @@ class ContextParallel:
         """Close every Ring handle kept."""
         while self._rings:
             self._rings.popitem(last=False)[1].close()
+
+    def prepare(self, model):
+        """Inspect ``model`` (collective; its first attention call does it otherwise): every sequence layer mapped,
+        or a ValueError on every rank naming each layer and config field mpiring cannot run exactly at this P.
+        Returns one row ``(path, class, kind, how mpiring runs it)`` per sequence layer. The model then refuses a
+        forward with a cache or without the context, and ``generate``, while its attention is mpiring's."""
+        return self._inspect(model)
+
+    def _inspect(self, model, entry=None):
+        """``prepare``, with what the first call's keywords make impossible (``entry``) agreed with the rest."""
+        if model in self._models:
+            return self._models[model]
+        mapped, rows, local, everywhere = edge.inspect(model, self, self.allow_unsharded)
+        size = self.comm.Get_size()
+        problems = everywhere + (local if size > 1 else [])
+        hatch = " (ContextParallel(allow_unsharded=[...]) would run such layers on each rank's shard alone)"
+        problem = (f"mpiring.hf cannot run this model exactly at P={size}: " + "; ".join(problems)
+                   + (hatch if local and size > 1 else "")) if problems else None
+        agree(self.comm, entry or problem, self.ring_options.get("timeout", "auto"), entry=True)
+        self._sites.update(mapped)
+        self._models[model] = rows
+        edge.arm(model)
+        return rows
+
+    def site(self, module):
+        """The Site of an attention module; the model it belongs to is inspected at its first call."""
+        if module not in self._sites:
+            model, kwargs = edge.calling_model()
+            if model is not None and model not in self._models:
+                self._inspect(model, edge.entry_problem(model, kwargs) if edge.runs_mpiring(model) else None)
+        if module not in self._sites:
+            raise ValueError(f"an attention call from {type(module).__name__}, which the inspection of the model "
+                             f"did not find: call the model itself (model(**batch.inputs)), or prepare(model) first")
+        return self._sites[module]
 
     def ring(self, seq_len, cu_seqlens, options):
         """The Ring for a sequence of ``seq_len`` tokens with these documents and attention options (built on
@@ -189,20 +250,30 @@ class ContextParallel:
         kind = ("document" if cu is not None else "global") if position_ids == "auto" else position_ids
         if kind not in ("global", "document"):
             raise ValueError(f'position_ids must be "global", "document" or "auto", got {position_ids!r}')
+        every = np.arange(S)
+        every = every - (starts[np.searchsorted(starts, every, side="right") - 1] if kind == "document" else 0)
         mine = shard_indices(S, self.comm.Get_size(), self.comm.Get_rank(), self.layout)
-        pos = mine - (starts[np.searchsorted(starts, mine, side="right") - 1] if kind == "document" else 0)
         rows = torch.as_tensor(mine)
         ids = input_ids[:, rows]
-        pos = torch.as_tensor(pos).expand(ids.shape[0], -1)
-        inputs = {"input_ids": ids, "position_ids": pos, "use_cache": False, "mpiring": _Call(self, S, cu)}
+        pos = torch.as_tensor(every[mine]).expand(ids.shape[0], -1)
+        inputs = {"input_ids": ids, "position_ids": pos, "use_cache": False, "mpiring": _Call(self, S, cu, every)}
         return Batch(ids, pos, shifted[:, rows], mine, int((shifted != IGNORE).sum()), inputs)
 
-    @staticmethod
-    def loss(logits, batch: Batch):
+    def loss(self, logits, batch: Batch, tokens: int | None = None):
         """This rank's share of the batch's mean cross-entropy (its tokens' sum over the global count), in the
-        logits' dtype: the shares add up to the single-process loss (``reduce``), their gradients to its."""
+        logits' dtype: the shares add up to the single-process loss (``reduce``), their gradients to its.
+
+        ``tokens``: the labelled tokens of the whole batch the mean is over, default ``batch.tokens``; with
+        gradient accumulation, the sum of every micro-batch's ``tokens``, so that the micro-batches' gradients add
+        up to the whole batch's. At P > 1, refused if no attention of the forward ran through mpiring (the model
+        was not built with this attention implementation, or its calls lacked ``batch.inputs``' context)."""
+        call = batch.inputs.get("mpiring")
+        if self.comm.Get_size() > 1 and not getattr(call, "attended", 0):
+            raise ValueError(f"no attention layer ran through mpiring in the forward that made these logits (P="
+                             f"{self.comm.Get_size()}), so each rank's layers saw only its own tokens: build the "
+                             f'model with attn_implementation="{self.name}" and run it as model(**batch.inputs)')
         return torch.nn.functional.cross_entropy(logits.flatten(0, -2), batch.shift_labels.flatten(),
-                                                 ignore_index=IGNORE, reduction="sum") / max(batch.tokens, 1)
+                                                 ignore_index=IGNORE, reduction="sum") / max(tokens or batch.tokens, 1)
 
     def reduce(self, loss) -> float:
         """The sum over ranks of each rank's ``loss`` share: the batch's loss, the same on every rank."""
