@@ -262,10 +262,11 @@ def on_rank0(comm, work, otherwise=None):
     return result
 
 
-def table_text(head, rows, markdown=False):
-    """Rows of cells as text: columns right-aligned to their widest cell, or a Markdown table."""
+def table_text(head, rows, markdown=False, left=False, indent=""):
+    """Rows of cells as text: columns aligned to their widest cell (right, or ``left``), or a Markdown table."""
     rows = [[str(c) for c in row] for row in [head, *rows]]
     if markdown:
         return "\n".join("| " + " | ".join(r) + " |" for r in [rows[0], ["---"] * len(head), *rows[1:]])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
+    return "\n".join(indent + "  ".join(c.ljust(w) if left else c.rjust(w) for c, w in zip(r, widths)).rstrip()
+                     for r in rows)

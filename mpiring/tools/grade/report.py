@@ -10,6 +10,8 @@ import collections
 import csv
 import json
 
+from ..cli import table_text
+
 __all__ = ["CSV_FIELDS", "class_summary", "entry", "say", "show", "summary", "verdict_text", "write_csv", "write_json"]
 
 CSV_FIELDS = ["file", "exercise", "P", "verdict", "passed", "failed", "not_run", "not_judged", "seconds", "aborted",
@@ -47,12 +49,9 @@ def summary(rank, table, checks, P, seconds, hints, stopped=None):
     """The table of every case's checks, cells whole (columns as wide as their longest cell), and the verdict."""
     names = list(checks) + sorted({n for _, verdicts in table for n in verdicts} - set(checks))
     rows = [[label] + [cell(verdicts.get(c)) for c in names] for label, verdicts in table]
-    widths = [max(len(r[i]) for r in rows + [["case"] + names]) + 2 for i in range(len(names) + 1)]
     say(rank, "")
     say(rank, f"summary: P = {P}, {seconds:.1f} s" + (f" (stopped: {stopped})" if stopped else ""))
-    say(rank, "  " + "".join(h.ljust(w) for h, w in zip(["case"] + names, widths)).rstrip())
-    for r in rows:
-        say(rank, "  " + "".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    say(rank, table_text(["case"] + names, rows, left=True, indent="  "))
     passed, failed, not_run, unjudged = counts(table)
     total = passed + failed + not_run
     aside = f" ({unjudged} not judged)" if unjudged else ""
@@ -113,9 +112,8 @@ def class_summary(entries, ranks, seconds):
     rows = [[f, by[(f, ranks[0])]["exercise"] if (f, ranks[0]) in by else ""] + [mark(by.get((f, P))) for P in ranks]
             for f in files]
     head = ["file", "exercise"] + [f"P={P}" for P in ranks]
-    widths = [max(len(r[i]) for r in rows + [head]) + 2 for i in range(len(head))]
     lines = ["", f"class summary: {len(files)} files x P = {', '.join(map(str, ranks))}, {seconds:.1f} s"]
-    lines += ["  " + "".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [head] + rows]
+    lines += table_text(head, rows, left=True, indent="  ").splitlines()
     passed = sum(e["verdict"] == "pass" for e in entries)
     lines.append(f"{passed} of {len(entries)} gradings passed")
     return lines
