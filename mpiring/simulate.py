@@ -89,6 +89,8 @@ def simulate(Q, K, V, num_devices, *, causal=False, scale=None, layout="contiguo
         for step in range(plan.n_steps):
             for task in plan.tasks(step, device):
                 block = kv[device] if task.source == device else sent[task.source]
+                rows = plan.kept(device, task.source)  # the sparse movement's chosen keys: those pieces index
+                block = block if rows is None else tuple(np.take(x, rows, axis=-2) for x in block)
                 attend(q, block, task, plan.pieces(device, task.source), score, acc, rec, None, step)
         if spec.sinks is not None:
             acc = with_sinks(*acc, spec.sinks)

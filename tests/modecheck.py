@@ -16,6 +16,7 @@ import numpy as np
 from mpiring import Record, ring_attention, ring_attention_backward, shard_indices
 from mpiring.core.reference import definition_mask, dense_attention
 from mpiring.cost.nodes import predicted_bytes
+from mpiring.plans.masks import MaskPiece
 
 from conftest import GRAD_TOL, naive_attention_backward
 
@@ -59,8 +60,10 @@ def check_mode(comm, Q, K, V, dOut, options, note=""):
     if isinstance(options.get("cu_seqlens"), str):
         options = dict(options, cu_seqlens=[0, 2, 2, S - 4, S])
     pos = np.arange(S)
+    given = options.get("mask") or ()
     mask = definition_mask(pos, pos, causal=options.get("causal", False), window=options.get("window"),
-                           cu_seqlens=options.get("cu_seqlens"), causal_block=options.get("causal_block"))
+                           cu_seqlens=options.get("cu_seqlens"), causal_block=options.get("causal_block"),
+                           mask=(given,) if isinstance(given, MaskPiece) else tuple(given))
     rows, kv_rows = rows_of(comm, S, options), rows_of(comm, S, options, kv=True)
     q, dout = (local(x, rows) for x in (Q, dOut))
     k, v = (local(x, kv_rows) for x in (K, V))

@@ -207,7 +207,7 @@ def test_a_wire_ml_dtypes_lacks_is_refused_by_name(monkeypatch, wire):
 def test_fp8_error_grows_with_p_and_stays_in_its_bound(wire):
     """The accuracy command's measurement (``error_growth``): nothing coded at P = 1; out and the gradients
     within the wire's ``TOLERANCE`` at P = 2, 4, 8; e5m2 (2 mantissa bits) coarser than e4m3 (3) and int8."""
-    from mpiring.tools.cli_accuracy import error_growth
+    from mpiring.tools.bench.accuracy import error_growth
 
     got = error_growth(96, 2, 32, [1, 2, 4, 8], "float32", "float64", causal=True, wire_dtype=wire, backward=True)
     (out1, _), (grad1, _) = got[1]

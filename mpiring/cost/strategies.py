@@ -19,7 +19,7 @@ from ..plans.make import make_plan
 
 __all__ = ["Strategy", "Analytic", "STRATEGIES", "TIME_VARIANTS", "strategy_of", "analytic", "full_shape",
            "predicted_bytes_sent", "predicted_backward_bytes", "traffic_of", "bytes_of", "compared_plan",
-           "TIME_NOTES"]
+           "TIME_NOTES", "kv_tokens_sent"]
 
 
 class Analytic(NamedTuple):
@@ -44,6 +44,8 @@ class Strategy(NamedTuple):
     head_split: Callable | None = None  # (cluster) -> ranks that share out the heads (None: heads stay whole)
     compared: Callable | None = None  # (seq_len, cluster, layout, causal) -> the plan compare_modes times
     analytic: Analytic | None = None
+    kv_tokens: Callable | None = None  # (plan, rank) -> [(step, tokens)] when not whole blocks travel (None:
+    grad_tokens: Callable | None = None  # kv_transfers' blocks); (plan, rank) -> tokens of each dK/dV partial
 
 
 def strategy_of(plan):
@@ -70,12 +72,16 @@ def predicted_bytes_sent(plan, kv_width, itemsize):
     every ring step is needed; windows and packed documents can stop the ring
     early, and the all-gather mode moves the same bytes in one collective.
     """
-    kv_transfers = strategy_of(plan).kv_transfers
-    sent = []
-    for rank in range(plan.size):
-        blocks = [b for _, sources in kv_transfers(plan, rank) for b in sources]
-        sent.append(sum(len(plan.kv_shards[b]) for b in blocks) * kv_width * itemsize)
-    return sent
+    return [sum(tokens for _, tokens in kv_tokens_sent(plan, rank)) * kv_width * itemsize for rank in range(plan.size)]
+
+
+def kv_tokens_sent(plan, rank):
+    """``[(step, tokens)]``: the K/V tokens of each transfer ``rank`` starts, by step (whole blocks unless the
+    strategy says otherwise: ``Strategy.kv_tokens``)."""
+    strategy = strategy_of(plan)
+    if strategy.kv_tokens is not None:
+        return strategy.kv_tokens(plan, rank)
+    return [(step, sum(len(plan.kv_shards[b]) for b in blocks)) for step, blocks in strategy.kv_transfers(plan, rank)]
 
 
 def predicted_backward_bytes(plan, kv_width, itemsize, grad_itemsize=None, grad_width=None):
@@ -90,9 +96,9 @@ def predicted_backward_bytes(plan, kv_width, itemsize, grad_itemsize=None, grad_
     """
     grad_itemsize = compute_itemsize(itemsize) if grad_itemsize is None else grad_itemsize
     grad_width = kv_width if grad_width is None else grad_width
-    n = [len(s) for s in plan.kv_shards]
-    grad_blocks = strategy_of(plan).grad_blocks
-    return [kv_bytes + grad_width * sum(n[b] for b in grad_blocks(plan, rank)) * grad_itemsize
+    n, strategy = [len(s) for s in plan.kv_shards], strategy_of(plan)
+    tokens = strategy.grad_tokens or (lambda plan, rank: [n[b] for b in strategy.grad_blocks(plan, rank)])
+    return [kv_bytes + grad_width * sum(tokens(plan, rank)) * grad_itemsize
             for rank, kv_bytes in enumerate(predicted_bytes_sent(plan, kv_width, itemsize))]  # K/V: as forward
 
 
@@ -124,6 +130,25 @@ def _sparse_transfers(plan, rank):
 def _sparse_grads(plan, rank):
     """... and the dK/dV partial of each block it needed, straight home."""
     return plan.needs[rank]
+
+
+def _sparse_tokens(plan, rank):
+    """... each send carrying the keys of the block that its user's queries see (``SparsePlan.tokens``)."""
+    return [(0, plan.tokens(user, rank)) for user in plan.users[rank]]
+
+
+def _sparse_grad_tokens(plan, rank):
+    return [plan.tokens(rank, source) for source in plan.needs[rank]]
+
+
+def _sparse_traffic(plan, shape):
+    """The sparse movement's sends (``SparsePlan.sends``), each of the tokens that travel to its user."""
+    matrix = [[0] * plan.size for _ in range(plan.size)]
+    kv_token, grad_token = _kv_token(shape), _grad_width(shape) * shape["grad_itemsize"]
+    for r in range(plan.size):
+        for _, dest, source, what in plan.sends(r, shape["backward"]):
+            matrix[r][dest] += plan.tokens(dest, r) * kv_token if what == "K/V" else plan.tokens(r, source) * grad_token
+    return matrix
 
 
 def _nothing(plan, rank, backward=False):
@@ -426,7 +451,8 @@ STRATEGIES = {
     "grid": Strategy(_as_groups_ring("kv_transfers"), _as_groups_ring("grad_blocks"), _grid_traffic, _grid_time,
                      gathered=_grid_gathered, label="hybrid", head_split=_node_heads, compared=_grid_compared),
     # every transfer posted at step 0 (the time model's step 0 carries them all, as the all-gather's)
-    "sparse": Strategy(_sparse_transfers, _sparse_grads, _sends_traffic, _ring_time, sends=_plan_sends),
+    "sparse": Strategy(_sparse_transfers, _sparse_grads, _sparse_traffic, _ring_time, sends=_plan_sends,
+                       kv_tokens=_sparse_tokens, grad_tokens=_sparse_grad_tokens),
 }
 
 _LABELS = {entry.label or name: entry for name, entry in STRATEGIES.items()}

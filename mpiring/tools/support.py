@@ -13,7 +13,7 @@ gives both). A cell works when every rank's result is within
 rounded to the dtype, or raises the same ValueError on every rank before any
 data moved (its ``Record`` stays empty); anything else is WRONG (exit code 1).
 
-The full product is 15,000 runs per strategy. The matrix (``matrix``) runs,
+The full product is 21,600 runs per strategy. The matrix (``matrix``) runs,
 per strategy, every option alone (the other axes at their ``DEFAULTS``);
 then the options that work alone, 5 at a time, in the rows of an orthogonal
 array of strength 2 (``covering``: every pair of them meets in a row); then
@@ -21,7 +21,6 @@ every pair of options of each row that failed. Options that fail alone stay
 out of the rows, where they would mask the others. docs/reliability.md §6.
 """
 
-import functools
 import itertools
 import math
 import time
@@ -30,24 +29,33 @@ from typing import NamedTuple
 import numpy as np
 
 from mpiring.core.precision import INPUT_DTYPES, WIRE_DTYPES, named_dtype
-from mpiring.core.reference import definition_mask, dense_attention, dense_attention_backward, scored_attention
-from mpiring.core.scores import alibi
 from mpiring.mpi.checks import verdict
 from mpiring.mpi.record import Record
-from mpiring.plans.layouts import LAYOUTS, shard_indices
+from mpiring.plans.layouts import LAYOUTS
 from mpiring.plans.plan import ALL_MODES, MODES
 from mpiring.testing import attention_error, tolerance
 
 from .cli import Agreed, command_parser
+from .support_cases import (
+    call,
+    grad_names,
+    head_counts,
+    inputs,
+    mask_options,
+    placement,
+    reference,
+    score_options,
+    sizes,
+)
 from .verify import run_tolerance
 
-__all__ = ["AXES", "DEFAULTS", "Cell", "strategies", "head_counts", "cells", "changed", "label", "covering", "matrix",
-           "sample", "run_cells", "run_case", "render", "doc_section", "write_section", "support", "support_parser"]
+__all__ = ["AXES", "DEFAULTS", "Cell", "strategies", "cells", "changed", "label", "covering", "matrix", "sample",
+           "run_cell", "run_cells", "run_case", "render", "doc_section", "write_section", "support",
+           "support_parser"]
 
-SEED = 20240611
 AXES = {"assignment": LAYOUTS + ("positions", "kv_positions"),
-        "mask": ("none", "causal", "window", "documents", "block-causal"),
-        "heads": ("MHA", "GQA", "MQA", "uneven", "uneven GQA"),  # ``head_counts``
+        "mask": ("none", "causal", "window", "documents", "block-causal", "top-k"),  # top-k: an indexer's choice
+        "heads": ("MHA", "GQA", "MQA", "MLA", "uneven", "uneven GQA"),  # ``support_cases.head_counts``
         "dtype": INPUT_DTYPES,
         "wire": ("none",) + WIRE_DTYPES,
         "score": ("none", "softcap", "alibi", "sinks", "dropout")}  # docs/masks.md's score modifiers
@@ -94,18 +102,6 @@ def strategies(P):
     return {**found, **passing_q}
 
 
-def sizes(P):
-    """``(S, dim, query heads)`` of every cell at P ranks: uneven shards, heads that split evenly over P."""
-    return 4 * P + 3, 8, 4 * P // math.gcd(4, P)
-
-
-def head_counts(P, heads):
-    """``(query heads, K/V heads)`` of the heads axis' value ``heads`` at P ranks: K/V heads as many as q's, half
-    as many, one; "uneven": P + P // 2 heads (not divisible by P from 2), and twice as many over those in GQA."""
-    hq, u = sizes(P)[2], P + P // 2
-    return {"MHA": (hq, hq), "GQA": (hq, hq // 2), "MQA": (hq, 1), "uneven": (u, u), "uneven GQA": (2 * u, u)}[heads]
-
-
 def cells(P):
     """The full product of the axes at P ranks, in a fixed order."""
     return [Cell(s, *rest, p) for s in strategies(P) for rest in itertools.product(*AXES.values()) for p in PASSES]
@@ -123,7 +119,8 @@ def label(cell):
 
 def _cell(strategy, options, pass_):
     """The cell of ``strategy`` with ``options`` (``(axis, value)`` pairs), the other axes at their defaults."""
-    return Cell(strategy, *dict(DEFAULTS, **dict(options)).values(), pass_)
+    values = dict(DEFAULTS, **dict(options))
+    return Cell(strategy, *(values[axis] for axis in DEFAULTS), pass_)
 
 
 def covering(levels):
@@ -150,68 +147,6 @@ def sample(P, n, seed=0, most=None):
             if most is None or sum(v != d for v, d in zip(c, DEFAULTS.values())) <= most]
     picks = [(names[i % len(names)], rest[rng.integers(len(rest))]) for i in range(n)]
     return list({Cell(s, *case, p): None for s, case in picks for p in PASSES})
-
-
-def mask_options(name, S):
-    """The ``ring_attention`` (and ``definition_mask``) options of mask ``name`` over S tokens."""
-    return {"none": {}, "causal": {"causal": True}, "window": {"window": (3, 1)},
-            "documents": {"causal": True, "cu_seqlens": np.array([0, S // 3, S // 2 + 1, S])},
-            "block-causal": {"causal": True, "causal_block": 3}}[name]
-
-
-def _partition(rng, items, P):
-    """``items`` shuffled and cut into P non-empty, uneven, unsorted parts."""
-    cuts = np.sort(rng.choice(np.arange(1, len(items)), P - 1, replace=False))
-    return np.split(rng.permutation(items), cuts)
-
-
-def placement(P, rank, assignment):
-    """``(query positions, k/v positions, options)`` of ``rank``: a layout's shard, or positions from a seed."""
-    S = sizes(P)[0]
-    if assignment in LAYOUTS:
-        mine = shard_indices(S, P, rank, assignment)
-        return mine, mine, {"layout": assignment}
-    rng = np.random.default_rng([SEED, P])
-    kv = _partition(rng, np.arange(S), P)
-    if assignment == "positions":
-        return kv[rank], kv[rank], {"positions": kv[rank]}
-    queries = _partition(rng, np.arange(S // 2, S), P)  # chunked prefill: the last tokens against all of them
-    return queries[rank], kv[rank], {"positions": queries[rank], "kv_positions": kv[rank]}
-
-
-# ---------------------------------------------------------------- the problem and its reference
-
-
-@functools.lru_cache(maxsize=None)
-def _inputs(P, heads, dtype):
-    """Whole q, k, v, dout in ``dtype`` (the same on every rank), and the same as float64."""
-    (S, D, _), (hq, hk) = sizes(P), head_counts(P, heads)
-    rng = np.random.default_rng([SEED, S, hq, hk])
-    arrays = [rng.standard_normal((h, S, D)).astype(named_dtype(dtype)) for h in (hq, hk, hk, hq)]
-    return arrays, [a.astype(np.float64) for a in arrays]
-
-
-def score_options(name, hq):
-    """The ``ring_attention`` options of score modifier ``name`` with ``hq`` query heads (docs/masks.md)."""
-    return {"none": {}, "softcap": {"softcap": 2.0}, "alibi": {"bias": alibi(hq)},
-            "sinks": {"sinks": np.linspace(-1.0, 1.0, hq)}, "dropout": {"dropout": 0.25, "seed": 3}}[name]
-
-
-@functools.lru_cache(maxsize=None)
-def _reference(P, heads, dtype, mask, prefill, score="none"):
-    """float64 ``(out, lse, dq, dk, dv[, dsinks])`` over the whole sequence; ``prefill``: only the queries of
-    ``placement``'s kv_positions (the last S - S//2) count in dk, dv (dout is zero for the others)."""
-    S, (q, k, v, dout) = sizes(P)[0], _inputs(P, heads, dtype)[1]
-    pos = np.arange(S)
-    allowed = definition_mask(pos, pos, **mask_options(mask, S))
-    rows = lambda a, b: allowed[a:b]  # noqa: E731
-    if prefill:
-        dout = np.where(pos[:, None] >= S // 2, dout, 0.0)
-    if score != "none":  # the scored reference, from the definitions (core.reference.scored_attention)
-        extra = score_options(score, head_counts(P, heads)[0])
-        grads = scored_attention(q, k, v, allowed, dout=dout, **extra)
-        return scored_attention(q, k, v, allowed, **extra)[:2] + grads[:3] + grads[3:] * ("sinks" in extra)
-    return dense_attention(q, k, v, None, rows) + dense_attention_backward(dout, q, k, v, None, rows)
 
 
 # ---------------------------------------------------------------- running cells
@@ -280,8 +215,6 @@ def run_case(comm, case, backward=True, records=None, keep_going=False):
     ``records``: the forward's and the backward's ``Record`` (fresh ones if None). An exception other
     than ValueError is a bug: it propagates, or with ``keep_going`` is a WRONG verdict ("crashed: ...").
     """
-    from mpiring import ring_attention, ring_attention_backward
-
     strategy, assignment, mask, heads, dtype, wire, score = case
     missing = _missing([dtype] + [wire] * (wire != "none"))
     if missing:
@@ -290,11 +223,10 @@ def run_case(comm, case, backward=True, records=None, keep_going=False):
     mine, kv, held = placement(P, rank, assignment)
     wire = None if wire == "none" else wire
     options = dict(strategies(P)[strategy], **mask_options(mask, sizes(P)[0]), **held, wire_dtype=wire,
-                   **score_options(score, head_counts(P, heads)[0]))
-    arrays = _inputs(P, heads, dtype)[0]
-    q, dout = (np.ascontiguousarray(a[..., mine, :]) for a in (arrays[0], arrays[3]))
-    k, v = (np.ascontiguousarray(a[..., kv, :]) for a in arrays[1:3])
-    ref = _reference(P, heads, dtype, mask, assignment == "kv_positions", score)
+                   **score_options(score, P, heads))
+    whole = inputs(P, heads, dtype)[0]  # q, k, v, dout (MLA: q, c_kv, k_rope, dout, w_uk, w_uv)
+    arrays = [np.ascontiguousarray(a[..., rows, :]) for a, rows in zip(whole, (mine, kv, kv, mine))] + whole[4:]
+    ref = reference(P, heads, dtype, mask, assignment == "kv_positions", score)
     kind = named_dtype(dtype)
     lse_kind = np.float32 if kind.itemsize == 2 else kind  # half inputs: lse in float32
     fwd, bwd = records or (Record(rank), Record(rank))
@@ -303,22 +235,22 @@ def run_case(comm, case, backward=True, records=None, keep_going=False):
         return [("out", result[0], ref[0][..., mine, :], tolerance(kind, wire), kind),
                 ("lse", result[1], ref[1][..., mine], tolerance(lse_kind, wire), lse_kind)]
 
-    result, verdict = _verdict(comm, lambda: ring_attention(q, k, v, comm, record=fwd, **options), fwd,
-                               forward_errors, keep_going)
+    result, verdict = _verdict(comm, lambda: call(heads)(arrays, comm, options, fwd, None), fwd, forward_errors,
+                               keep_going)
     verdicts = {"forward": verdict, "backward": verdict}
     if backward and result is not None:
         codings = 2 if options.pop("rotate", None) == "q" else 1  # no pass-Q backward: K/V travel (coded too)
+        at = {"q": np.s_[..., mine, :], "k": np.s_[..., kv, :], "all": np.s_[...]}
 
-        def backward_errors(grads):
-            found = [(name, g, r[..., rows, :], run_tolerance(kind, wire, codings), kind)
-                     for name, g, r, rows in zip(("dq", "dk", "dv"), grads, ref[2:], (mine, kv, kv))]
-            if len(ref) > 5 or len(grads) > 3:  # sinks: their gradient, summed over every rank's rows
+        def backward_errors(grads):  # the weights' gradients (MLA) in float64, as the weights
+            found = [(name, g, r[at[rows]], run_tolerance(kind, wire, codings), np.float64 if rows == "all" else kind)
+                     for (name, rows), g, r in zip(grad_names(heads), grads, ref[2:])]
+            if heads != "MLA" and (len(ref) > 5 or len(grads) > 3):  # sinks: their gradient, over every rank's rows
                 found.append(("dsinks", grads[3], ref[5], run_tolerance(kind, wire, codings), np.float64))
             return found
 
-        verdicts["backward"] = _verdict(comm, lambda: ring_attention_backward(dout, q, k, v, *result, comm,
-                                                                              record=bwd, **options),
-                                        bwd, backward_errors, keep_going)[1]
+        verdicts["backward"] = _verdict(comm, lambda: call(heads, True)(arrays, comm, options, bwd, result), bwd,
+                                        backward_errors, keep_going)[1]
     return verdicts
 
 
@@ -332,6 +264,11 @@ def run_cells(comm, chosen, keep_going=False):
         got = run_case(comm, case, backward="backward" in passes, keep_going=keep_going)
         verdicts.update({Cell(*case, p): got[p] for p in passes})
     return {cell: verdicts[cell] for cell in chosen}
+
+
+def run_cell(comm, cell):
+    """The verdict of one cell: "works", "raises: <message>", "skipped: <why>" or "WRONG: <what>"."""
+    return run_case(comm, cell[:-1], backward=cell.pass_ == "backward")[cell.pass_]
 
 
 def matrix(comm, keep_going=False):
@@ -363,7 +300,8 @@ def matrix(comm, keep_going=False):
 
 def _table(header, rows, markdown):
     if markdown:
-        return "\n".join("| " + " | ".join(line) + " |" for line in [header, ["---"] * len(header)] + rows)
+        lines = [header, ["---"] * len(header)] + rows
+        return "\n".join("| " + " | ".join(line) + " |" for line in lines)
     widths = [max(len(line[i]) for line in [header] + rows) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in [header] + rows)
 
