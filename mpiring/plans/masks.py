@@ -99,11 +99,13 @@ class MaskPiece:
 
     ``exact = False``: ``bounds`` is an envelope only, ``allows`` says which keys inside it are visible.
     ``batched = True``: ``allows`` depends on the batch entry too, and returns the batch axes first.
+    ``sparse_keys = True``: the sparse movement sends only the keys a rank's queries see, not whole blocks.
     ``a & b``: keys both allow; ``a | b``: keys either allows.
     """
 
     exact = True
     batched = False
+    sparse_keys = False  # under mode="sparse", send only the keys some query of the receiving rank sees
 
     def bounds(self, q_pos):
         """``(lo, hi)`` int64 arrays for the query positions ``q_pos`` (int64); +-``BIG``: unbounded."""
@@ -113,8 +115,9 @@ class MaskPiece:
         """Whether query position q may see key position k, from the mask's definition (broadcasting)."""
         raise NotImplementedError
 
-    def check(self, seq_len):
-        """Raise ValueError unless the piece fits a sequence of ``seq_len`` tokens (documents: their ends)."""
+    def problem(self, seq_len):
+        """Why this piece cannot mask a sequence of ``seq_len`` tokens, or None (documents: their ends)."""
+        return None
 
     def leaves(self):
         """The pieces this one is made of (itself, or a combination's parts, all the way down)."""
@@ -191,11 +194,12 @@ class Documents(MaskPiece):
     def __init__(self, cu_seqlens):
         self.cu = np.asarray(cu_seqlens, np.int64)
 
-    def check(self, seq_len):
+    def problem(self, seq_len):
         try:
             check_cu_seqlens(self.cu, seq_len)
         except ValueError as exc:
-            raise ValueError(f"mask {self!r}: {exc}") from None
+            return f"mask {self!r}: {exc}"
+        return None
 
     def bounds(self, q_pos):
         d = doc_ids(q_pos, self.cu)
@@ -295,10 +299,10 @@ class _Combination(MaskPiece):
         self.parts = tuple(q for p in parts for q in (p.parts if type(p) is type(self) else (p,)))
 
     batched = property(lambda self: any(p.batched for p in self.parts))
+    sparse_keys = property(lambda self: any(p.sparse_keys for p in self.parts))
 
-    def check(self, seq_len):
-        for part in self.parts:
-            part.check(seq_len)
+    def problem(self, seq_len):
+        return next(filter(None, (part.problem(seq_len) for part in self.parts)), None)
 
     def leaves(self):
         return tuple(leaf for part in self.parts for leaf in part.leaves())
@@ -342,8 +346,8 @@ def pieces(causal=False, window=(-1, -1), cu_seqlens=None, causal_block=None, ma
 
 
 def check_mask(mask, seq_len=None):
-    """``mask`` (None, a piece, or pieces) as a tuple of ``MaskPiece``; ValueError otherwise, or if one does not fit
-    a sequence of ``seq_len`` tokens (when given)."""
+    """``mask`` (None, a piece, or pieces) as a tuple of ``MaskPiece``; ValueError otherwise, or if a piece cannot
+    mask ``seq_len`` tokens (``MaskPiece.problem``)."""
     if mask is None:
         return ()
     found = (mask,) if isinstance(mask, MaskPiece) else mask
@@ -355,8 +359,9 @@ def check_mask(mask, seq_len=None):
     if bad:
         raise ValueError(f"mask must be mask pieces (mpiring.plans.masks.MaskPiece: Causal, Window, Documents, "
                          f"or a class of your own), got {bad[0]!r}")
-    for piece in found if seq_len is not None else ():
-        piece.check(seq_len)
+    problem = next(filter(None, (piece.problem(seq_len) for piece in found)), None) if seq_len is not None else None
+    if problem:
+        raise ValueError(problem)
     return found
 
 
