@@ -41,7 +41,7 @@ from .kvstore import ERROR_BOUND, QUANTIZE, TILE, KVStore, quantize
 from .mpi.agree import agree, agreed, check_comm, gather_entry
 from .mpi.checks import Shown, describe, timeout_problem
 from .mpi.comm import RingComm
-from .mpi.decoding import by_content
+from .mpi.decoding import by_content, path_problem
 from .mpi.record import Record
 from .mpi.waits import exclusive, wait_until
 from .plans.layouts import layout_positions
@@ -58,24 +58,6 @@ def interleave_problem(placement, interleave):
         return f"interleave must be a positive integer, got {interleave!r}"
     if placement != "interleave" and interleave != 1:
         return f"interleave={interleave} needs placement='interleave' (placement {placement!r} has its own rule)"
-    return None
-
-
-def path_problem(draft, accepted, length):
-    """Why ``accepted`` is not a root-first path of the ``draft`` tree (k, v, parents, the cache's length when
-    verified) of a cache of ``length`` tokens, or None."""
-    if draft is None:
-        return "commit needs a verify before it (and at most one commit per verify)"
-    if draft[3] != length:
-        return (f"commit follows a verify of drafts after {draft[3]} cached tokens, but the cache now holds {length} "
-                f"(extend or prefill in between): the drafts would land after the new tokens; verify again")
-    parents = draft[2]
-    if np.any((accepted < 0) | (accepted >= len(parents))):
-        return f"accepted draft indices must lie in 0..{len(parents) - 1}, got {accepted.tolist()}"
-    above = parents[accepted]
-    if len(accepted) and (above[0] != -1 or np.any(above[1:] != accepted[:-1])):
-        return (f"accepted {accepted.tolist()} is not a path of the draft tree from a root (parents "
-                f"{above.tolist()})")
     return None
 
 

@@ -16,7 +16,8 @@ from ..plans.content import content
 from .agree import agreed
 from .checks import AUTO_BASE, AUTO_RATE, Shown, describe, logit_problem, scale_problem, shape_text, timeout_problem
 
-__all__ = ["MERGES", "decode_problem", "decode_agreement", "decode_timeout", "parents_problem", "by_content"]
+__all__ = ["MERGES", "decode_problem", "decode_agreement", "decode_timeout", "parents_problem", "path_problem",
+           "by_content"]
 
 MERGES = ("tree", "ring")
 
@@ -132,4 +133,22 @@ def parents_problem(parents, T):
     if len(bad):
         return (f"parents[{bad[0]}] = {p[bad[0]]}: a draft token's parent must be -1 (the cache) or an earlier "
                 f"draft token")
+    return None
+
+
+def path_problem(draft, accepted, length):
+    """Why ``accepted`` is not a root-first path of the ``draft`` tree (k, v, parents, the cache's length when
+    verified) of a cache of ``length`` tokens, or None."""
+    if draft is None:
+        return "commit needs a verify before it (and at most one commit per verify)"
+    if draft[3] != length:
+        return (f"commit follows a verify of drafts after {draft[3]} cached tokens, but the cache now holds {length} "
+                f"(extend or prefill in between): the drafts would land after the new tokens; verify again")
+    parents = draft[2]
+    if np.any((accepted < 0) | (accepted >= len(parents))):
+        return f"accepted draft indices must lie in 0..{len(parents) - 1}, got {accepted.tolist()}"
+    above = parents[accepted]
+    if len(accepted) and (above[0] != -1 or np.any(above[1:] != accepted[:-1])):
+        return (f"accepted {accepted.tolist()} is not a path of the draft tree from a root (parents "
+                f"{above.tolist()})")
     return None
