@@ -32,7 +32,7 @@ from .halo import exchange, home
 from .passing import PASSING
 
 __all__ = ["causal_conv", "causal_conv_backward", "linear_attention", "linear_attention_backward", "Carry",
-           "run_entry", "scan_forward", "scan_backward", "arrays_problem", "shape_text", "carry_problem"]
+           "run_entry", "scan_forward", "scan_backward", "arrays_problem", "shape_text", "carry_problem", "made_by"]
 
 
 class Carry(NamedTuple):
@@ -221,7 +221,7 @@ def _flat(a, keep):
     return None if a is None else a.reshape((-1,) + a.shape[a.ndim - keep:])
 
 
-def _made_by(spec, *shapes):
+def made_by(spec, *shapes):
     return (repr(sorted(spec.shown().items())),) + tuple(None if s is None else tuple(s) for s in shapes)
 
 
@@ -229,7 +229,7 @@ def carry_problem(carry, spec, *shapes):
     """Why ``carry`` is not what this rank's forward with ``spec`` and these shapes returned, or None."""
     if not isinstance(carry, Carry):
         return f"carry must be what the forward returned, got {type(carry).__name__}"
-    if carry.made_by != _made_by(spec, *shapes):
+    if carry.made_by != made_by(spec, *shapes):
         return "carry was made by a forward with other options or shapes than this backward's"
     return None
 
@@ -248,7 +248,7 @@ def linear_attention(q, k, v, comm=None, *, decay=None, beta=None, scale=None, s
         s = 1.0 / np.sqrt(q.shape[-1]) if scale is None else float(scale)
         flat = [_flat(a if a is None else a.astype(work, copy=False), keep) for a, keep in
                 ((q * s, 2), (k, 2), (v, 2), (decay, decay.ndim - q.ndim + 2 if decay is not None else 0), (beta, 1))]
-        out, carry = scan_forward(call, *flat, _made_by(call.spec, q.shape, v.shape, _shape(decay), _shape(beta)))
+        out, carry = scan_forward(call, *flat, made_by(call.spec, q.shape, v.shape, _shape(decay), _shape(beta)))
         return [(out.reshape(v.shape).astype(v.dtype, copy=False), -2), (carry, None)]
 
     rows = {"q": (q, -2), "k": (k, -2), "v": (v, -2), "decay": (decay, _decay_axis(q, decay)), "beta": (beta, -1)}
