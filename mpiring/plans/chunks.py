@@ -99,6 +99,12 @@ class Chain(NamedTuple):
     owner: np.ndarray  # (m,) the rank holding each
     cut: np.ndarray  # (m,) True where nothing passes in: a document (or the sequence) starts there
 
+    def runs(self, size):
+        """The ranks in chain order when each of the ``size`` ranks holds one run of the chain, else None."""
+        starts = np.concatenate([[0], np.flatnonzero(np.diff(self.owner)) + 1])
+        order = self.owner[starts]
+        return order if len(order) == size else None
+
 
 class Halo(NamedTuple):
     """A rank's rows of a causal convolution: what it receives, what it sends, and where each tap reads."""

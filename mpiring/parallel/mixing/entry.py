@@ -31,7 +31,7 @@ from .call import open_call
 from .halo import exchange, home
 from .passing import PASSING
 
-__all__ = ["causal_conv", "causal_conv_backward", "linear_attention", "linear_attention_backward", "Carry",
+__all__ = ["Refused", "causal_conv", "causal_conv_backward", "linear_attention", "linear_attention_backward", "Carry",
            "run_entry", "scan_forward", "scan_backward", "arrays_problem", "shape_text", "carry_problem", "made_by"]
 
 
@@ -51,11 +51,19 @@ def shape_text(a, axis):
     return "(" + ", ".join("*" if i == axis else str(n) for i, n in enumerate(a.shape)) + ")"
 
 
+class Refused(NamedTuple):
+    """An argument an adapter could not hand over as an array, and why: reported through the agreement."""
+
+    why: str
+
+
 def arrays_problem(named):
     """Why these arrays (``{name: array or None}``) cannot be computed with, or None."""
     for name, a in named.items():
         if a is None:
             continue
+        if isinstance(a, Refused):
+            return a.why
         if not isinstance(a, np.ndarray):
             return f"{name} must be a NumPy array, got {type(a).__name__}"
         if dtype_problem(name, a):

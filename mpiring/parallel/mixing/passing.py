@@ -26,8 +26,9 @@ import numpy as np
 from mpi4py import MPI
 
 from ...core.mixers.affine import apply, compose, cut, pack, unpack
+from ...cost.statebytes import exscan_rounds
 
-__all__ = ["PASSING", "ring", "allgather", "scan", "chain_runs", "exscan_rounds"]
+__all__ = ["PASSING", "ring", "allgather", "scan"]
 
 RING_TAG, SHIFT_TAG, SCAN_TAG = 11, 12, 13  # a scan's round r uses SCAN_TAG + r
 
@@ -88,21 +89,9 @@ def allgather(call, chain, maps):
     return incoming
 
 
-def chain_runs(chain, size):
-    """The ranks in chain order when each rank's chunks are one run of the chain (Exscan fits), else None."""
-    starts = np.concatenate([[0], np.flatnonzero(np.diff(chain.owner)) + 1])
-    order = chain.owner[starts]
-    return order if len(order) == size else None
-
-
-def exscan_rounds(position, size):
-    """Messages one rank sends in a recursive-doubling exclusive scan (MPICH's): partners position ^ 2^k < size."""
-    return sum(1 for k in range(max(size - 1, 0).bit_length()) if (position ^ (1 << k)) < size)
-
-
 def scan(call, chain, maps):
     """An exclusive prefix scan of the maps in chain order: Exscan where the chunks are in runs, else log-depth."""
-    order = chain_runs(chain, call.size)
+    order = chain.runs(call.size)
     if order is None:
         return _doubling(call, chain, maps)
     return _exscan(call, chain, maps, order)

@@ -15,7 +15,7 @@ import numpy as np
 
 from ...core.mixers.ssm import scan_grads, scan_inputs, ssd_grads, ssd_inputs
 from ...core.precision import compute_dtype
-from .entry import made_by, carry_problem, run_entry, scan_backward, scan_forward
+from .entry import carry_problem, made_by, run_entry, scan_backward, scan_forward
 
 __all__ = ["ssd", "ssd_backward", "selective_scan", "selective_scan_backward"]
 
@@ -122,7 +122,8 @@ def ssd(x, dt, A, B, C, D=None, comm=None, *, spec=None, timeout="auto", record=
     return SSD.forward(x, dt, A, B, C, D, comm, spec, timeout, record, options)
 
 
-def ssd_backward(dy, x, dt, A, B, C, D, carry, comm=None, *, spec=None, timeout="auto", record=None, **options):
+def ssd_backward(dy, x, dt, A, B, C, D=None, carry=None, comm=None, *, spec=None, timeout="auto", record=None,
+                 **options):
     """``(dx, ddt, dA, dB, dC, dD)`` of ``ssd`` (dA, dD: this rank's share; dD None without D). Collective."""
     return SSD.backward(dy, x, dt, A, B, C, D, carry, comm, spec, timeout, record, options)
 
@@ -137,7 +138,7 @@ def selective_scan(x, dt, A, B, C, D=None, comm=None, *, spec=None, timeout="aut
     return SCAN.forward(x, dt, A, B, C, D, comm, spec, timeout, record, options)
 
 
-def selective_scan_backward(dy, x, dt, A, B, C, D, carry, comm=None, *, spec=None, timeout="auto", record=None,
-                            **options):
+def selective_scan_backward(dy, x, dt, A, B, C, D=None, carry=None, comm=None, *, spec=None, timeout="auto",
+                            record=None, **options):
     """``(dx, ddt, dA, dB, dC, dD)`` of ``selective_scan`` (dA, dD: this rank's share). Collective."""
     return SCAN.backward(dy, x, dt, A, B, C, D, carry, comm, spec, timeout, record, options)
