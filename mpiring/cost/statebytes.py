@@ -81,11 +81,12 @@ def state_messages(plan, passing, state, transition, backward=False):
 
 
 def halo_bytes(plan, width, row, itemsize, backward=False):
-    """Bytes each rank sends for a causal convolution of ``width`` taps: its rows others read (forward), or the
-    gradients of the rows it read (backward); ``row``: values of one token (batch x channels)."""
+    """Bytes each rank sends for a causal convolution of ``width`` taps: its rows others read; the backward sends
+    them again (the weight's gradient reads them) and the gradients of the rows it read back to their holders.
+    ``row``: values of one token (batch x channels)."""
     out = []
     for r in range(plan.size):
         halo = plan.halo(width, r)
-        rows = sum(halo.recv.values()) if backward else sum(len(v) for v in halo.send.values())
+        rows = sum(len(v) for v in halo.send.values()) + (sum(halo.recv.values()) if backward else 0)
         out.append(rows * row * itemsize)
     return out
