@@ -30,82 +30,98 @@ def _decay(g, t, dk):
     return a[:, None, None] if a.ndim == 1 else a[:, :, None]
 
 
-def _steps(q, k, v, g, beta, state, starts):
-    """Every state S_t (and the decayed S_{t-1} the delta rule reads), token by token."""
-    Z, n, dk = k.shape
-    S = np.zeros((Z, dk, v.shape[-1])) if state is None else np.array(state, np.float64)
-    states, decayed = [], []
-    for t in range(n):
-        if starts is not None and starts[t]:
-            S = np.zeros_like(S)
-        a = _decay(g, t, dk)
-        Sd = S if a is None else a * S
-        kt, vt = k[:, t], v[:, t]
-        if beta is None:
-            S = Sd + kt[:, :, None] * vt[:, None, :]
-        else:
-            r = vt - np.einsum("zi,zij->zj", kt, Sd)
-            S = Sd + beta[:, t, None, None] * kt[:, :, None] * r[:, None, :]
-        states.append(S)
-        decayed.append(Sd)
-    return states, decayed
+def _step(S, t, k, v, g, beta, starts):
+    """The state after token t from the one before it, and that one decayed (what the delta rule reads)."""
+    if starts is not None and starts[t]:
+        S = np.zeros_like(S)
+    a = _decay(g, t, k.shape[-1])
+    Sd = S if a is None else a * S
+    kt, vt = k[:, t], v[:, t]
+    if beta is None:
+        return Sd + kt[:, :, None] * vt[:, None, :], Sd
+    r = vt - np.einsum("zi,zij->zj", kt, Sd)
+    return Sd + beta[:, t, None, None] * kt[:, :, None] * r[:, None, :], Sd
 
 
 def _as64(*arrays):
     return [None if a is None else np.asarray(a, np.float64) for a in arrays]
 
 
+def _start(k, v, state):
+    return np.zeros((k.shape[0], k.shape[-1], v.shape[-1])) if state is None else np.array(state, np.float64)
+
+
 def recurrence(q, k, v, g=None, beta=None, state=None, starts=None):
     """``(out, final state)`` of the recurrence above in float64; ``state``: the initial (Z, dk, dv) one."""
     q, k, v, g, beta = _as64(q, k, v, g, beta)
-    states, _ = _steps(q, k, v, g, beta, state, starts)
-    out = np.stack([np.einsum("zi,zij->zj", q[:, t], S) for t, S in enumerate(states)], axis=1)
-    return out, states[-1]
+    S = _start(k, v, state)
+    out = np.empty(q.shape[:2] + v.shape[-1:])
+    for t in range(q.shape[1]):
+        S, _ = _step(S, t, k, v, g, beta, starts)
+        out[:, t] = np.einsum("zi,zij->zj", q[:, t], S)
+    return out, S
 
 
 def recurrence_backward(dout, q, k, v, g=None, beta=None, state=None, starts=None, dfinal=None):
     """Gradients ``(dq, dk, dv, dg, dbeta, dstate)`` of ``recurrence`` by back-propagation through its loop.
 
-    ``dfinal``: the gradient of the final state (None: zero); dg, dbeta None when g, beta are.
+    ``dfinal``: the gradient of the final state (None: zero); dg, dbeta None when g, beta are. The states
+    are kept every sqrt(n) tokens and recomputed in between (memory of O(sqrt(n)) states).
     """
     dout, q, k, v, g, beta = _as64(dout, q, k, v, g, beta)
-    Z, n, dk = k.shape
-    states, decayed = _steps(q, k, v, g, beta, state, starts)
-    S0 = np.zeros((Z, dk, v.shape[-1])) if state is None else np.asarray(state, np.float64)
+    n = k.shape[1]
+    stride = max(1, int(np.ceil(np.sqrt(n))))
+    S0 = _start(k, v, state)
+    marks, S = [], S0
+    for t in range(n):
+        if t % stride == 0:
+            marks.append(S)
+        S, _ = _step(S, t, k, v, g, beta, starts)
     dq, dk_, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
     dg = None if g is None else np.zeros_like(g)
     dbeta = None if beta is None else np.zeros_like(beta)
     dS = np.zeros_like(S0) if dfinal is None else np.array(dfinal, np.float64)
-    for t in reversed(range(n)):
-        S, Sd = states[t], decayed[t]
-        prev = S0 if t == 0 else states[t - 1]
-        if starts is not None and starts[t]:
-            prev = np.zeros_like(S0)
-        dq[:, t] = np.einsum("zij,zj->zi", S, dout[:, t])
-        dS = dS + q[:, t, :, None] * dout[:, t, None, :]
-        kt, vt = k[:, t], v[:, t]
-        if beta is None:
-            dk_[:, t] = np.einsum("zij,zj->zi", dS, vt)
-            dv[:, t] = np.einsum("zij,zi->zj", dS, kt)
-            dSd = dS
-        else:
-            b = beta[:, t]
-            r = vt - np.einsum("zi,zij->zj", kt, Sd)
-            kdS = np.einsum("zi,zij->zj", kt, dS)  # k^T dS
-            dbeta[:, t] = np.einsum("zj,zj->z", kdS, r)
-            dv[:, t] = b[:, None] * kdS
-            dk_[:, t] = b[:, None] * (np.einsum("zij,zj->zi", dS, r) - np.einsum("zij,zj->zi", Sd, kdS))
-            dSd = dS - b[:, None, None] * kt[:, :, None] * kdS[:, None, :]
-        a = _decay(g, t, dk)
-        if a is None:
-            dS = dSd
-        else:
-            rows = np.einsum("zij,zij->zi", dSd, prev) * a[:, :, 0]  # d/dg of each row's scale
-            dg[:, t] = rows.sum(axis=1) if g.ndim == 2 else rows
-            dS = a * dSd
-        if starts is not None and starts[t]:
-            dS = np.zeros_like(dS)
+    for first in reversed(range(0, n, stride)):
+        S, before, states, decayed = marks[first // stride], [], [], []
+        for t in range(first, min(first + stride, n)):
+            before.append(np.zeros_like(S) if starts is not None and starts[t] else S)
+            S, Sd = _step(S, t, k, v, g, beta, starts)
+            states.append(S)
+            decayed.append(Sd)
+        for i in reversed(range(len(states))):
+            dS = _back(first + i, dS, states[i], decayed[i], before[i], dout, q, k, v, g, beta, starts,
+                       (dq, dk_, dv, dg, dbeta))
     return dq, dk_, dv, dg, dbeta, dS
+
+
+def _back(t, dS, S, Sd, prev, dout, q, k, v, g, beta, starts, grads):
+    """One token of the backward: fills the gradients of token t, returns that of the state before it."""
+    dq, dk_, dv, dg, dbeta = grads
+    dq[:, t] = np.einsum("zij,zj->zi", S, dout[:, t])
+    dS = dS + q[:, t, :, None] * dout[:, t, None, :]
+    kt, vt = k[:, t], v[:, t]
+    if beta is None:
+        dk_[:, t] = np.einsum("zij,zj->zi", dS, vt)
+        dv[:, t] = np.einsum("zij,zi->zj", dS, kt)
+        dSd = dS
+    else:
+        b = beta[:, t]
+        r = vt - np.einsum("zi,zij->zj", kt, Sd)
+        kdS = np.einsum("zi,zij->zj", kt, dS)  # k^T dS
+        dbeta[:, t] = np.einsum("zj,zj->z", kdS, r)
+        dv[:, t] = b[:, None] * kdS
+        dk_[:, t] = b[:, None] * (np.einsum("zij,zj->zi", dS, r) - np.einsum("zij,zj->zi", Sd, kdS))
+        dSd = dS - b[:, None, None] * kt[:, :, None] * kdS[:, None, :]
+    a = _decay(g, t, k.shape[-1])
+    if a is None:
+        dS = dSd
+    else:
+        rows = np.einsum("zij,zij->zi", dSd, prev) * a[:, :, 0]  # d/dg of each row's scale
+        dg[:, t] = rows.sum(axis=1) if g.ndim == 2 else rows
+        dS = a * dSd
+    if starts is not None and starts[t]:
+        dS = np.zeros_like(dS)
+    return dS
 
 
 def conv(x, weight, bias=None, starts=None):
