@@ -22,7 +22,7 @@ The backward passes the states' gradients the same way along the reversed chain.
 
 import numpy as np
 
-__all__ = ["state_bytes", "state_messages", "state_counts", "halo_bytes", "exscan_rounds"]
+__all__ = ["state_bytes", "state_messages", "state_counts", "state_steps", "halo_bytes", "exscan_rounds"]
 
 
 def exscan_rounds(position, size):
@@ -90,3 +90,17 @@ def halo_bytes(plan, width, row, itemsize, backward=False):
         rows = sum(len(v) for v in halo.send.values()) + (sum(halo.recv.values()) if backward else 0)
         out.append(rows * row * itemsize)
     return out
+
+
+def state_steps(plan, passing, backward=False):
+    """Messages that follow one another on the longest path of one state pass (its latency in hops): the ring,
+    one per chunk boundary between ranks along the chain; the all-gather, one collective; the scan, its rounds
+    (recursive doubling's ceil(log2 P), or the log-depth scan's ceil(log2 chunks) and its shift)."""
+    chain = plan.chain(reverse=backward)
+    if passing == "ring":
+        return int(np.sum(_boundaries(chain)))
+    if passing == "allgather":
+        return 1
+    if chain.runs(plan.size) is not None:
+        return max(plan.size - 1, 0).bit_length()
+    return max(len(chain.owner) - 1, 0).bit_length() + 1
