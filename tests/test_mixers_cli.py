@@ -3,6 +3,7 @@
     python -m pytest -q tests/test_mixers_cli.py
 """
 
+import importlib.util
 import subprocess
 import sys
 
@@ -51,3 +52,17 @@ def test_run_mixer_under_mpiexec(args):
     rows = [line.split() for line in result.stdout.splitlines() if line[:4].strip() in ("0", "1", "2")]
     assert len(rows) == 3 and all(r[1] == r[2] and r[3] == r[4] for r in rows)  # bytes as the model says
     assert np.sum([int(r[1]) for r in rows]) > 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
+def test_bench_mixer_rows_run(capsys):
+    """``bench --mixers``' rows on one rank at a small size: mpiring timed, transformers' peer timed in its child
+    process, the bytes as the model says (none move on one rank)."""
+    from mpiring.tools.benchmixers import mixer_rows
+
+    rows = mixer_rows(MPI.COMM_SELF, repeats=1, budget=1.0, rows=[("ssd", 64)])
+    assert [r["mixer"] for r in rows] == ["ssd"]
+    assert rows[0]["fwd_s"] > 0 and rows[0]["torch_fwd_s"] and rows[0]["torch_fwdbwd_s"] and rows[0]["bytes_match"]
+    text = capsys.readouterr().out
+    assert text.startswith("sequence mixers: ") and "float32" in text.splitlines()[0]
+    assert text.count("fwd+bwd") == 2  # the row as it finishes, then the table

@@ -15,6 +15,7 @@ planted and shown to be caught; bad input raises the same ValueError on every ra
 import numpy as np
 import pytest
 from mpi4py import MPI
+from test_positions_mpi import random_partition
 
 from mpiring import (
     LAYOUTS,
@@ -49,18 +50,6 @@ def sizes(P):
     return [(P, None), (4 * P + 3, None), (3 * 4 * P + 1, 4)]
 
 
-def partition(S, P, rng, chunky):
-    """P non-empty, unsorted position arrays that hold 0 .. S-1 once (the same on every rank)."""
-    if chunky:
-        cuts = np.sort(rng.choice(np.arange(1, S), min(S - 1, 2 * P), replace=False))
-        runs = np.split(np.arange(S), cuts)
-        owner = np.concatenate([rng.permutation(P), rng.integers(0, P, len(runs) - P)])
-        parts = [np.concatenate([c for c, o in zip(runs, owner) if o == r]) for r in range(P)]
-    else:
-        parts = np.split(rng.permutation(S), np.sort(rng.choice(np.arange(1, S), P - 1, replace=False)))
-    return [rng.permutation(p) for p in parts]
-
-
 def cases(P, rng):
     """(S, options, this rank's positions, documents) over every layout, explicit positions and documents."""
     rank = MPI.COMM_WORLD.rank
@@ -71,7 +60,7 @@ def cases(P, rng):
                 yield S, dict(seq_len=S, layout=layout, **extra), shard_indices(S, P, rank, layout), cu
             for chunky in (True, False):
                 if S > P:
-                    mine = partition(S, P, rng, chunky)[rank]
+                    mine = random_partition(S, P, rng, chunky)[rank]
                     yield S, dict(positions=mine, **extra), mine, cu
 
 

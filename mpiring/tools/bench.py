@@ -71,6 +71,7 @@ from mpiring.core.precision import Precision, named_dtype
 from mpiring.cost.costmodel import format_wire_model
 
 from .benchinfer import inference_rows
+from .benchmixers import mixer_rows
 from .benchtable import add_efficiency, format_header, format_long, format_table, format_targets, read_csv, write_csv
 from .cli import at_least, command_parser, with_threads
 from .limits import blas_report, limit_seconds, measure_limits
@@ -313,6 +314,8 @@ def bench_parser():
     p.add_argument("--inference", choices=["auto", "on", "off", "only"], default="auto",
                    help="the inference rows (decode tree vs ring over a 64k cache, prefill pass-KV vs pass-Q; "
                         "tools.benchinfer): auto = with the full table, not with --quick or --long")
+    p.add_argument("--mixers", action="store_true", help="time the sequence mixers' rows only (conv, gated delta "
+                   "rule, SSD, Mamba-1 against transformers' CPU code; tools.benchmixers)")
     p.add_argument("--load", type=int, default=0, metavar="N",
                    help="also time every row (and its torch column) with N busy background processes "
                         "started by rank 0 (0: idle only)")
@@ -368,6 +371,9 @@ def bench(comm, args):
     rank, size = comm.Get_rank(), comm.Get_size()
     if args.inference == "only":
         inference_rows(comm, quick=args.quick)
+        return 0
+    if args.mixers:
+        mixer_rows(comm, repeats=args.repeats, budget=args.budget, threads=args.threads)
         return 0
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
     local_ranks = local.Get_size()
