@@ -24,6 +24,7 @@ import numpy as np
 from ...core.mixers.conv import conv_rows, conv_rows_backward
 from ...core.mixers.runs import corrected, reverse_element, run_backward, run_forward
 from ...core.precision import compute_dtype, dtype_problem
+from ...core.threads import limited, node_threads
 from ...mpi.checks import describe, is_real
 from ...plans.chunks import MixerSpec
 from ...plans.layouts import put_rows, sort_order, take_rows
@@ -105,7 +106,7 @@ def run_entry(comm, rows, check, body, spec, timeout, record, options, work=0.0)
     except Exception as exc:  # reported collectively, never raised alone
         problem, values = describe(exc), {}
     call = open_call(comm, spec, problem, values, n_local, timeout, record, work)
-    with call:
+    with call, limited(node_threads()):  # BLAS threads: the node's cores shared among its ranks (threads="auto")
         order = sort_order(spec.positions)
         mine = {name: a if a is None or axis is None else take_rows(a, order, axis) for name, (a, axis) in
                 rows.items()}
