@@ -221,7 +221,7 @@ def causal_conv1d(x, weight, bias=None, activation=None, **mixer):
     ``activation`` None or "silu". Returns (B, C, n)."""
     refused = _refused(activation=(activation, (None, "silu", "swish")))
     y = _Mixer.apply("conv", ("x", "weight", "bias"), mixer, refused, x.transpose(-1, -2), weight, bias)
-    y = y.transpose(-1, -2)
+    y = y.transpose(-1, -2).contiguous()  # contiguous as transformers' is: layers call .view() on it
     return y if activation is None else torch.nn.functional.silu(y)
 
 
@@ -237,7 +237,7 @@ def linear_attention(q, k, v, g=None, *, scale=None, **mixer):
     names = ("q", "k", "v", "decay")
     out = _Mixer.apply("linear", names, dict(mixer, scale=scale), None,
                        *(None if t is None else t.transpose(1, 2) for t in (q, k, v, g)))
-    return out.transpose(1, 2)
+    return out.transpose(1, 2).contiguous()
 
 
 def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
@@ -254,7 +254,7 @@ def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_st
     names = ("q", "k", "v", "decay", "beta")
     out = _Mixer.apply("linear", names, dict(mixer, scale=scale), refused,
                        *(t.transpose(1, 2) for t in (query, key, value, g, beta)))
-    return out.transpose(1, 2), None
+    return out.transpose(1, 2).contiguous(), None
 
 
 def mamba_chunk_scan(hidden_states, dt, A, B, C, chunk_size=None, D=None, dt_bias=None, initial_states=None,
@@ -271,7 +271,7 @@ def mamba_chunk_scan(hidden_states, dt, A, B, C, chunk_size=None, D=None, dt_bia
     dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])
     y = _Mixer.apply("ssd", ("x", "dt", "A", "B", "C"), mixer, refused,
                      *(t.transpose(1, 2) for t in (hidden_states, dt)), A, *(t.transpose(1, 2) for t in (B, C)))
-    y = y.transpose(1, 2)
+    y = y.transpose(1, 2).contiguous()
     return y if D is None else y + D[..., None] * hidden_states
 
 
