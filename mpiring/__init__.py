@@ -30,6 +30,7 @@ _LAZY = {
     "distributed_attention": "distributed", "distributed_attention_backward": "distributed",
     "CommTimeout": "mpi.waits", "decode_attention": "decode", "KVCache": "kvcache",
     "decode_many": "decode", "attend_many": "kvcache", "HelixGrid": "helix", "helix_attention": "helix",
+    "select_topk": "parallel.topk", "mla_attention": "parallel.latent", "mla_attention_backward": "parallel.latent",
     "causal_conv": "parallel.mixing.entry", "causal_conv_backward": "parallel.mixing.entry",
     "linear_attention": "parallel.mixing.entry", "linear_attention_backward": "parallel.mixing.entry",
     "ssd": "parallel.mixing.statespace", "ssd_backward": "parallel.mixing.statespace",
@@ -38,7 +39,8 @@ _LAZY = {
 
 __all__ = [
     "ring_attention", "distributed_attention", "Record", "CommTimeout", "Ring", "Lse", "decode_attention", "KVCache",
-    "decode_many", "attend_many", "HelixGrid", "helix_attention",
+    "decode_many", "attend_many", "HelixGrid", "helix_attention", "select_topk",
+    "mla_attention", "mla_attention_backward",
     "ring_attention_backward", "distributed_attention_backward", "predicted_backward_bytes",
     "attention_block_backward", "reference_attention_backward",
     "ring_attention_simulate", "simulate",

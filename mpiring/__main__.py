@@ -6,10 +6,11 @@
     python -m mpiring cost --seq-len 1048576 -P 8 --hidden 4096 --heads 32 --causal    # + time model
     mpiexec -n 4 python -m mpiring generate --prompt-len 4096 --new-tokens 16 --heads 8 --kv-heads 2
     mpiexec -n 2 python -m mpiring bench --quick        # the benchmark table (run/bench runs -n 1 and -n 2)
-    python -m mpiring tune                              # fastest GEMM backend and tiles here, cached
-    python -m mpiring percore                           # one core: the kernel, its parts, the limit, torch
+    python -m mpiring bench tune                        # fastest GEMM backend and tiles here, cached
+    python -m mpiring bench percore                     # one core: the kernel, its parts, the limit, torch
     mpiexec -n 4 python -m mpiring support              # which strategy works with which option (docs/reliability.md)
     mpiexec -n 4 python -m mpiring grade student.py     # grade a student's ring (docs/exercises.md)
+    python -m mpiring grade class/ --ranks 2,3,4 --report report.json  # a class, at several P (docs/course.md)
     mpiexec -n 2 python -m mpiring demo deadlock        # a blocking ring deadlocks; the two fixes
 
 Every command lives in ``mpiring.tools``, owns its parser (``<command>_parser()``)
@@ -48,17 +49,16 @@ COMMANDS = {
     "generate": ("cli_generate", True, "prefill a KV cache sharded over the ranks, decode token by token, verified"),
     "schedule": ("cli_plan", False, "print the ring schedule (no MPI needed)"),
     "cost": ("cli_plan", False, "the analytical cost report, then the time model (no MPI needed)"),
-    "bench": ("bench", True, "benchmark table under mpiexec -n 1 / -n 2 (see run/bench)"),
-    "planbench": ("planbench", False, "one rank's planning time as P grows: make_plan and its own steps (no MPI)"),
-    "tune": ("cli_tune", False, "time GEMM backends and tile sizes on this CPU, cache the fastest (no MPI)"),
-    "percore": ("percore", False, "one core, one block: the kernel against its own GEMMs and exp2, the limit, "
-                "and torch (no MPI)"),
-    "accuracy": ("cli_accuracy", False, "error against float64 as P grows, per dtype and accumulation (no MPI)"),
-    "zoo": ("zoo", True, "bytes each movement sends for a zoo of masks, measured, against the minimum"),
+    "bench": ("bench", True, "the benchmark table; 'bench SUBCOMMAND': percore, tune, plan, accuracy, zoo, ... "
+              "(see 'bench --help')"),
     "support": ("support", True, "every strategy x option against the float64 reference: works, or its error"),
-    "grade": ("cli_teach", True, "grade a student's ring attention (docs/exercises.md)"),
-    "demo": ("cli_teach", True, "demonstrations: 'demo deadlock' shows a blocking ring deadlock and its fixes"),
+    "grade": ("grade", True, "grade a student's ring attention (docs/exercises.md)"),
+    "demo": ("deadlock", True, "demonstrations: 'demo deadlock' shows a blocking ring deadlock and its fixes"),
 }
+
+# commands of an earlier release, now subcommands of bench: they still run, with a note, for one release
+MOVED = {"tune": "tune", "percore": "percore", "planbench": "plan", "accuracy": "accuracy", "zoo": "zoo",
+         "topk": "topk", "latent": "latent"}
 
 DESCRIPTION = "Ring attention (context parallelism) on CPUs with MPI and NumPy."
 EPILOG = ("commands:\n" + "".join(f"  {name:<10}{what}\n" for name, (_, _, what) in COMMANDS.items())
@@ -76,10 +76,28 @@ def parser(name):
     return getattr(importlib.import_module(f"mpiring.tools.{COMMANDS[name][0]}"), f"{name}_parser")()
 
 
+def needs_mpi(name, args):
+    """Whether command ``name`` runs under MPI with options ``args`` (its module may decide: ``<name>_needs_mpi``)."""
+    module = importlib.import_module(f"mpiring.tools.{COMMANDS[name][0]}")
+    decide = getattr(module, f"{name}_needs_mpi", None)
+    return COMMANDS[name][1] if decide is None else decide(args)
+
+
 def parse(argv):
     """``(command, options)`` of a command line (after ``python -m mpiring``), without running anything."""
-    top = _top_parser().parse_args(argv)
+    top = _top_parser().parse_args(_moved(argv))
     return top.command, parser(top.command).parse_args(top.args)
+
+
+def _moved(argv, say=False):
+    """``argv`` with a command that moved under ``bench`` spelled as now (``say``: a note on stderr)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in MOVED:
+        if say:
+            print(f"python -m mpiring {argv[0]} is deprecated: use python -m mpiring bench {MOVED[argv[0]]}",
+                  file=sys.stderr)
+        argv = ["bench", MOVED[argv[0]], *argv[1:]]
+    return argv
 
 
 def _top_parser():
@@ -198,6 +216,7 @@ def _exit_unless(finalized, seconds):
 
 def main(argv=None):
     rank = [launch_rank()]  # known before MPI starts; the real one once it has
+    argv = _moved(argv, say=rank[0] == 0)
     try:  # --help, bad options and bad values: answered before MPI starts, by rank 0 alone
         with _only_on_rank0(rank[0]):
             top = _top_parser().parse_args(argv)
@@ -205,7 +224,7 @@ def main(argv=None):
     except SystemExit as exc:
         return _exit_code(exc)
     func = command(top.command)
-    if not COMMANDS[top.command][1]:
+    if not needs_mpi(top.command, top.args):
         try:
             return func(None, top.args)
         except ValueError as exc:

@@ -333,7 +333,8 @@ class Scores:
         """Why this rank's call cannot run these scores, or None: they need every token's global position."""
         if positions is None or kv_positions is None:
             return "a mask or score modifier in decoding needs positions (of q) and kv_positions (of the cache)"
-        return self.spec.scores_problem(q)
+        reach = int(np.max(np.asarray(positions), initial=-1)) + 1  # a piece made for a sequence refuses others
+        return next(filter(None, (piece.problem(reach) for piece in self.mask)), None) or self.spec.scores_problem(q)
 
     def values(self):
         """What every rank must give alike: the pieces and functions by what they are."""

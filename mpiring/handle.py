@@ -388,8 +388,9 @@ def ring_attention(
         seq_axis: the sequence axis of q, k, v and out (-3 for ``(B, S, H, D)``).
         threads: BLAS threads per rank during the call ("auto": the node's
             cores shared among its ranks; ``mpiring.core.threads``), or None.
-        wire_dtype: "float16", "bfloat16" or "int8": K/V travel coded so (int8: with a
-            float32 scale per token and head), default the input dtype (``mpiring.core.precision``); in
+        wire_dtype: "float16", "bfloat16", "int8", "float8_e4m3" or "float8_e5m2": K/V travel coded so
+            (int8, FP8: with a float32 scale per token and head), default the input dtype
+            (``mpiring.core.precision``); in
             every mode (Ulysses' and the grid's all-to-alls too); with ``rotate="q"`` the query
             blocks travel coded instead. What a rank holds itself is never coded.
         accumulate: "float64" (default), "float32" or "input": the running (out, lse)'s dtype.

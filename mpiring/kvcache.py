@@ -84,13 +84,15 @@ class KVCache:
         placement: "interleave", "round_robin" or "contiguous": which rank keeps each token.
         interleave: with "interleave", tokens per run: token t lives on rank (t // interleave) % P
             (vLLM's decode context parallelism); "round_robin" is interleave=1.
+        shared_values: the values are the keys' last ``value_dim`` values, stored once (MLA's latent:
+            keys [k_rope | c], values c; ``core.latent``); the calls then take v=None.
         timeout: as ``ring_attention``, for every call.
 
     Bad arguments on any rank raise the same ValueError on every rank.
     """
 
     def __init__(self, comm, kv_heads, head_dim, *, dtype=np.float32, quantize=None, placement="round_robin",
-                 interleave=1, value_dim=None, timeout="auto"):
+                 interleave=1, value_dim=None, shared_values=False, timeout="auto"):
         self.comm = check_comm(comm)
         problem = values = None
         try:
@@ -105,9 +107,12 @@ class KVCache:
             if placement not in PLACEMENTS:
                 problem = problem or f"placement must be one of {', '.join(PLACEMENTS)}; got {placement!r}"
             problem = problem or interleave_problem(placement, interleave)
+            if not isinstance(shared_values, bool) or (shared_values and value_dim > head_dim):
+                problem = problem or f"shared_values needs True or False and value_dim <= head_dim, got " \
+                                     f"{shared_values!r} with {value_dim} > {head_dim}"
             problem = problem or timeout_problem(timeout)
             values = repr((kv_heads, head_dim, value_dim, np.dtype(dtype).name, quantize, placement, interleave,
-                           timeout))
+                           shared_values, timeout))
         except Exception as exc:  # reported collectively, never raised alone
             problem = describe(exc)
         with exclusive(self.comm):
@@ -120,7 +125,8 @@ class KVCache:
         self.interleave = None if placement == "contiguous" else int(interleave)  # "round_robin": 1
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.lengths = [0] * self.size  # every rank's cached tokens, the same list on every rank
-        self.store = KVStore(self.kv_heads, self.head_dim, self.value_dim, self.dtype, quantize)  # this rank's
+        self.shared_values = shared_values
+        self.store = KVStore(self.kv_heads, self.head_dim, self.value_dim, self.dtype, quantize, shared_values)
         self._ring = None  # a private RingComm for merge="ring", made at the first such attend
         self._draft = None  # the last verify's (k, v, parents), until commit
 
@@ -168,7 +174,7 @@ class KVCache:
         Returns this rank's ``(out, lse)`` in the order of its rows. ``options``
         go to ``ring_attention`` (e.g. ``rotate``).
         """
-        opens = positions is not None  # else the all-gather of the prompt's length opens the call
+        opens, v = positions is not None, self._values(k, v)  # else the prompt's length opens the call
         if positions is None:
             with exclusive(self.comm):
                 total = sum(gather_entry(self.comm, int(np.shape(q)[-2]) if np.ndim(q) >= 2 else 0, self.timeout))
@@ -196,7 +202,7 @@ class KVCache:
         another rank, straight to it, and nothing else: ``record.bytes_sent`` is
         ``infercost.relayout_bytes`` (the tokens as given, K and V). Collective.
         """
-        rec = Record(self.rank) if record is None else record
+        rec, v = Record(self.rank) if record is None else record, self._values(k, v)
         with exclusive(self.comm):
             problem = None if not len(self) else f"adopt needs an empty cache; it holds {len(self)} tokens"
             try:
@@ -217,7 +223,7 @@ class KVCache:
         mine = owners[self.rank]
         order = np.argsort(mine, kind="stable")
         rows = np.concatenate([np.moveaxis(x, -2, 0).reshape(len(mine), int(np.prod(x.shape[:-2])) * x.shape[-1])
-                               for x in (k, v)], axis=1)[order]  # a token's K and V as one row
+                               for x in (k, v)[:2 - self.shared_values]], axis=1)[order]  # a token's K (and V)
         out = [int(np.count_nonzero(mine == r)) for r in range(self.size)]
         into = [int(np.count_nonzero(o == self.rank)) for o in owners]
         got = np.empty((sum(into), rows.shape[1]), rows.dtype)
@@ -232,8 +238,10 @@ class KVCache:
         pos = np.concatenate([p[o == self.rank] for p, o in zip(held, owners)])
         order = np.argsort(pos, kind="stable")
         got, split = got[order], int(np.prod(k.shape[:-2])) * self.head_dim
-        k, v = (np.ascontiguousarray(np.moveaxis(part.reshape((len(pos),) + k.shape[:-2] + (dim,)), 0, -2))
-                for part, dim in ((got[:, :split], self.head_dim), (got[:, split:], self.value_dim)))
+        parts = ((got[:, :split], self.head_dim), (got[:, split:], self.value_dim))[:2 - self.shared_values]
+        k, *v = (np.ascontiguousarray(np.moveaxis(part.reshape((len(pos),) + k.shape[:-2] + (dim,)), 0, -2))
+                 for part, dim in parts)
+        v = v[0] if v else self._values(k, None)
         self.lengths = [int(sum(np.count_nonzero(o == r) for o in owners)) for r in range(self.size)]
         self.store.append(k, v, pos[order])
 
@@ -244,8 +252,9 @@ class KVCache:
         starts = [len(p) for p in layout_positions(prompt_len, self.size, "contiguous")]
         return np.searchsorted(np.cumsum(starts), positions, side="right")
 
-    def extend(self, k, v):
+    def extend(self, k, v=None):
         """Append new tokens (``k, v`` (..., kv_heads, T, D), the same on every rank): each owner keeps its own."""
+        v = self._values(k, v)
         with exclusive(self.comm):
             problem = values = None
             try:
@@ -281,6 +290,12 @@ class KVCache:
             lengths[r] += 1
         return np.array(owners, np.int64)
 
+    def _values(self, k, v):
+        """``v``, or with ``shared_values`` and v None, the last value_dim values of k's rows (a view)."""
+        if self.shared_values and v is None and isinstance(k, np.ndarray) and k.ndim:
+            return k[..., self.head_dim - self.value_dim:]
+        return v
+
     def _shape_problem(self, k, v):
         for name, a, dim in (("k", k, self.head_dim), ("v", v, self.value_dim)):
             if not isinstance(a, np.ndarray) or a.dtype != self.dtype:
@@ -291,6 +306,8 @@ class KVCache:
                 return f"{name} must have the cache's batch axes {self.store.lead}, got {a.shape}"
         if k.shape[:-1] != v.shape[:-1]:
             return f"k and v must agree on all but the last axis, got {k.shape} and {v.shape}"
+        if self.shared_values and not np.array_equal(v, self._values(k, None)):
+            return "this cache's values are its keys' last value_dim values (shared_values): give v=None"
         return None
 
     # ---------------------------------------------------------------- decoding
@@ -325,6 +342,7 @@ class KVCache:
         (``decode.draft_mask``). Returns ``(out, lse)``, the same bits on every
         rank; the drafts are held until ``commit`` keeps the accepted ones.
         """
+        v = self._values(k, v)
         with exclusive(self.comm):
             problem = values = None
             try:

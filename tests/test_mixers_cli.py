@@ -56,9 +56,9 @@ def test_run_mixer_under_mpiexec(args):
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
 def test_bench_mixer_rows_run(capsys):
-    """``bench --mixers``' rows on one rank at a small size: mpiring timed, transformers' peer timed in its child
+    """``bench mixers``' rows on one rank at a small size: mpiring timed, transformers' peer timed in its child
     process, the bytes as the model says (none move on one rank)."""
-    from mpiring.tools.benchmixers import mixer_rows
+    from mpiring.tools.bench.hybrid import mixer_rows
 
     rows = mixer_rows(MPI.COMM_SELF, repeats=1, budget=1.0, rows=[("ssd", 64)])
     assert [r["mixer"] for r in rows] == ["ssd"]

@@ -13,7 +13,7 @@ exactly (its ``supports``). Backends (``MPIRING_KERNEL`` or ``set_backend``):
   when torch is installed; the blocks they cannot do exactly (V's head dim
   other than K's, scores too large for float tiles, non-finite inputs, an lse
   the backward refuses) go to the NumPy kernel.
-- ``auto`` (the default): what ``python -m mpiring tune`` measured fastest on
+- ``auto`` (the default): what ``python -m mpiring bench tune`` measured fastest on
   this CPU (its cache), else ``numpy``. So a machine gives the same results
   for the same inputs run after run; backends differ from each other by
   rounding only (the same tolerances against the float64 reference).

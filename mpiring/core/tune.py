@@ -1,7 +1,7 @@
 """Tuning for this CPU: the kernel backend, GEMM backend and tile sizes that run a block fastest, cached. No MPI.
 
-    python -m mpiring tune            # times the candidates on one core (under a minute), writes the cache
-    python -m mpiring tune --show     # what the cache holds for this machine
+    python -m mpiring bench tune            # times the candidates on one core (under a minute), writes the cache
+    python -m mpiring bench tune --show     # what the cache holds for this machine
 
 The kernels' defaults were measured on one CPU; another CPU, or another
 BLAS, may prefer other tiles. ``tune`` times the forward and the backward
@@ -170,6 +170,6 @@ def reread():
 
 def untuned():
     """Whether "auto" would pick a kernel backend without a measurement: more than one installed, the choice
-    "auto", a tuning cache in use and no entry in it for this machine (``python -m mpiring tune`` makes one)."""
+    "auto", a tuning cache in use and no entry in it for this machine (``python -m mpiring bench tune`` makes one)."""
     return (kernel_backends.choice() == "auto" and cache_path() is not None and "kernel" not in cached()
             and len(kernel_backends.available()) > 1)

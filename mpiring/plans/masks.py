@@ -98,11 +98,13 @@ class MaskPiece:
 
     ``exact = False``: ``bounds`` is an envelope only, ``allows`` says which keys inside it are visible.
     ``batched = True``: ``allows`` depends on the batch entry too, and returns the batch axes first.
+    ``sparse_keys = True``: the sparse movement sends only the keys a rank's queries see, not whole blocks.
     ``a & b``: keys both allow; ``a | b``: keys either allows.
     """
 
     exact = True
     batched = False
+    sparse_keys = False  # under mode="sparse", send only the keys some query of the receiving rank sees
 
     def bounds(self, q_pos):
         """``(lo, hi)`` int64 arrays for the query positions ``q_pos`` (int64); +-``BIG``: unbounded."""
@@ -111,6 +113,10 @@ class MaskPiece:
     def allows(self, q_pos, k_pos):
         """Whether query position q may see key position k, from the mask's definition (broadcasting)."""
         raise NotImplementedError
+
+    def problem(self, seq_len):
+        """Why this piece cannot mask a sequence of ``seq_len`` tokens, or None."""
+        return None
 
     def key(self):
         """What the piece is, comparable: its class and its fields (arrays by their values)."""
@@ -302,6 +308,7 @@ class _Combination(MaskPiece):
         self.parts = tuple(q for p in parts for q in (p.parts if type(p) is type(self) else (p,)))
 
     batched = property(lambda self: any(p.batched for p in self.parts))
+    sparse_keys = property(lambda self: any(p.sparse_keys for p in self.parts))
 
     def bounds(self, q_pos):  # never decreasing, as the parts'
         lo, hi = (np.full(q_pos.shape, edge, np.int64) for edge in self.START)
@@ -341,8 +348,9 @@ def pieces(causal=False, window=(-1, -1), cu_seqlens=None, causal_block=None, ma
     return tuple(named) + tuple(mask)
 
 
-def check_mask(mask):
-    """``mask`` (None, a piece, or pieces) as a tuple of ``MaskPiece``; ValueError otherwise."""
+def check_mask(mask, seq_len=None):
+    """``mask`` (None, a piece, or pieces) as a tuple of ``MaskPiece``; ValueError otherwise, or if a piece cannot
+    mask ``seq_len`` tokens (``MaskPiece.problem``)."""
     if mask is None:
         return ()
     found = (mask,) if isinstance(mask, MaskPiece) else mask
@@ -354,6 +362,9 @@ def check_mask(mask):
     if bad:
         raise ValueError(f"mask must be mask pieces (mpiring.plans.masks.MaskPiece: Causal, Window, Documents, "
                          f"or a class of your own), got {bad[0]!r}")
+    problem = next(filter(None, (piece.problem(seq_len) for piece in found)), None) if seq_len is not None else None
+    if problem:
+        raise ValueError(problem)
     return found
 
 
