@@ -16,6 +16,7 @@ from .core.tiles import release_workspace
 from .cost.costmodel import predicted_backward_bytes, predicted_bytes_sent, ring_attention_context_parallel
 from .mpi.record import Record
 from .plans.balancers import balance
+from .plans.chunks import MixerSpec
 from .plans.layouts import LAYOUTS, shard, shard_indices, unshard
 from .plans.make import make_plan
 from .plans.masks import visible_keys
@@ -30,6 +31,10 @@ _LAZY = {
     "CommTimeout": "mpi.waits", "decode_attention": "decode", "KVCache": "kvcache",
     "decode_many": "decode", "attend_many": "kvcache", "HelixGrid": "helix", "helix_attention": "helix",
     "select_topk": "parallel.topk", "mla_attention": "parallel.latent", "mla_attention_backward": "parallel.latent",
+    "causal_conv": "parallel.mixing.entry", "causal_conv_backward": "parallel.mixing.entry",
+    "linear_attention": "parallel.mixing.entry", "linear_attention_backward": "parallel.mixing.entry",
+    "ssd": "parallel.mixing.statespace", "ssd_backward": "parallel.mixing.statespace",
+    "selective_scan": "parallel.mixing.statespace", "selective_scan_backward": "parallel.mixing.statespace",
 }
 
 __all__ = [
@@ -43,6 +48,8 @@ __all__ = [
     "attention_block", "merge", "reference_attention", "visible_keys",
     "LAYOUTS", "shard", "shard_indices", "unshard",
     "MODES", "Schedule", "Task", "make_plan", "balance", "release_workspace", "Spec",
+    "causal_conv", "causal_conv_backward", "linear_attention", "linear_attention_backward", "ssd", "ssd_backward",
+    "selective_scan", "selective_scan_backward", "MixerSpec",
 ]
 __version__ = "0.1.0"
 

@@ -148,11 +148,11 @@ def test_alibi_slopes_snippet_runs():
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
-@pytest.mark.parametrize("P", [2, 3])
-def test_training_guide_runs(tmp_path, P):
-    """docs/training.md: its python blocks run in order as one script under mpiexec -n P (the PyTorch block
-    only where torch is installed), and the text block it shows is what the script prints."""
-    guide = DOCS / "training.md"
+@pytest.mark.parametrize("guide,P", [("training.md", 2), ("training.md", 3), ("mixers.md", 2)])
+def test_guide_runs(tmp_path, guide, P):
+    """docs/training.md and docs/mixers.md: the python blocks run in order as one script under mpiexec -n P
+    (PyTorch blocks only where torch is installed), and the text blocks they show are what the script prints."""
+    guide = DOCS / guide
     code, shown = [], []
     for lang, text in blocks(guide):
         if lang == "python" and ("import torch" not in text or HAVE_TORCH):

@@ -51,6 +51,7 @@ from .cli import (
     variant,
     with_threads,
 )
+from .cli_mixers import add_mixer_args, run_mixer
 from .cli_plan import compute_table, held_text
 from .links import LinkMeter
 from .plot import plot_timeline
@@ -106,7 +107,9 @@ def run_parser():
     p.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
                    help="ring step counter on rank 0 (auto: when output is a terminal)")
     add_variant_args(p)
-    p.checks += [at_least(1, **{"--seq-len": "seq_len", "--dim": "dim", "--heads": "heads",
+    add_mixer_args(p)
+    p.checks += [at_least(1, **{"--seq-len": "seq_len", "--dim": "dim", "--heads": "heads", "--width": "width",
+                                "--state": "state",
                                 "--kv-heads": "kv_heads", "--batch": "batch", "--threads": "threads",
                                 "--ulysses-size": "ulysses_size"}),
                  at_least(0, **{"--seed": "seed"}), heads_problem]
@@ -159,6 +162,8 @@ def run(comm, args):
     problem = objects(comm, job_problem(args, size) if rank == 0 else None)[0]  # rank 0 decides
     if problem:
         raise Agreed(problem)
+    if args.mixer:
+        return run_mixer(comm, args)
     dtype = named_dtype(args.dtype)
     hk = args.kv_heads or args.heads
     options = variant(args)

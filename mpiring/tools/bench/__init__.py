@@ -27,6 +27,7 @@ SUBCOMMANDS = {
     "topk": ("frontier", True, "bytes of top-k attention chosen by an indexer against the dense ring"),
     "latent": ("frontier", True, "bytes per token of MLA's latent against per-head K/V"),
     "serving": ("infer", True, "decode, speculative verify and Helix over 64k- and 256k-token caches"),
+    "mixers": ("hybrid", True, "conv, gated delta rule, SSD, Mamba-1 on P ranks against transformers' CPU code"),
     "cluster": ("cluster", False, "ring, double ring and Ulysses on the emulated cluster at several link rates"),
 }
 EPILOG = ("subcommands (python -m mpiring bench SUBCOMMAND --help):\n"
