@@ -34,11 +34,11 @@ How a job ends under mpiexec:
 import argparse
 import contextlib
 import ctypes
+import faulthandler
 import importlib
 import os
 import signal
 import sys
-import threading
 import time
 import traceback
 
@@ -177,11 +177,10 @@ def _on_interrupt(rank):
             tiles = sys.modules.get("mpiring.core.tiles")  # not imported: no helper thread polls MPI
             if tiles is not None:
                 tiles.stop_helper_polls()  # the interrupted thread may be waiting for its helper's poll
-            finalized = threading.Event()
-            threading.Thread(target=_exit_unless, args=(finalized, FINALIZE_WAIT), daemon=True).start()
+            _watchdog(FINALIZE_WAIT)
             grace = _exit_grace(mpi)
             mpi.Finalize()
-            finalized.set()
+            _watchdog(None)
             if grace:
                 time.sleep(grace)
         _leave(INTERRUPTED)
@@ -219,11 +218,15 @@ def _exit_grace(mpi):
         return EXIT_GRACE
 
 
-def _exit_unless(finalized, seconds):
-    """The watchdog: exit at once unless MPI finalized within ``seconds`` (a rank that never got the signal
-    holds the others in MPI_Finalize; the launcher then ends it)."""
-    if not finalized.wait(seconds):
-        os._exit(INTERRUPTED)
+def _watchdog(seconds):
+    """End this process with exit code 1 unless ``_watchdog(None)`` comes within ``seconds``: a rank that never got
+    the signal (held in a blocking MPI call, where its handler cannot run) keeps the others in MPI_Finalize, and
+    the launcher ends it once one leaves. faulthandler's timer is a C thread: a Python thread could not run,
+    since mpi4py holds the GIL in MPI_Finalize. It prints where the rank waited."""
+    if seconds is None:
+        faulthandler.cancel_dump_traceback_later()
+    else:
+        faulthandler.dump_traceback_later(seconds, exit=True)
 
 
 def main(argv=None, keep_handler=False):

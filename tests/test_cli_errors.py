@@ -210,30 +210,40 @@ def test_a_second_sigint_during_the_first_does_not_cut_the_wait_short(monkeypatc
     monkeypatch.setitem(sys.modules, "mpi4py.MPI", FakeMPI())
     # the handler stops the helper threads that poll MPI: in this process's tiles, not for the tests after it
     monkeypatch.setattr(tiles, "_HELPERS_STOPPED", threading.Event())
-    monkeypatch.setattr(cli.threading, "Thread", lambda **kw: type("T", (), {"start": lambda self: None})())
+    monkeypatch.setattr(cli, "_watchdog", lambda seconds: events.append(("watchdog", seconds)))
     monkeypatch.setattr(cli.time, "sleep", lambda seconds: events.append(("sleep", seconds)))
     monkeypatch.setattr(cli, "_leave", fake_exit)
     with pytest.raises(_Exited):
         handler(signal.SIGINT, None)
     grace = [("sleep", cli.EXIT_GRACE)] if vendor == "Open MPI" else []
-    assert events == ["finalize", *grace, ("exit", cli.INTERRUPTED)]
+    assert events == [("watchdog", cli.FINALIZE_WAIT), "finalize", ("watchdog", None), *grace,
+                      ("exit", cli.INTERRUPTED)]
 
 
-def test_the_watchdog_ends_a_rank_only_while_mpi_finalize_hangs(monkeypatch):
-    """The watchdog exits (os._exit: Hydra then ends the job) when MPI_Finalize has not returned in time, and
-    never once it has: a rank in its exit grace must leave through C's exit(), or Hydra kills the others."""
-    import threading
+WATCHDOG_JOB = """
+import ctypes, sys
+import mpiring.__main__ as cli
+cli._watchdog(float(sys.argv[1]))
+ctypes.PyDLL(None).sleep(int(sys.argv[2]))  # a C call that keeps the GIL, as mpi4py's MPI_Finalize does
+cli._watchdog(None)
+print("returned", flush=True)
+"""
 
-    import mpiring.__main__ as cli
 
-    exits = []
-    monkeypatch.setattr(cli.os, "_exit", exits.append)
-    finalized = threading.Event()
-    cli._exit_unless(finalized, 0.01)
-    assert exits == [cli.INTERRUPTED]
-    finalized.set()
-    cli._exit_unless(finalized, 0.01)
-    assert exits == [cli.INTERRUPTED]
+@pytest.mark.parametrize("hangs", [True, False])
+def test_the_watchdog_ends_a_rank_only_while_mpi_finalize_hangs(hangs):
+    """The watchdog ends a rank held in a C call that keeps the GIL (mpi4py's MPI_Finalize, waiting for a rank
+    stuck in a blocking collective, where its SIGINT handler cannot run: a Python thread as the watchdog never
+    ran there, and the job hung), and never once the call has returned."""
+    seconds, sleep = (0.3, 30) if hangs else (5.0, 1)
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", WATCHDOG_JOB, str(seconds), str(sleep)], capture_output=True,
+                          text=True, timeout=60)
+    took = time.perf_counter() - start
+    if hangs:
+        assert done.returncode == 1 and "returned" not in done.stdout and took < 15, (done, took)
+    else:
+        assert done.returncode == 0 and "returned" in done.stdout, done
 
 
 LEAVE_JOB = """

@@ -217,12 +217,15 @@ def launch_rank(environ=None):
     return 0
 
 
-def poll(requests, timeout=None, what="the other ranks"):
-    """Complete MPI ``requests`` by testing them every millisecond, sleeping in between.
+def poll(requests, timeout=None, what="the other ranks", spin=False):
+    """Complete MPI ``requests`` by testing them every millisecond, sleeping in between (``spin``: testing
+    without a pause, for a barrier that starts a timing).
 
     A rank that waits here leaves its core to the ranks still working (a
-    blocking MPI wait spins on it), and stays responsive to Ctrl-C. Raises
-    TimeoutError after ``timeout`` seconds (None: never).
+    blocking MPI wait spins on it), and stays responsive to Ctrl-C: a rank
+    held in a blocking collective never runs its SIGINT handler, and the
+    ranks that did would wait for it in MPI_Finalize. Raises TimeoutError
+    after ``timeout`` seconds (None: never).
     """
     from mpi4py import MPI
 
@@ -230,7 +233,18 @@ def poll(requests, timeout=None, what="the other ranks"):
     while not MPI.Request.Testall(requests):
         if timeout is not None and time.perf_counter() - start > timeout:
             raise TimeoutError(f"waited {timeout:g} s for {what}")
-        time.sleep(0.001)
+        if not spin:
+            time.sleep(0.001)
+
+
+def barrier(comm, spin=False):
+    """``comm.Barrier()`` waited for in a polling loop (see ``poll``)."""
+    poll([comm.Ibarrier()], spin=spin)
+
+
+def broadcast(comm, obj):
+    """``comm.bcast(obj, root=0)`` waited for in a polling loop: rank 0's ``obj`` on every rank."""
+    return objects(comm, obj if comm.Get_rank() == 0 else None)[0]
 
 
 def objects(comm, obj, root=None, timeout=None, what="the other ranks"):

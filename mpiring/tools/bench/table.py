@@ -30,7 +30,7 @@ from mpiring.core import backends, gemm, tune
 from mpiring.core.precision import Precision, named_dtype
 from mpiring.cost.costmodel import format_wire_model
 
-from ..cli import at_least, command_parser, on_rank0, with_threads
+from ..cli import at_least, barrier, broadcast, command_parser, objects, on_rank0, with_threads
 from .infer import inference_rows
 from .memory import MB, kernel_scratch, memory_model
 from .peers import context_parallel_times, torch_available, torch_times
@@ -98,7 +98,7 @@ def _local_inputs(cfg, plan, rank, seed):
 
 def _one_run(q, k, v, dout, comm, cfg, plan):
     """One timed pass; returns (wall, wait, compute, bytes) of this rank."""
-    comm.Barrier()
+    barrier(comm, spin=True)
     rec = Record(comm.Get_rank())
     held = {"positions": plan.shards[comm.Get_rank()]} if cfg.positions else {"layout": cfg.layout}
     start = time.perf_counter()
@@ -147,23 +147,24 @@ def run_config(comm, cfg, *, repeats=3, budget=30.0, seed=0, limits=None, baseli
     dout = rest[0] if rest else None
     samples, elapsed = [], 0.0
     first = _one_run(q, k, v, dout, comm, cfg, plan)
-    slowest = comm.allreduce(first[0], op=MPI.MAX)
+    slowest = max(objects(comm, first[0]))
     if slowest > budget:  # one run takes the whole budget: the first run counts, cold
         samples.append(first)
         elapsed = slowest
     while len(samples) < repeats and (not samples or elapsed + slowest <= budget):
         samples.append(_one_run(q, k, v, dout, comm, cfg, plan))
-        slowest = comm.allreduce(samples[-1][0], op=MPI.MAX)
+        slowest = max(objects(comm, samples[-1][0]))
         elapsed += slowest
     peak = peak_rss_mb()
     del q, k, v, dout, rest
 
-    walls = comm.gather([s[0] for s in samples], root=0)
+    walls = objects(comm, [s[0] for s in samples], root=0)
     blocked = statistics.median(s[1] / s[0] for s in samples)  # this rank's fraction of wall in Wait
-    comm_frac, wait_frac = comm.allreduce(blocked, op=MPI.MIN), comm.allreduce(blocked, op=MPI.MAX)
-    compute = comm.allreduce(statistics.median(s[2] for s in samples), op=MPI.MAX)
-    sent = comm.gather(samples[0][3], root=0)
-    peaks = comm.gather(peak, root=0)
+    everyone = objects(comm, blocked)
+    comm_frac, wait_frac = min(everyone), max(everyone)
+    compute = max(objects(comm, statistics.median(s[2] for s in samples)))
+    sent = objects(comm, samples[0][3], root=0)
+    peaks = objects(comm, peak, root=0)
     if rank != 0:
         return row
     # a pass ends with its slowest rank
@@ -245,13 +246,13 @@ def _context_parallel_lines(rows, size):
 
 def _clock(comm):
     """Now, the machine's busy CPU seconds and the ranks' own (and their children's): for ``_background_load``."""
-    return time.perf_counter(), busy_cpu_seconds(), comm.allreduce(own_cpu_seconds())
+    return time.perf_counter(), busy_cpu_seconds(), sum(objects(comm, own_cpu_seconds()))
 
 
 def _background_load(comm, clock):
     """Cores kept busy by processes other than the ranks (and their children) since ``clock``."""
     start, busy, own = clock
-    own = comm.allreduce(own_cpu_seconds()) - own
+    own = sum(objects(comm, own_cpu_seconds())) - own
     now = busy_cpu_seconds()
     if busy is None or now is None:
         return None
@@ -343,7 +344,7 @@ def _machine(comm, configs, quick):
         limits = measure_limits(sorted({c.D for c in configs}), n=256 if quick else 1024, repeats=3 if quick else 5)
         return machine, blas_report(), limits
     machine, report, limits = on_rank0(comm, measure, (None, None, None))
-    return machine, report, comm.bcast(limits, root=0)
+    return machine, report, broadcast(comm, limits)
 
 
 @with_threads(table_parser, user_api="blas")
@@ -361,15 +362,15 @@ def table(comm, args):
     clock = _clock(comm)
     use_torch = not args.no_torch and not args.long and torch_available()
     # no tuning cache for this CPU: "auto" would time an unmeasured default (under a minute, once)
-    if not (quick or args.long) and comm.bcast(tune.untuned() if rank == 0 else None, root=0):
+    if not (quick or args.long) and broadcast(comm, tune.untuned() if rank == 0 else None):
         on_rank0(comm, _tune)
         tune.reread()  # every rank reads the new cache
     gemm.product()  # the kernels' GEMM library (MKL, when used) loaded: its code is baseline, not data
     tiny = np.ones((1, 16, 64), np.float32)
     backends.attention_block(tiny, tiny, tiny)  # so is the kernel backend's (torch: ~190 MB resident)
-    baseline_mb = comm.allreduce(rss_mb(), op=MPI.MAX)  # interpreter + libraries, before any array
+    baseline_mb = max(objects(comm, rss_mb()))  # interpreter + libraries, before any array
     machine, report, limits = _machine(comm, configs, quick)
-    guard = comm.bcast(available_mb() if rank == 0 else None, root=0)
+    guard = broadcast(comm, available_mb() if rank == 0 else None)
     if rank == 0:
         print(format_header(size=size, threads=args.threads, long=args.long, rows=len(configs), report=report,
                             limits=limits, baseline_mb=baseline_mb, use_torch=use_torch, load=args.load,
@@ -380,7 +381,7 @@ def table(comm, args):
         row = run_config(comm, cfg, repeats=args.repeats, budget=args.budget, seed=args.seed, limits=limits,
                          baseline_mb=baseline_mb, guard_mb=guard, local_ranks=local_ranks)
         load = _background_load(comm, start)  # other processes' cores while this row ran (idle part)
-        if comm.bcast(row.get("status") == "ok" if rank == 0 else None, root=0):  # rank 0 decides for all
+        if broadcast(comm, row.get("status") == "ok" if rank == 0 else None):  # rank 0 decides for all
             _peers(comm, cfg, row, args, use_torch, baseline_mb, guard)
         if rank == 0:
             row.update(blas=report["blas"], blas_arch=report["blas_arch"], blas_threads=args.threads,
