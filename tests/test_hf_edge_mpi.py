@@ -151,6 +151,8 @@ def test_generation_is_refused_saying_how_to_generate(comm):
         model = build("Llama", "mpiring")
         with pytest.raises(ValueError, match=GENERATION):  # before any forward: the attention refuses the cache
             model.generate(input_ids=batch.input_ids, max_new_tokens=2)
+        with pytest.raises(ValueError, match=GENERATION):  # before any forward, with the context: not
+            model.generate(**batch.inputs, max_new_tokens=2)  # transformers' "model_kwargs not used: mpiring"
         with pytest.raises(ValueError, match=GENERATION):
             model(**{**batch.inputs, "use_cache": True})
         model(**batch.inputs)  # inspected: the model now refuses generate and caches at its entry

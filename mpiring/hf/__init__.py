@@ -28,6 +28,7 @@ varying lengths never rebuilds one it has (the oldest is closed beyond
 """
 
 import dataclasses
+import functools
 import inspect
 import weakref
 from collections import OrderedDict
@@ -63,6 +64,26 @@ def register(name: str = NAME):
 
     AttentionInterface.register(name, attention)
     AttentionMaskInterface.register(name, padding_mask)
+    _guard_generate()
+
+
+def _guard_generate():
+    """Make transformers' ``generate`` refuse, on every rank and before it checks its arguments, a model whose
+    attention is mpiring's (a cache would hold one rank's tokens), whether or not the model has run yet."""
+    from transformers import GenerationMixin
+
+    original = GenerationMixin.generate
+    if getattr(original, "mpiring_guard", False):
+        return
+
+    @functools.wraps(original)
+    def generate(model, *args, **kwargs):
+        if edge.runs_mpiring(model):
+            raise ValueError(edge.GENERATION)
+        return original(model, *args, **kwargs)
+
+    generate.mpiring_guard = True
+    GenerationMixin.generate = generate
 
 
 def attention(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0, is_causal=None,

@@ -20,7 +20,6 @@ import dataclasses
 import functools
 import inspect as source
 import sys
-import types
 
 import torch
 
@@ -280,13 +279,6 @@ def _entry(model, args, kwargs):
         raise ValueError(problem)
 
 
-def _generate(model, *args, **kwargs):
-    """``generate`` of an inspected model: refused while its attention is mpiring's, transformers' otherwise."""
-    if runs_mpiring(model):
-        raise ValueError(GENERATION)
-    return type(model).generate(model, *args, **kwargs)
-
-
 def _is_model(cls):
     """Whether ``cls`` is a transformers model class (a ``PreTrainedModel``), not one of a model's layers."""
     return any(c.__name__ == "PreTrainedModel" for c in cls.__mro__)
@@ -294,11 +286,9 @@ def _is_model(cls):
 
 def arm(model):
     """Make the transformers models in an inspected ``model`` refuse what mpiring cannot run from their next call
-    on: a forward with a cache or without the context, and ``generate`` (while their attention is mpiring's)."""
+    on: a forward with a cache or without the context (``generate`` is refused by ``register``'s guard)."""
     for module in model.modules():
         if not _is_model(type(module)) or getattr(module, "_mpiring_armed", False):
             continue
         module.register_forward_pre_hook(_entry, with_kwargs=True)
-        if callable(getattr(module, "generate", None)):
-            module.generate = types.MethodType(_generate, module)  # a method: a deep copy rebinds it to the copy
         module._mpiring_armed = True
