@@ -87,6 +87,17 @@ def test_hybrid_mixers_are_mapped_only_in_cp_calls(comm):
     assert torch.equal(model(input_ids=ids).logits, build("LFM2", "sdpa")(input_ids=ids).logits)
 
 
+def test_mixers_run_before_the_inspection_are_refused(comm):
+    """A 4-D mask skips transformers' mask function: the model is inspected at its first attention call, after
+    LFM2's convolution ran unmapped; that forward ends on every rank saying to prepare the model first."""
+    with mpiring.hf.ContextParallel(comm) as cp:
+        batch = cp.shard(batch_ids())
+        n = batch.input_ids.shape[1]
+        with pytest.raises(ValueError, match=r"sequence mixers at model\.layers\.0\.conv \(Lfm2ShortConv\) ran "
+                                             r"before mpiring.hf inspected the model: call ContextParallel\.prepare"):
+            build("LFM2", "mpiring")(**batch.inputs, attention_mask=torch.ones(2, 1, n, n, dtype=torch.bool))
+
+
 def test_wrapped_model_is_inspected_whole(comm):
     """The model found at the first call is the outermost module called: a wrapper, the model inside it."""
     class Wrapper(torch.nn.Module):

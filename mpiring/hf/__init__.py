@@ -117,6 +117,7 @@ class _Call:
 
     def attend(self, module, query, key, value, attention_mask, *, scaling, dropout, is_causal, sliding_window,
                softcap, s_aux):
+        site = self.cp.site(module)  # the model inspected first, if no mask function call did it
         if attention_mask is not None:
             raise ValueError("attention_mask: padded batches are not supported by mpiring's attention (a padding "
                              "mask would be ignored); pack the rows into one and pass documents= to shard(), or "
@@ -128,7 +129,6 @@ class _Call:
         if query.shape[-2] != key.shape[-2]:
             raise ValueError(f"key holds {key.shape[-2]} tokens, the queries {query.shape[-2]} (a cache): "
                              f"{edge.GENERATION}")
-        site = self.cp.site(module)
         problem = site.problem(self.seq_len, self.cp.comm.Get_size(), sliding_window)
         if problem:
             raise ValueError(problem)

@@ -136,7 +136,8 @@ def bind(module, args, kwargs):
     from .edge import calling_model
 
     call = kwargs.get("mpiring") or calling_model()[1].get("mpiring")
-    if call is None or not isinstance(call.cp.mapping(module), Layer):
+    cp = getattr(call, "cp", None)
+    if cp is None or not isinstance(cp.mapping(module), Layer):
         return
     if kwargs.get("attention_mask") is not None or len(args) > 2 and args[2] is not None:
         raise ValueError(f"{type(module).__name__}: a padding mask (attention_mask) is not supported by mpiring's "
