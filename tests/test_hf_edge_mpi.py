@@ -65,8 +65,8 @@ def test_unmapped_mixer_is_refused_before_any_ring(comm):
 
 def test_hybrid_mixers_are_mapped_only_in_cp_calls(comm):
     """LFM2's convolution is mapped (its row says how); in a cp forward its kernel is mpiring's, after it and
-    outside cp transformers' again (the model, with sdpa, equals one never run under cp); a padding mask is refused
-    by the mixer, naming it."""
+    outside cp transformers' again (the model, with sdpa, equals one never run under cp); a padding mask, given on
+    rank 0 only, is refused by the mixer on every rank, naming it."""
     from transformers.models.lfm2 import modeling_lfm2
 
     ids = batch_ids()
@@ -81,7 +81,7 @@ def test_hybrid_mixers_are_mapped_only_in_cp_calls(comm):
         mask = torch.ones_like(batch.input_ids)
         mask[:, -1] = 0
         with pytest.raises(ValueError, match="Lfm2ShortConv: a padding mask"):
-            model(**batch.inputs, attention_mask=mask)
+            model(**batch.inputs, attention_mask=mask if comm.rank == 0 else None)
         assert modeling_lfm2.causal_conv1d_fn is kernel
     model.set_attn_implementation("sdpa")
     assert torch.equal(model(input_ids=ids).logits, build("LFM2", "sdpa")(input_ids=ids).logits)

@@ -26,59 +26,59 @@ from .. import torch as mt
 __all__ = ["LAYERS", "Layer", "run", "bind", "calling_model"]
 
 
-def _documents(call, kwargs):
-    """The mixer options of this rank's call (``call``: the forward's context); documents given to the kernel
-    itself must be the call's."""
+def _options(call, problem, kwargs):
+    """The adapters' options for this rank's call (``call``: the forward's context): the sequence, layout and
+    documents, and this rank's problem, if any (every rank raises it, through the adapter's agreement)."""
     cu = kwargs.get("cu_seqlens")
-    if cu is not None and [int(e) for e in cu] != list(call.cu_seqlens or (0, call.seq_len)):
-        raise ValueError(f"cu_seqlens={[int(e) for e in cu]} given to a sequence mixer differs from the documents "
-                         f"given to shard() ({None if call.cu_seqlens is None else list(call.cu_seqlens)}): give "
-                         f"the document boundaries (global positions) to ContextParallel.shard(documents=)")
-    if kwargs.get("seq_idx") is not None:
-        raise ValueError("seq_idx given to a sequence mixer: mpiring.hf takes packed documents from "
-                         "ContextParallel.shard(documents=) only")
+    if problem is None and cu is not None and [int(e) for e in cu] != list(call.cu_seqlens or (0, call.seq_len)):
+        problem = (f"cu_seqlens={[int(e) for e in cu]} given to a sequence mixer differs from the documents given "
+                   f"to shard() ({None if call.cu_seqlens is None else list(call.cu_seqlens)}): give the document "
+                   f"boundaries (global positions) to ContextParallel.shard(documents=)")
+    if problem is None and kwargs.get("seq_idx") is not None:
+        problem = ("seq_idx given to a sequence mixer: mpiring.hf takes packed documents from "
+                   "ContextParallel.shard(documents=) only")
     return {"comm": call.cp.comm, "seq_len": call.seq_len, "layout": call.cp.layout,
             "cu_seqlens": None if call.cu_seqlens is None else list(call.cu_seqlens),
-            "timeout": call.cp.ring_options.get("timeout", "auto")}
+            "timeout": call.cp.ring_options.get("timeout", "auto"), "problem": problem}
 
 
-def _conv(call):
+def _conv(call, problem):
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
-        return mt.causal_conv1d(hidden_states, weight, bias, activation, **_documents(call, kwargs))
+        return mt.causal_conv1d(hidden_states, weight, bias, activation, **_options(call, problem, kwargs))
     return causal_conv1d_fn
 
 
-def _delta_rule(call):
+def _delta_rule(call, problem):
     def torch_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None,
                                      output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
         return mt.chunk_gated_delta_rule(query, key, value, g, beta, chunk_size, initial_state, output_final_state,
                                          use_qk_l2norm_in_kernel, scale=kwargs.get("scale"),
-                                         **_documents(call, kwargs))
+                                         **_options(call, problem, kwargs))
     return torch_chunk_gated_delta_rule
 
 
-def _ssd(call):
+def _ssd(call, problem):
     def mamba2_chunk_scan(hidden_states, dt, A, B, C, chunk_size=None, D=None, dt_bias=None, initial_states=None,
                           dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, z=None,
                           **kwargs):
-        if dt_limit is None:
-            raise ValueError("time_step_limit=None: mpiring.hf maps Mamba-2's dt limits as a (min, max) pair")
+        limits = "time_step_limit=None: mpiring.hf maps Mamba-2's dt limits as a (min, max) pair"
         return mt.mamba_chunk_scan(hidden_states, dt, A, B, C, chunk_size, D, dt_bias, initial_states, dt_softplus,
-                                   dt_limit, return_final_states, z, **_documents(call, kwargs))
+                                   dt_limit or (0.0, float("inf")), return_final_states, z,
+                                   **_options(call, problem or (limits if dt_limit is None else None), kwargs))
     return mamba2_chunk_scan
 
 
-def _unfused(call):
+def _unfused(call, problem):
     def mamba2_split_conv1d_scan_combined(*args, **kwargs):
         return None  # as transformers' torch fallback: the layer then takes its unfused path, mapped above
     return mamba2_split_conv1d_scan_combined
 
 
-def _scan(call):
+def _scan(call, problem):
     def mamba_selective_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                              return_last_state=False, **kwargs):
         return mt.selective_scan(hidden_states, dt, A, B, C, D, z, delta_bias, delta_softplus, return_last_state,
-                                 **_documents(call, kwargs))
+                                 **_options(call, problem, kwargs))
     return mamba_selective_scan
 
 
@@ -139,13 +139,13 @@ def bind(module, args, kwargs):
     cp = getattr(call, "cp", None)
     if cp is None or not isinstance(cp.mapping(module), Layer):
         return
-    if kwargs.get("attention_mask") is not None or len(args) > 2 and args[2] is not None:
-        raise ValueError(f"{type(module).__name__}: a padding mask (attention_mask) is not supported by mpiring's "
-                         f"sequence mixers; pack the rows into one and pass documents= to shard()")
+    padded = kwargs.get("attention_mask") is not None or len(args) > 2 and args[2] is not None
+    problem = (f"{type(module).__name__}: a padding mask (attention_mask) is not supported by mpiring's sequence "
+               f"mixers; pack the rows into one and pass documents= to shard()") if padded else None
     namespace = vars(sys.modules[type(module).__module__])
     kernels = LAYERS[type(module).__name__][1]
     _BOUND[module] = {name: namespace[name] for name in kernels}
-    namespace.update({name: KERNELS[name](call) for name in kernels})
+    namespace.update({name: KERNELS[name](call, problem) for name in kernels})
 
 
 def _restore(module, args, output):
