@@ -247,3 +247,19 @@ def test_accumulated_micro_batches_equal_one_batch(comm, micro):
     assert len({b.tokens for b in parts}) > 1
     assert abs(losses[1] - losses[0]) <= 1e-12 and float((grads[1] - grads[0]).abs().max()) <= 1e-12
     assert abs(losses[2] - losses[0]) > 1e-3  # each micro-batch's own mean: not the batch's
+
+
+def test_gradient_checkpointing_recomputes_through_mpiring(comm):
+    """transformers recomputes a checkpointed decoder layer's forward in the backward, outside any model call:
+    Jamba's mixer (which gets no keywords from its decoder layer) still finds the forward's context there, and
+    the gradients equal those without checkpointing."""
+    grads = []
+    with mpiring.hf.ContextParallel(comm) as cp:
+        for checkpointing in (False, True):
+            model = build("Jamba", "mpiring", initializer_range=0.2)
+            if checkpointing:
+                model.gradient_checkpointing_enable()
+            batch = cp.shard(batch_ids(), documents=DOCUMENTS)
+            cp.loss(model.train()(**batch.inputs).logits, batch).backward()
+            grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert float((grads[1] - grads[0]).abs().max()) <= 1e-12

@@ -135,7 +135,7 @@ def run(module, label, cp=None):
 
 def bind(module, args, kwargs):
     """Forward pre-hook: under a cp forward that mapped ``module``, its kernel names become mpiring's."""
-    call = kwargs.get("mpiring") or calling_model()[1].get("mpiring")
+    call = _context(kwargs)
     cp = getattr(call, "cp", None)
     if cp is None or not isinstance(cp.mapping(module), Layer):
         return
@@ -146,6 +146,20 @@ def bind(module, args, kwargs):
     kernels = LAYERS[type(module).__name__][1]
     _BOUND[module] = {name: namespace[name] for name in kernels}
     namespace.update({name: KERNELS[name](call, problem) for name in kernels})
+
+
+def _context(kwargs):
+    """The forward's context: the layer's own ``mpiring`` keyword, or the nearest caller's ``kwargs`` holding one
+    (the model's call; a decoder layer's forward, which gradient checkpointing recomputes in the backward)."""
+    if kwargs.get("mpiring") is not None:
+        return kwargs["mpiring"]
+    frame = sys._getframe(2)
+    while frame is not None:
+        found = frame.f_locals.get("kwargs")
+        if isinstance(found, dict) and found.get("mpiring") is not None:
+            return found["mpiring"]
+        frame = frame.f_back
+    return None
 
 
 def _restore(module, args, output):
