@@ -20,12 +20,12 @@ cannot (a sentence). Mapping a new kind is one entry's ``run``.
 import dataclasses
 import functools
 import inspect as source
+import sys
 import types
 
 import torch
 
 from . import mixers
-from .mixers import calling_model
 
 __all__ = ["Mixer", "MIXERS", "LAYER_TYPES", "Site", "inspect", "calling_model", "entry_problem", "arm",
            "GENERATION"]
@@ -245,6 +245,20 @@ def _field_problems(config, refused, everywhere):
         everywhere.append(f"attention_chunk_size={chunk} without 'chunked_attention' in layer_types: mpiring.hf "
                           f"does not know which layers attend in chunks")
     return local
+
+
+_CALLS = (torch.nn.Module._call_impl.__code__, torch.nn.Module._wrapped_call_impl.__code__)
+
+
+def calling_model():
+    """The outermost module whose forward is running (the model the user called) and its call's keywords: the
+    ``self`` of the outermost frame of ``Module.__call__`` on the stack."""
+    found, frame = (None, {}), sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in _CALLS:
+            found = frame.f_locals.get("self"), frame.f_locals.get("kwargs") or {}
+        frame = frame.f_back
+    return found
 
 
 def runs_mpiring(model):

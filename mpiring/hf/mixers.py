@@ -19,11 +19,9 @@ import dataclasses
 import sys
 import weakref
 
-import torch
-
 from .. import torch as mt
 
-__all__ = ["LAYERS", "Layer", "run", "bind", "calling_model"]
+__all__ = ["LAYERS", "Layer", "run", "bind"]
 
 
 def _options(call, problem, kwargs):
@@ -167,17 +165,3 @@ def _restore(module, args, output):
     saved = _BOUND.pop(module, None)
     if saved:
         vars(sys.modules[type(module).__module__]).update(saved)
-
-
-_CALLS = (torch.nn.Module._call_impl.__code__, torch.nn.Module._wrapped_call_impl.__code__)
-
-
-def calling_model():
-    """The outermost module whose forward is running (the model the user called) and its call's keywords: the
-    ``self`` of the outermost frame of ``Module.__call__`` on the stack."""
-    found, frame = (None, {}), sys._getframe(1)
-    while frame is not None:
-        if frame.f_code in _CALLS:
-            found = frame.f_locals.get("self"), frame.f_locals.get("kwargs") or {}
-        frame = frame.f_back
-    return found
