@@ -258,7 +258,7 @@ def test_gradient_checkpointing_recomputes_through_mpiring(comm):
         for checkpointing in (False, True):
             model = build("Jamba", "mpiring", initializer_range=0.2)
             if checkpointing:
-                model.gradient_checkpointing_enable()
+                model.activation_checkpointing_enable()
             batch = cp.shard(batch_ids(), documents=DOCUMENTS)
             cp.loss(model.train()(**batch.inputs).logits, batch).backward()
             grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
