@@ -187,7 +187,8 @@ def _sinks_problem(sinks, q, ring, options):
 # Each function takes what the transformers kernel it is named after takes (the same shapes, the same
 # pointwise steps in torch ops, so autograd differentiates them), plus the mixer call's keywords: comm=,
 # and the options of mpiring.MixerSpec (seq_len=, layout=, positions=, cu_seqlens=, passing=, block=) or
-# spec=; timeout=, record=. The recurrence or convolution itself runs collectively through mpiring.
+# spec=; timeout=, record=; problem=: this rank's reason the call cannot run (every rank then raises it, through
+# the call's agreement). The recurrence or convolution itself runs collectively through mpiring.
 
 MIXERS = {"conv": (_conv, _conv_backward, "dy"), "linear": (_linear, _linear_backward, "dout"),
           "ssd": (_ssd, _ssd_backward, "dy"), "scan": (_scan, _scan_backward, "dy")}
@@ -234,7 +235,7 @@ def _refused(**given):
 def causal_conv1d(x, weight, bias=None, activation=None, **mixer):
     """transformers' ``causal_conv1d_fn``: x (B, C, n) this rank's tokens, weight (C, w), bias (C,) or None;
     ``activation`` None or "silu". Returns (B, C, n)."""
-    refused = _refused(activation=(activation, (None, "silu", "swish")))
+    refused = mixer.pop("problem", None) or _refused(activation=(activation, (None, "silu", "swish")))
     y = _Mixer.apply("conv", ("x", "weight", "bias"), mixer, refused, x.transpose(-1, -2), weight, bias)
     y = y.transpose(-1, -2).contiguous()  # contiguous as transformers' is: layers call .view() on it
     return y if activation is None else torch.nn.functional.silu(y)
@@ -250,7 +251,8 @@ def linear_attention(q, k, v, g=None, *, scale=None, **mixer):
     (B, n, H) log decays (one per head) or (B, n, H, dk) (GLA). Returns (B, n, H, dv)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     names = ("q", "k", "v", "decay")
-    out = _Mixer.apply("linear", names, dict(mixer, scale=scale), None,
+    refused = mixer.pop("problem", None)
+    out = _Mixer.apply("linear", names, dict(mixer, scale=scale), refused,
                        *(None if t is None else t.transpose(1, 2) for t in (q, k, v, g)))
     return out.transpose(1, 2).contiguous()
 
@@ -260,7 +262,8 @@ def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_st
     """transformers' ``torch_chunk_gated_delta_rule`` (Qwen3-Next): query, key (B, n, Hk, dk), value (B, n, Hv, dv),
     g and beta (B, n, Hv); Hv a multiple of Hk (each q/k head serves Hv / Hk consecutive value heads). Returns
     ``(out (B, n, Hv, dv), None)``. ``chunk_size`` is transformers' block (mpiring's is ``block=``)."""
-    refused = _refused(initial_state=(initial_state, (None,)), output_final_state=(output_final_state, (False,)))
+    refused = mixer.pop("problem", None) or _refused(initial_state=(initial_state, (None,)),
+                                                     output_final_state=(output_final_state, (False,)))
     if value.shape[-2] != key.shape[-2]:
         query, key = (t.repeat_interleave(value.shape[-2] // key.shape[-2], dim=2) for t in (query, key))
     if use_qk_l2norm_in_kernel:
@@ -277,8 +280,9 @@ def mamba_chunk_scan(hidden_states, dt, A, B, C, chunk_size=None, D=None, dt_bia
     """transformers' ``mamba2_chunk_scan`` (Mamba-2's SSD, Falcon-H1): hidden_states (B, n, H, P), dt (B, n, H),
     A (H,), B and C (B, n, G, N), D (H,); dt + dt_bias, softplus and the limits in torch ops as there. Returns
     (B, n, H, P)."""
-    refused = _refused(initial_states=(initial_states, (None,)), return_final_states=(return_final_states, (False,)),
-                       z=(z, (None,)))
+    refused = mixer.pop("problem", None) or _refused(initial_states=(initial_states, (None,)),
+                                                     return_final_states=(return_final_states, (False,)),
+                                                     z=(z, (None,)))
     if dt_bias is not None:
         dt = dt + dt_bias.to(dt.dtype)
     if dt_softplus:
@@ -294,7 +298,7 @@ def selective_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, 
                    return_last_state=False, **mixer):
     """transformers' ``mamba_selective_scan`` (Mamba-1, Jamba): hidden_states and dt (B, channels, n), A
     (channels, N), B and C (B, N, n), D (channels,), z (B, channels, n) the gate. Returns (B, channels, n)."""
-    refused = _refused(return_last_state=(return_last_state, (False,)))
+    refused = mixer.pop("problem", None) or _refused(return_last_state=(return_last_state, (False,)))
     mixer = {k: v for k, v in mixer.items() if k not in ("use_mambapy", "use_associative_scan")}
     if delta_bias is not None:
         dt = dt + delta_bias.to(dt.dtype)[..., None]

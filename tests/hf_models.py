@@ -9,14 +9,24 @@ every rank), ``differences(comm, name, documents)`` trains it 3 SGD steps on
 process with the family's reference attention, and returns the largest
 |loss| and |parameter| differences. The reference is transformers' SDPA where
 the family has it, else ``REFERENCE``: a dense float64 attention whose mask is
-written from transformers' definitions.
+written from transformers' definitions. The hybrids' sequence mixers run, in
+the reference, as float64 loops restarting at every document
+(``reference_kernels``; transformers' CPU fallbacks compute in float32 and run
+packed documents together).
+
+    mpiexec -n 4 python tests/hf_models.py --hybrids    # the hybrids: layouts x init x documents, float64 inside
 """
 
 import collections
+import contextlib
+import importlib
+import itertools
 import sys
 
+import numpy as np
 import torch
 import transformers
+from mixer_loops import loop_conv, loop_linear, loop_scan, loop_ssd
 
 import mpiring.hf
 
@@ -31,6 +41,7 @@ FLOAT32 = 1e-7
 # its MoE router's sigmoid computes in float32 (5.3e-9 measured at P = 8 with MoE layers)
 LLAMA4 = dict(attention_chunk_size=8, no_rope_layers=[1, 0], moe_layers=[], intermediate_size_mlp=64)
 MAMBA = dict(mamba_d_state=8, mamba_expand=1)
+HYBRIDS = ("LFM2", "Qwen3-Next", "Falcon-H1", "Jamba")  # their sequence mixers mapped (mpiring.hf.mixers)
 
 Family = collections.namedtuple("Family", "model config extra reference tolerance refused", defaults=(
     "sdpa", 1e-10, None))
@@ -67,22 +78,21 @@ FAMILIES = {  # name: the model, its config, what makes it tiny; refused: what t
                      tolerance=FLOAT32),
     "gpt-oss": Family("GptOssForCausalLM", "GptOssConfig",
                       dict(sliding_window=5, num_local_experts=4, num_experts_per_tok=2), REFERENCE),
-    "LFM2": Family("Lfm2ForCausalLM", "Lfm2Config", dict(layer_types=["conv", "full_attention"]),
-                   refused=r"Lfm2ShortConv at model\.layers\.0\.conv: a convolution along the sequence"),
+    "LFM2": Family("Lfm2ForCausalLM", "Lfm2Config", dict(layer_types=["conv", "full_attention"])),
     "Qwen3-Next": Family("Qwen3NextForCausalLM", "Qwen3NextConfig",
                          dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
                               linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
                               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                              shared_expert_intermediate_size=32),
-                         refused=r"Qwen3NextGatedDeltaNet at model\.layers\.0\.linear_attn: a recurrence"),
+                              shared_expert_intermediate_size=32), tolerance=FLOAT32),
     "Falcon-H1": Family("FalconH1ForCausalLM", "FalconH1Config",
-                        dict(MAMBA, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_chunk_size=8),
-                        refused=r"FalconH1Mixer at model\.layers\.0\.mamba, model\.layers\.1\.mamba: a recurrence"),
+                        dict(MAMBA, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_chunk_size=8)),
     "Jamba": Family("JambaForCausalLM", "JambaConfig",
                     dict(MAMBA, attn_layer_period=2, attn_layer_offset=1, mamba_dt_rank=4, num_experts=4,
                          num_experts_per_tok=2, expert_layer_period=2, expert_layer_offset=1,
-                         use_mamba_kernels=False),
-                    refused=r"JambaMambaMixer at model\.layers\.0\.mamba: a recurrence"),
+                         use_mamba_kernels=False)),
+    "Bamba": Family("BambaForCausalLM", "BambaConfig",
+                    dict(MAMBA, mamba_n_heads=4, mamba_d_head=8, mamba_chunk_size=8, attn_layer_indices=[1]),
+                    refused=r"BambaMixer at model\.layers\.0\.mamba: a recurrence"),
 }
 
 
@@ -111,6 +121,82 @@ def reference_attention(module, query, key, value, attention_mask, *, scaling, s
     else:
         probs = torch.softmax(scores, -1)
     return (probs @ value).transpose(1, 2).contiguous(), None
+
+
+def _reference_kernels(starts):
+    """transformers' mixer kernels as float64 loops over the whole sequence (``mixer_loops``), restarting where
+    ``starts``: what transformers' own CPU fallbacks compute (they compute in float32 and run documents together)."""
+    def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
+        assert activation in (None, "silu")
+        y = loop_conv(hidden_states, weight, torch.zeros(len(weight)) if bias is None else bias, starts)
+        return y if activation is None else torch.nn.functional.silu(y)
+
+    def torch_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None,
+                                     output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
+        assert initial_state is None and not output_final_state
+        query, key = (t.repeat_interleave(value.shape[-2] // key.shape[-2], dim=2) for t in (query, key))
+        if use_qk_l2norm_in_kernel:
+            query, key = (t * torch.rsqrt((t * t).sum(-1, keepdim=True) + 1e-6) for t in (query, key))
+        return loop_linear(query, key, value, g, beta, starts, query.shape[-1] ** -0.5), None
+
+    def mamba2_chunk_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
+                          dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):
+        assert dt_softplus and tuple(dt_limit) == (0.0, float("inf")) and initial_states is None
+        return loop_ssd(hidden_states, dt, A, B, C, D, dt_bias, starts)
+
+    def mamba_selective_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                             return_last_state=False, **kwargs):
+        assert delta_softplus and not return_last_state
+        return loop_scan(hidden_states, dt, A, B, C, D, z, delta_bias, starts)
+
+    return {"causal_conv1d_fn": causal_conv1d_fn, "torch_chunk_gated_delta_rule": torch_chunk_gated_delta_rule,
+            "mamba2_chunk_scan": mamba2_chunk_scan, "mamba_selective_scan": mamba_selective_scan}
+
+
+MODELING = ("lfm2", "qwen3_next", "falcon_h1", "jamba")  # transformers' modeling modules of the hybrids
+
+
+@contextlib.contextmanager
+def reference_kernels(length, documents=None):
+    """The hybrid families' mixer kernels, while in the block, as float64 loops restarting at every document."""
+    starts = np.isin(np.arange(length), [0] if documents is None else documents[:-1])
+    kernels = _reference_kernels(starts)
+    saved = []
+    for family in MODELING:
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        for name, kernel in kernels.items():
+            if hasattr(module, name):
+                saved.append((module, name, getattr(module, name)))
+                setattr(module, name, kernel)
+    try:
+        yield
+    finally:
+        for module, name, kernel in saved:
+            setattr(module, name, kernel)
+
+
+@contextlib.contextmanager
+def float64_inside():
+    """While in the block, what float64 models compute in float32 (``x.float()``, ``x.to(torch.float32)``: the
+    RMSNorms of Qwen3-Next and Jamba, ``A_log.float()`` of the Mamba mixers) computes in float64: float32 rounds
+    last-bit differences of a float64 tensor (from another order of summation, another rank count) to one float32
+    ulp now and then, and sums parameter gradients of float32 casts per rank."""
+    cast, to = torch.Tensor.float, torch.Tensor.to
+
+    def as_float(self, *args, **kwargs):
+        return self if self.dtype == torch.float64 else cast(self, *args, **kwargs)
+
+    def as_to(self, *args, **kwargs):
+        if self.dtype == torch.float64:
+            args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+            kwargs = {k: torch.float64 if v is torch.float32 else v for k, v in kwargs.items()}
+        return to(self, *args, **kwargs)
+
+    torch.Tensor.float, torch.Tensor.to = as_float, as_to
+    try:
+        yield
+    finally:
+        torch.Tensor.float, torch.Tensor.to = cast, to
 
 
 transformers.AttentionInterface.register(REFERENCE, reference_attention)
@@ -150,17 +236,23 @@ def train(model, cp, ids, documents=None, steps=STEPS):
     return losses
 
 
-def differences(comm, name, documents=None, **config):
-    """Family ``name`` trained under mpiring.hf over ``comm`` and in one process with its reference: the largest
-    |loss| and |parameter| differences, the same on every rank."""
+def differences(comm, name, documents=None, layout="zigzag", inside64=False, **config):
+    """Family ``name`` trained under mpiring.hf over ``comm`` (``layout``) and in one process with its reference:
+    the largest |loss| and |parameter| differences, the same on every rank. ``inside64``: both runs in
+    ``float64_inside()``; ``config``: fields of the family's config to set (``initializer_range=0.2``, ...)."""
+    with float64_inside() if inside64 else contextlib.nullcontext():
+        return _differences(comm, name, documents, layout, **config)
+
+
+def _differences(comm, name, documents, layout, **config):
     from mpi4py import MPI
 
     torch.set_num_threads(1)
     ids = batch_ids()
     reference = build(name, FAMILIES[name].reference, **config)
-    with mpiring.hf.ContextParallel(MPI.COMM_SELF, layout="contiguous") as one:
+    with mpiring.hf.ContextParallel(MPI.COMM_SELF, layout="contiguous") as one, reference_kernels(S, documents):
         want = train(reference, one, ids, documents)
-    with mpiring.hf.ContextParallel(comm, layout="zigzag") as cp:
+    with mpiring.hf.ContextParallel(comm, layout=layout) as cp:
         model = build(name, "mpiring", **config)
         got = train(model, cp, ids, documents)
     loss = max(abs(a - b) for a, b in zip(got, want))
@@ -172,6 +264,17 @@ if __name__ == "__main__":
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
+    if sys.argv[1:] == ["--hybrids"]:
+        for name in HYBRIDS:
+            for layout, init, documents, inside in itertools.product(("zigzag", "contiguous"), (None, 0.2),
+                                                                      (None, DOCUMENTS), (False, True)):
+                config = {} if init is None else {"initializer_range": init}
+                found = differences(comm, name, documents, layout, inside, **config)
+                if comm.rank == 0:
+                    print(f"P={comm.size} {name} {layout} init {init or 'default'} "
+                          f"{'packed' if documents else 'one document'}{' float64 inside' if inside else ''}: "
+                          f"loss {found[0]:.1e}, parameters {found[1]:.1e}", flush=True)
+        sys.exit()
     for name in sys.argv[1:] or FAMILIES:
         for documents in (None, DOCUMENTS):
             try:

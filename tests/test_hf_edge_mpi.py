@@ -33,33 +33,69 @@ def test_chunks_become_documents(comm):
         assert cp.shard(batch_ids()).inputs["mpiring"].documents(16) == (0, 16, 32, 48)
 
 
-def test_hybrid_is_refused_before_any_ring(comm):
-    """The first attention call inspects the model the user called: a refused layer ends the forward on every
-    rank (P > 1) before any Ring exists; the escape hatch, named as such, runs it on each shard alone."""
+def test_unmapped_mixer_is_refused_before_any_ring(comm):
+    """The model is inspected at its first call, before its first layer: a refused layer (Bamba's Mamba-2 mixer,
+    not mapped) ends the forward on every rank (P > 1) before any Ring exists; the escape hatch, named as such,
+    runs it on each shard alone."""
     ids = batch_ids()
     with mpiring.hf.ContextParallel(comm) as cp:
-        model = build("LFM2", "mpiring")
+        model = build("Bamba", "mpiring")
         if comm.size > 1:
-            with pytest.raises(ValueError, match=r"at P=\d: Lfm2ShortConv at model\.layers\.0\.conv: a convolution"
+            with pytest.raises(ValueError, match=r"at P=\d: BambaMixer at model\.layers\.0\.mamba: a recurrence"
                                                  r".*allow_unsharded"):
                 model(**cp.shard(ids).inputs)
             assert not cp._rings
         else:
             assert cp.prepare(model) == [
-                ("model.layers.0.conv", "Lfm2ShortConv", "convolution",
+                ("model.layers.0.mamba", "BambaMixer", "state space",
                  "each rank's shard alone: exact at P = 1, refused at P > 1"),
-                ("model.layers.1.self_attn", "Lfm2Attention", "attention", "mpiring's ring attention")]
-    with mpiring.hf.ContextParallel(comm, allow_unsharded=["Lfm2ShortConv"]) as unsharded:
-        model = build("LFM2", "mpiring")
+                ("model.layers.1.self_attn", "BambaAttention", "attention", "mpiring's ring attention")]
+    with mpiring.hf.ContextParallel(comm, allow_unsharded=["BambaMixer"]) as unsharded:
+        model = build("Bamba", "mpiring")
         rows = unsharded.prepare(model)
-        assert ("model.layers.0.conv", "Lfm2ShortConv", "convolution",
+        assert ("model.layers.0.mamba", "BambaMixer", "state space",
                 "allowed unsharded: each rank's shard alone") in rows
-        reference = build("LFM2", "sdpa")
+        reference = build("Bamba", "sdpa")
         batch = unsharded.shard(ids)
         got = model(**batch.inputs).logits
         want = reference(input_ids=ids).logits[:, batch.positions]
         gap = float((got - want).detach().abs().max())
-        assert (gap > 1e-6) if comm.size > 1 else (gap < 1e-12), gap  # the convolution does mix tokens
+        assert (gap > 1e-6) if comm.size > 1 else (gap < 1e-12), gap  # the recurrence does mix tokens
+
+
+def test_hybrid_mixers_are_mapped_only_in_cp_calls(comm):
+    """LFM2's convolution is mapped (its row says how); in a cp forward its kernel is mpiring's, after it and
+    outside cp transformers' again (the model, with sdpa, equals one never run under cp); a padding mask, given on
+    rank 0 only, is refused by the mixer on every rank, naming it."""
+    from transformers.models.lfm2 import modeling_lfm2
+
+    ids = batch_ids()
+    kernel = modeling_lfm2.causal_conv1d_fn
+    with mpiring.hf.ContextParallel(comm) as cp:
+        model = build("LFM2", "mpiring")
+        assert cp.prepare(model)[0] == ("model.layers.0.conv", "Lfm2ShortConv", "convolution",
+                                        "mpiring's causal_conv1d (halo exchange)")
+        batch = cp.shard(ids)
+        model(**batch.inputs)
+        assert modeling_lfm2.causal_conv1d_fn is kernel
+        mask = torch.ones_like(batch.input_ids)
+        mask[:, -1] = 0
+        with pytest.raises(ValueError, match="Lfm2ShortConv: a padding mask"):
+            model(**batch.inputs, attention_mask=mask if comm.rank == 0 else None)
+        assert modeling_lfm2.causal_conv1d_fn is kernel
+    model.set_attn_implementation("sdpa")
+    assert torch.equal(model(input_ids=ids).logits, build("LFM2", "sdpa")(input_ids=ids).logits)
+
+
+def test_mixers_run_before_the_inspection_are_refused(comm):
+    """A 4-D mask skips transformers' mask function: the model is inspected at its first attention call, after
+    LFM2's convolution ran unmapped; that forward ends on every rank saying to prepare the model first."""
+    with mpiring.hf.ContextParallel(comm) as cp:
+        batch = cp.shard(batch_ids())
+        n = batch.input_ids.shape[1]
+        with pytest.raises(ValueError, match=r"sequence mixers at model\.layers\.0\.conv \(Lfm2ShortConv\) ran "
+                                             r"before mpiring.hf inspected the model: call ContextParallel\.prepare"):
+            build("LFM2", "mpiring")(**batch.inputs, attention_mask=torch.ones(2, 1, n, n, dtype=torch.bool))
 
 
 def test_wrapped_model_is_inspected_whole(comm):
@@ -213,3 +249,19 @@ def test_accumulated_micro_batches_equal_one_batch(comm, micro):
     assert len({b.tokens for b in parts}) > 1
     assert abs(losses[1] - losses[0]) <= 1e-12 and float((grads[1] - grads[0]).abs().max()) <= 1e-12
     assert abs(losses[2] - losses[0]) > 1e-3  # each micro-batch's own mean: not the batch's
+
+
+def test_gradient_checkpointing_recomputes_through_mpiring(comm):
+    """transformers recomputes a checkpointed decoder layer's forward in the backward, outside any model call:
+    Jamba's mixer (which gets no keywords from its decoder layer) still finds the forward's context there, and
+    the gradients equal those without checkpointing."""
+    grads = []
+    with mpiring.hf.ContextParallel(comm) as cp:
+        for checkpointing in (False, True):
+            model = build("Jamba", "mpiring", initializer_range=0.2)
+            if checkpointing:
+                model.activation_checkpointing_enable()
+            batch = cp.shard(batch_ids(), documents=DOCUMENTS)
+            cp.loss(model.train()(**batch.inputs).logits, batch).backward()
+            grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert float((grads[1] - grads[0]).abs().max()) <= 1e-12

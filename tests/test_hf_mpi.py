@@ -7,7 +7,8 @@ Every family of ``hf_models.FAMILIES`` (2 layers, hidden 32, float64, 2 rows
 x 48 tokens, zigzag, 3 SGD steps, packed documents and one document): every
 rank's loss and parameters against the same model trained in one process
 with transformers' SDPA (or a dense float64 attention written from
-transformers' definitions, where the family has no SDPA). The families
+transformers' definitions, where the family has no SDPA; the hybrids' mixers as
+float64 loops; the hybrids also at initializer_range=0.2 and both layouts). The families
 mpiring cannot run exactly at P > 1 raise a ValueError on every rank naming
 the layer, and train exactly at P = 1. The default run takes each family at
 one P (2, 3 or 4 in turn; Llama 4's chunked attention at every P);
@@ -26,7 +27,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="mpiring.hf needs torch (pip install -e '.[torch]')")
 transformers = pytest.importorskip("transformers", reason="mpiring.hf needs transformers (pip install -e '.[hf]')")
 
-from hf_models import DOCUMENTS, FAMILIES, build, differences  # noqa: E402
+from hf_models import DOCUMENTS, FAMILIES, HYBRIDS, build, differences  # noqa: E402
 
 import mpiring  # noqa: E402
 import mpiring.hf  # noqa: E402
@@ -53,6 +54,34 @@ def test_family_trains_as_in_one_process(comm, name, documents):
     loss, params = differences(comm, name, documents)
     tol = FAMILIES[name].tolerance
     assert loss <= tol and params <= tol, (loss, params)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("init", [0.2, None], ids=["initializer_range=0.2", "default init"])
+@pytest.mark.parametrize("documents", [DOCUMENTS, None], ids=["packed", "one document"])
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_hybrid_trains_exactly(comm, name, documents, init, layout):
+    """The hybrids' convolutions and recurrences through mpiring (halos, states passed between ranks, restarting at
+    every document), against float64 loops in one process: 1e-10 once what the models compute in float32 computes
+    in float64 (``float64_inside``; as transformers runs them, ``FAMILIES[name].tolerance`` above). The default
+    run takes initializer_range=0.2 only."""
+    if not _at_this_p(name, comm.size) or (init is None and not SWEEP):
+        pytest.skip("the default run takes this family at another P, initializer_range=0.2 (MPIRING_HF_SWEEP=1: all)")
+    loss, params = differences(comm, name, documents, layout, inside64=True,
+                               **({} if init is None else {"initializer_range": init}))
+    assert loss <= 1e-10 and params <= 1e-10, (loss, params)
+
+
+def test_rank_local_mixers_are_caught(comm, monkeypatch):
+    """Planted: the hybrids' kernels left to transformers (each rank's shard alone, its state from zero, no halo):
+    the comparison above fails at P > 1."""
+    if comm.size == 1:
+        pytest.skip("each rank's shard is the whole sequence at P = 1")
+    monkeypatch.setattr(mpiring.hf.mixers, "LAYERS", {cls: (kind, ()) for cls, (kind, _) in
+                                                      mpiring.hf.mixers.LAYERS.items()})
+    for name in HYBRIDS:
+        loss, params = differences(comm, name, DOCUMENTS, inside64=True, initializer_range=0.2)
+        assert params > 1e-6, (name, loss, params)
 
 
 @pytest.mark.parametrize("name", REFUSED)

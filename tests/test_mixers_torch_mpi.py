@@ -21,65 +21,9 @@ from mpiring import LAYOUTS, shard_indices
 torch = pytest.importorskip("torch")
 mt = pytest.importorskip("mpiring.torch")
 
+from mixer_loops import loop_conv, loop_linear, loop_scan, loop_ssd  # noqa: E402
+
 pytestmark = pytest.mark.mpi
-
-
-def loop_conv(x, w, b, starts):
-    """(B, C, S) causal depthwise convolution, zero before each document."""
-    S, K = x.shape[-1], w.shape[1]
-    first = np.maximum.accumulate(np.where(starts, np.arange(S), 0))
-    cols = []
-    for t in range(S):
-        acc = b[None].expand(x.shape[0], -1)
-        for j in range(K):
-            s = t - (K - 1) + j
-            if s >= first[t]:
-                acc = acc + w[:, j] * x[:, :, s]
-        cols.append(acc)
-    return torch.stack(cols, -1)
-
-
-def loop_linear(q, k, v, g, beta, starts, scale):
-    """(B, S, H, d): S_t = a_t (I - beta k k^T) S + beta k v^T (or a_t S + k v^T), o_t = S_t^T scale q_t."""
-    B, S, H, dk = q.shape
-    state, outs = torch.zeros(B, H, dk, v.shape[-1]), []
-    for t in range(S):
-        if starts[t]:
-            state = torch.zeros_like(state)
-        if g is not None:
-            a = g[:, t].exp()
-            state = state * (a[..., None, None] if g.ndim == 3 else a[..., :, None])
-        kt, vt = k[:, t], v[:, t]
-        if beta is not None:
-            vt = (vt - (state * kt[..., None]).sum(-2)) * beta[:, t, :, None]
-        state = state + kt[..., None] * vt[..., None, :]
-        outs.append((state * (scale * q[:, t])[..., None]).sum(-2))
-    return torch.stack(outs, 1)
-
-
-def loop_ssd(x, dt, A, Bm, Cm, D, dt_bias, starts):
-    dt = torch.nn.functional.softplus(dt + dt_bias)
-    B, S, H, P = x.shape
-    rep, N = H // Bm.shape[2], Bm.shape[-1]
-    h, ys = torch.zeros(B, H, N, P), []
-    for t in range(S):
-        if starts[t]:
-            h = torch.zeros_like(h)
-        bt, ct = Bm[:, t].repeat_interleave(rep, 1), Cm[:, t].repeat_interleave(rep, 1)
-        h = torch.exp(dt[:, t] * A)[..., None, None] * h + dt[:, t, :, None, None] * bt[..., None] * x[:, t, :, None, :]
-        ys.append(torch.einsum("bhnp,bhn->bhp", h, ct) + D[:, None] * x[:, t])
-    return torch.stack(ys, 1)
-
-
-def loop_scan(x, dt, A, Bm, Cm, D, z, bias, starts):
-    dt = torch.nn.functional.softplus(dt + bias[..., None])
-    h, ys = torch.zeros(x.shape[0], x.shape[1], A.shape[1]), []
-    for t in range(x.shape[-1]):
-        if starts[t]:
-            h = torch.zeros_like(h)
-        h = torch.exp(dt[:, :, t, None] * A) * h + dt[:, :, t, None] * Bm[:, None, :, t] * x[:, :, t, None]
-        ys.append((h * Cm[:, None, :, t]).sum(-1) + D * x[:, :, t])
-    return torch.stack(ys, -1) * torch.nn.functional.silu(z)
 
 
 S, Bz = 19, 2
@@ -202,7 +146,9 @@ def test_what_mpiring_cannot_run_is_refused_on_every_rank():
     for call in (lambda: mt.chunk_gated_delta_rule(q, q, q, -beta, beta, initial_state=state, comm=comm, seq_len=S),
                  lambda: mt.causal_conv1d(q[..., 0, :].transpose(1, 2), torch.ones(3, 4, dtype=torch.float64),
                                           activation="gelu" if comm.rank == 0 else "silu", comm=comm, seq_len=S),
-                 lambda: mt.linear_attention(q.int() if comm.rank == 0 else q, q, q, comm=comm, seq_len=S)):
+                 lambda: mt.linear_attention(q.int() if comm.rank == 0 else q, q, q, comm=comm, seq_len=S),
+                 lambda: mt.linear_attention(q, q, q, problem="a planted problem" if comm.rank == comm.size - 1 else
+                                             None, comm=comm, seq_len=S)):
         try:
             call()
             messages.append(None)
@@ -211,3 +157,4 @@ def test_what_mpiring_cannot_run_is_refused_on_every_rank():
     every = comm.allgather(messages)
     assert all(m == every[0] for m in every) and all(every[0]), every
     assert "initial_state" in every[0][0] and "activation='gelu'" in every[0][1] and "int32" in every[0][2]
+    assert "a planted problem" in every[0][3]  # one rank's problem= (mpiring.hf's padding mask): every rank's error

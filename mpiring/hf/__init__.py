@@ -51,7 +51,12 @@ IGNORE = -100  # transformers' ignore_index
 
 def padding_mask(*args, attention_mask=None, **kwargs):
     """transformers' mask function for ``attn_implementation="mpiring"``: nothing to build (mpiring makes its
-    masks from the options), but a padding mask is handed on, so the attention refuses it instead of ignoring it."""
+    masks from the options), but a padding mask is handed on, so the attention refuses it instead of ignoring it.
+    Called before the model's first layer: the model is inspected here at its first call (its sequence mixers
+    mapped before they run)."""
+    call = edge.calling_model()[1].get("mpiring")
+    if isinstance(call, _Call):
+        call.cp.called()
     if attention_mask is None or (attention_mask.dtype == torch.bool and bool(attention_mask.all())):
         return None
     return attention_mask
@@ -133,6 +138,7 @@ class _Call:
 
     def attend(self, module, query, key, value, attention_mask, *, scaling, dropout, is_causal, sliding_window,
                softcap, s_aux):
+        site = self.cp.site(module)  # the model inspected first, if no mask function call did it
         if attention_mask is not None:
             raise ValueError("attention_mask: padded batches are not supported by mpiring's attention (a padding "
                              "mask would be ignored); pack the rows into one and pass documents= to shard(), or "
@@ -144,7 +150,6 @@ class _Call:
         if query.shape[-2] != key.shape[-2]:
             raise ValueError(f"key holds {key.shape[-2]} tokens, the queries {query.shape[-2]} (a cache): "
                              f"{edge.GENERATION}")
-        site = self.cp.site(module)
         problem = site.problem(self.seq_len, self.cp.comm.Get_size(), sliding_window)
         if problem:
             raise ValueError(problem)
@@ -230,12 +235,26 @@ class ContextParallel:
         edge.arm(model)
         return rows
 
+    def called(self):
+        """Inspect the model being called (the outermost, ``edge.calling_model``) if it is new: whether it was."""
+        model, kwargs = edge.calling_model()
+        if model is None or model in self._models:
+            return False
+        self._inspect(model, edge.entry_problem(model, kwargs) if edge.runs_mpiring(model) else None)
+        return True
+
+    def mapping(self, module):
+        """How this ContextParallel runs ``module`` (an attention layer's Site, a mixer layer's Layer), or None."""
+        return self._sites.get(module)
+
     def site(self, module):
         """The Site of an attention module; the model it belongs to is inspected at its first call."""
-        if module not in self._sites:
-            model, kwargs = edge.calling_model()
-            if model is not None and model not in self._models:
-                self._inspect(model, edge.entry_problem(model, kwargs) if edge.runs_mpiring(model) else None)
+        if module not in self._sites and self.called():
+            model = edge.calling_model()[0]
+            mixers = [m.path for m in map(self.mapping, model.modules()) if isinstance(m, edge.mixers.Layer)]
+            if mixers:  # inspected only now: they ran in this forward unmapped (no mask function was called)
+                raise ValueError(f"the sequence mixers at {', '.join(mixers)} ran before mpiring.hf inspected the "
+                                 f"model: call ContextParallel.prepare(model) before its first step")
         if module not in self._sites:
             raise ValueError(f"an attention call from {type(module).__name__}, which the inspection of the model "
                              f"did not find: call the model itself (model(**batch.inputs)), or prepare(model) first")

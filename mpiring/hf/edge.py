@@ -1,14 +1,15 @@
 """The model edge of ``mpiring.hf``: what in a model mixes tokens along the sequence, and how mpiring runs it.
 
 ``inspect(model)`` walks a model once (``ContextParallel`` does it at the
-model's first attention call, or in ``prepare``): every module that mixes
+model's first call, or in ``prepare``): every module that mixes
 tokens is found by type, by the transformers attention interface its class
 calls, or by the name of its kind (``MIXERS``); every config field that
 changes attention is read (``layer_types`` and its kin through
 ``LAYER_TYPES``, ``attention_chunk_size``, temperature tuning). What mpiring
-runs exactly is mapped (an attention layer becomes a ``Site``); anything else
-is refused by name. A recurrence or a convolution run on each rank's shard
-alone is exact at P = 1 only, so those refusals apply at P > 1; a mapping
+runs exactly is mapped (an attention layer becomes a ``Site``, the hybrids'
+mixer layers a ``mixers.Layer``); anything else is refused by name. A
+recurrence or a convolution run on each rank's shard alone is exact at P = 1
+only, so those refusals apply at P > 1; a mapping
 problem (an attention pattern mpiring does not have) applies at every P.
 
 ``MIXERS`` is the table: a kind of sequence mixer, how it is recognised, and
@@ -23,6 +24,8 @@ import sys
 
 import torch
 
+from . import mixers
+
 __all__ = ["Mixer", "MIXERS", "LAYER_TYPES", "Site", "inspect", "calling_model", "entry_problem", "arm",
            "GENERATION"]
 
@@ -31,9 +34,10 @@ GENERATION = ("generation under context parallelism is not supported by mpiring.
               'process: on one rank, model.set_attn_implementation("sdpa") and model.generate(input_ids) with the '
               "whole prompt; or serve with mpiring's KVCache (docs/inference.md)")
 RECURRENCE = ("a recurrence along the sequence: each rank's state would start from zero, not from the state the "
-              "previous ranks' tokens leave (passing it between ranks as a scan is not mapped yet)")
+              "previous ranks' tokens leave (mpiring.hf passes it between ranks for the layers of "
+              f"{mixers.FAMILIES} only)")
 CONVOLUTION = ("a convolution along the sequence: each rank's first tokens would miss the previous rank's last "
-               "kernel - 1 tokens (a halo exchange is not mapped yet)")
+               f"kernel - 1 tokens (mpiring.hf exchanges the halo for the layers of {mixers.FAMILIES} only)")
 OUTSIDE = ("attention computed by the module itself, not through transformers' attention interface "
            "(attn_implementation): each rank would attend to its own tokens only")
 CONVOLUTIONS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.ConvTranspose1d, torch.nn.ConvTranspose2d,
@@ -141,6 +145,7 @@ def _attention(module, path, cp=None):
 
 MIXERS = (
     Mixer("attention", lambda module, name: calls_interface(type(module)), _attention),
+    *(Mixer(kind, mixers.matches(kind), mixers.run) for kind in ("convolution", "linear attention", "state space")),
     Mixer("linear attention", _named("gateddelta", "deltanet", "linearattention", "lightningattention",
                                      "retention", "rwkv", "hgrn"), RECURRENCE),
     Mixer("state space", _named("mamba", "mixer", "ssm", "hyena"), RECURRENCE),
@@ -150,7 +155,7 @@ MIXERS = (
     Mixer("attention outside the interface", _named("attention", "attn", classes=(torch.nn.MultiheadAttention,)),
           OUTSIDE),
 )
-BY_KIND = {m.kind: m for m in MIXERS}
+BY_KIND = {m.kind: m for m in MIXERS}  # the last of a kind: what says why a layer type alone is refused
 # transformers' layer types (and Jamba's, RecurrentGemma's): the kind of mixer each names; None: token-local
 LAYER_TYPES = {"full_attention": "attention", "sliding_attention": "attention", "chunked_attention": "attention",
                "attention": "attention", "conv": "convolution", "linear_attention": "linear attention",
@@ -201,6 +206,9 @@ def inspect(model, cp=None, allow_unsharded=()):
             if not isinstance(how, str):
                 mapped[module] = how
                 rows.append((path, cls, mixer.kind, how.how))
+                if isinstance(how, mixers.Layer):  # its convolution's weights are the layer's: run through it
+                    claimed.append(f"{path}.")
+                    refused.setdefault(BY_KIND[mixer.kind].run, {})  # found, mapped: no refusal of its layer types
                 continue
             everywhere.append(how)
         claimed.append(f"{path}." if path else "")
@@ -216,8 +224,8 @@ def _listed(text, limit=160):
 
 
 def _field_problems(config, refused, everywhere):
-    """Refusals of the layers a config's layer types name, where no module was found for the same reason; mapping
-    problems of the config's attention fields go to ``everywhere``."""
+    """Refusals of the layers a config's layer types name, where no module was found for the same reason (or one
+    of their kind mapped); mapping problems of the config's attention fields go to ``everywhere``."""
     local = []
     for field in LAYER_TYPE_FIELDS:
         found = {}
