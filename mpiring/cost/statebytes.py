@@ -38,35 +38,55 @@ def _boundaries(chain):
     return out
 
 
-def state_counts(plan, passing, state, transition, backward=False):
-    """Per rank: ``(values sent, messages)`` of one state pass (forward, or the backward's reverse)."""
-    chain, size = plan.chain(reverse=backward), plan.size
+def _ring_counts(chain, size, state, both, values, messages):
+    """The ring: one state per chunk boundary between two ranks."""
+    np.add.at(values, chain.owner[_boundaries(chain)], state)
+    np.add.at(messages, chain.owner[_boundaries(chain)], 1)
+
+
+def _allgather_counts(chain, size, state, both, values, messages):
+    """The all-gather: every own chunk's (transition, state) to each of the P-1 others."""
+    held = np.bincount(chain.owner, minlength=size)
+    values[:], messages[:] = held * both * (size - 1), size - 1
+
+
+def _scan_counts(chain, size, state, both, values, messages):
+    """The scan: MPI_Exscan's rounds where every rank holds one run of the chain, else the log-depth scan."""
     owner, m = chain.owner, len(chain.owner)
-    values, messages = np.zeros(size, np.int64), np.zeros(size, np.int64)
-    both = state + transition
-    if passing == "ring":
-        np.add.at(values, owner[_boundaries(chain)], state)
-        np.add.at(messages, owner[_boundaries(chain)], 1)
-    elif passing == "allgather":
-        held = np.bincount(owner, minlength=size)
-        values[:], messages[:] = held * both * (size - 1), size - 1
-    elif chain.runs(size) is not None:
+    if chain.runs(size) is not None:
         order = list(chain.runs(size))
         for r in range(size):
             rounds = exscan_rounds(order.index(r), size)
             values[r], messages[r] = rounds * both, rounds
-    else:
-        step = 1
-        while step < m:
-            e = np.arange(m - step)
-            away = owner[e + step] != owner[e]
-            np.add.at(values, owner[e[away]], both)
-            peers = {(int(a), int(b)) for a, b in zip(owner[e[away]], owner[e[away] + step])}
-            for a, _ in peers:
-                messages[a] += 1
-            step *= 2
-        np.add.at(values, owner[_boundaries(chain)], state)
-        np.add.at(messages, owner[_boundaries(chain)], 1)
+        return
+    step = 1
+    while step < m:
+        e = np.arange(m - step)
+        away = owner[e + step] != owner[e]
+        np.add.at(values, owner[e[away]], both)
+        for a, _ in {(int(a), int(b)) for a, b in zip(owner[e[away]], owner[e[away] + step])}:
+            messages[a] += 1
+        step *= 2
+    _ring_counts(chain, size, state, both, values, messages)
+
+
+def _scan_steps(chain, size):
+    """Recursive doubling's rounds, or the log-depth scan's and its shift."""
+    if chain.runs(size) is not None:
+        return max(size - 1, 0).bit_length()
+    return max(len(chain.owner) - 1, 0).bit_length() + 1
+
+
+COUNTS = {"ring": _ring_counts, "allgather": _allgather_counts, "scan": _scan_counts}  # keyed by MixerSpec.passing
+STEPS = {"ring": lambda chain, size: int(np.sum(_boundaries(chain))), "allgather": lambda chain, size: 1,
+         "scan": _scan_steps}
+
+
+def state_counts(plan, passing, state, transition, backward=False):
+    """Per rank: ``(values sent, messages)`` of one state pass (forward, or the backward's reverse)."""
+    chain, size = plan.chain(reverse=backward), plan.size
+    values, messages = np.zeros(size, np.int64), np.zeros(size, np.int64)
+    COUNTS[passing](chain, size, state, state + transition, values, messages)
     return values, messages
 
 
@@ -96,11 +116,4 @@ def state_steps(plan, passing, backward=False):
     """Messages that follow one another on the longest path of one state pass (its latency in hops): the ring,
     one per chunk boundary between ranks along the chain; the all-gather, one collective; the scan, its rounds
     (recursive doubling's ceil(log2 P), or the log-depth scan's ceil(log2 chunks) and its shift)."""
-    chain = plan.chain(reverse=backward)
-    if passing == "ring":
-        return int(np.sum(_boundaries(chain)))
-    if passing == "allgather":
-        return 1
-    if chain.runs(plan.size) is not None:
-        return max(plan.size - 1, 0).bit_length()
-    return max(len(chain.owner) - 1, 0).bit_length() + 1
+    return STEPS[passing](plan.chain(reverse=backward), plan.size)
