@@ -26,6 +26,7 @@ each other causally, as in a prefill.
 """
 
 import time
+import warnings
 
 import numpy as np
 from mpi4py import MPI
@@ -269,38 +270,37 @@ def decode_attention(
     q: np.ndarray,  # (..., Hq, T, D): the same new tokens on every rank
     k: np.ndarray,  # (..., Hk, n, D): this rank's cache shard, any n >= 0
     v: np.ndarray,  # (..., Hk, n, Dv)
-    comm=None, *, scale: float | None = None, merge: str = "tree", causal: bool = False, positions=None,
-    kv_positions=None, timeout: float | str | None = "auto", record: Record | None = None, mask=None,
-    softcap: float | None = None, bias=None, sinks=None, spec: Spec | None = None,
+    comm=None, *, spec: Spec | None = None, causal: bool = False, positions=None, kv_positions=None,
+    exchange: str = "tree", timeout: float | str | None = "auto", record: Record | None = None, **options,
 ) -> tuple[np.ndarray, np.ndarray]:  # out (..., Hq, T, Dv), lse (..., Hq, T): the same bits on every rank
     """Attention of the same new tokens ``q`` (on every rank) over the KV cache sharded across the ranks.
 
     Every rank computes its shard's partial (out, lse) and the partials are
-    merged with the log-sum-exp rule (``merge="tree"``: an all-reduce with a
-    user-defined op, log2 P steps; ``"ring"``: P - 1 steps around the ring).
+    merged with the log-sum-exp rule (``core.kernels.merge``), exchanged as ``exchange`` says ("tree": an
+    all-reduce whose op is the merge, log2 P steps; "ring": P - 1 steps around the ring).
     Every rank returns the same ``(out, lse)``, identical to the bit.
 
     Args:
         comm: an mpi4py communicator (default COMM_WORLD).
-        scale: softmax scale, default 1/sqrt(dim).
-        merge: "tree" or "ring".
+        exchange: "tree" or "ring" (``merge=``, its former name, still works, with a DeprecationWarning).
         causal: with ``positions`` (of q's tokens, the same on every rank) and
             ``kv_positions`` (of this rank's k, v rows): key j visible to query i
             iff kv_positions[j] <= positions[i]. Off: every new token sees every key.
         timeout: as ``ring_attention``: seconds any wait may take, "auto" or None.
         record: a ``Record`` to fill ("compute" and "merge" events, bytes sent).
-        mask, softcap, bias, sinks: as ``ring_attention`` (docs/masks.md), with ``positions`` and
-            ``kv_positions`` (the pieces and the bias see global positions); no dropout, no max logit.
+        options: ``scale`` (default 1/sqrt(dim)), and ``mask``, ``softcap``, ``bias``, ``sinks`` as
+            ``ring_attention`` takes them (docs/masks.md), with ``positions`` and ``kv_positions`` (the pieces and
+            the bias see global positions); no dropout, no max logit.
         spec: a ``Spec`` giving these options instead (``spec_of``).
 
     Bad arguments on any rank (mismatched heads, q different across ranks, a
     bad option) raise the same ``ValueError`` on every rank.
     """
     comm = check_comm(comm)
+    merge = renamed(options, exchange)
     with exclusive(comm):
         (scale, causal, positions, kv_positions), problem, scores = spec_of(
-            spec, scale, causal, positions, kv_positions, scores=dict(mask=mask, softcap=softcap, bias=bias,
-                                                                      sinks=sinks))
+            spec, options.pop("scale", None), causal, positions, kv_positions, scores=options)
         problem = problem or (scores and scores.problem(q, positions, kv_positions))
         rec = Record(comm.Get_rank()) if record is None else record
 
@@ -358,6 +358,15 @@ def decode_many(
         result = merge_many(parts, comm, merge, timeout, rec=rec, dtype=qs[0].dtype)
         rec.wall_time = time.perf_counter() - start
         return result
+
+
+def renamed(options, exchange):
+    """``exchange``, or a ``merge=`` among ``options`` (its former name: taken out, with a DeprecationWarning)."""
+    if "merge" not in options:
+        return exchange
+    warnings.warn("decoding's merge= option is now exchange= (how the partials travel; the merge is always the "
+                  "log-sum-exp rule)", DeprecationWarning, stacklevel=3)
+    return options.pop("merge")
 
 
 def computing(rec):

@@ -15,10 +15,7 @@ from mpi4py import MPI
 
 from ..core.kernels import default_scale
 from ..core.precision import compute_dtype
-from ..core.threads import threads_problem
 from ..plans.layouts import take_rows
-from ..plans.spec import spec_problem
-from .axes import axis_problem, seq_index
 from .checks import (
     Shown,
     agreement_timeout,
@@ -38,11 +35,11 @@ from .checks import (
     values_digest,
     verdict,
 )
-from .collectives import allgather, allreduced
+from .collectives import allgather
 from .waits import abandon, completed, wait_entry, wait_until
 
 __all__ = ["agreed", "agree", "gather_entry", "setup", "agree_root", "setup_ring", "check_call", "check_comm",
-           "comm_problem", "contiguous", "call_spec", "moved_arrays", "opening", "Hosts"]
+           "comm_problem", "contiguous", "Hosts"]
 
 
 def comm_problem(comm):
@@ -211,30 +208,33 @@ def agree_root(comm, root, check_root, spec, timeout=None, expected_size=None, p
     return gathered[root][1]
 
 
-def setup_ring(comm, spec, timeout, expected_size=None, problem=None, values=None):
+def setup_ring(comm, spec, timeout, expected_size=None, problem=None, values=None, length=None):
     """The agreement of a ``Ring`` handle: its spec and timeout, once for all its calls.
 
-    As ``setup``, without arrays: every rank checks what it passed (``spec``
-    is None when ``problem`` says why), one all-gather compares it with rank
-    0's (``values``: more named values that must match) and gathers every
-    rank's positions, if given, and every rank builds the same plan or raises
-    the same ValueError. The spec's ``seq_len`` may be None when positions
-    imply it. Returns ``(plan, spec, hosts)``: the agreed spec (every rank's
-    positions in it) and every rank's processor name.
+    Every rank checks what it passed (``spec`` is None when ``problem`` says
+    why), one all-gather compares it with rank 0's (``values``: more named
+    values that must match) and gathers every rank's positions, if given, and
+    every rank builds the same plan or raises the same ValueError. The spec's
+    ``seq_len`` may be None when positions imply it, or when every rank gives
+    the ``length`` of its shard (a Ring agreeing at its first call): their sum.
+    Returns ``(plan, spec, hosts)``: the agreed spec (every rank's positions in
+    it) and every rank's processor name.
     """
     shown = held = None
     try:
         problem = (comm_problem(comm) or timeout_problem(timeout) or problem
                    or size_problem(comm.Get_size(), expected_size))
-        if problem is None and spec.seq_len is None and spec.positions is None:
+        if problem is None and spec.seq_len is None and spec.positions is None and length is None:
             problem = "seq_len must be given (the number of tokens of the whole sequence), unless positions are"
         if problem is None:
             held = spec.held()
             shown = dict(compared(spec, timeout), **{name: Shown(value) for name, value in (values or {}).items()})
     except Exception as exc:  # reported collectively, never raised alone
         problem, shown = describe(exc), None
-    gathered = agreed(comm, problem, shown, timeout, (Host.mine(), held), entry=True)
+    gathered = agreed(comm, problem, shown, timeout, (Host.mine(), held, length), entry=True)
     spec, implied = spec.with_ranks([g[1] for g in gathered])
+    if implied is None and length is not None:
+        implied = sum(g[2] for g in gathered)
     if spec.seq_len is not None and implied is not None and implied != spec.seq_len:  # the same data everywhere
         raise ValueError(f"seq_len={spec.seq_len} but the ranks' positions hold {implied} tokens")
     plan = spec.plan(comm.Get_size(), implied or spec.seq_len)  # raises everywhere
@@ -317,25 +317,3 @@ def contiguous(tensors, lses):
     work = compute_dtype(tensors["q"].dtype) if "dout" in tensors else None
     arrays = [np.ascontiguousarray(a, None if name in ("k", "v") else work) for name, a in tensors.items()]
     return arrays, [np.ascontiguousarray(a, work) for a in lses]
-
-
-def call_spec(spec, **keywords):
-    """A function call's spec (``spec_problem``), this rank's problem with it, and whether k holds q's tokens
-    (no ``kv_positions``: from the keywords when the spec could not be made)."""
-    spec, problem = spec_problem(keywords, spec)
-    return spec, problem, (keywords["kv_positions"] if spec is None else spec.kv_positions) is None
-
-
-def moved_arrays(tensors, seq_axis, threads, same_rows=True, lse=None):
-    """The arrays with the sequence on axis -2 (unchanged if ``seq_axis`` is bad), and this rank's problem."""
-    problem = axis_problem(tensors, seq_axis, same_rows=same_rows, lse=lse) or threads_problem(threads)
-    if problem:
-        return list(tensors.values()), problem
-    return [np.moveaxis(a, seq_index(seq_axis, a.ndim), -2) for a in tensors.values()], None
-
-
-def opening(comm, problem, timeout):
-    """The common start of a call agreed already (by ``setup``): one all-reduce of whether a rank found a problem
-    since (``checks.pairs_problem``); only then a second round names it, the same ValueError on every rank."""
-    if allreduced(comm, [1.0 if problem else 0.0], MPI.MAX, timeout, "start of the call")[0]:
-        agree(comm, problem, timeout)

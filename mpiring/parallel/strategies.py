@@ -34,8 +34,8 @@ from .ring import allgather_loop, ring_loop
 from .sparse import delivered, sparse_backward
 from .ulysses import ulysses_backward, ulysses_forward
 
-__all__ = ["Strategy", "STRATEGIES", "strategy_of", "private_rings", "rotation", "run_forward", "run_backward",
-           "agree_outcome", "scored_forward", "sink_gradients"]
+__all__ = ["Strategy", "STRATEGIES", "strategy_of", "private_rings", "grad_rings", "rotation", "run_forward",
+           "run_backward", "agree_outcome", "scored_forward", "sink_gradients"]
 
 
 class Call(NamedTuple):
@@ -164,6 +164,12 @@ def private_rings(comm, plan, node_size, timeout, backward):
             ring.free()
         raise
     return plan, rings
+
+
+def grad_rings(comm, plan, timeout):
+    """The communicators the strategy's backward adds to a forward's (collective): for a handle whose first call
+    was a forward."""
+    return STRATEGIES[plan.strategy].rings(comm, plan, timeout)
 
 
 def agree_outcome(comm, timeout, t0):
