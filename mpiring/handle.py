@@ -47,6 +47,7 @@ from .mpi.record import Record
 from .mpi.waits import Announced, CommTimeout, Watch, exclusive, watching
 from .options import CALL_OPTIONS, options_problem
 from .parallel.strategies import (
+    Call,
     grad_rings,
     private_rings,
     rotation,
@@ -341,12 +342,12 @@ class Ring:
 
     def _forward(self, q, k, v, scale, record, timeout):
         """The ring's forward on agreed arrays (``_agree_call``)."""
-        rec = Record(self.rank) if record is None else record
+        record = Record(self.rank) if record is None else record
         score = Score.of(self.spec, scale, q, finite=self.check_finite)
+        call = Call(self.plan, self._rings[:1], score, record, timeout, Precision.of(q.dtype, self.spec.precision),
+                    rotation(self.spec.rotate, self.plan, q, k, v, self.spec.wire_dtype))
         with self._running():
-            out, lse = run_forward(q, k, v, self.plan, self._rings[0], score, rec, timeout,
-                                   Precision.of(q.dtype, self.spec.precision),
-                                   rotation(self.spec.rotate, self.plan, q, k, v, self.spec.wire_dtype))
+            out, lse = run_forward((q, k, v), call)
             out, lse, top = scored_forward(self.spec, score, out, lse, self._rings[0].comm, timeout)
         out, lse = self.plan.in_caller_order(self.rank, out), self.plan.in_caller_order(self.rank, lse, axis=-1)
         lse = lse.view(Lse)
@@ -357,16 +358,17 @@ class Ring:
     def _backward(self, moved, lses, scale, record, timeout):
         """The ring's backward on agreed arrays (``_agree_call``)."""
         dout, q, k, v, out = moved
-        pr = Precision.of(k.dtype, self.spec.precision)
+        precision = Precision.of(k.dtype, self.spec.precision)
         delta = np.einsum("...d,...d->...", dout, out, dtype=GRAD_DTYPE)  # no float64 copies of dout and out
         if len(lses) > 1:  # d lse / d score = p: the dlse term joins delta (ds = p * (dp - delta + dlse))
             delta -= lses[1]
-        rec = Record(self.rank) if record is None else record
+        record = Record(self.rank) if record is None else record
+        call = Call(self.plan, self._rings, Score.of(self.spec, scale, finite=self.check_finite), record, timeout,
+                    precision)
         with self._running():
-            grads = run_backward((dout, q, k, v, out, lses[0], delta.astype(q.dtype)), self.plan, self._rings,
-                                 Score.of(self.spec, scale, finite=self.check_finite), rec, timeout, pr)
+            grads = run_backward((dout, q, k, v, out, lses[0], delta.astype(q.dtype)), call)
             dsinks = sink_gradients(self.spec, lses[0], delta, self._rings[0].comm, timeout)
-        grads = [self.plan.in_caller_order(self.rank, g.astype(pr.input, copy=False), kv=i > 0)
+        grads = [self.plan.in_caller_order(self.rank, g.astype(precision.input, copy=False), kv=i > 0)
                  for i, g in enumerate(grads)]
         grads = tuple(np.moveaxis(g, -2, seq_index(self.seq_axis, g.ndim)) for g in grads)
         return grads if dsinks is None else grads + (dsinks,)

@@ -116,40 +116,30 @@ def agree(comm, problem, timeout=None, entry=False):
     agreed(comm, problem, None, timeout, entry=entry)
 
 
-def setup(q, k, v, comm, spec, check_finite=False, expected_size=None, timeout=None, prepare=None,
-          problem=None, rows=None, hosts=None, same_rows=True, first=None, shared=None):
-    """Validate on every rank, agree collectively (one all-gather), and build the shared plan.
+def setup(q, k, v, comm, spec, timeout=None, prepare=None, rows=None, hosts=None, same_rows=True):
+    """Validate on every rank, agree collectively (one all-gather), and build the shared plan: MLA's agreement
+    (``parallel.latent``), whose k, v are expanded from the latent.
 
     Every rank ends with the same verdict: either ``(plan, spec, scale,
     prepared)`` (the spec agreed: every rank's positions in it) or the same
     ValueError, naming each offending rank and argument. Nothing here raises
     before the all-gather, so one rank's bad input cannot leave the others
-    waiting. ``spec``: this rank's ``Spec`` (None when its options were bad:
-    ``problem`` says why). ``prepare()``, run once this rank's arguments are
+    waiting. ``spec``: this rank's ``Spec``. ``prepare()``, run once this rank's arguments are
     valid, does the work that may fail on one rank alone (contiguous copies,
     temporaries: a MemoryError) before the agreement, so such a failure is
     reported by every rank too; its result is returned as ``prepared``.
-    ``problem``: one more of this rank's problems, found by the caller (or None).
     ``hosts``: a list to fill with every rank's processor name (who shares a node).
-    ``same_rows``: k holds q's tokens (no ``kv_positions``). ``first``: a
-    problem the caller's caller found (an adapter's), reported before the arrays'; ``shared``: its values
-    that every rank must pass alike (``Shown``).
+    ``same_rows``: k holds q's tokens (no ``kv_positions``).
     ``rows``: one letter per prepared array, "q" (query rows), "k" (key/value
     rows) or "l" (query rows on the last axis: lse); they come back sorted by
-    position, the order the ring works in (``Plan.in_caller_order`` undoes it;
-    the plan's ``orders`` are these sorts, found from the same positions).
-
+    position, the order the ring works in (``Plan.in_caller_order`` undoes it).
     Positions given per rank (``positions``, ``kv_positions``) are all-gathered
     with the rest, so every rank checks that they partition the sequence.
     """
     values = n_local = peak = prepared = held = None
     try:
-        size = comm.Get_size()
-        problem = (comm_problem(comm) or timeout_problem(timeout) or first
-                   or local_problem(q, k, v, None, check_finite, same_rows)
-                   or problem or size_problem(size, expected_size))
-        if problem is None:
-            problem = spec.rows_problem(q, k)
+        problem = (comm_problem(comm) or timeout_problem(timeout) or local_problem(q, k, v, None, False, same_rows)
+                   or spec.rows_problem(q, k))
         if problem is None and prepare is not None:
             prepared = prepare()
             if rows is not None:  # copies too: made here, where a MemoryError is reported by every rank
@@ -158,7 +148,7 @@ def setup(q, k, v, comm, spec, check_finite=False, expected_size=None, timeout=N
         if problem is None:
             held = spec.held()
             values = {f"{n} shape": Shown(*[shape_text(a)] * 2) for n, a in (("q", q), ("k", k), ("v", v))}
-            values.update({"dtype": Shown(str(q.dtype)), **compared(spec, timeout), **(shared or {})})
+            values.update({"dtype": Shown(str(q.dtype)), **compared(spec, timeout)})
             n_local = q.shape[-2]
             peak = peaks(q, k)
     except Exception as exc:  # whatever goes wrong here is reported collectively, never raised alone

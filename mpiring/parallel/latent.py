@@ -24,6 +24,7 @@ from mpi4py import MPI
 from ..core.block import GRAD_DTYPE
 from ..core.latent import Latent, LatentWire, expand, latent_problem
 from ..core.precision import Precision, compute_dtype
+from ..core.scores import Score
 from ..core.threads import limited, threads_for
 from ..core.tiles import release_workspace
 from ..mpi.agree import agreed, check_comm, setup
@@ -32,7 +33,7 @@ from ..mpi.collectives import allreduced
 from ..mpi.record import Record
 from ..mpi.waits import exclusive, wait_until
 from ..plans.spec import digest, spec_problem
-from .strategies import private_rings, run_backward, run_forward, strategy_of
+from .strategies import Call, private_rings, run_backward, run_forward, strategy_of
 
 __all__ = ["mla_attention", "mla_attention_backward", "FIELDS"]
 
@@ -112,7 +113,7 @@ def mla_attention(q, c_kv, k_rope, w_uk, w_uv, comm=None, *, spec=None, causal=F
         wait = resolve_timeout(timeout, plan, q.size // (q.shape[-2] * q.shape[-1]), q.shape[-1])
 
         def forward(plan, rings):
-            return run_forward(q, c, k_rope, plan, rings[0], scale, rec, wait, pr)
+            return run_forward((q, c, k_rope), Call(plan, rings[:1], Score(scale), rec, wait, pr))
 
         out, lse = _run(comm, plan, spec, hosts, timeout, False, forward)
         return plan.in_caller_order(rank, out), plan.in_caller_order(rank, lse, axis=-1)
@@ -146,7 +147,7 @@ def mla_attention_backward(dout, q, c_kv, k_rope, w_uk, w_uv, out, lse, comm=Non
         wait = resolve_timeout(timeout, plan, q.size // (q.shape[-2] * q.shape[-1]), q.shape[-1], 2.5)
 
         def backward(plan, rings):
-            grads = run_backward((dout, q, c, k_rope, out, lse, delta), plan, rings, scale, rec, wait, pr)
+            grads = run_backward((dout, q, c, k_rope, out, lse, delta), Call(plan, rings, Score(scale), rec, wait, pr))
             weights = latent.weight_grads
             if sum_weights and size > 1:
                 start = time.perf_counter()
