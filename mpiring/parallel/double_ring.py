@@ -136,16 +136,13 @@ def double_ring_forward(q, k, v, call):
 
 
 def double_ring_backward(dout, q, k, v, out, lse, delta, call):
-    """This rank's (dq, dk, dv) in float64.
+    """This rank's (dq, dk, dv) in float64. K/V move as in the forward pass, on the call's wire.
 
-    K/V move as in the forward pass, on the same wire (``precision``: the call's
-    ``Precision``). A block's partial starts at its first visitor in a node
-    (zeros), goes to the next rank with the block (one step behind, so the
-    wait for it follows a compute), and the node's last visitor sends it
-    home; partials travel in the ``grad`` dtype (``grad_wire_dtype``) and add
-    up at home in float64. At a round's last step every rank sends one
-    partial home and receives one of its own block's (``plan.last_visitor``),
-    so the hop home is one more ring shift, waited for a round later.
+    A block's partial starts at its first visitor in a node (zeros), goes to the next rank with the block (one
+    step behind, so the wait for it follows a compute), and the node's last visitor sends it home; partials
+    travel in the ``grad`` dtype (``grad_wire_dtype``) and add up at home in float64. At a round's last step
+    every rank sends one partial home and receives one of its own block's (``plan.last_visitor``), so the hop
+    home is one more ring shift, waited for a round later.
     """
     plan, comm, score = call.plan, call.comm, call.score
     record, timeout, precision = call.record, call.timeout, call.precision
@@ -158,10 +155,10 @@ def double_ring_backward(dout, q, k, v, out, lse, delta, call):
         n, m = plan.node_size, plan.nodes
         queries = (dout, q, out, lse, delta)
         dq = np.zeros(q.shape, GRAD_DTYPE)
-        own = (np.zeros(k.shape, GRAD_DTYPE), np.zeros(v.shape, GRAD_DTYPE))
-        mine = wire.own((k, v))  # the own block, computed on exactly
-        held = first = (wire.encode(k), wire.encode(v))  # as the wire carries it: coded once, here
-        arriving = None  # the held block's partial, from the previous visitor in this node
+        own_grads = (np.zeros(k.shape, GRAD_DTYPE), np.zeros(v.shape, GRAD_DTYPE))
+        own_block = wire.own((k, v))  # this rank's own block, computed on exactly
+        travelling = first = (wire.encode(k), wire.encode(v))  # as the wire carries it: coded once, here
+        arriving = None  # the travelling block's partial, from the previous visitor in this node
         coming_home = None  # the own block's partial from a node's last visitor, on its way
 
         def progress():
@@ -180,17 +177,17 @@ def double_ring_backward(dout, q, k, v, out, lse, delta, call):
                 nxt = block_of(plan.source_at(rank, step + n), make=np.empty, like=first)
                 _shift(kv_outer, first, nxt, record, step, OUTER)
             if i < n - 1:
-                incoming = block_of(plan.source_at(rank, step + 1), make=np.empty, like=held)
-                _shift(kv_inner, held, incoming, record, step, INNER)
+                incoming = block_of(plan.source_at(rank, step + 1), make=np.empty, like=travelling)
+                _shift(kv_inner, travelling, incoming, record, step, INNER)
                 kv_waiting.append(kv_inner)
             task = plan.tasks(step, rank)[0]
             pieces = plan.pieces(rank, task.source)
             count_pairs(record, pieces)
-            kv = mine if source == rank else wire.arrived(held)
+            kv = own_block if source == rank else wire.arrived(travelling)
             grads = block.grads_of(queries, kv, task, pieces, score, dq, record, progress, step)
             record.tasks.append((step, task))
             if i == 0:  # the first visitor in this node; with one rank per node the own block's share stays here
-                total = own if source == rank and n == 1 else block_of(source, precision.grad)
+                total = own_grads if source == rank and n == 1 else block_of(source, precision.grad)
             else:
                 _wait([grads_inner], record, step, timeout, "dK/dV")
                 total = arriving
@@ -203,32 +200,32 @@ def double_ring_backward(dout, q, k, v, out, lse, delta, call):
                 arriving = block_of(plan.source_at(rank, step + 1), precision.grad)
                 _shift(grads_inner, total, arriving, record, step, INNER, "dK/dV")
             elif source != rank:  # the node's last visitor: the partial goes home, one comes home
-                coming_home = _home(home, total, coming_home, own, plan, o, record, step,
+                coming_home = _home(home, total, coming_home, own_grads, plan, o, record, step,
                                     block_of(rank, precision.grad), timeout)
             if i < n - 1:
-                held = incoming
+                travelling = incoming
             elif o < m - 1:
-                first = held = nxt
+                first = travelling = nxt
             record.step_done(step, plan.n_steps)
-        _home(home, None, coming_home, own, plan, m, record, plan.n_steps - 1, None, timeout)
-        record.bytes_sent = sum(ring.bytes_sent for ring in rings)
-        record.messages = sum(ring.messages for ring in rings)
-        record.wait_time = sum(ring.wait_time for ring in rings)
+        _home(home, None, coming_home, own_grads, plan, m, record, plan.n_steps - 1, None, timeout)
+        for counter in ("bytes_sent", "messages", "wait_time"):
+            setattr(record, counter, sum(getattr(ring, counter) for ring in rings))
     finally:
         for ring in rings:
             ring.free()
-    return dq, own[0], own[1]
+    return dq, own_grads[0], own_grads[1]
 
 
-def _home(home, total, coming_home, own, plan, rnd, rec, step, receive, timeout):
-    """The hop home of round ``rnd``: finish the previous one (add it into ``own``), start this one (if ``total``).
+def _home(home, total, coming_home, own_grads, plan, rnd, rec, step, receive, timeout):
+    """The hop home of round ``rnd``: finish the previous one (add it into ``own_grads``), start this one (if
+    ``total``).
 
     Returns the arrays the own block's partial is arriving in (None when nothing was started).
     """
     if coming_home is not None:
         _wait([home], rec, step, timeout, "dK/dV home")
-        own[0][...] += coming_home[0]
-        own[1][...] += coming_home[1]
+        own_grads[0][...] += coming_home[0]
+        own_grads[1][...] += coming_home[1]
     if total is None:
         return None
     rank = home.rank

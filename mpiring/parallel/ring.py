@@ -47,7 +47,7 @@ class Call(NamedTuple):
 
 
 def ring_loop(q, k, v, call):
-    """The ring: start passing the held blocks on, compute on them, wait, swap (``call``: ``strategies.Call``)."""
+    """The ring: start passing the held blocks on, compute on them, wait, swap (``call``: a ``Call``)."""
     plan, ring, score = call.plan, call.ring, call.score
     record, timeout, precision = call.record, call.timeout, call.precision
     rank, wire = ring.rank, precision.wire
@@ -59,22 +59,22 @@ def ring_loop(q, k, v, call):
     # (..., n, d) for torch's) or as the wire codes them (``precision.Wire``), in two slots per stream, kept
     # buffers of this thread; ``hold`` puts this rank's own block in the kernel's form.
     buffers = {stream: kv_slots(wire, (k, v), longest, f"ring.kv{stream}") for stream in plan.rounds or [+1]}
-    form = next(iter(buffers.values()))  # [k | 1]^T for the NumPy kernel, (..., n, d) for torch's (``kv_slots``)
-    own = form.hold((k, v))
-    mine = own if not wire.coded else wire.own((k, v), padded=form.padded)  # computed on exactly
-    held = {stream: own for stream in buffers}  # the block each stream holds now
+    slots = next(iter(buffers.values()))  # a stream's two slots (``kv_slots``): the form every block takes
+    outgoing = slots.hold((k, v))
+    own_block = outgoing if not wire.coded else wire.own((k, v), padded=slots.padded)  # computed on exactly
+    holding = {stream: outgoing for stream in buffers}  # the block each stream holds now
     for step in range(plan.n_steps):
         incoming = next_buffers(plan, rank, step, buffers)
-        shift(ring, {s: held[s] for s in incoming}, incoming, record, step, pad=form.pad)  # Isend/Irecv, non-blocking
+        shift(ring, {s: holding[s] for s in incoming}, incoming, record, step, pad=slots.pad)  # Isend/Irecv
         start = time.perf_counter()
         for task in plan.tasks(step, rank):  # one block (two when bidirectional)
-            kv = mine if task.source == rank else wire.arrived(held[task.stream], padded=form.padded)
+            kv = own_block if task.source == rank else wire.arrived(holding[task.stream], padded=slots.padded)
             block.attend(q, kv, task, plan.pieces(rank, task.source), score, acc, record, ring.progress, step,
-                         padded=form.padded)
+                         padded=slots.padded)
         computed, start = time.perf_counter() - start, time.perf_counter()
         ring.wait(timeout, _slow_step_note(step, computed, timeout))
         record.event("wait", start, step=step)
-        held.update(incoming)  # the blocks that arrived are the ones to use next step
+        holding.update(incoming)  # the blocks that arrived are the ones to use next step
         record.step_done(step, plan.n_steps)
     return acc[0].astype(precision.input, copy=False), acc[1].astype(precision.compute, copy=False)
 
@@ -91,9 +91,9 @@ def allgather_loop(q, k, v, call, arrive=allgathered):
     rank, wire = comm.Get_rank(), precision.wire
     acc = block.accumulators(q, v, precision.out, precision.lse, wire=wire)
     q = precision.widen(q)
-    mine = wire.own((k, v))
+    own_block = wire.own((k, v))
     for step, task, kv, progress in arrive(wire.encode(k), wire.encode(v), plan, comm, record, timeout):
-        kv = mine if task.source == rank else wire.arrived(kv)
+        kv = own_block if task.source == rank else wire.arrived(kv)
         block.attend(q, kv, task, plan.pieces(rank, task.source), score, acc, record, progress, step)
         record.step_done(step, plan.steps_of(rank))
     return acc[0].astype(precision.input, copy=False), acc[1].astype(precision.compute, copy=False)
