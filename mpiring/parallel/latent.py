@@ -107,13 +107,13 @@ def mla_attention(q, c_kv, k_rope, w_uk, w_uv, comm=None, *, spec=None, causal=F
         plan, spec, scale, (q, c, k_rope), hosts = _agree(comm, dict(q=q, c_kv=c_kv, k_rope=k_rope), (w_uk, w_uv),
                                                           keywords, spec, timeout, "qkk", "mla_attention")
         rank = comm.Get_rank()
-        rec = Record(rank) if record is None else record
-        pr = Precision.of(q.dtype, spec.precision)
-        pr.wire = LatentWire(pr.wire, Latent(w_uk, w_uv, pr.compute))
+        record = Record(rank) if record is None else record
+        precision = Precision.of(q.dtype, spec.precision)
+        precision.wire = LatentWire(precision.wire, Latent(w_uk, w_uv, precision.compute))
         wait = resolve_timeout(timeout, plan, q.size // (q.shape[-2] * q.shape[-1]), q.shape[-1])
 
         def forward(plan, rings):
-            return run_forward((q, c, k_rope), Call(plan, rings[:1], Score(scale), rec, wait, pr))
+            return run_forward((q, c, k_rope), Call(plan, rings[:1], Score(scale), record, wait, precision))
 
         out, lse = _run(comm, plan, spec, hosts, timeout, False, forward)
         return plan.in_caller_order(rank, out), plan.in_caller_order(rank, lse, axis=-1)
@@ -139,26 +139,27 @@ def mla_attention_backward(dout, q, c_kv, k_rope, w_uk, w_uv, out, lse, comm=Non
                                                   "mla_attention_backward")
         dout, q, c, k_rope, out, lse = arrays
         rank, size = comm.Get_rank(), comm.Get_size()
-        rec = Record(rank) if record is None else record
-        pr = Precision.of(c.dtype, spec.precision)
-        latent = Latent(w_uk, w_uv, pr.compute)
-        pr.wire = LatentWire(pr.wire, latent)
+        record = Record(rank) if record is None else record
+        precision = Precision.of(c.dtype, spec.precision)
+        latent = Latent(w_uk, w_uv, precision.compute)
+        precision.wire = LatentWire(precision.wire, latent)
         delta = np.einsum("...d,...d->...", dout, out, dtype=GRAD_DTYPE).astype(q.dtype)
         wait = resolve_timeout(timeout, plan, q.size // (q.shape[-2] * q.shape[-1]), q.shape[-1], 2.5)
 
         def backward(plan, rings):
-            grads = run_backward((dout, q, c, k_rope, out, lse, delta), Call(plan, rings, Score(scale), rec, wait, pr))
+            call = Call(plan, rings, Score(scale), record, wait, precision)
+            grads = run_backward((dout, q, c, k_rope, out, lse, delta), call)
             weights = latent.weight_grads
             if sum_weights and size > 1:
                 start = time.perf_counter()
                 weights = [allreduced(rings[0].comm, w, MPI.SUM, wait, "MLA weight gradients") for w in weights]
                 for w in weights:  # as a ring all-reduce moves them: 2 (P - 1) chunks of 1/P
-                    rec.bytes_sent += 2 * (size - 1) * w.nbytes // size
-                    rec.messages += 2 * (size - 1)
-                rec.event("wait", start, step=plan.n_steps - 1, data="weight gradients")
+                    record.bytes_sent += 2 * (size - 1) * w.nbytes // size
+                    record.messages += 2 * (size - 1)
+                record.event("wait", start, step=plan.n_steps - 1, data="weight gradients")
             return grads, weights
 
         (dq, dc, dk_rope), weights = _run(comm, plan, spec, hosts, timeout, True, backward)
-        grads = [plan.in_caller_order(rank, g.astype(pr.input, copy=False), kv=i > 0)
+        grads = [plan.in_caller_order(rank, g.astype(precision.input, copy=False), kv=i > 0)
                  for i, g in enumerate((dq, dc, dk_rope))]
         return (*grads, *(w.astype(np.result_type(w0), copy=False) for w, w0 in zip(weights, (w_uk, w_uv))))
