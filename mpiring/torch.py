@@ -18,6 +18,7 @@ attention call is collective, as its forward is.
 import numpy as np
 import torch
 
+from .core.kernels import merge_weight
 from .core.precision import named_dtype
 from .handle import caller_found
 from .handle import ring_attention as _ring_attention
@@ -110,8 +111,8 @@ def _with_sinks(out, lse, sinks, ring, options):
     """Trainable sinks (gpt-oss): each head's logit joins every row's denominator once, in torch ops after the
     ring, so autograd gives d loss / d sinks, and the ring's backward gets the matching dout and dlse."""
     seq_axis = ring.seq_axis if ring is not None else options.get("seq_axis", -2)
-    lse_f = torch.logaddexp(lse, sinks.to(lse.dtype)[:, None].expand(lse.shape[-2:]))
-    shrink = torch.exp(lse - lse_f).unsqueeze(-1)  # (..., H, n, 1) in the ring's (..., H, n, D) order
+    lse_f, shrink = merge_weight(lse, sinks.to(lse.dtype)[:, None].expand(lse.shape[-2:]), xp=torch)  # a 0 block
+    shrink = shrink.unsqueeze(-1)  # (..., H, n, 1) in the ring's (..., H, n, D) order
     shrink = torch.movedim(shrink, -2, seq_index(seq_axis, out.ndim))
     return out * shrink.to(out.dtype), lse_f
 

@@ -48,8 +48,8 @@ from .tiles import (
     with_ones,
 )
 
-__all__ = ["attention_block", "attention_block_backward", "merge", "merge_commutative", "default_scale", "pad_ones",
-           "LSE_LIMIT", "empty_or_nan"]
+__all__ = ["attention_block", "attention_block_backward", "merge", "merge_weight", "merge_commutative",
+           "default_scale", "pad_ones", "LSE_LIMIT", "empty_or_nan"]
 
 LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)
@@ -305,20 +305,18 @@ def merge(out: np.ndarray, lse: np.ndarray, block_out: np.ndarray | None, block_
           inplace: bool = False) -> tuple[np.ndarray, np.ndarray]:  # (..., S, Dv), (..., S)
     """Combine two normalized attentions over disjoint key sets (the log-sum-exp rule): the one merge.
 
-    out (..., S, Dv), lse (..., S). NaN-free when either or both lse are -inf.
-    Returns the merged ``(out, lse)``: new arrays, or ``out`` and ``lse``
-    overwritten when ``inplace``. ``block_out`` None: a block whose values are 0
-    (an attention sink, ``scores.with_sinks``): out shrinks by exp(lse - new lse),
-    written so rather than as out + (0 - out) * w, whose 1 - w cancels when the sink takes nearly all the weight.
+    out (..., S, Dv), lse (..., S). NaN-free when either or both lse are -inf. Returns the merged ``(out, lse)``:
+    new arrays, or ``out`` and ``lse`` overwritten when ``inplace``. ``block_out`` None: a block of zeros (a
+    sink, ``scores.with_sinks``): out * exp(lse - new lse) (``merge_weight``), as out + (0 - out) * w cancels.
     """
     # naive: new_lse = log(exp(lse) + exp(block_lse))
     #        new_out = (exp(lse) * out + exp(block_lse) * block_out) / exp(new_lse)
     # stable: weight of block_out = exp(block_lse - new_lse) = sigmoid(block_lse - lse)
-    new_lse = np.logaddexp(lse, block_lse)
-    seen = np.where(np.isneginf(new_lse), 0, new_lse)
     if block_out is None:
-        return out * np.exp(lse - seen)[..., None], new_lse
-    w = np.exp(block_lse - seen)[..., None]
+        new_lse, kept = merge_weight(lse, block_lse)
+        return out * kept[..., None], new_lse
+    new_lse = np.logaddexp(lse, block_lse)
+    w = np.exp(block_lse - np.where(np.isneginf(new_lse), 0, new_lse))[..., None]
     step = np.subtract(block_out, out)
     step *= w
     if not inplace:
@@ -328,11 +326,16 @@ def merge(out: np.ndarray, lse: np.ndarray, block_out: np.ndarray | None, block_
     return out, lse
 
 
+def merge_weight(lse, block_lse, xp=np):
+    """``merge``'s ``(new lse, weight of out)``, exp(lse - new lse), in ``xp``'s ops (torch: trainable sinks)."""
+    new_lse = xp.logaddexp(lse, block_lse)
+    return new_lse, xp.exp(lse - xp.where(xp.isneginf(new_lse), 0, new_lse))
+
+
 def merge_commutative(out: np.ndarray, lse: np.ndarray, other_out: np.ndarray, other_lse: np.ndarray,
                       into: tuple[np.ndarray, np.ndarray]) -> None:
-    """``merge``'s rule, max-then-sum, into ``into`` (either side): ``m = max(l1, l2); w_i = exp(l_i - m);
-    out = (w1 o1 + w2 o2) / (w1 + w2); lse = m + log(w1 + w2)``. IEEE addition and multiplication commute, so
-    either order gives the same bits (decoding's reductions, ordered by MPI: ``decode.lse_merge``)."""
+    """``merge``'s rule max-then-sum, into ``into`` (either side): m = max(l1, l2), w_i = exp(l_i - m), out = (w1 o1 +
+    w2 o2) / (w1 + w2), lse = m + log(w1 + w2); commutative to the bit (MPI's reduction order: ``decode.lse_merge``)."""
     m = np.maximum(lse, other_lse)
     m0 = np.where(np.isneginf(m), 0.0, m)
     wa, wb = np.exp(lse - m0), np.exp(other_lse - m0)
