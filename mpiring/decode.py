@@ -7,15 +7,13 @@ and ``attention_block``: the ring's kernel and merge), giving a partial
 ``(out, lse)``; the partials are then merged with the log-sum-exp rule, so
 that every rank ends with the same bits:
 
-- ``merge="tree"``: one ``MPI_Allreduce`` whose operation is the merge
+- ``exchange="tree"``: one ``MPI_Allreduce`` whose operation is the merge
   (``lse_merge`` as a user-defined op): log2 P latency terms (Tree Attention, 2024);
-- ``merge="ring"``: the partials travel the ring (P - 1 steps, each rank passes
+- ``exchange="ring"``: the partials travel the ring (P - 1 steps, each rank passes
   on what it received), then every rank merges them in rank order.
 
-The merge is written in its max-then-sum form,
-``m = max(l1, l2); w_i = exp(l_i - m); out = (w1 o1 + w2 o2) / (w1 + w2); lse = m + log(w1 + w2)``,
-which is commutative to the bit (IEEE addition and multiplication are), so
-however MPI pairs the partials up, both ranks of a pair compute the same bits.
+The merge is ``core.kernels.merge_commutative``: the ring's rule in its max-then-sum form,
+commutative to the bit, so however MPI pairs the partials up, both ranks of a pair compute the same bits.
 Partials and the merge are float64 whatever the input dtype; the result is cast back at the end.
 
 Masks: by default every new token sees the whole cache. With ``causal=True``
@@ -26,16 +24,17 @@ each other causally, as in a prefill.
 """
 
 import time
+import warnings
 
 import numpy as np
 from mpi4py import MPI
 
-from .core.kernels import attention_block, empty_or_nan
+from .core.kernels import attention_block, merge_commutative
 from .core.scores import Score, attend_general, with_sinks
 from .mpi.agree import check_comm
 from .mpi.checks import Shown
 from .mpi.comm import RingComm
-from .mpi.decoding import MERGES, decode_agreement, decode_timeout, parents_problem
+from .mpi.decoding import EXCHANGES, MERGES, decode_agreement, decode_timeout, parents_problem
 from .mpi.record import Record
 from .mpi.waits import exclusive, wait_until
 from .plans.content import described
@@ -43,27 +42,17 @@ from .plans.masks import combined
 from .plans.plan import Piece, Where
 from .plans.spec import Spec, spec_problem
 
-__all__ = ["decode_attention", "decode_many", "MERGES", "lse_merge", "merge_partials", "local_partial",
-           "decode_agreement", "decode_timeout", "draft_mask", "draft_partial", "parents_problem", "computing"]
+__all__ = ["decode_attention", "decode_many", "EXCHANGES", "MERGES", "renamed", "lse_merge", "merge_partials",
+           "local_partial", "decode_agreement", "decode_timeout", "draft_mask", "draft_partial", "parents_problem",
+           "computing"]
 
 # ---------------------------------------------------------------- the merge as an MPI reduction
 
 
 def lse_merge(a, b):
-    """Merge rows ``a`` into ``b`` in place: each row is ``[out (Dv values), lse]`` in float64.
-
-    The max-then-sum form of the log-sum-exp rule: commutative to the bit, and
-    NaN-free when either or both lse are -inf (a shard with no visible key).
-    """
-    la, lb = a[:, -1], b[:, -1]
-    m = np.maximum(la, lb)
-    m0 = np.where(np.isneginf(m), 0.0, m)
-    wa, wb = np.exp(la - m0), np.exp(lb - m0)
-    total = wa + wb
-    safe = np.where(total > 0, total, 1.0)
-    b[:, :-1] = (wa[:, None] * a[:, :-1] + wb[:, None] * b[:, :-1]) / safe[:, None]
-    with np.errstate(divide="ignore"):
-        b[:, -1] = np.where(total > 0, m0 + np.log(safe), empty_or_nan(total))
+    """Merge rows ``a`` into ``b`` in place: each row is ``[out (Dv values), lse]`` in float64
+    (``kernels.merge_commutative``: commutative to the bit, NaN-free when either or both lse are -inf)."""
+    merge_commutative(b[:, :-1], b[:, -1], a[:, :-1], a[:, -1], into=(b[:, :-1], b[:, -1]))
 
 
 def _reduce(inbuf, inoutbuf, datatype):
@@ -81,7 +70,7 @@ def packed(out, lse):
     return rows.reshape(-1, rows.shape[-1])
 
 
-def merge_partials(rows, comm, merge, timeout=None, ring=None, rec=None):
+def merge_partials(rows, comm, exchange, timeout=None, ring=None, rec=None):
     """Merge every rank's partial ``rows`` (``packed``) into one, the same bits on every rank.
 
     ``tree``: one non-blocking all-reduce on ``comm`` whose op is ``lse_merge``. ``ring``:
@@ -92,7 +81,7 @@ def merge_partials(rows, comm, merge, timeout=None, ring=None, rec=None):
     if size == 1:
         return rows
     start = time.perf_counter()
-    if merge == "tree":
+    if exchange == "tree":
         result = np.empty_like(rows)
         # the op, and a datatype of one row (a reduction never splits a row between two calls of the op);
         # freed when the call ends (MPI keeps them for a reduction still pending after a timeout)
@@ -128,7 +117,7 @@ def merge_partials(rows, comm, merge, timeout=None, ring=None, rec=None):
         for part in parts[1:]:
             lse_merge(part, result)
     if rec is not None:
-        rec.event("merge", start, merge=merge)
+        rec.event("merge", start, exchange=exchange)
     return result
 
 
@@ -269,38 +258,37 @@ def decode_attention(
     q: np.ndarray,  # (..., Hq, T, D): the same new tokens on every rank
     k: np.ndarray,  # (..., Hk, n, D): this rank's cache shard, any n >= 0
     v: np.ndarray,  # (..., Hk, n, Dv)
-    comm=None, *, scale: float | None = None, merge: str = "tree", causal: bool = False, positions=None,
-    kv_positions=None, timeout: float | str | None = "auto", record: Record | None = None, mask=None,
-    softcap: float | None = None, bias=None, sinks=None, spec: Spec | None = None,
+    comm=None, *, spec: Spec | None = None, causal: bool = False, positions=None, kv_positions=None,
+    exchange: str = "tree", timeout: float | str | None = "auto", record: Record | None = None, **options,
 ) -> tuple[np.ndarray, np.ndarray]:  # out (..., Hq, T, Dv), lse (..., Hq, T): the same bits on every rank
     """Attention of the same new tokens ``q`` (on every rank) over the KV cache sharded across the ranks.
 
     Every rank computes its shard's partial (out, lse) and the partials are
-    merged with the log-sum-exp rule (``merge="tree"``: an all-reduce with a
-    user-defined op, log2 P steps; ``"ring"``: P - 1 steps around the ring).
+    merged with the log-sum-exp rule (``core.kernels.merge``), exchanged as ``exchange`` says ("tree": an
+    all-reduce whose op is the merge, log2 P steps; "ring": P - 1 steps around the ring).
     Every rank returns the same ``(out, lse)``, identical to the bit.
 
     Args:
         comm: an mpi4py communicator (default COMM_WORLD).
-        scale: softmax scale, default 1/sqrt(dim).
-        merge: "tree" or "ring".
+        exchange: "tree" or "ring" (``merge=``, its former name, still works, with a DeprecationWarning).
         causal: with ``positions`` (of q's tokens, the same on every rank) and
             ``kv_positions`` (of this rank's k, v rows): key j visible to query i
             iff kv_positions[j] <= positions[i]. Off: every new token sees every key.
         timeout: as ``ring_attention``: seconds any wait may take, "auto" or None.
         record: a ``Record`` to fill ("compute" and "merge" events, bytes sent).
-        mask, softcap, bias, sinks: as ``ring_attention`` (docs/masks.md), with ``positions`` and
-            ``kv_positions`` (the pieces and the bias see global positions); no dropout, no max logit.
+        options: ``scale`` (default 1/sqrt(dim)), and ``mask``, ``softcap``, ``bias``, ``sinks`` as
+            ``ring_attention`` takes them (docs/masks.md), with ``positions`` and ``kv_positions`` (the pieces and
+            the bias see global positions); no dropout, no max logit.
         spec: a ``Spec`` giving these options instead (``spec_of``).
 
     Bad arguments on any rank (mismatched heads, q different across ranks, a
     bad option) raise the same ``ValueError`` on every rank.
     """
     comm = check_comm(comm)
+    exchange = renamed(options, exchange)
     with exclusive(comm):
         (scale, causal, positions, kv_positions), problem, scores = spec_of(
-            spec, scale, causal, positions, kv_positions, scores=dict(mask=mask, softcap=softcap, bias=bias,
-                                                                      sinks=sinks))
+            spec, options.pop("scale", None), causal, positions, kv_positions, scores=options)
         problem = problem or (scores and scores.problem(q, positions, kv_positions))
         rec = Record(comm.Get_rank()) if record is None else record
 
@@ -314,12 +302,12 @@ def decode_attention(
             contiguous = [tuple(np.ascontiguousarray(a) for a in b[:2]) + b[2:] for b in blocks]
             return local_partial(np.ascontiguousarray(q), contiguous, scale, pos, causal, scores=scores)
 
-        scale, lengths, (out, lse) = decode_agreement(comm, q, k, v, scale, timeout, merge, causal, positions,
+        scale, lengths, (out, lse) = decode_agreement(comm, q, k, v, scale, timeout, exchange, causal, positions,
                                                       kv_positions, problem=problem,
                                                       values=scores and scores.values(), work=work)
         timeout = decode_timeout(timeout, q, v, lengths)
         start = time.perf_counter() - work.seconds  # the call's wall time: its compute and its merge
-        rows = merge_partials(packed(out, lse), comm, merge, timeout, rec=rec)
+        rows = merge_partials(packed(out, lse), comm, exchange, timeout, rec=rec)
         rec.wall_time = time.perf_counter() - start
         out, lse = unpacked(rows, out.shape, q.dtype)
         return (out, lse) if scores is None else scores.finish(out, lse)
@@ -329,8 +317,8 @@ def decode_many(
     qs: list,  # per sequence (..., Hq, T_s, D): the same on every rank
     ks: list,  # per sequence (..., Hk, n_s, D): this rank's shard of that sequence's cache, any n_s >= 0
     vs: list,  # per sequence (..., Hk, n_s, Dv)
-    comm=None, *, scale: float | None = None, merge: str = "tree", timeout: float | str | None = "auto",
-    record: Record | None = None,
+    comm=None, *, scale: float | None = None, exchange: str = "tree", timeout: float | str | None = "auto",
+    record: Record | None = None, merge: str | None = None,
 ) -> list:  # per sequence (out, lse), the same bits on every rank
     """Many sequences' new tokens at once (continuous batching): each over its own sharded cache, one merge.
 
@@ -340,6 +328,7 @@ def decode_many(
     magnitude), in new tokens and in batch axes; they share dtype and head dims.
     """
     comm = check_comm(comm)
+    exchange = renamed({} if merge is None else {"merge": merge}, exchange)
     with exclusive(comm):
         problem = None
         if not all(isinstance(x, (list, tuple)) for x in (qs, ks, vs)) or not (len(qs) == len(ks) == len(vs) > 0):
@@ -351,13 +340,23 @@ def decode_many(
             return [local_partial(np.ascontiguousarray(q), [(np.ascontiguousarray(k), np.ascontiguousarray(v), None)],
                                   scale) for q, k, v in zip(qs, ks, vs)]
 
-        scale, lengths, parts = decode_agreement(comm, list(qs), list(ks), list(vs), scale, timeout, merge,
+        scale, lengths, parts = decode_agreement(comm, list(qs), list(ks), list(vs), scale, timeout, exchange,
                                                  problem=problem, work=work)
         timeout = decode_timeout(timeout, max(qs, key=np.size), vs[0], lengths)
         start = time.perf_counter() - work.seconds
-        result = merge_many(parts, comm, merge, timeout, rec=rec, dtype=qs[0].dtype)
+        result = merge_many(parts, comm, exchange, timeout, rec=rec, dtype=qs[0].dtype)
         rec.wall_time = time.perf_counter() - start
         return result
+
+
+def renamed(options, exchange):
+    """``exchange``, or a ``merge=`` among ``options`` (its former name: taken out, with a DeprecationWarning;
+    ``decode_many`` and ``KVCache`` take it as ``merge=None``)."""
+    if "merge" not in options:
+        return exchange
+    warnings.warn("decoding's merge= option is now exchange= (how the partials travel; the merge is always the "
+                  "log-sum-exp rule)", DeprecationWarning, stacklevel=3)
+    return options.pop("merge")
 
 
 def computing(rec):
@@ -375,10 +374,10 @@ def computing(rec):
     return wrap
 
 
-def merge_many(parts, comm, merge, timeout, ring=None, rec=None, dtype=np.float64):
+def merge_many(parts, comm, exchange, timeout, ring=None, rec=None, dtype=np.float64):
     """Every rank's partials ``[(out, lse), ...]`` (one per sequence) merged in one ``merge_partials``."""
     rows = [packed(out, lse) for out, lse in parts]
-    merged = merge_partials(np.concatenate(rows), comm, merge, timeout, ring=ring, rec=rec)
+    merged = merge_partials(np.concatenate(rows), comm, exchange, timeout, ring=ring, rec=rec)
     ends = np.cumsum([len(r) for r in rows])
     return [unpacked(merged[end - len(r):end], out.shape, dtype) for r, end, (out, _) in zip(rows, ends, parts)]
 

@@ -15,6 +15,7 @@ from .mpi.checks import describe, local_problem, resolve_timeout, root_grad_prob
 from .mpi.collectives import gather
 from .mpi.record import Record
 from .mpi.waits import CommTimeout, wait_until
+from .options import split
 from .plans.layouts import shard, unshard
 from .plans.plan import Schedule
 from .plans.spec import Spec, spec_problem
@@ -54,6 +55,18 @@ def _gather(piece, plan, comm, root, timeout=None):
     return unshard(pieces, plan.layout)
 
 
+def _spec(options, spec, causal, layout, who):
+    """``(spec, problem, run options)`` of a root call: its options through ``Spec.of``; root deals the tokens
+    out by layout, so positions are refused by name."""
+    keywords, run = split(options)
+    spec, problem = spec_problem(dict(keywords, causal=causal, layout=layout), spec)
+    if problem is None and (spec.positions is not None or spec.kv_positions is not None):
+        problem = f"{who} deals the tokens out by layout: positions are ring_attention's (each rank's own rows)"
+    if problem is None and "seq_axis" in run:
+        problem = f"{who} takes root's arrays as (..., S, D): it has no seq_axis"
+    return spec, problem, run
+
+
 def _recorded_schedule(columns, plan):
     """The schedule the ranks recorded, with their counters (``records``) and the ``plan``."""
     table = [[columns[r][0][step] for r in range(plan.size)] for step in range(plan.n_steps)]
@@ -62,12 +75,8 @@ def _recorded_schedule(columns, plan):
 
 def distributed_attention(
     Q: np.ndarray | None, K: np.ndarray | None, V: np.ndarray | None,  # on root: (..., Hq, S, D), (..., Hk, S, D/Dv)
-    comm=None, *, causal: bool = False, root: int = 0, scale: float | None = None, layout: str = "contiguous",
-    mode: str = "ring", window: tuple[int, int] | None = None, cu_seqlens=None,
-    timeout: float | str | None = "auto", return_lse: bool = False, on_step=None, check_finite: bool = False,
-    expected_size: int | None = None, wire_dtype: str | None = None, accumulate: str = "float64",
-    causal_block: int | None = None, node_size: int | None = None, ulysses_size: int | None = None,
-    rotate: str = "kv", spec: Spec | None = None,
+    comm=None, *, spec: Spec | None = None, root: int = 0, causal: bool = False, layout: str = "contiguous",
+    timeout: float | str | None = "auto", return_lse: bool = False, on_step=None, **options,
 ) -> tuple:  # on root (out (..., Hq, S, Dv)[, lse], schedule); Nones elsewhere
     """Root scatters full Q, K, V, the ring runs, root gathers the output and the schedule.
 
@@ -76,9 +85,7 @@ def distributed_attention(
     ``schedule.records[rank]`` its traffic and timing counters. With
     ``return_lse=True`` root gets ``(out, lse, schedule)``. ``on_step(done, n_steps)``
     is called on this rank after each of its ring steps (e.g. for a progress line).
-    ``timeout``, ``check_finite`` (on root's full arrays), ``expected_size``,
-    ``wire_dtype``, ``accumulate``, ``causal_block``, ``node_size``,
-    ``ulysses_size``, ``rotate`` and ``spec`` are as in ``ring_attention``; each rank
+    ``options``: those of ``ring_attention`` (``check_finite`` checks root's full arrays); each rank
     gets the tokens ``shard_indices`` gives it under ``layout``, in every mode;
     options must be the same on every rank.
     """
@@ -92,10 +99,8 @@ def distributed_attention(
         meta = None if problem else [(a.shape[:-2], a.shape[-1], a.dtype) for a in (Q, K, V)] + [Q.shape[-2]]
         return problem, meta
 
-    spec, problem = spec_problem(dict(
-        layout=layout, mode=mode, causal=causal, scale=scale, window=window, cu_seqlens=cu_seqlens,
-        wire_dtype=wire_dtype, accumulate=accumulate, causal_block=causal_block, node_size=node_size,
-        ulysses_size=ulysses_size, rotate=rotate), spec)
+    spec, problem, run = _spec(options, spec, causal, layout, "distributed_attention")
+    check_finite, expected_size = run.get("check_finite", False), run.get("expected_size")
     if problem is None and spec.return_max_logit:
         problem = "distributed_attention returns no max logit: call ring_attention(..., return_max_logit=True)"
     meta = agree_root(comm, root, check_root, spec, timeout, expected_size, problem)
@@ -103,7 +108,8 @@ def distributed_attention(
     wait = resolve_timeout(timeout, plan, int(np.prod(meta[0][0])), meta[0][1])  # for scatter and gather
     q, k, v = (_scatter(x, m, plan, comm, root, wait) for x, m in zip((Q, K, V), meta[:3]))
     rec = Record(rank, on_step=on_step)
-    out, lse = ring_attention(q, k, v, comm, spec=spec, timeout=timeout, record=rec, expected_size=expected_size)
+    out, lse = ring_attention(q, k, v, comm, spec=spec, timeout=timeout, record=rec, expected_size=expected_size,
+                              threads=run.get("threads", "auto"))
     pieces = [out, lse[..., None]]
     full_out, full_lse, schedule = _collect(comm, root, plan, pieces, rec, {}, wait)
     if rank != root:
@@ -134,11 +140,8 @@ def _collect(comm, root, plan, pieces, rec, extra, timeout):
 def distributed_attention_backward(
     Q: np.ndarray | None, K: np.ndarray | None, V: np.ndarray | None,  # on root, as distributed_attention
     dOut: np.ndarray | None,  # on root: (..., Hq, S, Dv)
-    comm=None, *, root: int = 0, causal: bool = False, scale: float | None = None, layout: str = "contiguous",
-    mode: str = "ring", window: tuple[int, int] | None = None, cu_seqlens=None,
-    timeout: float | str | None = "auto", return_out: bool = False, wire_dtype: str | None = None,
-    grad_wire_dtype: str | None = None, accumulate: str = "float64", causal_block: int | None = None,
-    node_size: int | None = None, ulysses_size: int | None = None, spec: Spec | None = None,
+    comm=None, *, spec: Spec | None = None, root: int = 0, causal: bool = False, layout: str = "contiguous",
+    timeout: float | str | None = "auto", return_out: bool = False, **options,
 ) -> tuple:  # on root ([out,] dQ, dK, dV, schedule); Nones elsewhere
     """Root scatters Q, K, V and dOut; the ring runs forward then backward; root gathers the gradients.
 
@@ -147,9 +150,8 @@ def distributed_attention_backward(
     ``schedule.table[step][rank]`` holds the Tasks each rank recorded in the
     backward pass, ``schedule.records[rank]`` its counters (bytes, messages,
     times), with the forward pass's under ``"forward"``. With
-    ``return_out=True`` root gets ``(out, dQ, dK, dV, schedule)``. ``wire_dtype``,
-    ``accumulate``, ``causal_block``, ``node_size`` and ``ulysses_size`` are as
-    in ``ring_attention``, ``grad_wire_dtype`` as in ``ring_attention_backward``; ``spec`` holds them all instead.
+    ``return_out=True`` root gets ``(out, dQ, dK, dV, schedule)``. ``options``: those of
+    ``ring_attention_backward``.
     """
     comm = check_comm(comm)
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -159,18 +161,16 @@ def distributed_attention_backward(
         meta = None if problem else [(a.shape[:-2], a.shape[-1], a.dtype) for a in (Q, K, V, dOut)] + [Q.shape[-2]]
         return problem, meta
 
-    spec, problem = spec_problem(dict(
-        layout=layout, mode=mode, causal=causal, scale=scale, window=window, cu_seqlens=cu_seqlens,
-        wire_dtype=wire_dtype, grad_wire_dtype=grad_wire_dtype, accumulate=accumulate, causal_block=causal_block,
-        node_size=node_size, ulysses_size=ulysses_size), spec)
-    meta = agree_root(comm, root, check_root, spec, timeout, problem=problem)
+    spec, problem, run = _spec(options, spec, causal, layout, "distributed_attention_backward")
+    meta = agree_root(comm, root, check_root, spec, timeout, run.get("expected_size"), problem)
     plan = spec.plan(size, meta[4])  # the same everywhere, or raises everywhere
     wait = resolve_timeout(timeout, plan, int(np.prod(meta[0][0])), meta[0][1], factor=3.5)
     q, k, v, dout = (_scatter(x, m, plan, comm, root, wait) for x, m in zip((Q, K, V, dOut), meta[:4]))
     forward, backward = Record(rank), Record(rank)
-    out, lse = ring_attention(q, k, v, comm, spec=spec, timeout=timeout, record=forward)
+    threads = run.get("threads", "auto")
+    out, lse = ring_attention(q, k, v, comm, spec=spec, timeout=timeout, record=forward, threads=threads)
     dq, dk, dv, *dsinks = ring_attention_backward(dout, q, k, v, out, lse, comm, spec=spec, timeout=timeout,
-                                                  record=backward)
+                                                  record=backward, threads=threads)
     pieces = ([out] if return_out else []) + [dq, dk, dv]
     *full, schedule = _collect(comm, root, plan, pieces, backward, {"forward": forward.summary()}, wait)
     if rank != root:

@@ -33,6 +33,7 @@ from .decode import (
     merge_partials,
     packed,
     parents_problem,
+    renamed,
     spec_of,
     unpacked,
 )
@@ -114,7 +115,7 @@ class KVCache:
         self.lengths = [0] * self.size  # every rank's cached tokens, the same list on every rank
         self.shared_values = shared_values
         self.store = KVStore(self.kv_heads, self.head_dim, self.value_dim, self.dtype, quantize, shared_values)
-        self._ring = None  # a private RingComm for merge="ring", made at the first such attend
+        self._ring = None  # a private RingComm for exchange="ring", made at the first such attend
         self._draft = None  # the last verify's (k, v, parents), until commit
 
     # ---------------------------------------------------------------- what it holds
@@ -295,16 +296,18 @@ class KVCache:
 
     # ---------------------------------------------------------------- decoding
 
-    def attend(self, q, *, causal=False, positions=None, merge="tree", scale=None, record=None, mask=None,
-               softcap=None, bias=None, sinks=None, spec=None):
+    def attend(self, q, *, causal=False, positions=None, exchange="tree", scale=None, record=None, mask=None,
+               softcap=None, bias=None, sinks=None, spec=None, merge=None):
         """``decode_attention`` of ``q`` (..., Hq, T, D), the same on every rank, over the whole cache.
 
         Every rank returns the same ``(out, lse)``. With ``causal``, query i sees
         the cached tokens at positions <= positions[i] (default: the last T
         positions, the tokens just added with ``extend``). ``mask``, ``softcap``,
         ``bias``, ``sinks``: as ``decode_attention`` (the same default positions).
-        ``spec``: a ``Spec`` giving these instead (the cache knows where its keys are).
+        ``spec``: a ``Spec`` giving these instead (the cache knows where its keys are). ``exchange``: as
+        ``decode_attention`` (``merge=``: its former name, deprecated).
         """
+        exchange = renamed({} if merge is None else {"merge": merge}, exchange)
         with exclusive(self.comm):
             (scale, causal, positions, _), problem, scores = spec_of(
                 spec, scale, causal, positions, None, who="KVCache.attend",
@@ -312,9 +315,10 @@ class KVCache:
             if (causal or scores) and positions is None:
                 positions = np.arange(len(self) - np.shape(q)[-2], len(self)) if np.ndim(q) >= 2 else None
             problem = problem or (scores and scores.problem(q, positions, self.store.positions))
-            return self._attend(q, merge, scale, record, problem, causal=causal, positions=positions, scores=scores)
+            return self._attend(q, exchange, scale, record, problem, causal=causal, positions=positions,
+                                scores=scores)
 
-    def verify(self, q, k, v, parents=None, *, merge="tree", scale=None, record=None):
+    def verify(self, q, k, v, parents=None, *, exchange="tree", scale=None, record=None, merge=None):
         """Speculative verification: T draft tokens' attention in one call, nothing added to the cache yet.
 
         ``q`` (..., Hq, T, D), ``k, v`` (..., kv_heads, T, D): the draft tokens, the
@@ -340,7 +344,7 @@ class KVCache:
             except Exception as exc:  # reported collectively, never raised alone
                 problem, values = describe(exc), None
             self._draft = None
-            result = self._attend(q, merge, scale, record, problem, values=values, draft=(k, v, parents))
+            result = self._attend(q, exchange, scale, record, problem, values=values, draft=(k, v, parents))
             self._draft = (k.copy(), v.copy(), parents, len(self))  # T tokens: safe from the caller's later writes
             return result
 
@@ -368,7 +372,7 @@ class KVCache:
         self._draft = None
         self._add(k[..., accepted, :], v[..., accepted, :])
 
-    def _attend(self, q, merge, scale, record, problem, causal=False, positions=None, values=None, draft=None,
+    def _attend(self, q, exchange, scale, record, problem, causal=False, positions=None, values=None, draft=None,
                 scores=None):
         """``q`` over this rank's tiles, merged with every rank's; with ``draft``, its tree part merged after."""
         k_like, v_like = self._like(q)
@@ -384,12 +388,12 @@ class KVCache:
                                  scores=scores)
 
         scale, lengths, (out, lse) = decode_agreement(
-            self.comm, q, k_like, v_like, scale, self.timeout, merge, causal, positions, self.store.positions,
+            self.comm, q, k_like, v_like, scale, self.timeout, exchange, causal, positions, self.store.positions,
             k_peak=k_peak, problem=problem, values={**(values or {}), **(scores.values() if scores else {})},
             work=work)
         timeout = decode_timeout(self.timeout, q, v_like, lengths)
         start = time.perf_counter() - work.seconds
-        rows = merge_partials(packed(out, lse), self.comm, merge, timeout, ring=self._ring_for(merge, timeout),
+        rows = merge_partials(packed(out, lse), self.comm, exchange, timeout, ring=self._ring_for(exchange, timeout),
                               rec=rec)
         if draft is not None:  # the drafts among themselves: the same inputs and bits on every rank
             lse_merge(packed(*draft_partial(np.ascontiguousarray(q), draft[0], draft[1], draft[2], scale)), rows)
@@ -407,9 +411,9 @@ class KVCache:
         return None if isinstance(q, np.ndarray) and q.dtype == self.dtype else \
             f"q must be a {self.dtype} array, as the cache"
 
-    def _ring_for(self, merge, timeout):
+    def _ring_for(self, exchange, timeout):
         """The private ``RingComm`` of the ring merge, made at the first such call (None otherwise)."""
-        if merge == "ring" and self._ring is None and self.size > 1:
+        if exchange == "ring" and self._ring is None and self.size > 1:
             self._ring = RingComm(self.comm, timeout)
         return self._ring
 
@@ -426,7 +430,7 @@ class KVCache:
         self.close()
 
 
-def attend_many(caches, qs, *, merge="tree", scale=None, record=None, comm=None, timeout=None):
+def attend_many(caches, qs, *, exchange="tree", scale=None, record=None, comm=None, timeout=None, merge=None):
     """Continuous batching: the new tokens ``qs[i]`` of sequence i over ``caches[i]``, one agreement, one merge.
 
     ``caches``: ``KVCache`` objects on one communicator, one per sequence (any
@@ -434,10 +438,11 @@ def attend_many(caches, qs, *, merge="tree", scale=None, record=None, comm=None,
     sequence's queries (..., Hq, T_i, D), the same on every rank. Returns
     ``[(out, lse), ...]``, the same bits on every rank: what ``attend`` gives
     for each sequence (unmasked), with one reduction for the whole batch
-    (``decode.merge_many``) instead of one per sequence. ``comm`` and ``timeout``: the caches' own, for a rank
-    that passes none (it still joins the agreement and raises its ValueError with every rank): default
-    COMM_WORLD and "auto".
+    (``decode.merge_many``) instead of one per sequence (``merge=``: ``exchange``'s former name). ``comm`` and
+    ``timeout``: the caches' own, for a rank that passes none (it still joins the agreement and raises its
+    ValueError with every rank): default COMM_WORLD and "auto".
     """
+    exchange = renamed({} if merge is None else {"merge": merge}, exchange)
     problem, likes, peaks = None, [], []
     try:
         if not isinstance(caches, (list, tuple)) or not isinstance(qs, (list, tuple)):
@@ -470,11 +475,11 @@ def attend_many(caches, qs, *, merge="tree", scale=None, record=None, comm=None,
                     for cache, q in zip(caches, qs)]
 
         scale, lengths, parts = decode_agreement(
-            comm, list(qs)[:len(likes)], [k for k, _ in likes], [v for _, v in likes], scale, timeout, merge,
+            comm, list(qs)[:len(likes)], [k for k, _ in likes], [v for _, v in likes], scale, timeout, exchange,
             k_peak=peaks, problem=problem, values={"timeout": Shown(timeout)}, work=work)
         timeout = decode_timeout(first.timeout, max(qs, key=np.size), likes[0][1], lengths)
         start = time.perf_counter() - work.seconds
-        result = merge_many(parts, comm, merge, timeout, ring=first._ring_for(merge, timeout), rec=rec,
+        result = merge_many(parts, comm, exchange, timeout, ring=first._ring_for(exchange, timeout), rec=rec,
                             dtype=first.dtype)
         rec.wall_time = time.perf_counter() - start
         return result

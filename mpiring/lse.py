@@ -7,9 +7,7 @@ forward's options with the values, and ``mismatch`` says what differs.
 
 import numpy as np
 
-from .core.kernels import default_scale
-
-__all__ = ["Lse", "mismatch", "lse_problem"]
+__all__ = ["Lse", "mismatch"]
 
 
 class Lse(np.ndarray):
@@ -49,11 +47,3 @@ def mismatch(lse, mine):
         return None
     return (f"lse was made by a forward with other options ({'; '.join(diffs)}): the gradients would be wrong; "
             f"pass the forward's options to the backward, or use one mpiring.Ring for both")
-
-
-def lse_problem(lse, spec, size, q):
-    """The function path's check of a tagged lse, on this rank alone, before the agreement (``spec``: this
-    call's, or None when its options were bad: the agreement reports them)."""
-    if getattr(lse, "made_by", None) is None or spec is None:
-        return None
-    return mismatch(lse, spec.made_by(size, default_scale(q.shape[-1]) if spec.scale is None else spec.scale))

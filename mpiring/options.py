@@ -14,16 +14,20 @@ from .core.kernels import default_scale
 from .mpi.axes import seq_index
 from .mpi.checks import scale_problem
 from .plans.masks import check_window
+from .plans.spec import FIELDS, SCORE_FIELDS, Spec
 
-__all__ = ["CALL_OPTIONS", "options_problem", "foreign_problem"]
+__all__ = ["CALL_OPTIONS", "RUN", "RING_OPTIONS", "options_problem", "foreign_problem", "split"]
 
+# a spec's fields that say which tokens the ranks hold: fixed when a Ring is built, not repeated per call
+FIXED = ("seq_len", "positions", "kv_positions", "node_size")
+# how a call runs, beside what it computes (the spec): given to a Ring or to a function, never to a Spec
+RUN = ("timeout", "seq_axis", "threads", "check_finite", "expected_size")
 # the Ring's options a call may repeat (the same value), as ``Ring.options`` holds them
-CALL_OPTIONS = ("scale", "causal", "layout", "mode", "window", "cu_seqlens", "causal_block", "timeout", "seq_axis",
-                "rotate", "wire_dtype", "grad_wire_dtype", "accumulate", "ulysses_size", "check_finite", "mask",
-                "softcap", "bias", "sinks", "dropout", "seed", "return_max_logit")
-SCORES = ("mask", "softcap", "bias", "sinks", "dropout", "seed", "return_max_logit")  # compared as the spec does
+CALL_OPTIONS = tuple(name for name in FIELDS if name not in FIXED) + ("timeout", "seq_axis", "check_finite")
+SCORES = ("mask",) + SCORE_FIELDS  # compared as the spec does (functions and pieces by what they read)
 # options of a Ring that are fixed when it is built and not repeated per call
-BUILT = ("seq_len", "positions", "kv_positions", "node_size", "threads", "expected_size", "comm")
+BUILT = FIXED + ("threads", "expected_size", "comm")
+RING_OPTIONS = tuple(FIELDS) + RUN + ("spec",)  # the keywords a Ring takes (and ring_attention, with record)
 
 MASKS = ("causal=True, window=(left, right), cu_seqlens= (packed documents), causal_block= (frames), and mask= "
          "(mpiring.masks: prefix, padding, function(fn), combined with & and |)")
@@ -64,7 +68,6 @@ def _same(name, given, held, q):
     if name == "seq_axis":
         return isinstance(given, (str, int, np.integer)) and seq_index(given, q.ndim) == seq_index(held, q.ndim)
     if name in SCORES:  # by what they are, as the spec compares them (functions by what they read)
-        from .plans.spec import Spec
         if given is held:
             return True
         try:
@@ -100,3 +103,10 @@ def options_problem(given, held, q):
         if problem:
             return problem
     return None
+
+
+def split(options):
+    """An entry point's keyword ``options`` as ``(spec keywords, run keywords)``: the names in ``RUN`` (how the
+    call runs) apart from the rest, which go to ``Spec.of`` (an unknown name is refused there)."""
+    run = {name: options[name] for name in RUN if name in options}
+    return {name: value for name, value in options.items() if name not in RUN}, run

@@ -60,25 +60,20 @@ def _blocks(plan, pr, K, V):
     return own, sent
 
 
-def simulate(Q, K, V, num_devices, *, causal=False, scale=None, layout="contiguous", mode="ring",
-             window=None, cu_seqlens=None, causal_block=None, positions=None, wire_dtype=None, accumulate="float64",
-             mask=None, softcap=None, bias=None, sinks=None, dropout=0.0, seed=0, spec=None):
+def simulate(Q, K, V, num_devices, *, spec=None, causal=False, layout="contiguous", mode="ring", positions=None,
+             **options):
     """Run every device's part of the ring in turn; return ``(out, lse, schedule)``.
 
     ``schedule`` is the plan's Schedule: ``schedule.table[step][device]``
     holds the Tasks (source block, full/masked/skip) of that step.
-    ``wire_dtype`` and ``accumulate`` are as in ``ring_attention``: every block
-    a device gets from another is coded and decoded as the wire would.
+    ``options``: the fields of ``Spec`` as ``ring_attention`` takes them (the same kernels: the same dropped
+    entries); every block a device gets from another is coded and decoded as ``wire_dtype`` says.
     ``positions``: one array per device, the tokens it holds (instead of ``layout``).
-    ``mask``, ``softcap``, ``bias``, ``sinks``, ``dropout``, ``seed``: as in ``ring_attention`` (the same
-    kernels: the same dropped entries).
     ``spec``: a ``Spec`` holding the options instead (its ``positions``, if any: every device's, as agreed).
     """
-    spec, pr, plan, score, Q, K, V = _prepared(
-        Q, K, V, num_devices, dict(causal=causal, scale=scale, layout=layout, mode=mode, window=window,
-                                   cu_seqlens=cu_seqlens, causal_block=causal_block, wire_dtype=wire_dtype,
-                                   accumulate=accumulate, mask=mask, softcap=softcap, bias=bias, sinks=sinks,
-                                   dropout=dropout, seed=seed), spec, positions)
+    spec, pr, plan, score, Q, K, V = _prepared(Q, K, V, num_devices,
+                                               dict(options, causal=causal, layout=layout, mode=mode), spec,
+                                               positions)
     P = plan.size
     kv, sent = _blocks(plan, pr, K, V)  # the others get a block coded by its owner, decoded on arrival
     outs, lses = [], []

@@ -15,17 +15,17 @@ input dtype, lse in float32. Every rank must run the same graph: the backward of
 attention call is collective, as its forward is.
 """
 
-import inspect
-
 import numpy as np
 import torch
 
+from .core.kernels import merge_weight
 from .core.precision import named_dtype
+from .handle import caller_found
 from .handle import ring_attention as _ring_attention
 from .handle import ring_attention_backward as _ring_attention_backward
 from .mpi.axes import seq_index
 from .mpi.checks import Shown
-from .options import foreign_problem
+from .options import RING_OPTIONS, foreign_problem
 from .parallel.mixing.entry import Refused
 from .parallel.mixing.entry import causal_conv as _conv
 from .parallel.mixing.entry import causal_conv_backward as _conv_backward
@@ -41,8 +41,7 @@ __all__ = ["ring_attention", "DTYPES", "causal_conv1d", "linear_attention", "chu
            "mamba_chunk_scan", "selective_scan"]
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # bfloat16 through ml_dtypes
-FUNCTION_OPTIONS = set(inspect.signature(_ring_attention).parameters) - {"q", "k", "v", "problem"}
-BACKWARD_OPTIONS = set(inspect.signature(_ring_attention_backward).parameters)
+FUNCTION_OPTIONS = set(RING_OPTIONS) | {"comm", "record"}  # those of mpiring.ring_attention
 
 
 def _numpy(t, name):
@@ -81,11 +80,11 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring, options, problem, shared):
         arrays, found = _arrays((q, k, v), "qkv")
-        problem = problem or found  # reported by every rank, through the call's agreement
-        if ring is not None:
-            out, lse, *top = ring.forward(*arrays, problem=problem, shared=shared, **options)
-        else:
-            out, lse, *top = _ring_attention(*arrays, problem=problem, shared=shared, **options)
+        with caller_found(problem or found, shared):  # reported by every rank, through the call's agreement
+            if ring is not None:
+                out, lse, *top = ring.forward(*arrays, **options)
+            else:
+                out, lse, *top = _ring_attention(*arrays, **options)
         out_t = _tensor(out)
         ctx.save_for_backward(q, k, v, out_t)
         ctx.ring, ctx.options, ctx.lse = ring, options, lse  # lse as returned: it carries the forward's options
@@ -100,11 +99,11 @@ class _RingAttention(torch.autograd.Function):
         dout = torch.zeros_like(out) if dout is None else dout
         arrays, problem = _arrays((dout, q, k, v, out), ("the gradient of out", "q", "k", "v", "out"))
         dlse, found = (None, None) if dlse is None else _numpy(dlse, "the gradient of lse")
-        if ctx.ring is not None:
-            grads = ctx.ring.backward(*arrays, ctx.lse, dlse=dlse, problem=problem or found)
-        else:
-            options = {name: value for name, value in ctx.options.items() if name in BACKWARD_OPTIONS}
-            grads = _ring_attention_backward(*arrays, ctx.lse, dlse=dlse, problem=problem or found, **options)
+        with caller_found(problem or found):
+            if ctx.ring is not None:
+                grads = ctx.ring.backward(*arrays, ctx.lse, dlse=dlse)
+            else:
+                grads = _ring_attention_backward(*arrays, ctx.lse, dlse=dlse, **ctx.options)
         return (*(_tensor(g) for g in grads[:3]), None, None, None, None)  # the Ring's own sinks: no tensor
 
 
@@ -112,8 +111,8 @@ def _with_sinks(out, lse, sinks, ring, options):
     """Trainable sinks (gpt-oss): each head's logit joins every row's denominator once, in torch ops after the
     ring, so autograd gives d loss / d sinks, and the ring's backward gets the matching dout and dlse."""
     seq_axis = ring.seq_axis if ring is not None else options.get("seq_axis", -2)
-    lse_f = torch.logaddexp(lse, sinks.to(lse.dtype)[:, None].expand(lse.shape[-2:]))
-    shrink = torch.exp(lse - lse_f).unsqueeze(-1)  # (..., H, n, 1) in the ring's (..., H, n, D) order
+    lse_f, shrink = merge_weight(lse, sinks.to(lse.dtype)[:, None].expand(lse.shape[-2:]), xp=torch)  # a 0 block
+    shrink = shrink.unsqueeze(-1)  # (..., H, n, 1) in the ring's (..., H, n, D) order
     shrink = torch.movedim(shrink, -2, seq_index(seq_axis, out.ndim))
     return out * shrink.to(out.dtype), lse_f
 

@@ -265,7 +265,7 @@ def others():
         def run(comm):
             q, K, V, rows = arrays(comm)
             extra = dict(positions=np.arange(S - T, S), kv_positions=rows) if causal else {}
-            return mpiring.decode_attention(q, part(K, rows), part(V, rows), comm, merge=merge, causal=causal,
+            return mpiring.decode_attention(q, part(K, rows), part(V, rows), comm, exchange=merge, causal=causal,
                                             **extra)
 
         def refs(comm):
@@ -447,7 +447,7 @@ def raise_backward_options(comm):  # an lse made with causal=True, given to a ba
 def raise_decode(comm):
     q, k, v, _ = _bad(comm)
     with raises(ValueError):
-        mpiring.decode_attention(q, k, v, comm, merge="star")
+        mpiring.decode_attention(q, k, v, comm, exchange="star")
 
 
 def raise_kvcache(comm):

@@ -40,7 +40,7 @@ def test_decode_matches_reference(comm, dtype, merge_how, T, heads, kv_heads, em
     Q = rng.standard_normal((2, heads, T, D)).astype(dtype)
     K, V = (rng.standard_normal((2, kv_heads, S, D)).astype(dtype) for _ in range(2))
     mine = _shards(S, comm.size, rng, empty)[comm.rank]
-    out, lse = decode_attention(Q, K[..., mine, :], V[..., mine, :], comm, merge=merge_how)
+    out, lse = decode_attention(Q, K[..., mine, :], V[..., mine, :], comm, exchange=merge_how)
     ref, ref_lse = reference(Q, K, V)
     assert out.dtype == dtype and out.shape == ref.shape
     assert_attention_close(out, ref, dtype, f"out ({merge_how})")
@@ -57,12 +57,23 @@ def test_decode_causal_new_tokens_in_the_cache(comm, merge_how):
     K, V = (rng.standard_normal((1, S, D)) for _ in range(2))
     mine = np.arange(comm.rank, S, comm.size)
     new = np.arange(S - T, S)
-    out, lse = decode_attention(Q, K[..., mine, :], V[..., mine, :], comm, merge=merge_how, causal=True,
+    out, lse = decode_attention(Q, K[..., mine, :], V[..., mine, :], comm, exchange=merge_how, causal=True,
                                 positions=new, kv_positions=mine)
     ref, ref_lse = reference(Q, K, V, causal=True, q_positions=new)
     assert_attention_close(out, ref, np.float64)
     assert_attention_close(lse, ref_lse, np.float64)
     assert _same_bits(comm, out, lse)
+
+
+@pytest.mark.parametrize("exchange", ["tree", "ring"])
+def test_merge_keyword_is_exchange_with_a_deprecation_warning(comm, exchange):
+    rng = np.random.default_rng(5)
+    Q, K, V = rng.standard_normal((1, 2, 2, 8)), *rng.standard_normal((2, 1, 2, 11, 8))
+    mine = _shards(11, comm.size, rng, False)[comm.rank]
+    want = decode_attention(Q, K[..., mine, :], V[..., mine, :], comm, exchange=exchange)
+    with pytest.warns(DeprecationWarning, match="merge= option is now exchange="):
+        got = decode_attention(Q, K[..., mine, :], V[..., mine, :], comm, merge=exchange)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(want, got))
 
 
 def test_lse_merge_is_the_log_sum_exp_rule_and_commutes_to_the_bit():
@@ -89,8 +100,8 @@ def _bad_cases(size):
     cases = [
         ("heads", lambda q, k, v, kw: (q, k[:, :3], v[:, :3], kw),
          "rank {b}: q heads (4) must be a multiple of k/v heads (3)"),
-        ("merge", lambda q, k, v, kw: (q, k, v, dict(kw, merge="star")),
-         "rank {b}: merge must be one of tree, ring; got 'star'"),
+        ("merge", lambda q, k, v, kw: (q, k, v, dict(kw, exchange="star")),
+         "rank {b}: exchange must be one of tree, ring; got 'star'"),
         ("causal without positions", lambda q, k, v, kw: (q, k, v, dict(kw, causal=True)),
          "rank {b}: causal decoding needs positions: a 1-D integer array of 2 global positions"),
     ]

@@ -152,8 +152,8 @@ def test_bad_call_raises_everywhere_and_handle_stays_usable(comm):
 
 
 def test_bad_construction_raises_everywhere(comm):
-    with pytest.raises(ValueError, match="seq_len must be given"):
-        Ring(comm, None)
+    with Ring(comm, None) as ring, pytest.raises(RuntimeError, match="its shards are known after its first call"):
+        ring.shard(np.zeros(4))  # no seq_len: the Ring agrees at its first call (the ranks' shards add up)
     with pytest.raises(ValueError, match="need at least one token per rank"):
         Ring(comm, comm.size - 1)
     with pytest.raises(ValueError, match="threads must be"):

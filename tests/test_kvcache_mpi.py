@@ -50,7 +50,7 @@ def test_prefill_extend_attend(comm, quantize, placement):
             end += T
             q = Q[..., end - T:end, :]
             causal = T > 1 and i % 2 == 0
-            o, lse = cache.attend(q, merge="ring" if i % 3 == 1 else "tree", causal=causal)
+            o, lse = cache.attend(q, exchange="ring" if i % 3 == 1 else "tree", causal=causal)
             r, r_lse = reference(q, K[..., :end, :], V[..., :end, :], causal=causal,
                                  q_positions=np.arange(end - T, end))
             err = max(np.abs(o - r).max(), np.abs(lse - r_lse).max())
@@ -78,7 +78,7 @@ def test_empty_cache_and_shards_of_nothing(comm):
         cache.extend(K[..., :1, :], V[..., :1, :])
         assert cache.lengths == [1] + [0] * (comm.size - 1)
         for merge in ("tree", "ring"):
-            out, lse = cache.attend(Q[..., 1:2, :], merge=merge)
+            out, lse = cache.attend(Q[..., 1:2, :], exchange=merge)
             r, r_lse = reference(Q[..., 1:2, :], K[..., :1, :], V[..., :1, :])
             assert_attention_close(out, r, np.float64)
             assert_attention_close(lse, r_lse, np.float64)

@@ -198,3 +198,58 @@ def test_the_mode_detector_sees_each_kind_of_look():
               "x = TABLE[plan.strategy]\ny = isinstance(plan, (Plan, HybridPlan))\n")
     assert mode_looks(source) == [1, 3, 4]
     assert mode_looks("if merge == 'ring':\n    pass\nz = plan.mode\nout[mode] = 1\n") == []  # naming is not looking
+
+
+# ---------------------------------------------------------------- the size of functions
+
+MAX_PARAMETERS = 12  # a public function's; the rest of the options go through the spec (``Spec.of``)
+MAX_FUNCTION_LINES = 80
+WIDE = {  # public functions with more parameters, and why
+    "mpiring.core.kernels.attention_block_backward": "the kernel: arrays, envelope, tiles and buffers, hot path",
+    "mpiring.core.backends.attention_block_backward": "the kernel's backend choice, the kernel's own signature",
+    "mpiring.core.reference.scored_attention": "the dense reference: one keyword per modifier, from the definitions",
+    "mpiring.plans.make.make_plan": "the plan builder: one keyword per planning field of the spec (Spec.plan)",
+    "mpiring.mpi.decoding.decode_agreement": "decoding's agreement: its callers' arrays and checks, positionally",
+    "mpiring.torch.mamba_chunk_scan": "transformers' mamba2_chunk_scan, taken with its own signature",
+    "mpiring.hf.attention": "transformers' attention interface, called by the models with its own signature",
+    "mpiring.parallel.mixing.statespace.ssd_backward": "a mixer's 8 arrays (and comm) before its options",
+    "mpiring.parallel.mixing.statespace.selective_scan_backward": "a mixer's 8 arrays (and comm) before its options",
+    "mpiring.parallel.mixing.statespace.backward": "the two scans' shared backward, their arguments",
+    "mpiring.parallel.mixing.entry.linear_attention_backward": "a mixer's 7 arrays (and comm) before its options",
+}
+LONG = {  # functions over MAX_FUNCTION_LINES, and why
+    "mpiring.core.kernels.attention_block": "the tiled kernel, its hot loop in one piece",
+    "mpiring.core.kernels.attention_block_backward": "the tiled backward kernel, its hot loop in one piece",
+}
+
+
+def functions(source):
+    """``[(name, parameters, lines)]`` of every function and method in ``source`` (self and cls not counted)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs if x.arg not in ("self", "cls")]
+            names += [x.arg for x in (a.vararg, a.kwarg) if x]
+            found.append((node.name, len(names), node.end_lineno - node.lineno + 1))
+    return found
+
+
+def every_function():
+    return [(f"{name}.{f}", n, lines) for name, path in MODULES.items() for f, n, lines in functions(path.read_text())]
+
+
+def test_no_public_function_takes_more_than_twelve_parameters():
+    wide = {name: n for name, n, _ in every_function() if n > MAX_PARAMETERS and not name.rsplit(".", 1)[1][0] == "_"}
+    assert set(wide) <= set(WIDE), {name: n for name, n in wide.items() if name not in WIDE}
+    assert not set(WIDE) - set(wide), f"exempt but no longer wide: {set(WIDE) - set(wide)}"
+
+
+def test_no_function_is_longer_than_eighty_lines_outside_the_kernels():
+    long = {name: lines for name, _, lines in every_function() if lines > MAX_FUNCTION_LINES}
+    assert set(long) <= set(LONG), {name: lines for name, lines in long.items() if name not in LONG}
+
+
+def test_the_function_counter_counts_parameters_and_lines():
+    source = "def f(a, b=1, *c, d, **e):\n    pass\n\n\nclass K:\n    def g(self, x):\n        return x\n"
+    assert functions(source) == [("f", 5, 2), ("g", 1, 2)]

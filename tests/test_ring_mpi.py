@@ -119,7 +119,7 @@ def test_bad_input_raises_on_every_rank(comm, rng):
         ring_attention(q, q, q, comm, layout="spiral")
     bad = (np.ones((3, 8)) if comm.rank == 0 else np.ones((4, 8)))
     if comm.size > 1:
-        with pytest.raises(ValueError, match="do not match the contiguous layout"):
+        with pytest.raises(ValueError, match="rank 0: q holds 3 tokens, but the contiguous layout"):
             ring_attention(bad, bad, bad, comm)
     with pytest.raises(ValueError, match="root rank 0"):
         distributed_attention(np.ones((8, 4)) if comm.rank == 0 else None, np.ones((8, 3)), None, comm)

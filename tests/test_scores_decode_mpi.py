@@ -42,7 +42,7 @@ def test_decode_with_masks_and_scores(merge, S):
     want_out, want_lse, _ = scored_attention(q, K[..., :S, :], V[..., :S, :], allowed, q_pos=qpos, k_pos=kpos,
                                              **opts)
     mine = kpos[kpos % P == r]
-    out, lse = mpiring.decode_attention(q, K[..., mine, :], V[..., mine, :], comm, merge=merge, positions=qpos,
+    out, lse = mpiring.decode_attention(q, K[..., mine, :], V[..., mine, :], comm, exchange=merge, positions=qpos,
                                         kv_positions=mine, mask=MASK, **opts)
     np.testing.assert_allclose(out, want_out, atol=1e-12, rtol=0)
     np.testing.assert_allclose(lse, want_lse, atol=1e-12, rtol=0)

@@ -70,7 +70,7 @@ def test_placements_hold_every_token_once_and_attend(comm, placement, n):
             cache.extend(K[..., end:end + T, :], V[..., end:end + T, :])
             end += T
             q = Q[..., :T, :]
-            got = cache.attend(q, merge=("tree", "ring")[i % 2])
+            got = cache.attend(q, exchange=("tree", "ring")[i % 2])
             _check(comm, got, reference(q, K[..., :end, :], V[..., :end, :]), np.float32, f"step {i}")
         held = comm.allgather(cache.positions)
         assert np.array_equal(np.sort(np.concatenate(held)), np.arange(end))  # every token kept once
@@ -102,7 +102,7 @@ def test_more_ranks_than_tokens_give_the_identity(comm, cached, merge):
     with KVCache(comm, G, D, dtype=np.float64, placement="interleave", interleave=2) as cache:
         cache.extend(K[..., :cached, :], V[..., :cached, :])
         assert cache.lengths == [sum((t // 2) % comm.size == r for t in range(cached)) for r in range(comm.size)]
-        got = cache.attend(Q, merge=merge)
+        got = cache.attend(Q, exchange=merge)
         assert not np.isnan(got[0]).any() and not np.isnan(got[1]).any()
         want = _reference(Q, K[..., :cached, :], V[..., :cached, :])
         if cached == 0:
@@ -117,7 +117,7 @@ def test_shards_with_no_visible_key_give_the_identity(comm, merge):
     Q, K, V = _qkv(9, S, T)
     mine = np.arange(S)[np.arange(S) // 2 % comm.size == comm.rank]  # interleave 2
     positions = np.array([0, 1])  # the queries see positions 0 and 0..1 only: rank 0's keys
-    got = decode_attention(Q, K[..., mine, :], V[..., mine, :], comm, merge=merge, causal=True, positions=positions,
+    got = decode_attention(Q, K[..., mine, :], V[..., mine, :], comm, exchange=merge, causal=True, positions=positions,
                            kv_positions=mine)
     assert not np.isnan(got[0]).any() and not np.isnan(got[1]).any()
     _check(comm, got, reference(Q, K, V, causal=True, q_positions=positions), what=merge)
@@ -160,7 +160,7 @@ def test_verify_then_commit_the_accepted_path(comm, tree, placement, cached):
         cache.extend(K[..., :cached, :], V[..., :cached, :])
         draft_k, draft_v = K[..., cached:cached + T, :], V[..., cached:cached + T, :]
         for merge in ("tree", "ring"):
-            got = cache.verify(Q, draft_k, draft_v, parents=None if tree == "chain" else parents, merge=merge)
+            got = cache.verify(Q, draft_k, draft_v, parents=None if tree == "chain" else parents, exchange=merge)
             want = _speculative_reference(Q, K[..., :cached + T, :], V[..., :cached + T, :], cached, parents)
             _check(comm, got, want, what=f"{tree}, {merge}")
         assert len(cache) == cached  # nothing kept before commit
@@ -214,7 +214,7 @@ def test_many_sequences_one_reduction(comm, merge):
     shards = [np.flatnonzero(np.arange(S) // 4 % comm.size == comm.rank) for S in LENGTHS]
     rec = Record(comm.rank)
     got = decode_many([q for q, _, _ in seqs], [k[..., m, :] for (_, k, _), m in zip(seqs, shards)],
-                      [v[..., m, :] for (_, _, v), m in zip(seqs, shards)], comm, merge=merge, record=rec)
+                      [v[..., m, :] for (_, _, v), m in zip(seqs, shards)], comm, exchange=merge, record=rec)
     rows = sum(q.size // D for q, _, _ in seqs)  # every sequence's rows in one message per transfer
     steps = {"tree": int(np.ceil(np.log2(comm.size))), "ring": comm.size - 1}[merge]
     assert rec.messages == steps and rec.bytes_sent == steps * rows * (D + 1) * 8
@@ -226,7 +226,7 @@ def test_many_sequences_one_reduction(comm, merge):
     rec = Record(comm.rank)
     for cache, (_, k, v) in zip(caches, seqs):
         cache.extend(k, v)
-    got = attend_many(caches, [q for q, _, _ in seqs], merge=merge, record=rec)
+    got = attend_many(caches, [q for q, _, _ in seqs], exchange=merge, record=rec)
     assert rec.messages == steps
     for i, ((q, k, v), g) in enumerate(zip(seqs, got)):
         _check(comm, g, _reference(q, k, v), what=f"cache of sequence {i}")

@@ -186,8 +186,8 @@ def test_plan_errors_are_identical_everywhere(comm):
     if comm.size > 1:  # 3 tokens on rank 0 and 4 elsewhere is not the contiguous split of 4P - 1
         q2 = q[:, :3] if comm.rank == 0 else q
         texts = _errors(comm, ring_attention, q2, q2, q2, comm)
-        lengths = [3] + [4] * (comm.size - 1)
-        assert len(set(texts)) == 1 and texts[0].startswith(f"local sequence lengths {lengths} do not match")
+        held = f"the contiguous layout of {4 * comm.size - 1} tokens over {comm.size} ranks gives this rank"
+        assert len(set(texts)) == 1 and texts[0].startswith(f"rank 0: q holds 3 tokens, but {held} 4")
     _still_works(comm)
 
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from .backends import attention_block, attention_block_backward
 from .latent import Expanded
-from .scores import Score, attend_general, count_allowed, grads_general
+from .scores import attend_general, count_allowed, grads_general
 from .tiles import filled, kernel_dtype, scratch
 
 __all__ = ["GRAD_DTYPE", "KEPT_OUT", "accumulators", "count_pairs", "attend", "block_grads", "add_grads", "grads_of"]
@@ -32,27 +32,29 @@ def accumulators(q, v, out_dtype=np.float64, lse_dtype=None, keep=False, wire=No
     return [out, np.full(q.shape[:-1], -np.inf, lse_dtype)]
 
 
-def count_pairs(rec, pieces):
+def count_pairs(record, pieces):
     """Note the score entries of a block's pieces, and how many of them the mask lets through."""
-    for a, b, c, d, klo, khi, where in pieces:
-        rec.computed_pairs += (b - a) * (d - c)
+    for piece in pieces:
+        a, b, c, d, where = piece.q0, piece.q1, piece.k0, piece.k1, piece.where
+        record.computed_pairs += (b - a) * (d - c)
+        klo, khi = piece.klo, piece.khi
         if where is not None and where.mask is not None:  # holes: counted from the mask's definition
-            rec.visible_pairs += int(count_allowed(where.mask, where.q_pos[a:b], where.k_pos[c:d],
-                                                   *_envelope(klo, khi, b - a, d - c))[0].sum())
+            record.visible_pairs += int(count_allowed(where.mask, where.q_pos[a:b], where.k_pos[c:d],
+                                                      *_envelope(klo, khi, b - a, d - c))[0].sum())
         else:
-            rec.visible_pairs += (b - a) * (d - c) if klo is None else int(np.sum(khi - klo))
+            record.visible_pairs += (b - a) * (d - c) if klo is None else int(np.sum(khi - klo))
 
 
 def _envelope(klo, khi, n, m):
     return (np.zeros(n, np.int64), np.full(n, m, np.int64)) if klo is None else (klo, khi)
 
 
-def general(scale, piece):
+def general(score, piece):
     """Whether a piece needs the general kernel (``core.scores``): a score modifier, or a mask with holes."""
-    return isinstance(scale, Score) or (piece.where is not None and piece.where.mask is not None)
+    return not score.plain or (piece.where is not None and piece.where.mask is not None)
 
 
-def attend(q, kv, task, pieces, scale, acc, rec, progress, step=None, padded=False):
+def attend(q, kv, task, pieces, score, acc, record, progress, step=None, padded=False):
     """Attend this rank's queries to one K/V block's ``pieces`` and merge into ``acc`` = [out, lse].
 
     The kernel merges every finished query tile into the running (out, lse)
@@ -62,21 +64,21 @@ def attend(q, kv, task, pieces, scale, acc, rec, progress, step=None, padded=Fal
     if task.kind != "skip":
         start = time.perf_counter()
         k, v = kv
-        count_pairs(rec, pieces)
+        count_pairs(record, pieces)
         for piece in pieces:
-            if general(scale, piece):
-                attend_general(q, k, v, piece, scale, acc[:2], padded)
+            if general(score, piece):
+                attend_general(q, k, v, piece, score, acc[:2], padded)
                 continue
-            a, b, c, d, klo, khi, _ = piece
+            a, b, c, d = piece.q0, piece.q1, piece.k0, piece.k1
             keys = np.s_[..., c:d] if padded else np.s_[..., c:d, :]  # padded: tokens on the last axis
-            attention_block(q[..., a:b, :], k[keys], v[keys], scale, klo, khi, padded=padded,
+            attention_block(q[..., a:b, :], k[keys], v[keys], score.scale, piece.klo, piece.khi, padded=padded,
                             into=(acc[0][..., a:b, :], acc[1][..., a:b]), progress=progress)
-        end = rec.event("compute", start, step=step, source=task.source, kind=task.kind, stream=task.stream)
-        rec.compute_time += end - start
-    rec.tasks.append((step, task))
+        end = record.event("compute", start, step=step, source=task.source, kind=task.kind, stream=task.stream)
+        record.compute_time += end - start
+    record.tasks.append((step, task))
 
 
-def block_grads(queries, kv, pieces, scale, dq, progress):
+def block_grads(queries, kv, pieces, score, dq, progress):
     """This rank's queries against ``pieces`` of one K/V block: add into ``dq``, return the keys' shares.
 
     ``queries = (dout, q, out, lse, delta)`` are this rank's arrays that never move.
@@ -88,9 +90,9 @@ def block_grads(queries, kv, pieces, scale, dq, progress):
     grads = []
     dt = kernel_dtype(q.dtype)
     for i, piece in enumerate(pieces):  # the kernel writes into kept buffers, one set per piece
-        a, b, c, d, klo, khi, _ = piece
-        if general(scale, piece):
-            bq, bk, bv = grads_general(dout, q, k, v, out, lse, delta, piece, scale)
+        a, b, c, d = piece.q0, piece.q1, piece.k0, piece.k1
+        if general(score, piece):
+            bq, bk, bv = grads_general(dout, q, k, v, out, lse, delta, piece, score)
             dq[..., a:b, :] += bq
             grads.append((c, d, bk, bv))
             progress()
@@ -98,7 +100,7 @@ def block_grads(queries, kv, pieces, scale, dq, progress):
         kept = (scratch("grads.q", q[..., a:b, :].shape, dt), scratch(f"grads.k{i}", k[..., c:d, :].shape, dt),
                 scratch(f"grads.v{i}", v[..., c:d, :].shape, dt))
         bq, bk, bv = attention_block_backward(dout[..., a:b, :], q[..., a:b, :], k[..., c:d, :], v[..., c:d, :],
-                                              out[..., a:b, :], lse[..., a:b], scale, klo, khi,
+                                              out[..., a:b, :], lse[..., a:b], score.scale, piece.klo, piece.khi,
                                               delta=delta[..., a:b], progress=progress, buffers=kept)
         dq[..., a:b, :] += bq
         grads.append((c, d, bk, bv))
@@ -114,15 +116,15 @@ def add_grads(total, grads):
         total[1][..., c:d, :] += bv
 
 
-def grads_of(queries, kv, task, pieces, scale, dq, rec, progress, step, **info):
+def grads_of(queries, kv, task, pieces, score, dq, record, progress, step, **info):
     """``block_grads`` of one block (or key chunk of it), noted as a "compute" event; [] if nothing to compute."""
     if not pieces:
         return []
     start = time.perf_counter()
-    grads = block_grads(queries, kv, pieces, scale, dq, progress)
+    grads = block_grads(queries, kv, pieces, score, dq, progress)
     if isinstance(kv, Expanded):  # a latent block expanded per head: its gradients go back to the latent
         grads = kv.fold(grads)
     info = {"step": step, "source": task.source, "kind": task.kind, "stream": task.stream, "pass": "backward", **info}
-    end = rec.event("compute", start, **info)
-    rec.compute_time += end - start
+    end = record.event("compute", start, **info)
+    record.compute_time += end - start
     return grads

@@ -48,8 +48,8 @@ from .tiles import (
     with_ones,
 )
 
-__all__ = ["attention_block", "attention_block_backward", "merge", "default_scale", "pad_ones", "LSE_LIMIT",
-           "empty_or_nan"]
+__all__ = ["attention_block", "attention_block_backward", "merge", "merge_weight", "merge_commutative",
+           "default_scale", "pad_ones", "LSE_LIMIT", "empty_or_nan"]
 
 LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)
@@ -301,17 +301,20 @@ def _unflatten(out, lse, sh):
 
 # ---------------------------------------------------------------- merge
 
-def merge(out: np.ndarray, lse: np.ndarray, block_out: np.ndarray, block_lse: np.ndarray, *,
+def merge(out: np.ndarray, lse: np.ndarray, block_out: np.ndarray | None, block_lse: np.ndarray, *,
           inplace: bool = False) -> tuple[np.ndarray, np.ndarray]:  # (..., S, Dv), (..., S)
-    """Combine two normalized attentions over disjoint key sets (the log-sum-exp rule).
+    """Combine two normalized attentions over disjoint key sets (the log-sum-exp rule): the one merge.
 
-    out (..., S, Dv), lse (..., S). NaN-free when either or both lse are -inf.
-    Returns the merged ``(out, lse)``: new arrays, or ``out`` and ``lse``
-    overwritten when ``inplace``.
+    out (..., S, Dv), lse (..., S). NaN-free when either or both lse are -inf. Returns the merged ``(out, lse)``:
+    new arrays, or ``out`` and ``lse`` overwritten when ``inplace``. ``block_out`` None: a block of zeros (a
+    sink, ``scores.with_sinks``): out * exp(lse - new lse) (``merge_weight``), as out + (0 - out) * w cancels.
     """
     # naive: new_lse = log(exp(lse) + exp(block_lse))
     #        new_out = (exp(lse) * out + exp(block_lse) * block_out) / exp(new_lse)
     # stable: weight of block_out = exp(block_lse - new_lse) = sigmoid(block_lse - lse)
+    if block_out is None:
+        new_lse, kept = merge_weight(lse, block_lse)
+        return out * kept[..., None], new_lse
     new_lse = np.logaddexp(lse, block_lse)
     w = np.exp(block_lse - np.where(np.isneginf(new_lse), 0, new_lse))[..., None]
     step = np.subtract(block_out, out)
@@ -321,6 +324,26 @@ def merge(out: np.ndarray, lse: np.ndarray, block_out: np.ndarray, block_lse: np
     out += step
     lse[...] = new_lse
     return out, lse
+
+
+def merge_weight(lse, block_lse, xp=np):
+    """``merge``'s ``(new lse, weight of out)``, exp(lse - new lse), in ``xp``'s ops (torch: trainable sinks)."""
+    new_lse = xp.logaddexp(lse, block_lse)
+    return new_lse, xp.exp(lse - xp.where(xp.isneginf(new_lse), 0, new_lse))
+
+
+def merge_commutative(out: np.ndarray, lse: np.ndarray, other_out: np.ndarray, other_lse: np.ndarray,
+                      into: tuple[np.ndarray, np.ndarray]) -> None:
+    """``merge``'s rule max-then-sum, into ``into`` (either side): m = max(l1, l2), w_i = exp(l_i - m), out = (w1 o1 +
+    w2 o2) / (w1 + w2), lse = m + log(w1 + w2); commutative to the bit (MPI's reduction order: ``decode.lse_merge``)."""
+    m = np.maximum(lse, other_lse)
+    m0 = np.where(np.isneginf(m), 0.0, m)
+    wa, wb = np.exp(lse - m0), np.exp(other_lse - m0)
+    total = wa + wb
+    safe = np.where(total > 0, total, 1.0)
+    into[0][...] = (wa[..., None] * out + wb[..., None] * other_out) / safe[..., None]
+    with np.errstate(divide="ignore"):
+        into[1][...] = np.where(total > 0, m0 + np.log(safe), empty_or_nan(total))
 
 
 # ---------------------------------------------------------------- backward

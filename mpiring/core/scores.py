@@ -47,29 +47,23 @@ class Score:
 
     @classmethod
     def of(cls, spec, scale, q=None, finite=False):
-        """The spec's score at ``scale``, or the plain float when it has no modifier (the fast kernel's call);
+        """The spec's score at ``scale`` (``plain`` when it has no modifier: the fast kernel's call);
         ``q``: this rank's queries, for the max-logit statistic's shape (batch entries, heads); without it
         (a backward pass) no statistic is kept; ``finite``: a bias value that is NaN or +Inf raises
         ``FunctionFailed`` (``check_finite=True``; -Inf hides a key, as a mask does)."""
         stat = None
         if spec.return_max_logit and q is not None:
             stat = np.full(q.shape[:-2] if q.ndim > 2 else (1,), -np.inf)
-        if spec.softcap is None and spec.bias is None and not spec.dropout and stat is None:
-            return scale
         return cls(scale, spec.softcap, spec.bias, spec.dropout, spec.seed, None, stat, finite)
+
+    @property
+    def plain(self):
+        """No modifier and no statistic: the scale alone (the fast kernel's case)."""
+        return self.softcap is None and self.bias is None and not self.dropout and self.max_logit is None
 
     def for_heads(self, heads):
         """The same score for a rank that holds the query heads ``heads`` (a slice of the global heads)."""
         return Score(self.scale, self.softcap, self.bias, self.dropout, self.seed, heads, self.max_logit, self.finite)
-
-
-def as_score(scale):
-    return scale if isinstance(scale, Score) else Score(scale)
-
-
-def for_heads(scale, heads):
-    """``scale`` for the query heads ``heads``: a ``Score`` learns them; a plain scale has nothing to learn."""
-    return scale.for_heads(heads) if isinstance(scale, Score) else scale
 
 
 class FunctionFailed(ValueError):
@@ -196,7 +190,8 @@ class _Block:
     """One piece of a block, grouped for GQA: q (B, hk, g, n, D), k (B, hk, 1, m, D), v (B, hk, 1, m, Dv)."""
 
     def __init__(self, q, k, v, piece, score, padded):
-        a, b, c, d, self.klo, self.khi, where = piece
+        a, b, c, d, where = piece.q0, piece.q1, piece.k0, piece.k1, piece.where
+        self.klo, self.khi = piece.klo, piece.khi
         if padded:  # the ring's [k | 1]^T blocks: the keys as a transposed view
             k, v = np.swapaxes(k[..., :-1, :], -1, -2), np.swapaxes(v[..., :-1, :], -1, -2)
         if q.ndim == 2:
@@ -214,7 +209,7 @@ class _Block:
         if where is None:
             raise ValueError("the general kernel needs the pieces' positions (plan.pieces gives them)")
         self.q_pos, self.k_pos, self.mask = where.q_pos[a:b], where.k_pos[c:d], where.mask
-        self.score = as_score(score)
+        self.score = score
         heads = self.score.heads
         if heads is None:
             self.heads = np.arange(hq)
@@ -385,12 +380,8 @@ def _sink_rows(sinks, lse):
 def with_sinks(out, lse, sinks):
     """``(out, lse)`` with each head's sink logit added once to every row's denominator (gpt-oss): the sink is a
     key of value 0, so out shrinks by exp(lse - new lse)."""
-    sink = _sink_rows(sinks, lse)
-    new = np.logaddexp(np.asarray(lse, np.float64), sink)
-    # the merge of kernels.merge with a block (0, sink), written as out * exp(lse - new) rather than merge's
-    # out + (0 - out) * exp(sink - new): when the sink takes nearly all the weight, 1 - exp(sink - new) cancels
-    scaled = np.exp(np.asarray(lse, np.float64) - np.where(np.isneginf(new), 0, new))
-    return (out * scaled[..., None]).astype(out.dtype, copy=False), new.astype(lse.dtype, copy=False)
+    merged, new = merge(out, np.asarray(lse, np.float64), None, _sink_rows(sinks, lse))  # the sink: a block of 0
+    return merged.astype(out.dtype, copy=False), new.astype(lse.dtype, copy=False)
 
 
 def sink_grads(lse, delta, sinks):

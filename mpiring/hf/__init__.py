@@ -29,7 +29,6 @@ varying lengths never rebuilds one it has (the oldest is closed beyond
 
 import dataclasses
 import functools
-import inspect
 import weakref
 from collections import OrderedDict
 
@@ -39,7 +38,7 @@ import torch
 from .. import torch as mpiring_torch
 from ..handle import Ring
 from ..mpi.agree import agree, check_comm
-from ..options import foreign_problem
+from ..options import RING_OPTIONS, foreign_problem
 from ..plans.layouts import shard_indices
 from . import edge
 
@@ -190,7 +189,7 @@ class ContextParallel:
     def __init__(self, comm=None, *, layout: str = "zigzag", name: str = NAME, max_rings: int = 8,
                  allow_unsharded=(), **ring_options):
         for option in ring_options:  # said now, not at the first forward's Ring
-            if option in SET_BY_THE_MODEL or option not in inspect.signature(Ring).parameters:
+            if option in SET_BY_THE_MODEL or option not in RING_OPTIONS:
                 raise ValueError(f"{option}= is no ring option of ContextParallel: "
                                  + SET_BY_THE_MODEL.get(option, foreign_problem(option, "see mpiring.Ring")))
         self.comm, self.layout, self.name = check_comm(comm), layout, name

@@ -15,10 +15,7 @@ from mpi4py import MPI
 
 from ..core.kernels import default_scale
 from ..core.precision import compute_dtype
-from ..core.threads import threads_problem
 from ..plans.layouts import take_rows
-from ..plans.spec import spec_problem
-from .axes import axis_problem, seq_index
 from .checks import (
     Shown,
     agreement_timeout,
@@ -38,11 +35,11 @@ from .checks import (
     values_digest,
     verdict,
 )
-from .collectives import allgather, allreduced
+from .collectives import allgather
 from .waits import abandon, completed, wait_entry, wait_until
 
 __all__ = ["agreed", "agree", "gather_entry", "setup", "agree_root", "setup_ring", "check_call", "check_comm",
-           "comm_problem", "contiguous", "call_spec", "moved_arrays", "opening", "Hosts"]
+           "comm_problem", "contiguous", "Hosts"]
 
 
 def comm_problem(comm):
@@ -119,40 +116,30 @@ def agree(comm, problem, timeout=None, entry=False):
     agreed(comm, problem, None, timeout, entry=entry)
 
 
-def setup(q, k, v, comm, spec, check_finite=False, expected_size=None, timeout=None, prepare=None,
-          problem=None, rows=None, hosts=None, same_rows=True, first=None, shared=None):
-    """Validate on every rank, agree collectively (one all-gather), and build the shared plan.
+def setup(q, k, v, comm, spec, timeout=None, prepare=None, rows=None, hosts=None, same_rows=True):
+    """Validate on every rank, agree collectively (one all-gather), and build the shared plan: MLA's agreement
+    (``parallel.latent``), whose k, v are expanded from the latent.
 
     Every rank ends with the same verdict: either ``(plan, spec, scale,
     prepared)`` (the spec agreed: every rank's positions in it) or the same
     ValueError, naming each offending rank and argument. Nothing here raises
     before the all-gather, so one rank's bad input cannot leave the others
-    waiting. ``spec``: this rank's ``Spec`` (None when its options were bad:
-    ``problem`` says why). ``prepare()``, run once this rank's arguments are
+    waiting. ``spec``: this rank's ``Spec``. ``prepare()``, run once this rank's arguments are
     valid, does the work that may fail on one rank alone (contiguous copies,
     temporaries: a MemoryError) before the agreement, so such a failure is
     reported by every rank too; its result is returned as ``prepared``.
-    ``problem``: one more of this rank's problems, found by the caller (or None).
     ``hosts``: a list to fill with every rank's processor name (who shares a node).
-    ``same_rows``: k holds q's tokens (no ``kv_positions``). ``first``: a
-    problem the caller's caller found (an adapter's), reported before the arrays'; ``shared``: its values
-    that every rank must pass alike (``Shown``).
+    ``same_rows``: k holds q's tokens (no ``kv_positions``).
     ``rows``: one letter per prepared array, "q" (query rows), "k" (key/value
     rows) or "l" (query rows on the last axis: lse); they come back sorted by
-    position, the order the ring works in (``Plan.in_caller_order`` undoes it;
-    the plan's ``orders`` are these sorts, found from the same positions).
-
+    position, the order the ring works in (``Plan.in_caller_order`` undoes it).
     Positions given per rank (``positions``, ``kv_positions``) are all-gathered
     with the rest, so every rank checks that they partition the sequence.
     """
     values = n_local = peak = prepared = held = None
     try:
-        size = comm.Get_size()
-        problem = (comm_problem(comm) or timeout_problem(timeout) or first
-                   or local_problem(q, k, v, None, check_finite, same_rows)
-                   or problem or size_problem(size, expected_size))
-        if problem is None:
-            problem = spec.rows_problem(q, k)
+        problem = (comm_problem(comm) or timeout_problem(timeout) or local_problem(q, k, v, None, False, same_rows)
+                   or spec.rows_problem(q, k))
         if problem is None and prepare is not None:
             prepared = prepare()
             if rows is not None:  # copies too: made here, where a MemoryError is reported by every rank
@@ -161,7 +148,7 @@ def setup(q, k, v, comm, spec, check_finite=False, expected_size=None, timeout=N
         if problem is None:
             held = spec.held()
             values = {f"{n} shape": Shown(*[shape_text(a)] * 2) for n, a in (("q", q), ("k", k), ("v", v))}
-            values.update({"dtype": Shown(str(q.dtype)), **compared(spec, timeout), **(shared or {})})
+            values.update({"dtype": Shown(str(q.dtype)), **compared(spec, timeout)})
             n_local = q.shape[-2]
             peak = peaks(q, k)
     except Exception as exc:  # whatever goes wrong here is reported collectively, never raised alone
@@ -211,30 +198,33 @@ def agree_root(comm, root, check_root, spec, timeout=None, expected_size=None, p
     return gathered[root][1]
 
 
-def setup_ring(comm, spec, timeout, expected_size=None, problem=None, values=None):
+def setup_ring(comm, spec, timeout, expected_size=None, problem=None, values=None, length=None):
     """The agreement of a ``Ring`` handle: its spec and timeout, once for all its calls.
 
-    As ``setup``, without arrays: every rank checks what it passed (``spec``
-    is None when ``problem`` says why), one all-gather compares it with rank
-    0's (``values``: more named values that must match) and gathers every
-    rank's positions, if given, and every rank builds the same plan or raises
-    the same ValueError. The spec's ``seq_len`` may be None when positions
-    imply it. Returns ``(plan, spec, hosts)``: the agreed spec (every rank's
-    positions in it) and every rank's processor name.
+    Every rank checks what it passed (``spec`` is None when ``problem`` says
+    why), one all-gather compares it with rank 0's (``values``: more named
+    values that must match) and gathers every rank's positions, if given, and
+    every rank builds the same plan or raises the same ValueError. The spec's
+    ``seq_len`` may be None when positions imply it, or when every rank gives
+    the ``length`` of its shard (a Ring agreeing at its first call): their sum.
+    Returns ``(plan, spec, hosts)``: the agreed spec (every rank's positions in
+    it) and every rank's processor name.
     """
     shown = held = None
     try:
         problem = (comm_problem(comm) or timeout_problem(timeout) or problem
                    or size_problem(comm.Get_size(), expected_size))
-        if problem is None and spec.seq_len is None and spec.positions is None:
+        if problem is None and spec.seq_len is None and spec.positions is None and length is None:
             problem = "seq_len must be given (the number of tokens of the whole sequence), unless positions are"
         if problem is None:
             held = spec.held()
             shown = dict(compared(spec, timeout), **{name: Shown(value) for name, value in (values or {}).items()})
     except Exception as exc:  # reported collectively, never raised alone
         problem, shown = describe(exc), None
-    gathered = agreed(comm, problem, shown, timeout, (Host.mine(), held), entry=True)
+    gathered = agreed(comm, problem, shown, timeout, (Host.mine(), held, length), entry=True)
     spec, implied = spec.with_ranks([g[1] for g in gathered])
+    if implied is None and length is not None:
+        implied = sum(g[2] for g in gathered)
     if spec.seq_len is not None and implied is not None and implied != spec.seq_len:  # the same data everywhere
         raise ValueError(f"seq_len={spec.seq_len} but the ranks' positions hold {implied} tokens")
     plan = spec.plan(comm.Get_size(), implied or spec.seq_len)  # raises everywhere
@@ -317,25 +307,3 @@ def contiguous(tensors, lses):
     work = compute_dtype(tensors["q"].dtype) if "dout" in tensors else None
     arrays = [np.ascontiguousarray(a, None if name in ("k", "v") else work) for name, a in tensors.items()]
     return arrays, [np.ascontiguousarray(a, work) for a in lses]
-
-
-def call_spec(spec, **keywords):
-    """A function call's spec (``spec_problem``), this rank's problem with it, and whether k holds q's tokens
-    (no ``kv_positions``: from the keywords when the spec could not be made)."""
-    spec, problem = spec_problem(keywords, spec)
-    return spec, problem, (keywords["kv_positions"] if spec is None else spec.kv_positions) is None
-
-
-def moved_arrays(tensors, seq_axis, threads, same_rows=True, lse=None):
-    """The arrays with the sequence on axis -2 (unchanged if ``seq_axis`` is bad), and this rank's problem."""
-    problem = axis_problem(tensors, seq_axis, same_rows=same_rows, lse=lse) or threads_problem(threads)
-    if problem:
-        return list(tensors.values()), problem
-    return [np.moveaxis(a, seq_index(seq_axis, a.ndim), -2) for a in tensors.values()], None
-
-
-def opening(comm, problem, timeout):
-    """The common start of a call agreed already (by ``setup``): one all-reduce of whether a rank found a problem
-    since (``checks.pairs_problem``); only then a second round names it, the same ValueError on every rank."""
-    if allreduced(comm, [1.0 if problem else 0.0], MPI.MAX, timeout, "start of the call")[0]:
-        agree(comm, problem, timeout)

@@ -344,10 +344,12 @@ def length_problem(plan, rank, q, k):
     """Why this rank's q and k do not hold the tokens ``plan`` gives it, or None."""
     for name, a, shards in (("q", q, plan.shards), ("k", k, plan.kv_shards)):
         want = len(shards[rank])
+        if a.shape[-2] != want and plan.layout == "positions":
+            given, rows = ("positions", "q") if name == "q" else ("kv_positions", "k and v")
+            return f"{given} has {want} entries for the {a.shape[-2]} rows of {rows}"
         if a.shape[-2] != want:
-            held = (f"the {plan.layout} layout of {plan.seq_len} tokens over {plan.size} ranks"
-                    if plan.layout != "positions" else "its positions")
-            return f"{name} holds {a.shape[-2]} tokens, but {held} give this rank {want}"
+            return (f"{name} holds {a.shape[-2]} tokens, but the {plan.layout} layout of {plan.seq_len} tokens over "
+                    f"{plan.size} ranks gives this rank {want}")
     return None
 
 

@@ -16,10 +16,11 @@ from ..plans.content import content
 from .agree import agreed
 from .checks import AUTO_BASE, AUTO_RATE, Shown, describe, logit_problem, scale_problem, shape_text, timeout_problem
 
-__all__ = ["MERGES", "decode_problem", "decode_agreement", "decode_timeout", "parents_problem", "path_problem",
-           "by_content"]
+__all__ = ["EXCHANGES", "MERGES", "decode_problem", "decode_agreement", "decode_timeout", "parents_problem",
+           "path_problem", "by_content"]
 
-MERGES = ("tree", "ring")
+EXCHANGES = ("tree", "ring")  # how the partials travel: one all-reduce (a tree), or around the ring
+MERGES = EXCHANGES  # its former name
 
 
 def by_content(name, value, text=None):
@@ -30,7 +31,7 @@ def by_content(name, value, text=None):
     return Shown(None, text or f"{a.dtype} {a.shape}", content(a, name))
 
 
-def decode_problem(q, k, v, scale, merge, causal, positions, kv_positions):
+def decode_problem(q, k, v, scale, exchange, causal, positions, kv_positions):
     """What is wrong with this rank's decoding arguments, or None."""
     for name, a in (("q", q), ("k", k), ("v", v)):
         if not isinstance(a, np.ndarray):
@@ -51,8 +52,8 @@ def decode_problem(q, k, v, scale, merge, causal, positions, kv_positions):
         return f"q heads ({q.shape[-3]}) must be a multiple of k/v heads ({k.shape[-3]})"
     if q.shape[-2] < 1 or min(q.shape[-1], v.shape[-1]) < 1 or 0 in q.shape[:-2]:
         return f"q needs at least one token, head and batch entry and a positive head dim, got q {q.shape}, v {v.shape}"
-    if not isinstance(merge, str) or merge not in MERGES:
-        return f"merge must be one of {', '.join(MERGES)}; got {merge!r}"
+    if not isinstance(exchange, str) or exchange not in EXCHANGES:
+        return f"exchange must be one of {', '.join(EXCHANGES)}; got {exchange!r}"
     if not isinstance(causal, (bool, np.bool_)):
         return f"causal must be True or False, got {causal!r}"
     if causal:
@@ -63,7 +64,7 @@ def decode_problem(q, k, v, scale, merge, causal, positions, kv_positions):
     return scale_problem(scale)
 
 
-def decode_agreement(comm, q, k, v, scale, timeout, merge="tree", causal=False, positions=None, kv_positions=None,
+def decode_agreement(comm, q, k, v, scale, timeout, exchange="tree", causal=False, positions=None, kv_positions=None,
                      k_peak=None, problem=None, values=None, work=None):
     """Check this rank's arguments and agree with every rank (one all-gather): ``(scale, kv lengths, done)``.
 
@@ -85,7 +86,7 @@ def decode_agreement(comm, q, k, v, scale, timeout, merge="tree", causal=False, 
     try:
         problem = problem or timeout_problem(timeout)
         for i, (qi, ki, vi) in enumerate(zip(qs, ks, vs)):
-            found = decode_problem(qi, ki, vi, scale, merge, causal, positions, kv_positions)
+            found = decode_problem(qi, ki, vi, scale, exchange, causal, positions, kv_positions)
             problem = problem or (found and (f"sequence {i}: {found}" if many else found))
         if problem is None and len({(qi.dtype, vi.shape[-1]) for qi, vi in zip(qs, vs)}) > 1:
             problem = "every sequence must have one dtype and one v head dim"
@@ -96,7 +97,7 @@ def decode_agreement(comm, q, k, v, scale, timeout, merge="tree", causal=False, 
                 mine.update({f"q shape{tag}": Shown(qi.shape), f"k shape{tag}": Shown(*[shape_text(ki)] * 2),
                              f"v shape{tag}": Shown(*[shape_text(vi)] * 2)})
             mine.update({"dtype": Shown(" ".join(sorted({str(qi.dtype) for qi in qs}))), "scale": Shown(scale),
-                         "merge": Shown(merge), "causal": Shown(bool(causal)), "timeout": Shown(timeout)})
+                         "exchange": Shown(exchange), "causal": Shown(bool(causal)), "timeout": Shown(timeout)})
             mine.update({f"q{tag}": by_content(f"q{tag}", qi) for tag, qi in zip(tags, qs)})
             mine["positions"] = by_content("positions", None if positions is None else np.asarray(positions, np.int64))
             mine.update(values or {})

@@ -18,7 +18,6 @@ import numpy as np
 
 from ..core import block
 from ..core.block import GRAD_DTYPE, KEPT_OUT, add_grads, count_pairs
-from ..core.precision import Precision
 from ..core.tiles import filled
 from ..mpi.buffers import Buffers, flat_blocks, next_buffers
 from ..mpi.collectives import allgathered
@@ -118,20 +117,21 @@ class _Partials:
         return own
 
 
-def backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec, timeout, pr=None):
+def backward_ring_loop(dout, q, k, v, out, lse, delta, call):
     """Start passing K/V on, compute, wait, swap; a block's dK/dV follows it one step behind, then goes home.
 
     At a stream's last round the block is computed in key chunks, and each
     chunk's dK/dV is sent home as soon as its keys are done, while the next
     chunk computes: only the last chunk's transfer is left to wait for.
     """
+    plan, rings, score = call.plan, call.rings, call.score
+    record, timeout, precision = call.record, call.timeout, call.precision
     kv_ring = rings[0]
-    pr = pr or Precision(k.dtype)  # the call's dtypes: defaults for k's dtype unless given
-    rank, wire, chunks = kv_ring.rank, pr.wire, home_chunks(plan)
+    rank, wire, chunks = kv_ring.rank, precision.wire, home_chunks(plan)
     queries = (dout, q, out, lse, delta)
     # the sums are kept buffers (no page faults: docs/performance.md §11) when the caller converts them to a copy;
     # dq and the K/V slots take the forward ring's names, whose buffers are free while a backward runs
-    keep = pr.input != GRAD_DTYPE
+    keep = precision.input != GRAD_DTYPE
     dq, dk, dv = (filled(name if keep else None, a.shape, GRAD_DTYPE, 0)
                   for name, a in ((KEPT_OUT, q), ("bwd.dk", k), ("bwd.dv", v)))
     own = [dk, dv]  # step 0: this rank's own block
@@ -140,21 +140,21 @@ def backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec, 
     held = {stream: coded for stream in plan.rounds or [+1]}  # the K/V block each stream holds now
     longest = max(len(s) for s in plan.kv_shards)
     kv_buffers = {stream: Buffers(coded, longest, f"ring.kv{stream}") for stream in plan.rounds}
-    partials = _Partials(plan, rank, k, v, pr.grad, rings, rec, timeout)
+    partials = _Partials(plan, rank, k, v, precision.grad, rings, record, timeout)
     for step in range(plan.n_steps):
         incoming = next_buffers(plan, rank, step, kv_buffers)
-        shift(kv_ring, {s: held[s] for s in incoming}, incoming, rec, step, "K/V")  # pass K/V on
+        shift(kv_ring, {s: held[s] for s in incoming}, incoming, record, step, "K/V")  # pass K/V on
         onward = {}
         for task in plan.tasks(step, rank):
             stream, n = task.stream, len(plan.kv_shards[task.source])
             pieces = plan.pieces(rank, task.source)
-            count_pairs(rec, pieces)
+            count_pairs(record, pieces)
             kv = mine if task.source == rank else wire.arrived(held[stream])
             total = partials.of(step, stream, n, own)
             going_home = step > 0 and step == plan.rounds[stream]  # the last visitor: key chunks, sent home
             work = chunks_in_order(pieces, n, chunks) if going_home else [(None, 0, n, pieces)]
             for chunk, lo, hi, cut in work:
-                grads = block.grads_of(queries, kv, task, cut, scale, dq, rec, partials.progress, step,
+                grads = block.grads_of(queries, kv, task, cut, score, dq, record, partials.progress, step,
                                        **({"keys": f"{lo}:{hi}"} if going_home else {}))
                 if grads or going_home:
                     partials.wait_once(step)
@@ -163,41 +163,42 @@ def backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec, 
                     partials.send_home(stream, total, chunk, lo, hi, step)
             if 0 < step < plan.rounds[stream]:
                 onward[stream] = total
-            rec.tasks.append((step, task))
+            record.tasks.append((step, task))
         partials.wait_once(step)  # skips only: the partials are passed on unchanged
         if incoming:
             partials.wait_for([kv_ring], step, "K/V")
         held.update(incoming)  # swap
         partials.pass_on(step, onward)
-        rec.step_done(step, plan.n_steps)
+        record.step_done(step, plan.n_steps)
     dk, dv = partials.home(own)
     return dq, dk, dv
 
 
-def allgather_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec, timeout, pr=None):
+def allgather_backward(dout, q, k, v, out, lse, delta, call):
     """All-gather K/V once, compute every block's dK/dV contribution here, reduce-scatter them to their owners."""
-    pr = pr or Precision(k.dtype)
-    rank, size, wire = comm.Get_rank(), comm.Get_size(), pr.wire
+    plan, comm, score = call.plan, call.comm, call.score
+    record, timeout, precision = call.record, call.timeout, call.precision
+    rank, size, wire = comm.Get_rank(), comm.Get_size(), precision.wire
     lengths = [len(s) for s in plan.kv_shards]
-    sums = [flat_blocks(a, lengths, pr.grad) for a in (k, v)]  # this rank's share of every block's dK, dV
+    sums = [flat_blocks(a, lengths, precision.grad) for a in (k, v)]  # this rank's share of every block's dK, dV
     queries = (dout, q, out, lse, delta)
     dq = np.zeros(q.shape, GRAD_DTYPE)
     mine = wire.own((k, v))
-    for step, task, kv, progress in allgathered(wire.encode(k), wire.encode(v), plan, comm, rec, timeout):
+    for step, task, kv, progress in allgathered(wire.encode(k), wire.encode(v), plan, comm, record, timeout):
         kv = mine if task.source == rank else wire.arrived(kv)  # as the forward pass
         pieces = plan.pieces(rank, task.source)
-        count_pairs(rec, pieces)
-        grads = block.grads_of(queries, kv, task, pieces, scale, dq, rec, progress, step)
+        count_pairs(record, pieces)
+        grads = block.grads_of(queries, kv, task, pieces, score, dq, record, progress, step)
         add_grads((sums[0][2][task.source], sums[1][2][task.source]), grads)
-        rec.tasks.append((step, task))
-        rec.step_done(step, plan.n_steps)
-    own = [np.empty(a.shape, pr.grad) for a in (k, v)]
+        record.tasks.append((step, task))
+        record.step_done(step, plan.n_steps)
+    own = [np.empty(a.shape, precision.grad) for a in (k, v)]
     start = time.perf_counter()
     requests = [comm.Ireduce_scatter(flat, mine, counts) for (flat, counts, _), mine in zip(sums, own)]
     wait_until(requests, timeout, rank, "reduce-scatter")
-    rec.wait_time += time.perf_counter() - start
-    rec.events.append(("wait", start, time.perf_counter(), {"step": plan.n_steps - 1}))  # the reduce-scatter
+    record.wait_time += time.perf_counter() - start
+    record.events.append(("wait", start, time.perf_counter(), {"step": plan.n_steps - 1}))  # the reduce-scatter
     for _, counts, _ in sums:  # as a ring reduce-scatter moves it: every block but one's own, once
-        rec.bytes_sent += (sum(counts) - counts[rank]) * pr.grad.itemsize
-        rec.messages += size - 1
+        record.bytes_sent += (sum(counts) - counts[rank]) * precision.grad.itemsize
+        record.messages += size - 1
     return dq, own[0], own[1]

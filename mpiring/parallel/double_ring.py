@@ -18,7 +18,6 @@ from mpi4py import MPI
 
 from ..core import block
 from ..core.block import GRAD_DTYPE, add_grads, count_pairs
-from ..core.precision import Precision
 from ..cost.nodes import node_ids
 from ..mpi.buffers import kv_slots, payload_bytes
 from ..mpi.collectives import together
@@ -80,19 +79,20 @@ def _wait(rings, rec, step, timeout, data="K/V"):
     rec.event("wait", start, step=step, data=data)
 
 
-def double_ring_forward(q, k, v, plan, ring, scale, rec, timeout, pr=None):
+def double_ring_forward(q, k, v, call):
     """This rank's (out, lse); ``ring`` (a RingComm of the caller's) becomes the inner ring.
 
-    K/V travel both rings on the wire of ``pr`` (the call's ``Precision``), as in the flat ring: coded once
+    K/V travel both rings on the wire of ``precision`` (the call's ``Precision``), as in the flat ring: coded once
     here, decoded where used; this rank computes on its own block exactly.
     """
-    pr = pr or Precision(k.dtype)
-    wire = pr.wire
+    plan, ring, score = call.plan, call.ring, call.score
+    record, timeout, precision = call.record, call.timeout, call.precision
+    wire = precision.wire
     inner, outer = _rings(ring.comm, plan, timeout, inner=ring)
     before = (inner.bytes_sent, inner.messages, inner.wait_time)  # the caller's ring may have served earlier calls
     try:
         rank = inner.rank
-        acc = block.accumulators(q, v, pr.out, pr.lse, wire=wire)  # accumulate= as in the ring modes
+        acc = block.accumulators(q, v, precision.out, precision.lse, wire=wire)  # accumulate= as in the ring modes
         longest = max(len(s) for s in plan.kv_shards)
         inner_slots, outer_slots = kv_slots(wire, (k, v), longest), kv_slots(wire, (k, v), longest)
         first = outer_slots.hold((k, v))  # a round's first block: this rank's own, then what the outer ring brings
@@ -109,46 +109,44 @@ def double_ring_forward(q, k, v, plan, ring, scale, rec, timeout, pr=None):
             waiting = []
             if i == 0 and o < m - 1:  # the next round's first block, behind this whole round
                 nxt = outer_slots.take(len(plan.kv_shards[plan.source_at(rank, step + n)]))
-                _shift(outer, first, nxt, rec, step, OUTER, pad=outer_slots.pad)
+                _shift(outer, first, nxt, record, step, OUTER, pad=outer_slots.pad)
             if i < n - 1:
                 incoming = inner_slots.take(len(plan.kv_shards[plan.source_at(rank, step + 1)]))
-                _shift(inner, held, incoming, rec, step, INNER, pad=outer_slots.pad)
+                _shift(inner, held, incoming, record, step, INNER, pad=outer_slots.pad)
                 waiting.append(inner)
             for task in plan.tasks(step, rank):
                 kv = mine if task.source == rank else wire.arrived(held, padded=outer_slots.padded)
-                block.attend(q, kv, task, plan.pieces(rank, task.source), scale, acc, rec, progress, step,
+                block.attend(q, kv, task, plan.pieces(rank, task.source), score, acc, record, progress, step,
                              padded=outer_slots.padded)
             if i == n - 1 and o < m - 1:
                 waiting.append(outer)
             if waiting:
-                _wait(waiting, rec, step, timeout)
+                _wait(waiting, record, step, timeout)
             if i < n - 1:
                 held = incoming
             elif o < m - 1:
                 first = held = nxt
-            rec.step_done(step, plan.n_steps)
-        rec.bytes_sent = inner.bytes_sent - before[0] + outer.bytes_sent
-        rec.messages = inner.messages - before[1] + outer.messages
-        rec.wait_time = inner.wait_time - before[2] + outer.wait_time
+            record.step_done(step, plan.n_steps)
+        record.bytes_sent = inner.bytes_sent - before[0] + outer.bytes_sent
+        record.messages = inner.messages - before[1] + outer.messages
+        record.wait_time = inner.wait_time - before[2] + outer.wait_time
     finally:
         outer.free()
-    return acc[0].astype(q.dtype, copy=False), acc[1].astype(pr.compute, copy=False)
+    return acc[0].astype(q.dtype, copy=False), acc[1].astype(precision.compute, copy=False)
 
 
-def double_ring_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec, timeout, pr=None):
-    """This rank's (dq, dk, dv) in float64.
+def double_ring_backward(dout, q, k, v, out, lse, delta, call):
+    """This rank's (dq, dk, dv) in float64. K/V move as in the forward pass, on the call's wire.
 
-    K/V move as in the forward pass, on the same wire (``pr``: the call's
-    ``Precision``). A block's partial starts at its first visitor in a node
-    (zeros), goes to the next rank with the block (one step behind, so the
-    wait for it follows a compute), and the node's last visitor sends it
-    home; partials travel in the ``grad`` dtype (``grad_wire_dtype``) and add
-    up at home in float64. At a round's last step every rank sends one
-    partial home and receives one of its own block's (``plan.last_visitor``),
-    so the hop home is one more ring shift, waited for a round later.
+    A block's partial starts at its first visitor in a node (zeros), goes to the next rank with the block (one
+    step behind, so the wait for it follows a compute), and the node's last visitor sends it home; partials
+    travel in the ``grad`` dtype (``grad_wire_dtype``) and add up at home in float64. At a round's last step
+    every rank sends one partial home and receives one of its own block's (``plan.last_visitor``), so the hop
+    home is one more ring shift, waited for a round later.
     """
-    pr = pr or Precision(k.dtype)
-    wire = pr.wire
+    plan, comm, score = call.plan, call.comm, call.score
+    record, timeout, precision = call.record, call.timeout, call.precision
+    wire = precision.wire
     kv_inner, kv_outer = _rings(comm, plan, timeout)
     grads_inner, home = _rings(comm, plan, timeout)
     rings = (kv_inner, kv_outer, grads_inner, home)
@@ -157,10 +155,10 @@ def double_ring_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec,
         n, m = plan.node_size, plan.nodes
         queries = (dout, q, out, lse, delta)
         dq = np.zeros(q.shape, GRAD_DTYPE)
-        own = (np.zeros(k.shape, GRAD_DTYPE), np.zeros(v.shape, GRAD_DTYPE))
-        mine = wire.own((k, v))  # the own block, computed on exactly
-        held = first = (wire.encode(k), wire.encode(v))  # as the wire carries it: coded once, here
-        arriving = None  # the held block's partial, from the previous visitor in this node
+        own_grads = (np.zeros(k.shape, GRAD_DTYPE), np.zeros(v.shape, GRAD_DTYPE))
+        own_block = wire.own((k, v))  # this rank's own block, computed on exactly
+        travelling = first = (wire.encode(k), wire.encode(v))  # as the wire carries it: coded once, here
+        arriving = None  # the travelling block's partial, from the previous visitor in this node
         coming_home = None  # the own block's partial from a node's last visitor, on its way
 
         def progress():
@@ -177,57 +175,57 @@ def double_ring_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec,
             kv_waiting = []
             if i == 0 and o < m - 1:
                 nxt = block_of(plan.source_at(rank, step + n), make=np.empty, like=first)
-                _shift(kv_outer, first, nxt, rec, step, OUTER)
+                _shift(kv_outer, first, nxt, record, step, OUTER)
             if i < n - 1:
-                incoming = block_of(plan.source_at(rank, step + 1), make=np.empty, like=held)
-                _shift(kv_inner, held, incoming, rec, step, INNER)
+                incoming = block_of(plan.source_at(rank, step + 1), make=np.empty, like=travelling)
+                _shift(kv_inner, travelling, incoming, record, step, INNER)
                 kv_waiting.append(kv_inner)
             task = plan.tasks(step, rank)[0]
             pieces = plan.pieces(rank, task.source)
-            count_pairs(rec, pieces)
-            kv = mine if source == rank else wire.arrived(held)
-            grads = block.grads_of(queries, kv, task, pieces, scale, dq, rec, progress, step)
-            rec.tasks.append((step, task))
+            count_pairs(record, pieces)
+            kv = own_block if source == rank else wire.arrived(travelling)
+            grads = block.grads_of(queries, kv, task, pieces, score, dq, record, progress, step)
+            record.tasks.append((step, task))
             if i == 0:  # the first visitor in this node; with one rank per node the own block's share stays here
-                total = own if source == rank and n == 1 else block_of(source, pr.grad)
+                total = own_grads if source == rank and n == 1 else block_of(source, precision.grad)
             else:
-                _wait([grads_inner], rec, step, timeout, "dK/dV")
+                _wait([grads_inner], record, step, timeout, "dK/dV")
                 total = arriving
             add_grads(total, grads)
             if i == n - 1 and o < m - 1:
                 kv_waiting.append(kv_outer)
             if kv_waiting:
-                _wait(kv_waiting, rec, step, timeout)
+                _wait(kv_waiting, record, step, timeout)
             if i < n - 1:  # the partial goes on with its block
-                arriving = block_of(plan.source_at(rank, step + 1), pr.grad)
-                _shift(grads_inner, total, arriving, rec, step, INNER, "dK/dV")
+                arriving = block_of(plan.source_at(rank, step + 1), precision.grad)
+                _shift(grads_inner, total, arriving, record, step, INNER, "dK/dV")
             elif source != rank:  # the node's last visitor: the partial goes home, one comes home
-                coming_home = _home(home, total, coming_home, own, plan, o, rec, step, block_of(rank, pr.grad),
-                                    timeout)
+                coming_home = _home(home, total, coming_home, own_grads, plan, o, record, step,
+                                    block_of(rank, precision.grad), timeout)
             if i < n - 1:
-                held = incoming
+                travelling = incoming
             elif o < m - 1:
-                first = held = nxt
-            rec.step_done(step, plan.n_steps)
-        _home(home, None, coming_home, own, plan, m, rec, plan.n_steps - 1, None, timeout)
-        rec.bytes_sent = sum(ring.bytes_sent for ring in rings)
-        rec.messages = sum(ring.messages for ring in rings)
-        rec.wait_time = sum(ring.wait_time for ring in rings)
+                first = travelling = nxt
+            record.step_done(step, plan.n_steps)
+        _home(home, None, coming_home, own_grads, plan, m, record, plan.n_steps - 1, None, timeout)
+        for counter in ("bytes_sent", "messages", "wait_time"):
+            setattr(record, counter, sum(getattr(ring, counter) for ring in rings))
     finally:
         for ring in rings:
             ring.free()
-    return dq, own[0], own[1]
+    return dq, own_grads[0], own_grads[1]
 
 
-def _home(home, total, coming_home, own, plan, rnd, rec, step, receive, timeout):
-    """The hop home of round ``rnd``: finish the previous one (add it into ``own``), start this one (if ``total``).
+def _home(home, total, coming_home, own_grads, plan, rnd, rec, step, receive, timeout):
+    """The hop home of round ``rnd``: finish the previous one (add it into ``own_grads``), start this one (if
+    ``total``).
 
     Returns the arrays the own block's partial is arriving in (None when nothing was started).
     """
     if coming_home is not None:
         _wait([home], rec, step, timeout, "dK/dV home")
-        own[0][...] += coming_home[0]
-        own[1][...] += coming_home[1]
+        own_grads[0][...] += coming_home[0]
+        own_grads[1][...] += coming_home[1]
     if total is None:
         return None
     rank = home.rank

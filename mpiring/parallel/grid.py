@@ -28,13 +28,13 @@ Gradients come back in ``grad_wire_dtype``, which the inner ring's partials use 
 import numpy as np
 
 from ..core.precision import Precision
-from ..core.scores import for_heads
 from ..mpi.collectives import together
 from ..mpi.comm import RingComm
 from ..mpi.record import Record
 from ..plans.heads import deal_heads
 from ..plans.layouts import take_rows
 from .backward import gradient_rings
+from .ring import Call
 from .ulysses import gradients_home, heads_out, result_dtypes, tokens_back
 
 __all__ = ["grid_comms", "hybrid_forward", "hybrid_backward"]
@@ -93,65 +93,73 @@ def _across(compute, arrays, rows, results, plan, rank, cross, timeout, backward
             for a, kind in zip(got, results)]
 
 
-def hybrid_forward(q, k, v, plan, comm, scale, rec, timeout, pr, rotate, loop):
-    """This rank's (out, lse): the group's heads out, ``loop`` (``run.run_forward``) over the ring across
-    groups on the group's tokens, the results back; ``pr``: the call's ``Precision`` (its wire codes K/V on
-    both); ``rotate``: what the ring across groups passes ("kv" or "q")."""
+def hybrid_forward(q, k, v, call, across):
+    """This rank's (out, lse): the group's heads out, ``across`` (``strategies.run_forward``) over the ring
+    across groups on the group's tokens, the results back; the call's precision codes K/V on both; its
+    ``rotate``: what the ring across groups passes ("kv" or "q")."""
+    plan, comm, score = call.plan, call.comm, call.score
+    record, timeout, precision = call.record, call.timeout, call.precision
     rank = comm.Get_rank()
     deal = deal_heads(q.shape[-3], k.shape[-3], plan.ulysses_size)  # as Ulysses deals them over u ranks
     lengths, kv_lengths = _lengths(plan, rank), _lengths(plan, rank, kv=True)
     group, cross = grid_comms(comm, plan, timeout)
     place = group.Get_rank()
-    scale = for_heads(scale, deal.q[place])  # a score's bias and dropout see the global heads
+    score = score.for_heads(deal.q[place])  # a score's bias and dropout see the global heads
     try:
         Q, K, V = heads_out(group, [q, k, v], [deal.q, deal.kv, deal.kv], [lengths, kv_lengths, kv_lengths],
-                            [q.dtype, pr.wire, pr.wire], rec, timeout, 0)
+                            [q.dtype, precision.wire, precision.wire], record, timeout, 0)
         # one dtype across (half: as given); a place holding part of a GQA group: its K/V heads repeated
         K, V = (deal.expand(place, a.astype(q.dtype, copy=False)) for a in (K, V))
-        inner, inner_pr = Record(rank), Precision(q.dtype, pr.options["wire_dtype"], accumulate=pr.accumulate)
+        inner = Record(rank)
+        inner_precision = Precision(q.dtype, precision.options["wire_dtype"], accumulate=precision.accumulate)
 
         def forward(arrays, ring, rings):
-            return loop(*arrays, ring, rings[0], scale, inner, timeout, inner_pr, rotate=rotate)
+            return across(arrays, Call(ring, rings, score, inner, timeout, inner_precision, call.rotate))
 
         out, lse = _across(forward, [Q, K, V], "qkk", "ql", plan, rank, cross, timeout, backward=False)
-        _join(rec, inner)
+        _join(record, inner)
         got = tokens_back(group, [out, lse[..., None]], [deal.counts()] * 2, [lengths] * 2,
-                          result_dtypes(q.dtype), rec, timeout, plan.n_steps - 1)
+                          result_dtypes(q.dtype), record, timeout, plan.n_steps - 1)
     finally:
         group.Free()
         cross.Free()
     return np.concatenate([g[0] for g in got], axis=-3), np.concatenate([g[1][..., 0] for g in got], axis=-2)
 
 
-def hybrid_backward(dout, q, k, v, out, lse, plan, comm, scale, rec, timeout, pr, loop):
-    """This rank's (dq, dk, dv): the group's heads out (q, dout, out, lse; k, v on the wire of ``pr``),
-    ``loop`` (``run.run_backward``) over the ring across groups, the gradients back (in ``pr.grad``); dK, dV
-    of a K/V head that several members held (fewer K/V heads than u) add up."""
+def hybrid_backward(dout, q, k, v, out, lse, delta, call, across):
+    """This rank's (dq, dk, dv): the group's heads out (q, dout, out, lse; k, v on the wire of ``precision``),
+    ``across`` (``strategies.run_backward``) over the ring across groups, the gradients back (in
+    ``precision.grad``); dK, dV of a K/V head that several members held (fewer K/V heads than u) add up.
+    ``delta`` is made again from the heads each member gets."""
+    plan, comm, score = call.plan, call.comm, call.score
+    record, timeout, precision = call.record, call.timeout, call.precision
     rank = comm.Get_rank()
     deal = deal_heads(q.shape[-3], k.shape[-3], plan.ulysses_size)
     lengths, kv_lengths = _lengths(plan, rank), _lengths(plan, rank, kv=True)
     group, cross = grid_comms(comm, plan, timeout)
     place = group.Get_rank()
-    scale = for_heads(scale, deal.q[place])  # a score's bias and dropout see the global heads
+    score = score.for_heads(deal.q[place])  # a score's bias and dropout see the global heads
     try:
         Q, dO, Out, L, K, V = heads_out(group, [q, dout, out, lse[..., None], k, v], [deal.q] * 4 + [deal.kv] * 2,
-                                        [lengths] * 4 + [kv_lengths] * 2, [q.dtype] * 4 + [pr.wire] * 2, rec,
+                                        [lengths] * 4 + [kv_lengths] * 2, [q.dtype] * 4 + [precision.wire] * 2, record,
                                         timeout, 0)
         K, V = deal.expand(place, K), deal.expand(place, V)
-        inner, inner_pr = Record(rank), Precision.of(K.dtype, pr.options)
+        inner, inner_precision = Record(rank), Precision.of(K.dtype, precision.options)
 
         def backward(arrays, ring, rings):
             dO, Q, K, V, Out, L = arrays
             delta = np.einsum("...d,...d->...", dO, Out, dtype=np.float64)  # as a Ring's backward makes it
-            grads = loop((dO, Q, K, V, Out, L, delta.astype(Q.dtype)), ring, rings, scale, inner, timeout, inner_pr)
-            return [g.astype(inner_pr.input, copy=False) for g in grads]
+            grads = across((dO, Q, K, V, Out, L, delta.astype(Q.dtype)),
+                           Call(ring, rings, score, inner, timeout, inner_precision))
+            return [g.astype(inner_precision.input, copy=False) for g in grads]
 
         dq, dk, dv = _across(backward, [dO, Q, K, V, Out, L[..., 0]], "qqkkql", "qkk", plan, rank, cross, timeout,
                              backward=True)
-        _join(rec, inner)
+        _join(record, inner)
         kv = deal.counts(kv=True)
         got = tokens_back(group, [dq, deal.fold(place, dk), deal.fold(place, dv)], [deal.counts(), kv, kv],
-                          [lengths, kv_lengths, kv_lengths], pr.grad, rec, timeout, plan.n_steps - 1, "gradients back")
+                          [lengths, kv_lengths, kv_lengths], precision.grad, record, timeout, plan.n_steps - 1,
+                          "gradients back")
     finally:
         group.Free()
         cross.Free()

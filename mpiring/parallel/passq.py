@@ -27,7 +27,7 @@ import numpy as np
 
 from ..core import block
 from ..core.kernels import merge
-from ..core.precision import Precision, compute_dtype, row_bytes
+from ..core.precision import compute_dtype, row_bytes
 from ..mpi.buffers import Buffers, kernel_form
 from ..mpi.comm import shift
 from ..mpi.waits import wait_until
@@ -35,16 +35,17 @@ from ..plans.plan import NEXT, Task, reach
 
 __all__ = ["passq_loop", "plan_bytes", "rank_bytes", "chosen_rotation", "q_rounds"]
 
-def passq_loop(q, k, v, plan, ring, scale, rec, timeout, pr=None):
+def passq_loop(q, k, v, call):
     """The pass-Q ring: pass the held query block on, attend it to this rank's K/V, wait, swap; then send partials home.
 
-    ``pr``: the call's ``Precision``: its wire codes the travelling query blocks, the partials and their merge
+    ``precision``: the call's ``Precision``: its wire codes the travelling query blocks, the partials and their merge
     accumulate in its ``out`` and ``lse`` dtypes (``accumulate=``; default float64).
     Returns this rank's merged ``(out, lse)`` in q's dtype, rows in position order.
     """
+    plan, ring, score = call.plan, call.ring, call.score
+    record, timeout, precision = call.record, call.timeout, call.precision
     rank, size = ring.rank, ring.size
-    pr = pr or Precision(q.dtype)
-    wire = pr.wire
+    wire = precision.wire
     form = kernel_form((k, v), k.shape[-2])
     own_kv = form.hold((k, v))  # the kernel backend's form ([k | 1]^T, [v | 1]^T for the NumPy kernel), made once
     buffers = Buffers((wire.template(q),), max(len(s) for s in plan.shards))
@@ -57,21 +58,21 @@ def passq_loop(q, k, v, plan, ring, scale, rec, timeout, pr=None):
         incoming = None
         if step < rounds:
             incoming = buffers.take(len(plan.shards[(rank - step - 1) % size]))
-            shift(ring, {NEXT: held}, {NEXT: incoming}, rec, step, data="Q")
+            shift(ring, {NEXT: held}, {NEXT: incoming}, record, step, data="Q")
         task = Task(source, plan.kinds[source][rank])
         queries = None
         if task.kind != "skip":
             queries = (mine if source == rank else wire.arrived(held))[0]
-            partials[source] = block.accumulators(queries, v, pr.out, pr.lse)
-        block.attend(queries, own_kv, task, plan.pieces(source, rank), scale, partials.get(source), rec,
+            partials[source] = block.accumulators(queries, v, precision.out, precision.lse)
+        block.attend(queries, own_kv, task, plan.pieces(source, rank), score, partials.get(source), record,
                      ring.progress, step, padded=form.padded)
         start = time.perf_counter()
         if incoming is not None:
             ring.wait(timeout)
-            rec.event("wait", start, step=step)
+            record.event("wait", start, step=step)
             held = incoming
-        rec.step_done(step, rounds + 1)
-    out, lse = _home(partials, q, v, plan, ring.comm, rec, timeout, pr)
+        record.step_done(step, rounds + 1)
+    out, lse = _home(partials, q, v, plan, ring.comm, record, timeout, precision)
     return out.astype(q.dtype, copy=False), lse.astype(compute_dtype(q.dtype), copy=False)
 
 

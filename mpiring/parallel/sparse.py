@@ -21,7 +21,6 @@ import numpy as np
 
 from ..core import block
 from ..core.block import GRAD_DTYPE, add_grads, count_pairs
-from ..core.precision import Precision
 from ..mpi.buffers import flat_blocks, mpi_view
 from ..mpi.waits import abandon, completed, test_all, wait_until
 
@@ -118,34 +117,37 @@ def _both(first, second):
     return progress
 
 
-def sparse_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec, timeout, pr=None):
+def sparse_backward(dout, q, k, v, out, lse, delta, call):
     """This rank's float64 ``(dq, dk, dv)``: K/V arrive as in the forward pass, partials go straight home."""
-    pr = pr or Precision(k.dtype)
-    rank, wire = comm.Get_rank(), pr.wire
+    plan, comm, score = call.plan, call.comm, call.score
+    record, timeout, precision = call.record, call.timeout, call.precision
+    rank, wire = comm.Get_rank(), precision.wire
     queries = (dout, q, out, lse, delta)
     dq = np.zeros(q.shape, GRAD_DTYPE)
     own = [np.zeros(a.shape, GRAD_DTYPE) for a in (k, v)]  # this rank's block: its own share, then what came home
     mine = wire.own((k, v))
     users = plan.users[rank]
-    homes = _Transfers(comm, rec, timeout, "sparse dK/dV transfer")
+    homes = _Transfers(comm, record, timeout, "sparse dK/dV transfer")
     try:
-        home = [flat_blocks(a, [plan.tokens(user, rank) for user in users], pr.grad, empty=True)[2] for a in (k, v)]
+        home = [flat_blocks(a, [plan.tokens(user, rank) for user in users], precision.grad, empty=True)[2]
+                for a in (k, v)]
         for i, user in enumerate(users):
             homes.receive(user, (home[0][i], home[1][i]), user, GRAD_TAGS)
-        for step, task, kv, kv_progress in delivered(wire.encode(k), wire.encode(v), plan, comm, rec, timeout):
+        for step, task, kv, kv_progress in delivered(wire.encode(k), wire.encode(v), plan, comm, record, timeout):
             kv = mine if task.source == rank else wire.arrived(kv)
             pieces = plan.pieces(rank, task.source)
-            count_pairs(rec, pieces)
-            grads = block.grads_of(queries, kv, task, pieces, scale, dq, rec, _both(homes.progress, kv_progress), step)
+            count_pairs(record, pieces)
+            grads = block.grads_of(queries, kv, task, pieces, score, dq, record, _both(homes.progress, kv_progress),
+                                   step)
             if task.source == rank:
                 add_grads(own, grads)
             else:  # this rank's share of the block's dK, dV: straight home
-                partial = [np.zeros(a.shape[:-2] + (plan.tokens(rank, task.source), a.shape[-1]), pr.grad)
+                partial = [np.zeros(a.shape[:-2] + (plan.tokens(rank, task.source), a.shape[-1]), precision.grad)
                            for a in (k, v)]
                 add_grads(partial, grads)
                 homes.send(partial, task.source, GRAD_TAGS, step, "dK/dV home")
-            rec.tasks.append((step, task))
-            rec.step_done(step, plan.steps_of(rank))
+            record.tasks.append((step, task))
+            record.step_done(step, plan.steps_of(rank))
         homes.wait(homes.pending(), plan.steps_of(rank) - 1, "dK/dV home")
     except BaseException:
         homes.give_up()

@@ -6,8 +6,8 @@
 to its ``Strategy``: the forward loop, the backward loop and the private
 communicators a handle makes for it once. Each loop lives in one module of
 this package (``ring``, ``backward``, ``passq``, ``ulysses``, ``double_ring``,
-``grid``, ``sparse``) over the shared block, merge and communication code; the entries
-here only adapt their arguments. ``mpiring.Ring`` (``mpiring.handle``)
+``grid``, ``sparse``) over the shared block, merge and communication code, and takes
+its arrays and one ``Call`` (``parallel.ring``). ``mpiring.Ring`` (``mpiring.handle``)
 checks the arguments, agrees on the spec and plan and calls ``run_forward``
 / ``run_backward``, which run the loop of the plan's strategy, account its
 bytes and waits in the call's ``Record``, and with a timeout check that
@@ -15,9 +15,10 @@ every rank finished in time (``agree_outcome``). Adding a strategy is one
 module with its loops and one entry here (docs/extending.md).
 """
 
+import functools
 import time
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -30,32 +31,19 @@ from .backward import allgather_backward, backward_ring_loop, gradient_rings
 from .double_ring import double_ring_backward, double_ring_forward, nodes_of
 from .grid import hybrid_backward, hybrid_forward
 from .passq import chosen_rotation, passq_loop
-from .ring import allgather_loop, ring_loop
+from .ring import Call, allgather_loop, ring_loop
 from .sparse import delivered, sparse_backward
 from .ulysses import ulysses_backward, ulysses_forward
 
-__all__ = ["Strategy", "STRATEGIES", "strategy_of", "private_rings", "rotation", "run_forward", "run_backward",
-           "agree_outcome", "scored_forward", "sink_gradients"]
-
-
-class Call(NamedTuple):
-    """What a loop needs besides its arrays: the plan, the RingComms (K/V first), the softmax scale, the call's
-    ``Record``, the timeout of every wait, the ``Precision`` and (forward) what the ring passes."""
-
-    plan: object
-    rings: list
-    scale: float
-    rec: object
-    timeout: float | None
-    pr: object
-    rotate: str = "kv"
+__all__ = ["Call", "Strategy", "STRATEGIES", "counted", "strategy_of", "private_rings", "grad_rings", "rotation",
+           "run_forward", "run_backward", "agree_outcome", "scored_forward", "sink_gradients"]
 
 
 @dataclass(frozen=True)
 class Strategy:
-    """How one strategy runs: ``forward(q, k, v, call) -> (out, lse)``, ``backward(arrays, call) -> (dq, dk, dv)``
-    (arrays: dout, q, k, v, out, lse, delta), and ``rings(comm, plan, timeout) -> [RingComm]``: the
-    communicators its backward needs beside the K/V ring."""
+    """How one strategy runs: ``forward(q, k, v, call) -> (out, lse)``,
+    ``backward(dout, q, k, v, out, lse, delta, call) -> (dq, dk, dv)`` (``call``: a ``Call``), and
+    ``rings(comm, plan, timeout) -> [RingComm]``: the communicators its backward needs beside the K/V ring."""
 
     forward: Callable
     backward: Callable
@@ -66,75 +54,23 @@ class Strategy:
     place: Callable = lambda plan, comm, node_size, timeout: plan  # the plan once MPI placed the ranks (collective)
 
 
-def _counted(assign=True):
-    """Account in the record what the call's RingComms counted (the loops that send through them)."""
-    def wrap(loop):
-        def run(arrays, call):
-            before = [(r.bytes_sent, r.messages, r.wait_time) for r in call.rings]
-            result = loop(arrays, call)
-            sent, messages, waited = (sum(getattr(r, name) - b[i] for r, b in zip(call.rings, before))
-                                      for i, name in enumerate(("bytes_sent", "messages", "wait_time")))
-            rec = call.rec
-            if assign:
-                rec.bytes_sent, rec.messages = sent, messages
-            else:  # the loop counted more (pass-Q's partials home) itself
-                rec.bytes_sent, rec.messages = rec.bytes_sent + sent, rec.messages + messages
-            rec.wait_time = waited
-            return result
-        return run
-    return wrap
-
-
-@_counted()
-def _ring_forward(arrays, c):
-    return ring_loop(*arrays, c.plan, c.rings[0], c.scale, c.rec, c.timeout, c.pr)
-
-
-@_counted()
-def _ring_backward(arrays, c):
-    return backward_ring_loop(*arrays, c.plan, c.rings, c.scale, c.rec, c.timeout, c.pr)
-
-
-@_counted(assign=False)
-def _passq_forward(arrays, c):
-    return passq_loop(*arrays, c.plan, c.rings[0], c.scale, c.rec, c.timeout, c.pr)
-
-
-def _grid_forward(arrays, c):
-    return hybrid_forward(*arrays, c.plan, c.rings[0].comm, c.scale, c.rec, c.timeout, c.pr, c.rotate, run_forward)
-
-
-def _grid_backward(arrays, c):
-    dout, q, k, v, out, lse, _ = arrays
-    return hybrid_backward(dout, q, k, v, out, lse, c.plan, c.rings[0].comm, c.scale, c.rec, c.timeout, c.pr,
-                           run_backward)
-
-
-def _ulysses_backward(arrays, c):
-    dout, q, k, v, _, lse, delta = arrays
-    return ulysses_backward(dout, q, k, v, lse, delta, c.plan, c.rings[0].comm, c.scale, c.rec, c.timeout, c.pr)
-
-
-_RING = Strategy(_ring_forward, _ring_backward, gradient_rings)
-STRATEGIES = {
-    "ring": Strategy(_ring_forward, _ring_backward, gradient_rings, rotates=True),  # parallel.ring, .backward
-    "bidirectional": _RING,  # two streams of the same loops
-    "allgather": Strategy(  # K/V gathered once, dK/dV reduce-scattered (parallel.ring, .backward)
-        lambda a, c: allgather_loop(*a, c.plan, c.rings[0].comm, c.scale, c.rec, c.timeout, c.pr),
-        lambda a, c: allgather_backward(*a, c.plan, c.rings[0].comm, c.scale, c.rec, c.timeout, c.pr)),
-    "pass-q": Strategy(_passq_forward, _ring_backward, gradient_rings, latent=False),  # queries travel (.passq)
-    "ulysses": Strategy(  # heads move by all-to-all (parallel.ulysses)
-        lambda a, c: ulysses_forward(*a, c.plan, c.rings[0].comm, c.scale, c.rec, c.timeout, c.pr),
-        _ulysses_backward, latent=False),
-    "double_ring": Strategy(  # an inner ring per node, an outer ring across (parallel.double_ring)
-        lambda a, c: double_ring_forward(*a, c.plan, c.rings[0], c.scale, c.rec, c.timeout, c.pr),
-        lambda a, c: double_ring_backward(*a, c.plan, c.rings[0].comm, c.scale, c.rec, c.timeout, c.pr),
-        place=nodes_of),
-    "grid": Strategy(_grid_forward, _grid_backward, latent=False),  # Ulysses in groups, a ring across (.grid)
-    "sparse": Strategy(  # each block straight to the ranks that need it, partials straight home (parallel.sparse)
-        lambda a, c: allgather_loop(*a, c.plan, c.rings[0].comm, c.scale, c.rec, c.timeout, c.pr, arrive=delivered),
-        lambda a, c: sparse_backward(*a, c.plan, c.rings[0].comm, c.scale, c.rec, c.timeout, c.pr)),
-}
+def counted(loop, assign=True):
+    """``loop`` accounting in the call's record what its RingComms counted (the loops that send through them);
+    ``assign`` False: the loop counted more (pass-Q's partials home) itself, and these add to it."""
+    def run(*arrays_and_call):
+        call = arrays_and_call[-1]
+        before = [(r.bytes_sent, r.messages, r.wait_time) for r in call.rings]
+        result = loop(*arrays_and_call)
+        sent, messages, waited = (sum(getattr(r, name) - b[i] for r, b in zip(call.rings, before))
+                                  for i, name in enumerate(("bytes_sent", "messages", "wait_time")))
+        record = call.record
+        if assign:
+            record.bytes_sent, record.messages = sent, messages
+        else:
+            record.bytes_sent, record.messages = record.bytes_sent + sent, record.messages + messages
+        record.wait_time = waited
+        return result
+    return run
 
 
 def strategy_of(plan, rotate="kv"):
@@ -166,6 +102,12 @@ def private_rings(comm, plan, node_size, timeout, backward):
     return plan, rings
 
 
+def grad_rings(comm, plan, timeout):
+    """The communicators the strategy's backward adds to a forward's (collective): for a handle whose first call
+    was a forward."""
+    return STRATEGIES[plan.strategy].rings(comm, plan, timeout)
+
+
 def agree_outcome(comm, timeout, t0):
     """After a ring, with a timeout: did every rank finish it in time? The same answer on every rank.
 
@@ -189,22 +131,20 @@ def agree_outcome(comm, timeout, t0):
                           f"the timeout ({timeout:g} s): one was stalled and the others gave up on it")
 
 
-def run_forward(q, k, v, plan, ring, scale, rec, timeout, pr, rotate="kv"):
-    """The forward pass of contiguous, agreed arrays over ``ring`` (a RingComm), all ranks having just met.
-
-    ``pr``: the call's ``Precision`` (its wire codes what travels in every
-    mode: K/V, or under pass-Q the query blocks); ``rotate``: "kv" or "q"
-    (the pass-Q ring, ``mpiring.parallel.passq``; the grid's ring across its
-    groups passes what it says). Fills ``rec`` (this call's events, bytes and
+def run_forward(arrays, call):
+    """The forward pass of contiguous, agreed ``arrays`` (q, k, v) under ``call`` (a ``Call``: its ring the K/V
+    RingComm, its precision's wire codes what travels in every mode, its ``rotate`` "kv" or "q": the pass-Q
+    ring, ``mpiring.parallel.passq``), all ranks having just met. Fills the call's record (events, bytes,
     times) and returns ``(out, lse)``.
     """
-    rec.t0 = start = time.perf_counter()  # event times minus rec.t0 compare across ranks
-    rec.wire_dtype, rec.rotate = pr.wire.name, rotate
-    out, lse = strategy_of(plan, rotate).forward((q, k, v), Call(plan, [ring], scale, rec, timeout, pr, rotate))
-    if timeout is not None:
-        agree_outcome(ring.comm, timeout, rec.t0)
-    rec.wall_time = time.perf_counter() - start
-    rec.plan = plan
+    record = call.record
+    record.t0 = start = time.perf_counter()  # event times minus record.t0 compare across ranks
+    record.wire_dtype, record.rotate = call.precision.wire.name, call.rotate
+    out, lse = strategy_of(call.plan, call.rotate).forward(*arrays, call)
+    if call.timeout is not None:
+        agree_outcome(call.comm, call.timeout, record.t0)
+    record.wall_time = time.perf_counter() - start
+    record.plan = call.plan
     return out, lse
 
 
@@ -224,18 +164,33 @@ def sink_gradients(spec, lse, delta, comm, timeout):
     return allreduced(comm, sink_grads(lse, delta, spec.sinks), MPI.SUM, timeout, "sink gradients")
 
 
-def run_backward(arrays, plan, rings, scale, rec, timeout, pr):
-    """The backward pass of contiguous, agreed ``arrays`` (dout, q, k, v, out, lse, delta), all ranks having met.
-
-    ``rings``: the K/V RingComm, then those the strategy's ``rings`` made
-    (the ring modes: the dK/dV onward RingComm and the HomeRing); ``pr``: the
-    call's ``Precision``. Fills ``rec`` and returns float64 ``(dq, dk, dv)``.
+def run_backward(arrays, call):
+    """The backward pass of contiguous, agreed ``arrays`` (dout, q, k, v, out, lse, delta) under ``call``, all ranks
+    having met: its rings the K/V RingComm, then those the strategy's ``rings`` made (the ring modes: the dK/dV
+    onward RingComm and the HomeRing). Fills the call's record and returns float64 ``(dq, dk, dv)``.
     """
-    rec.t0 = start = time.perf_counter()
-    rec.wire_dtype = pr.wire.name
-    dq, dk, dv = strategy_of(plan).backward(arrays, Call(plan, rings, scale, rec, timeout, pr))
-    if timeout is not None:  # as in the forward pass: a failed rank skips this, the others time out
-        agree_outcome(rings[0].comm, timeout, rec.t0)
-    rec.wall_time = time.perf_counter() - start
-    rec.plan = plan
+    record = call.record
+    record.t0 = start = time.perf_counter()
+    record.wire_dtype = call.precision.wire.name
+    dq, dk, dv = strategy_of(call.plan).backward(*arrays, call)
+    if call.timeout is not None:  # as in the forward pass: a failed rank skips this, the others time out
+        agree_outcome(call.comm, call.timeout, record.t0)
+    record.wall_time = time.perf_counter() - start
+    record.plan = call.plan
     return dq, dk, dv
+
+
+_RING = Strategy(counted(ring_loop), counted(backward_ring_loop), gradient_rings)
+STRATEGIES = {
+    "ring": Strategy(counted(ring_loop), counted(backward_ring_loop), gradient_rings, rotates=True),  # .ring
+    "bidirectional": _RING,  # two streams of the same loops
+    "allgather": Strategy(allgather_loop, allgather_backward),  # K/V gathered once, dK/dV reduce-scattered
+    "pass-q": Strategy(counted(passq_loop, assign=False), counted(backward_ring_loop), gradient_rings,
+                       latent=False),  # queries travel (.passq)
+    "ulysses": Strategy(ulysses_forward, ulysses_backward, latent=False),  # heads move by all-to-all (.ulysses)
+    "double_ring": Strategy(double_ring_forward, double_ring_backward, place=nodes_of),  # inner and outer rings
+    "grid": Strategy(functools.partial(hybrid_forward, across=run_forward),  # Ulysses in groups, a ring across
+                     functools.partial(hybrid_backward, across=run_backward), latent=False),
+    "sparse": Strategy(functools.partial(allgather_loop, arrive=delivered),  # each block straight to its users,
+                       sparse_backward),  # partials straight home (.sparse)
+}

@@ -50,7 +50,7 @@ def gathered_rows(a, shards, total, comm, rec, timeout, what, fill=0):
 
 
 def select_topk(index_q, index_k, comm=None, *, topk, block=1, weights=None, indexer="relu", causal=True,
-                seq_len=None, layout="contiguous", positions=None, kv_positions=None, timeout="auto", record=None):
+                timeout="auto", record=None, **rows):
     """Each query's ``topk`` key blocks of ``block`` tokens, chosen by the indexer: a ``Selected`` mask piece, the
     same on every rank. Collective.
 
@@ -61,7 +61,8 @@ def select_topk(index_q, index_k, comm=None, *, topk, block=1, weights=None, ind
         topk, block: blocks kept per query, tokens per block (1: DSA's tokens).
         indexer: "relu" (DSA's lightning indexer) or "mean" (block-mean keys, MoBA's and NSA's selection).
         causal: rank only the blocks that start at or before the query (its own block is always kept).
-        seq_len, layout, positions, kv_positions: the tokens each rank holds, as ``ring_attention`` takes them.
+        rows: ``seq_len``, ``layout``, ``positions``, ``kv_positions``: the tokens each rank holds, as
+            ``ring_attention`` takes them (``Spec`` fields; another one is refused).
         timeout: as ``ring_attention``; record: a ``Record`` to count the bytes in.
 
     Bad input on any rank raises the same ValueError on every rank.
@@ -71,9 +72,9 @@ def select_topk(index_q, index_k, comm=None, *, topk, block=1, weights=None, ind
     with exclusive(comm):
         spec = problem = values = None
         try:
-            spec = Spec.of(seq_len=seq_len, layout=layout, positions=positions, kv_positions=kv_positions,
-                           mode="allgather")
-            problem = topk_problem(topk, block, indexer, index_q, index_k, weights) or (
+            spec = Spec.of(**rows, mode="allgather")
+            problem = spec.beyond(("seq_len", "layout", "positions", "kv_positions", "mode"), "select_topk")
+            problem = problem or topk_problem(topk, block, indexer, index_q, index_k, weights) or (
                 spec.rows_problem(index_q, index_k))
             if problem is None:
                 values = {"topk, block, indexer, causal": (int(topk), int(block), indexer, bool(causal)),

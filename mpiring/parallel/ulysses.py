@@ -16,8 +16,7 @@ import numpy as np
 
 from ..core import block
 from ..core.block import GRAD_DTYPE, add_grads, count_pairs
-from ..core.precision import Plain, Precision, Wire, compute_dtype
-from ..core.scores import for_heads
+from ..core.precision import Plain, Wire, compute_dtype
 from ..mpi.buffers import mpi_view
 from ..mpi.waits import wait_until
 from ..plans.heads import deal_heads
@@ -124,14 +123,15 @@ def tokens_back(comm, arrays, counts, lengths, dtype, rec, timeout, step, data="
     return exchange(comm, sends, shapes, dtype, rec, timeout, step, data)
 
 
-def ulysses_forward(q, k, v, plan, comm, scale, rec, timeout, pr=None):
+def ulysses_forward(q, k, v, call):
     """This rank's (out, lse): its tokens' heads out, every token of its heads attended, results back.
 
-    ``pr``: the call's ``Precision``; K/V go out on its wire (coded, decoded on
+    ``precision``: the call's ``Precision``; K/V go out on its wire (coded, decoded on
     arrival; this rank's own tokens of its heads stay exact), the queries and
     the results in the input dtype.
     """
-    pr = pr or Precision(k.dtype)
+    plan, comm, score = call.plan, call.comm, call.score
+    record, timeout, precision = call.record, call.timeout, call.precision
     flat = q.ndim == 2
     if flat:
         q, k, v = _with_heads(q, k, v)
@@ -139,20 +139,20 @@ def ulysses_forward(q, k, v, plan, comm, scale, rec, timeout, pr=None):
     n, m = [len(s) for s in plan.shards], [len(s) for s in plan.kv_shards]
     deal = deal_heads(q.shape[-3], k.shape[-3], size)
     qs, ks = deal.q, deal.kv
-    scale = for_heads(scale, qs[rank])  # a score's bias and dropout see the global heads
-    queries, keys, values = heads_out(comm, [q, k, v], [qs, ks, ks], [n, m, m], [q.dtype, pr.wire, pr.wire], rec,
-                                      timeout, 0)
+    score = score.for_heads(qs[rank])  # a score's bias and dropout see the global heads
+    queries, keys, values = heads_out(comm, [q, k, v], [qs, ks, ks], [n, m, m],
+                                      [q.dtype, precision.wire, precision.wire], record, timeout, 0)
     [queries], [keys, values] = _in_order(plan, [queries]), _in_order(plan, [keys, values], kv=True)
     keys, values = deal.expand(rank, keys), deal.expand(rank, values)  # a group this rank holds part of
-    acc = block.accumulators(queries, values, pr.out, pr.lse)  # accumulate= as in the ring modes
+    acc = block.accumulators(queries, values, precision.out, precision.lse)  # accumulate= as in the ring modes
     for task in plan.tasks(0, rank):  # key block j: the j-th run of keys in position order
         j = plan.key_block(task.source)
-        block.attend(queries, (keys[..., j, :], values[..., j, :]), task, plan.block_pieces(task.source), scale,
-                     acc, rec, _no_progress, 0)
-    rec.step_done(0, plan.n_steps)
+        block.attend(queries, (keys[..., j, :], values[..., j, :]), task, plan.block_pieces(task.source), score,
+                     acc, record, _no_progress, 0)
+    record.step_done(0, plan.n_steps)
     order = plan.order()
     got = tokens_back(comm, [put_rows(acc[0], order), put_rows(acc[1], order, axis=-1)[..., None]],
-                      [deal.counts()] * 2, [n, n], result_dtypes(q.dtype), rec, timeout, 0)
+                      [deal.counts()] * 2, [n, n], result_dtypes(q.dtype), record, timeout, 0)
     out = np.concatenate([g[0] for g in got], axis=-3)
     lse = np.concatenate([g[1][..., 0] for g in got], axis=-2)
     return (out[0], lse[0]) if flat else (out, lse)
@@ -178,16 +178,17 @@ def plan_rank(comm, plan):
     return rank, size
 
 
-def ulysses_backward(dout, q, k, v, lse, delta, plan, comm, scale, rec, timeout, pr=None):
+def ulysses_backward(dout, q, k, v, out, lse, delta, call):
     """This rank's (dq, dk, dv) in float64: its tokens' heads out, every token's gradients, gradients back.
 
     ``delta`` = rowsum(dout * out) travels instead of out (one value per row).
-    K/V go out on the wire of ``pr`` (the call's ``Precision``), as in the
+    K/V go out on the wire of ``precision`` (the call's ``Precision``), as in the
     forward pass; dq, dK, dV come back in its ``grad`` dtype (``grad_wire_dtype``).
     dK, dV of a K/V head held by several ranks (fewer K/V heads than ranks)
     come back from each, for a subset of the group's query heads, and are summed.
     """
-    pr = pr or Precision(k.dtype)
+    plan, comm, score = call.plan, call.comm, call.score
+    record, timeout, precision = call.record, call.timeout, call.precision
     flat = q.ndim == 2
     if flat:
         dout, q, k, v = _with_heads(dout, q, k, v)
@@ -196,9 +197,9 @@ def ulysses_backward(dout, q, k, v, lse, delta, plan, comm, scale, rec, timeout,
     n, m = [len(s) for s in plan.shards], [len(s) for s in plan.kv_shards]
     deal = deal_heads(q.shape[-3], k.shape[-3], size)
     qs, ks = deal.q, deal.kv
-    scale = for_heads(scale, qs[rank])
+    score = score.for_heads(qs[rank])
     Q, dO, L, De, K, V = heads_out(comm, [q, dout, lse[..., None], delta[..., None], k, v], [qs] * 4 + [ks] * 2,
-                                   [n] * 4 + [m] * 2, [q.dtype] * 4 + [pr.wire] * 2, rec, timeout, 0)
+                                   [n] * 4 + [m] * 2, [q.dtype] * 4 + [precision.wire] * 2, record, timeout, 0)
     (Q, dO, L, De), (K, V) = _in_order(plan, [Q, dO, L, De]), _in_order(plan, [K, V], kv=True)
     K, V = deal.expand(rank, K), deal.expand(rank, V)
     # out is read only to compute delta, which is given: a zero-size stand-in of its shape
@@ -208,15 +209,15 @@ def ulysses_backward(dout, q, k, v, lse, delta, plan, comm, scale, rec, timeout,
     for task in plan.tasks(0, rank):
         j = plan.key_block(task.source)
         pieces = plan.block_pieces(task.source)
-        count_pairs(rec, pieces)
-        grads = block.grads_of(queries, (K[..., j, :], V[..., j, :]), task, pieces, scale, dq, rec, _no_progress, 0)
+        count_pairs(record, pieces)
+        grads = block.grads_of(queries, (K[..., j, :], V[..., j, :]), task, pieces, score, dq, record, _no_progress, 0)
         add_grads((dK[..., j, :], dV[..., j, :]), grads)
-        rec.tasks.append((0, task))
-    rec.step_done(0, plan.n_steps)
+        record.tasks.append((0, task))
+    record.step_done(0, plan.n_steps)
     kv = deal.counts(kv=True)
     dK, dV = deal.fold(rank, dK), deal.fold(rank, dV)
     dq, dK, dV = put_rows(dq, plan.order()), put_rows(dK, plan.order(kv=True)), put_rows(dV, plan.order(kv=True))
-    got = tokens_back(comm, [dq, dK, dV], [deal.counts(), kv, kv], [n, m, m], pr.grad, rec, timeout, 0,
+    got = tokens_back(comm, [dq, dK, dV], [deal.counts(), kv, kv], [n, m, m], precision.grad, record, timeout, 0,
                       "gradients back")
     dq, dk, dv = gradients_home(got, ks, k.shape, v.shape)
     return (dq[0], dk[0], dv[0]) if flat else (dq, dk, dv)

@@ -397,15 +397,15 @@ def _run_unit(plan):
 
 def reach(plan):
     """The plan's ``rows.Reach``: which ring offsets some rank needs (made once); for a mask with holes, the
-    offsets at which some rank's block is not empty (``KindsReach``)."""
+    offsets at which some rank's block is not empty (``CountedReach``)."""
     if getattr(plan, "_reach", None) is None:
         plan._reach = (Reach(plan.seq_len, plan.size, plan.q_owner, plan.k_owner, plan._mask_options())
-                       if plan.exact else KindsReach(plan))
+                       if plan.exact else CountedReach(plan))
     return plan._reach
 
 
-class KindsReach:
-    """``Reach`` from the plan's block kinds (every rank's against every source: P x P counted blocks)."""
+class CountedReach:
+    """``Reach`` counted from the plan's block kinds (every rank's against every source: P x P counted blocks)."""
 
     def __init__(self, plan):
         size = plan.size

@@ -40,11 +40,12 @@ from .make import make_plan
 from .masks import MaskPiece, check_causal_block, check_mask, check_window
 from .plan import ALL_MODES, MODES
 
-__all__ = ["Spec", "ROTATE", "FIELDS", "spec_problem", "digest", "is_real", "scale_problem"]
+__all__ = ["Spec", "ROTATE", "FIELDS", "SCORE_FIELDS", "spec_problem", "digest", "is_real", "scale_problem"]
 
 ROTATE = ("kv", "q", "auto")
 ROW_OPTIONS = ("positions", "kv_positions")  # this rank's own: gathered from every rank, not compared
 PRECISION = ("wire_dtype", "grad_wire_dtype", "accumulate")
+SCORE_FIELDS = ("softcap", "bias", "sinks", "dropout", "seed", "return_max_logit")  # the score modifiers
 
 
 def _count(name, value, what):
@@ -405,6 +406,9 @@ def spec_problem(keywords, spec=None):
             return Spec.of(**keywords), None
         if not isinstance(spec, Spec):
             return None, f"spec must be an mpiring.Spec, got {type(spec).__name__}"
+        unknown = sorted(set(keywords) - set(FIELDS))
+        if unknown:
+            raise TypeError(f"unknown spec options {unknown}; the options are {', '.join(FIELDS)}")
         for name, value in keywords.items():
             default = FIELDS[name].default
             if value is None or (not isinstance(value, np.ndarray) and value == default):

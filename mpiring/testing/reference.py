@@ -12,7 +12,7 @@ import numpy as np
 from ..core.latent import expand
 from ..core.reference import definition_mask, dense_attention, dense_attention_backward, scored_attention
 from ..core.threads import limited, node_threads
-from ..plans.masks import MaskPiece
+from ..plans.spec import spec_problem
 
 __all__ = ["TOLERANCE", "dense_mask", "latent_reference", "latent_reference_backward", "reference",
            "reference_backward", "tolerance"]
@@ -96,9 +96,7 @@ def _prepare(q, k, v, q_positions, k_positions, mask_options):
     return lambda a, b: mask[a:b]
 
 
-def reference(q, k, v, *, causal=False, window=None, cu_seqlens=None, q_positions=None, k_positions=None,
-              scale=None, causal_block=None, mask=(), softcap=None, bias=None, sinks=None, dropout=0.0, seed=0,
-              return_max_logit=False):
+def reference(q, k, v, *, spec=None, causal=False, q_positions=None, k_positions=None, **options):
     """Dense attention in float64: ``(out, lse)`` (``mpiring.core.reference.dense_attention``).
 
     q (..., Hq, Sq, D), k (..., Hk, Sk, D), v (..., Hk, Sk, Dv), Hq a multiple of Hk (head h uses
@@ -107,43 +105,48 @@ def reference(q, k, v, *, causal=False, window=None, cu_seqlens=None, q_position
     the whole sequence: ``reference(q_local, K, V, q_positions=shard_indices(S, P, rank), causal=True)``.
     Rows that see no key get out 0 and lse -inf. The default scale is 1/sqrt(D). BLAS threads
     are shared out among the ranks on this node during the call, as in ``ring_attention``.
-    ``mask`` (pieces of ``mpiring.masks``, one or a tuple), ``softcap``, ``bias``, ``sinks``, ``dropout``,
-    ``seed``, ``return_max_logit``: as ``ring_attention`` takes them (``core.reference.scored_attention``,
+    ``spec`` or ``options``: the mask (``causal``, ``window``, ``cu_seqlens``, ``causal_block``, ``mask``), the
+    ``scale`` and the score modifiers as ``ring_attention`` takes them (``core.reference.scored_attention``,
     from their definitions; dropout's entries are global: pass the whole sequence's rows, or
-    ``q_positions``, with the batch entries and heads of the call).
+    ``q_positions``, with the batch entries and heads of the call); ``return_max_logit``.
     """
-    options = dict(causal=causal, window=window, cu_seqlens=cu_seqlens, causal_block=causal_block,
-                   mask=_pieces(mask))
-    scores = dict(softcap=softcap, bias=bias, sinks=sinks, dropout=dropout, seed=seed)
-    if _scored(options, scores) or return_max_logit:
-        out, lse, top = _scored_call(q, k, v, q_positions, k_positions, options, scores, scale)
-        return (out, lse, top) if return_max_logit else (out, lse)
-    rows = _prepare(q, k, v, q_positions, k_positions, options)
+    spec, masks, scores = _options(spec, dict(options, causal=causal))
+    if _scored(masks, scores) or spec.return_max_logit:
+        out, lse, top = _scored_call(q, k, v, q_positions, k_positions, masks, scores, spec.scale)
+        return (out, lse, top) if spec.return_max_logit else (out, lse)
+    rows = _prepare(q, k, v, q_positions, k_positions, masks)
     if np.shape(k)[-2] == 0:  # no keys (an empty shard): every row sees nothing
         lead = np.shape(q)[:-2]
         return np.zeros(lead + (np.shape(q)[-2], np.shape(v)[-1])), np.full(lead + (np.shape(q)[-2],), -np.inf)
     with limited(node_threads()):
-        return dense_attention(q, k, v, scale, rows)
+        return dense_attention(q, k, v, spec.scale, rows)
 
 
-def reference_backward(dout, q, k, v, *, causal=False, window=None, cu_seqlens=None, q_positions=None,
-                       k_positions=None, scale=None, causal_block=None, mask=(), softcap=None, bias=None, sinks=None,
-                       dropout=0.0, seed=0):
+def reference_backward(dout, q, k, v, *, spec=None, causal=False, q_positions=None, k_positions=None, **options):
     """Dense gradients of ``reference``'s output in float64: ``(dq, dk, dv)`` for the loss sum(dout * out).
 
     dP = dout v^T, dS = P * (dP - rowsum(dout * out)), dq = scale dS k, dk = scale dS^T q, dv = P^T dout;
     grouped-query K/V gradients are summed over the query heads that share them
     (``mpiring.core.reference.dense_attention_backward``). With ``sinks``: ``(dq, dk, dv, dsinks)``.
+    Options as ``reference``'s.
     """
-    options = dict(causal=causal, window=window, cu_seqlens=cu_seqlens, causal_block=causal_block,
-                   mask=_pieces(mask))
-    scores = dict(softcap=softcap, bias=bias, sinks=sinks, dropout=dropout, seed=seed)
-    if _scored(options, scores):
-        grads = _scored_call(q, k, v, q_positions, k_positions, options, scores, scale, dout)
-        return grads if sinks is not None else grads[:3]
-    rows = _prepare(q, k, v, q_positions, k_positions, options)
+    spec, masks, scores = _options(spec, dict(options, causal=causal))
+    if _scored(masks, scores):
+        grads = _scored_call(q, k, v, q_positions, k_positions, masks, scores, spec.scale, dout)
+        return grads if spec.sinks is not None else grads[:3]
+    rows = _prepare(q, k, v, q_positions, k_positions, masks)
     with limited(node_threads()):
-        return dense_attention_backward(dout, q, k, v, scale, rows)
+        return dense_attention_backward(dout, q, k, v, spec.scale, rows)
+
+
+def _options(spec, options):
+    """``(spec, mask options, score options)``: the options through ``Spec.of`` (ValueError naming a bad one)."""
+    spec, problem = spec_problem(options, spec)
+    if problem:
+        raise ValueError(problem)
+    masks = dict(causal=spec.causal, window=spec.window, cu_seqlens=spec.cu_seqlens, causal_block=spec.causal_block,
+                 mask=spec.mask)
+    return spec, masks, {name: getattr(spec, name) for name in ("softcap", "bias", "sinks", "dropout", "seed")}
 
 
 def latent_reference(q, c_kv, k_rope, w_uk, w_uv, **options):
@@ -164,10 +167,6 @@ def latent_reference_backward(dout, q, c_kv, k_rope, w_uk, w_uv, **options):
     return (dq, dc[..., None, :, :], dk[..., w_uk.shape[-1]:].sum(axis=-3, keepdims=True),
             *(np.einsum("bnr,bhnd->hrd", c.reshape((-1,) + c.shape[-2:]), g.reshape((-1,) + g.shape[-3:]))
               for g in (nope, dv)))
-
-
-def _pieces(mask):
-    return () if mask is None else (mask,) if isinstance(mask, MaskPiece) else tuple(mask)
 
 
 def _scored(options, scores):

@@ -176,7 +176,7 @@ def _timed_step(comm, call, steps, want):
         rec = Record(comm.Get_rank())
         comm.Barrier()
         start = time.perf_counter()
-        got = call(merge=m, record=rec)
+        got = call(exchange=m, record=rec)
         s["latency"].append(time.perf_counter() - start)
         s["compute"].append(rec.compute_time)
         s["merge"].append(sum(e - b for name, b, e, _ in rec.events if name == "merge"))

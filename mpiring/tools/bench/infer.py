@@ -77,7 +77,7 @@ def serving_rows(comm, cache=65536, steps=8, draft=4, heads=8, kv_heads=2, dim=6
             walls, sent = [], []
             for t in range(steps):
                 rec = Record(rank)
-                wall, got = _slowest(comm, partial(kv.attend, Q[..., t:t + 1, :], merge=merge, record=rec), 1)
+                wall, got = _slowest(comm, partial(kv.attend, Q[..., t:t + 1, :], exchange=merge, record=rec), 1)
                 walls.append(wall)
                 sent.append(comm.allreduce(rec.bytes_sent, op=MPI.MAX))
                 check(got, Q[..., t:t + 1, :], cache, False)
