@@ -36,6 +36,7 @@ measurable but kept RSS/model at 1.40 / 1.55 / 1.46 / 1.34 (docs/performance.md 
 """
 
 import functools
+import importlib.util
 import warnings
 
 import numpy as np
@@ -55,7 +56,7 @@ from .tiles import (
     tile_max_norm_t,
 )
 
-__all__ = ["available", "supports", "delta_matches", "forward", "backward", "CALL_SCORES"]
+__all__ = ["installed", "available", "supports", "delta_matches", "forward", "backward", "CALL_SCORES"]
 
 # Score entries (heads x rows x keys) per call of the op. A helper thread polls the rank's messages
 # while a call runs (``tiles.Progress.during``), so calls can be long: 2^28 entries, about 1 s of one
@@ -78,6 +79,14 @@ def _torch():
             and hasattr(ops, "_scaled_dot_product_flash_attention_for_cpu_backward")):
         return None
     return torch
+
+
+def installed():
+    """Whether torch is installed here, answered without importing it (``available`` imports it)."""
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except ValueError:  # a module "torch" without a spec (sys.modules["torch"] = None hides it)
+        return False
 
 
 def available():

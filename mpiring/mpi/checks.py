@@ -20,19 +20,21 @@ __all__ = ["local_problem", "backend_problem", "is_real", "timeout_problem", "AU
            "root_grad_problem", "scale_problem", "call_values", "values_digest", "peaks"]
 
 
-def backend_problem():
+def backend_problem(q=None):
     """Why the chosen kernel or GEMM backend cannot run here, or None.
 
-    Resolving the choice loads its library (torch's import: seconds, more with many ranks on few cores): done
-    here, before the agreement, a rank spends that before the ring starts rather than inside its first block
-    while the others wait on it, and a bad ``MPIRING_KERNEL`` or ``MPIRING_GEMM`` is every rank's error.
-    Cached after the first call.
+    Resolving the choice loads its library (torch's import: seconds, more with many ranks on few cores), for a
+    call on queries like ``q`` the backend its blocks take (``backends.prepare``): done here, before the
+    agreement, a rank spends that before the ring starts rather than inside its first block while the others
+    wait on it, and a bad ``MPIRING_KERNEL`` or ``MPIRING_GEMM`` is every rank's error. Cached after the first call.
     """
     try:
         backends.backend()
         gemm.backend()
     except ValueError as exc:
         return str(exc)
+    if q is not None:
+        backends.prepare(q.dtype, q.shape[-2])
     return None
 
 
@@ -66,7 +68,7 @@ def local_problem(q, k, v, scale, check_finite=False, same_rows=True):
         return f"batch and head axes must not be empty, got q {q.shape}, k {k.shape}"
     if scale_problem(scale):
         return scale_problem(scale)
-    if backend_problem():
+    if backend_problem(q):
         return backend_problem()
     if check_finite:  # one pass over the inputs: off by default
         for name, a in (("q", q), ("k", k), ("v", v)):

@@ -65,7 +65,7 @@ from mpiring import (
     ring_attention,
     ring_attention_backward,
 )
-from mpiring.core import backends, gemm, tune
+from mpiring.core import backends, gemm
 from mpiring.core.machine import cpu_model, vector_extensions
 from mpiring.core.precision import Precision, named_dtype
 from mpiring.cost.costmodel import format_wire_model
@@ -345,21 +345,11 @@ def _configs(args):
             for dtype, wire in ([("float32", None)] if plain else []) + ([] if b or not c else extra)]
 
 
-def _tune_first(comm, skip):
-    """With no tuning cache for this CPU, rank 0 runs ``tune`` (under a minute on an idle core; the other ranks
-    sleep) before the first row, so "auto" times the backend measured fastest here, not an untuned default."""
-    if skip or not comm.bcast(tune.untuned() if comm.Get_rank() == 0 else None, root=0):
-        return
-    entry = None
-    if comm.Get_rank() == 0:
-        print("no tuning cache for this CPU: running `python -m mpiring tune` first ...", flush=True)
-        start = time.perf_counter()
-        entry = tune.tune(log=lambda *a: None)
-        print(f"tuned in {time.perf_counter() - start:.0f} s: kernel backend {entry['kernel']} (CPU s: "
-              + ", ".join(f"{k} {v:.2f}" for k, v in entry["kernel_seconds"].items()) + f"), GEMMs {entry['gemm']}",
-              flush=True)
-    _idle_barrier(comm)
-    tune.reread()  # every rank reads the new cache
+def _row_kernel(cfg, size):
+    """The kernel backend of a row's blocks (S/P query rows): "torch", or "numpy+torch" for forward and backward."""
+    dtype = named_dtype(cfg.dtype)
+    names = dict.fromkeys(backends.for_block(dtype, cfg.S // size, backward=b) for b in (False, cfg.backward))
+    return "+".join(names)
 
 
 @with_threads(bench_parser, user_api="blas")
@@ -378,13 +368,15 @@ def bench(comm, args):
     report = limits = None
     use_torch = not args.no_torch and not args.long and torch_available()
     machine = None
-    _tune_first(comm, quick or args.long)
     gemm.product()  # the kernels' GEMM library (MKL, when used) loaded: its code is baseline, not data
     tiny = np.ones((1, 16, 64), np.float32)
-    backends.attention_block(tiny, tiny, tiny)  # so is the kernel backend's (torch: ~190 MB resident)
+    for name in dict.fromkeys(n for cfg in configs for n in _row_kernel(cfg, size).split("+")
+                              if n in backends.available()):
+        with backends.using(name):  # so is each kernel backend's the rows use (torch: ~190 MB resident)
+            backends.attention_block(tiny, tiny, tiny)
     baseline_mb = comm.allreduce(rss_mb(), op=MPI.MAX)  # interpreter + libraries, before any array
     if rank == 0:
-        machine = {"cpu": cpu_model(), "vector": vector_extensions(), "kernel": backends.backend(),
+        machine = {"cpu": cpu_model(), "vector": vector_extensions(), "kernel": backends.describe(),
                    "fma_peak": fma_peak_flops()}
         report = blas_report()
         limits = measure_limits(sorted({c.D for c in configs}), n=256 if quick else 1024,
@@ -430,7 +422,7 @@ def bench(comm, args):
                         row["load_drop"] = row["vs_torch"] - row["vs_torch_loaded"]
         if rank == 0:
             row.update(blas=report["blas"], blas_arch=report["blas_arch"], blas_threads=args.threads,
-                       background_cores="" if load is None else load, kernel=machine["kernel"],
+                       background_cores="" if load is None else load, kernel=_row_kernel(cfg, size),
                        cpu=f"{machine['cpu']} ({machine['vector']})")
             if machine["fma_peak"]:
                 cores = size * args.threads
