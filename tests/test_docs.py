@@ -138,7 +138,7 @@ def test_other_docs_commands_parse(path):
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
-@pytest.mark.parametrize("P", [2, 3])
+@pytest.mark.parametrize("P", [2, pytest.param(3, marks=pytest.mark.full)])
 def test_training_guide_runs(tmp_path, P):
     """docs/training.md: its python blocks run in order as one script under mpiexec -n P (the PyTorch block
     only where torch is installed), and the text block it shows is what the script prints."""

@@ -24,7 +24,8 @@ transformers = pytest.importorskip("transformers", reason="mpiring.hf needs tran
 import mpiring  # noqa: E402
 import mpiring.hf  # noqa: E402
 
-pytestmark = pytest.mark.mpi
+# P = 1, 2 and 3 (uneven shards) in the quick suite; run/test --full adds P = 4
+pytestmark = [pytest.mark.mpi, pytest.mark.ranks(1, 2, 3)]
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8)
