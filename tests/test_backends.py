@@ -18,8 +18,8 @@ import sys
 import numpy as np
 import pytest
 
-from mpiring import ring_attention, ring_attention_backward, shard_indices
-from mpiring.core import backends, kernels, machine
+from mpiring import Ring, ring_attention, ring_attention_backward, shard_indices
+from mpiring.core import backends, kernels, machine, torch_kernel
 from mpiring.core.reference import reference_attention, reference_attention_backward
 from mpiring.plans.masks import visible_keys
 from mpiring.testing import assert_attention_close
@@ -333,6 +333,35 @@ def test_auto_ring_gives_torch_the_blocks_of_many_rows(comm, monkeypatch, vector
         np.testing.assert_allclose(runs[0][0], ref[..., idx, :], atol=tol(np.float32), rtol=0)
         for got, full in zip(grads[0], want):
             np.testing.assert_allclose(got, full[..., idx, :], atol=GRAD_TOL[np.float32], rtol=0)
+
+
+@pytest.mark.mpi
+@needs_torch
+def test_delta_is_checked_once_per_backward_call(comm, monkeypatch):
+    """On the torch backend a backward call checks that delta is rowsum(dout * out) once, not once per block or
+    key chunk; with a ``dlse`` (delta - dlse) every block goes to the NumPy kernel: the bits of the NumPy
+    backend's call."""
+    P, S = comm.size, 12 * comm.size + 1
+    rng = np.random.default_rng(3)
+    Q, K, V, dOut = (rng.standard_normal((1, 2, S, 8)) for _ in range(4))
+    G = rng.standard_normal(Q.shape[:-1])
+    idx = shard_indices(S, P, comm.rank, "zigzag")
+    q, k, v, dout = (np.ascontiguousarray(x[..., idx, :]) for x in (Q, K, V, dOut))
+    g = np.ascontiguousarray(G[..., idx])
+    checks = []
+    real = torch_kernel.delta_matches
+    monkeypatch.setattr(torch_kernel, "delta_matches", lambda *a: checks.append(1) or real(*a))
+    with Ring(comm, S, causal=True, layout="zigzag") as ring, backends.using("torch"):
+        out, lse = ring.forward(q, k, v)
+        before = backends.calls["torch"]
+        ring.backward(dout, q, k, v, out, lse)
+        assert len(checks) == 1 and backends.calls["torch"] - before >= P  # every block (and chunk) on torch
+        before = backends.calls["torch"]
+        with_dlse = ring.backward(dout, q, k, v, out, lse, dlse=g)
+        assert backends.calls["torch"] == before
+    with Ring(comm, S, causal=True, layout="zigzag") as ring, backends.using("numpy"):
+        for a, b in zip(with_dlse, ring.backward(dout, q, k, v, out, lse, dlse=g)):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_progress_polls_while_a_long_call_runs():

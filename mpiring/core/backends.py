@@ -35,7 +35,7 @@ from .machine import Choice, numpy_exp2_vectorized
 from .tiles import kernel_dtype
 
 __all__ = ["BACKENDS", "AUTO_ROWS", "available", "set_backend", "using", "backend", "choice", "for_block", "describe",
-           "prepare", "takes_padded", "calls", "attention_block", "attention_block_backward"]
+           "prepare", "takes_padded", "calls", "attention_block", "delta_is_rowsum", "attention_block_backward"]
 
 BACKENDS = ("numpy", "torch")
 calls = Counter()
@@ -117,15 +117,26 @@ def attention_block(q, k, v, scale=None, klo=None, khi=None, *, padded=False, in
     return kernels.attention_block(q, k, v, scale, klo, khi, padded=padded, into=into, progress=progress, **tiles)
 
 
-def attention_block_backward(dout, q, k, v, out, lse, scale=None, klo=None, khi=None, *, delta=None,
+def delta_is_rowsum(dout, q, out, delta):
+    """Whether ``delta`` is rowsum(dout * out) up to rounding, for a backward whose blocks torch's op may take
+    (on queries like ``q``), else None (not asked)."""
+    q = np.asarray(q)
+    if for_block(q.dtype, q.shape[-2], backward=True) != "torch":
+        return None
+    return torch_kernel.delta_matches(dout, out, delta)
+
+
+def attention_block_backward(dout, q, k, v, out, lse, scale=None, klo=None, khi=None, *, delta=None, rowsum=None,
                              progress=None, buffers=None, **tiles):
     """``kernels.attention_block_backward`` by the backend in use (the NumPy kernel where it cannot).
 
     The torch ops compute delta = rowsum(dout * out) themselves: a ``delta`` that differs from it by more
-    than rounding (a loss that uses lse too: ``dlse`` enters as delta - dlse) takes the NumPy kernel."""
+    than rounding (a loss that uses lse too: ``dlse`` enters as delta - dlse) takes the NumPy kernel.
+    ``rowsum``: whether it is that rowsum, known for every row of the call (``delta_is_rowsum``); None:
+    checked here on these rows."""
     q = np.asarray(q)
     if for_block(q.dtype, q.shape[-2], backward=True) == "torch" and torch_kernel.supports(q, k, v, scale, lse=lse) \
-            and torch_kernel.delta_matches(dout, out, delta):
+            and (torch_kernel.delta_matches(dout, out, delta) if rowsum is None else rowsum):
         calls["torch"] += 1
         return torch_kernel.backward(dout, q, k, v, out, lse, scale, klo, khi, progress=progress, buffers=buffers)
     calls["numpy"] += 1

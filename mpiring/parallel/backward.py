@@ -128,7 +128,7 @@ def backward_ring_loop(dout, q, k, v, out, lse, delta, plan, rings, scale, rec, 
     kv_ring = rings[0]
     pr = pr or Precision(k.dtype)  # the call's dtypes: defaults for k's dtype unless given
     rank, wire, chunks = kv_ring.rank, pr.wire, home_chunks(plan)
-    queries = (dout, q, out, lse, delta)
+    queries = block.queries(dout, q, out, lse, delta)
     # the sums are kept buffers (no page faults: docs/performance.md §11) when the caller converts them to a copy;
     # dq and the K/V slots take the forward ring's names, whose buffers are free while a backward runs
     keep = pr.input != GRAD_DTYPE
@@ -180,7 +180,7 @@ def allgather_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec, t
     rank, size, wire = comm.Get_rank(), comm.Get_size(), pr.wire
     lengths = [len(s) for s in plan.kv_shards]
     sums = [flat_blocks(a, lengths, pr.grad) for a in (k, v)]  # this rank's share of every block's dK, dV
-    queries = (dout, q, out, lse, delta)
+    queries = block.queries(dout, q, out, lse, delta)
     dq = np.zeros(q.shape, GRAD_DTYPE)
     mine = wire.own((k, v))
     for step, task, kv, progress in allgathered(wire.encode(k), wire.encode(v), plan, comm, rec, timeout):

@@ -155,7 +155,7 @@ def double_ring_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec,
     try:
         rank = kv_inner.rank
         n, m = plan.node_size, plan.nodes
-        queries = (dout, q, out, lse, delta)
+        queries = block.queries(dout, q, out, lse, delta)
         dq = np.zeros(q.shape, GRAD_DTYPE)
         own = (np.zeros(k.shape, GRAD_DTYPE), np.zeros(v.shape, GRAD_DTYPE))
         mine = wire.own((k, v))  # the own block, computed on exactly

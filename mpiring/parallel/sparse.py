@@ -114,7 +114,7 @@ def sparse_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec, time
     """This rank's float64 ``(dq, dk, dv)``: K/V arrive as in the forward pass, partials go straight home."""
     pr = pr or Precision(k.dtype)
     rank, wire = comm.Get_rank(), pr.wire
-    queries = (dout, q, out, lse, delta)
+    queries = block.queries(dout, q, out, lse, delta)
     dq = np.zeros(q.shape, GRAD_DTYPE)
     own = [np.zeros(a.shape, GRAD_DTYPE) for a in (k, v)]  # this rank's block: its own share, then what came home
     mine = wire.own((k, v))
