@@ -227,10 +227,11 @@ def test_auto_gives_torch_the_blocks_of_many_rows(rng, monkeypatch, vectorized):
 
 
 def test_auto_imports_torch_only_for_a_call_it_gives_torch():
-    """In a fresh process with torch installed: resolving "auto" and a call of few rows import nothing;
+    """In a fresh process with torch installed: choosing numpy, resolving "auto" and a call of few rows import nothing;
     preparing a call of many float32 rows imports torch, before any block (``mpi.checks.backend_problem``)."""
     code = ("import sys, numpy as np; from mpiring.core import backends, torch_kernel; "
             "from mpiring.mpi.checks import backend_problem; "
+            "backends.set_backend('numpy'); backends.set_backend('auto'); "
             "print(backends.backend(), backend_problem(np.zeros((4, 16, 8), np.float32)), 'torch' in sys.modules); "
             "backend_problem(np.zeros((1, 4096, 8), np.float32)); print('torch' in sys.modules)")
     env = {k: v for k, v in os.environ.items() if k != "MPIRING_KERNEL"}
@@ -300,6 +301,7 @@ def test_ring_on_torch_matches_the_reference(comm, dtype, options, per_rank):
 
 
 @pytest.mark.mpi
+@pytest.mark.ranks(1, 2)  # a rule per block: P = 2 shows every rank follows it (the torch ring at P = 1..4: above)
 @needs_torch
 @pytest.mark.parametrize("vectorized", [True, False])
 def test_auto_ring_gives_torch_the_blocks_of_many_rows(comm, monkeypatch, vectorized):
@@ -313,7 +315,7 @@ def test_auto_ring_gives_torch_the_blocks_of_many_rows(comm, monkeypatch, vector
                     (min(rules[("float32", "forward")], rules[("float32", "backward")]) - 1, "numpy")):
         S = n * P
         rng = np.random.default_rng(S)
-        Q, K, V, dOut = (rng.standard_normal((1, 2, S, 8)).astype(np.float32) for _ in range(4))
+        Q, K, V, dOut = (rng.standard_normal((1, 1, S, 8)).astype(np.float32) for _ in range(4))
         idx = shard_indices(S, P, comm.rank)
         mine = [np.ascontiguousarray(x[..., idx, :]) for x in (Q, K, V, dOut)]
         before = dict(backends.calls)

@@ -371,7 +371,7 @@ def bench(comm, args):
     gemm.product()  # the kernels' GEMM library (MKL, when used) loaded: its code is baseline, not data
     tiny = np.ones((1, 16, 64), np.float32)
     for name in dict.fromkeys(n for cfg in configs for n in _row_kernel(cfg, size).split("+")
-                              if n in backends.available()):
+                              if n == "numpy" or n in backends.available()):  # torch imported only if a row uses it
         with backends.using(name):  # so is each kernel backend's the rows use (torch: ~190 MB resident)
             backends.attention_block(tiny, tiny, tiny)
     baseline_mb = comm.allreduce(rss_mb(), op=MPI.MAX)  # interpreter + libraries, before any array
