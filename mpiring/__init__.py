@@ -18,6 +18,7 @@ from .core.tiles import release_workspace
 from .cost.costmodel import predicted_backward_bytes, predicted_bytes_sent, ring_attention_context_parallel
 from .mpi.record import Record
 from .plans.balancers import balance
+from .plans.chunks import MixerSpec
 from .plans.layouts import LAYOUTS, shard, shard_indices, unshard
 from .plans.make import make_plan
 from .plans.masks import visible_keys
@@ -31,13 +32,19 @@ _LAZY = {
     "distributed_attention": "distributed", "distributed_attention_backward": "distributed",
     "CommTimeout": "mpi.waits", "decode_attention": "decode", "KVCache": "kvcache",
     "decode_many": "decode", "attend_many": "kvcache", "HelixGrid": "helix", "helix_attention": "helix",
+    "select_topk": "parallel.topk", "mla_attention": "parallel.latent", "mla_attention_backward": "parallel.latent",
+    "causal_conv": "parallel.mixing.entry", "causal_conv_backward": "parallel.mixing.entry",
+    "linear_attention": "parallel.mixing.entry", "linear_attention_backward": "parallel.mixing.entry",
+    "ssd": "parallel.mixing.statespace", "ssd_backward": "parallel.mixing.statespace",
+    "selective_scan": "parallel.mixing.statespace", "selective_scan_backward": "parallel.mixing.statespace",
     # submodules reachable as attributes (``mpiring.masks.causal()``); torch and hf import torch
     "masks": "masks", "testing": "testing", "torch": "torch", "hf": "hf",
 }
 
 __all__ = [
     "ring_attention", "distributed_attention", "Record", "CommTimeout", "Ring", "Lse", "decode_attention", "KVCache",
-    "decode_many", "attend_many", "HelixGrid", "helix_attention",
+    "decode_many", "attend_many", "HelixGrid", "helix_attention", "select_topk",
+    "mla_attention", "mla_attention_backward",
     "ring_attention_backward", "distributed_attention_backward", "predicted_backward_bytes",
     "attention_block_backward", "reference_attention_backward",
     "ring_attention_simulate", "simulate",
@@ -45,6 +52,8 @@ __all__ = [
     "attention_block", "merge", "reference_attention", "visible_keys",
     "LAYOUTS", "shard", "shard_indices", "unshard",
     "MODES", "Schedule", "Task", "make_plan", "balance", "release_workspace", "Spec",
+    "causal_conv", "causal_conv_backward", "linear_attention", "linear_attention_backward", "ssd", "ssd_backward",
+    "selective_scan", "selective_scan_backward", "MixerSpec",
 ]
 __version__ = "0.1.0"
 

@@ -6,10 +6,11 @@
     python -m mpiring cost --seq-len 1048576 -P 8 --hidden 4096 --heads 32 --causal    # + time model
     mpiexec -n 4 python -m mpiring generate --prompt-len 4096 --new-tokens 16 --heads 8 --kv-heads 2
     mpiexec -n 2 python -m mpiring bench --quick        # the benchmark table (run/bench runs -n 1 and -n 2)
-    python -m mpiring tune                              # fastest GEMM backend and tiles here, cached
-    python -m mpiring percore                           # one core: the kernel, its parts, the limit, torch
+    python -m mpiring bench tune                        # fastest GEMM backend and tiles here, cached
+    python -m mpiring bench percore                     # one core: the kernel, its parts, the limit, torch
     mpiexec -n 4 python -m mpiring support              # which strategy works with which option (docs/reliability.md)
     mpiexec -n 4 python -m mpiring grade student.py     # grade a student's ring (docs/exercises.md)
+    python -m mpiring grade class/ --ranks 2,3,4 --report report.json  # a class, at several P (docs/course.md)
     mpiexec -n 2 python -m mpiring demo deadlock        # a blocking ring deadlocks; the two fixes
 
 Every command lives in ``mpiring.tools``, owns its parser (``<command>_parser()``)
@@ -26,7 +27,8 @@ How a job ends under mpiexec:
 - an exception or a ``sys.exit`` on one rank: that rank prints it and aborts
   the job (``MPI_Abort``), so nobody waits for it forever;
 - Ctrl-C (SIGINT, which mpiexec passes to every rank): rank 0 prints
-  ``interrupted``, every rank exits 130 at once, no traceback.
+  ``interrupted``, every rank exits 130 at once, no traceback; once the
+  command is over (its verdict out), a Ctrl-C is ignored while the ranks leave.
 """
 
 import argparse
@@ -48,17 +50,16 @@ COMMANDS = {
     "generate": ("cli_generate", True, "prefill a KV cache sharded over the ranks, decode token by token, verified"),
     "schedule": ("cli_plan", False, "print the ring schedule (no MPI needed)"),
     "cost": ("cli_plan", False, "the analytical cost report, then the time model (no MPI needed)"),
-    "bench": ("bench", True, "benchmark table under mpiexec -n 1 / -n 2 (see run/bench)"),
-    "planbench": ("planbench", False, "one rank's planning time as P grows: make_plan and its own steps (no MPI)"),
-    "tune": ("cli_tune", False, "time GEMM backends and tile sizes on this CPU, cache the fastest (no MPI)"),
-    "percore": ("percore", False, "one core, one block: the kernel against its own GEMMs and exp2, the limit, "
-                "and torch (no MPI)"),
-    "accuracy": ("cli_accuracy", False, "error against float64 as P grows, per dtype and accumulation (no MPI)"),
-    "zoo": ("zoo", True, "bytes each movement sends for a zoo of masks, measured, against the minimum"),
+    "bench": ("bench", True, "the benchmark table; 'bench SUBCOMMAND': percore, tune, plan, accuracy, zoo, ... "
+              "(see 'bench --help')"),
     "support": ("support", True, "every strategy x option against the float64 reference: works, or its error"),
-    "grade": ("cli_teach", True, "grade a student's ring attention (docs/exercises.md)"),
-    "demo": ("cli_teach", True, "demonstrations: 'demo deadlock' shows a blocking ring deadlock and its fixes"),
+    "grade": ("grade", True, "grade a student's ring attention (docs/exercises.md)"),
+    "demo": ("deadlock", True, "demonstrations: 'demo deadlock' shows a blocking ring deadlock and its fixes"),
 }
+
+# commands of an earlier release, now subcommands of bench: they still run, with a note, for one release
+MOVED = {"tune": "tune", "percore": "percore", "planbench": "plan", "accuracy": "accuracy", "zoo": "zoo",
+         "topk": "topk", "latent": "latent"}
 
 DESCRIPTION = "Ring attention (context parallelism) on CPUs with MPI and NumPy."
 EPILOG = ("commands:\n" + "".join(f"  {name:<10}{what}\n" for name, (_, _, what) in COMMANDS.items())
@@ -76,10 +77,28 @@ def parser(name):
     return getattr(importlib.import_module(f"mpiring.tools.{COMMANDS[name][0]}"), f"{name}_parser")()
 
 
+def needs_mpi(name, args):
+    """Whether command ``name`` runs under MPI with options ``args`` (its module may decide: ``<name>_needs_mpi``)."""
+    module = importlib.import_module(f"mpiring.tools.{COMMANDS[name][0]}")
+    decide = getattr(module, f"{name}_needs_mpi", None)
+    return COMMANDS[name][1] if decide is None else decide(args)
+
+
 def parse(argv):
     """``(command, options)`` of a command line (after ``python -m mpiring``), without running anything."""
-    top = _top_parser().parse_args(argv)
+    top = _top_parser().parse_args(_moved(argv))
     return top.command, parser(top.command).parse_args(top.args)
+
+
+def _moved(argv, say=False):
+    """``argv`` with a command that moved under ``bench`` spelled as now (``say``: a note on stderr)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in MOVED:
+        if say:
+            print(f"python -m mpiring {argv[0]} is deprecated: use python -m mpiring bench {MOVED[argv[0]]}",
+                  file=sys.stderr)
+        argv = ["bench", MOVED[argv[0]], *argv[1:]]
+    return argv
 
 
 def _top_parser():
@@ -160,12 +179,11 @@ def _on_interrupt(rank):
                 tiles.stop_helper_polls()  # the interrupted thread may be waiting for its helper's poll
             finalized = threading.Event()
             threading.Thread(target=_exit_unless, args=(finalized, FINALIZE_WAIT), daemon=True).start()
+            grace = _exit_grace(mpi)
             mpi.Finalize()
             finalized.set()
-            # MPI_Finalize need not wait for the other ranks (MPICH's does), and a launcher may end the
-            # job once a rank leaves with a non-zero code (Open MPI's does): give a rank still finishing
-            # a tile (its handler runs after it) time to get here too
-            time.sleep(EXIT_GRACE)
+            if grace:
+                time.sleep(grace)
         _leave(INTERRUPTED)
     return handler
 
@@ -186,7 +204,19 @@ def _leave(code):
 
 
 FINALIZE_WAIT = 10.0  # seconds an interrupted rank waits for the others in MPI_Finalize
-EXIT_GRACE = 5.0  # seconds an interrupted rank waits after finalizing, so the ranks leave together
+EXIT_GRACE = 5.0  # seconds an interrupted rank waits after finalizing under Open MPI, so the ranks leave together
+
+
+def _exit_grace(mpi):
+    """Seconds to wait after MPI_Finalize before leaving: none under MPICH, whose MPI_Finalize returns once every
+    rank has called it and whose Hydra lets a finalized rank leave before the others (``_leave``: C's exit(),
+    so PMI_Finalize is sent; tests/test_cli_errors.py); EXIT_GRACE elsewhere: Open MPI's MPI_Finalize need not
+    wait for the others, and its mpirun ends the job once a rank leaves with a non-zero code, so a rank still
+    finishing a tile (its handler runs after it) gets time to get there too."""
+    try:
+        return 0.0 if mpi.get_vendor()[0] == "MPICH" else EXIT_GRACE
+    except Exception:  # noqa: BLE001 (no vendor known: the careful wait)
+        return EXIT_GRACE
 
 
 def _exit_unless(finalized, seconds):
@@ -196,8 +226,11 @@ def _exit_unless(finalized, seconds):
         os._exit(INTERRUPTED)
 
 
-def main(argv=None):
+def main(argv=None, keep_handler=False):
+    """Run a command line on this rank; ``keep_handler`` (the command line's own run): once the command is over,
+    SIGINT is ignored to the process's end, so a Ctrl-C while MPI finalizes at exit cannot kill the rank."""
     rank = [launch_rank()]  # known before MPI starts; the real one once it has
+    argv = _moved(argv, say=rank[0] == 0)
     try:  # --help, bad options and bad values: answered before MPI starts, by rank 0 alone
         with _only_on_rank0(rank[0]):
             top = _top_parser().parse_args(argv)
@@ -205,7 +238,7 @@ def main(argv=None):
     except SystemExit as exc:
         return _exit_code(exc)
     func = command(top.command)
-    if not COMMANDS[top.command][1]:
+    if not needs_mpi(top.command, top.args):
         try:
             return func(None, top.args)
         except ValueError as exc:
@@ -214,8 +247,9 @@ def main(argv=None):
     previous = signal.signal(signal.SIGINT, _on_interrupt(rank))
     try:
         return _main_mpi(func, top, rank)
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    finally:  # the command line's own run: the command is over, a late Ctrl-C changes nothing (Python would
+        # restore the default action before MPI finalizes at exit, and the signal would kill the rank)
+        signal.signal(signal.SIGINT, signal.SIG_IGN if keep_handler else previous)
 
 
 def _main_mpi(func, top, rank):
@@ -225,6 +259,8 @@ def _main_mpi(func, top, rank):
     comm = MPI.COMM_WORLD
     rank[0] = comm.Get_rank()
     sys.excepthook = _abort_hook(comm)
+    verdicts = comm.Dup()  # rank 0's verdict goes out on a duplicate: a Ctrl-C during it finalizes MPI with the
+    # broadcast pending, which MPICH turned into a crash (exit 11) on COMM_WORLD itself
     try:
         code = func(comm, top.args)
     except Agreed as exc:  # every rank has it: rank 0 says it, all leave with 2
@@ -247,7 +283,7 @@ def _main_mpi(func, top, rank):
         if comm.Get_size() > 1:
             _abort(comm, 2)
         return 2
-    return _rank0_code(comm, code)
+    return _rank0_code(verdicts, code)
 
 
 def _rank0_code(comm, code):
@@ -260,4 +296,4 @@ def _rank0_code(comm, code):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(keep_handler=True))

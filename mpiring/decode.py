@@ -30,22 +30,21 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .core.kernels import attention_block, default_scale
+from .core.kernels import attention_block, empty_or_nan
 from .core.scores import Score, attend_general, with_sinks
-from .mpi.agree import agreed, check_comm
-from .mpi.checks import AUTO_BASE, AUTO_RATE, Shown, describe, logit_problem, scale_problem, shape_text, timeout_problem
+from .mpi.agree import check_comm
+from .mpi.checks import Shown
 from .mpi.comm import RingComm
+from .mpi.decoding import MERGES, decode_agreement, decode_timeout, parents_problem
 from .mpi.record import Record
 from .mpi.waits import exclusive, wait_until
+from .plans.content import described
 from .plans.masks import combined
 from .plans.plan import Piece, Where
-from .plans.spec import Spec, digest, spec_problem
+from .plans.spec import Spec, spec_problem
 
 __all__ = ["decode_attention", "decode_many", "MERGES", "lse_merge", "merge_partials", "local_partial",
-           "decode_agreement", "decode_timeout", "draft_mask", "draft_partial", "parents_problem"]
-
-MERGES = ("tree", "ring")
-
+           "decode_agreement", "decode_timeout", "draft_mask", "draft_partial", "parents_problem", "computing"]
 
 # ---------------------------------------------------------------- the merge as an MPI reduction
 
@@ -64,7 +63,7 @@ def lse_merge(a, b):
     safe = np.where(total > 0, total, 1.0)
     b[:, :-1] = (wa[:, None] * a[:, :-1] + wb[:, None] * b[:, :-1]) / safe[:, None]
     with np.errstate(divide="ignore"):
-        b[:, -1] = np.where(total > 0, m0 + np.log(safe), -np.inf)
+        b[:, -1] = np.where(total > 0, m0 + np.log(safe), empty_or_nan(total))
 
 
 def _reduce(inbuf, inoutbuf, datatype):
@@ -166,18 +165,6 @@ def local_partial(q, blocks, scale, positions=None, causal=False, padded=False, 
 # ---------------------------------------------------------------- speculative drafts: the tree mask
 
 
-def parents_problem(parents, T):
-    """Why ``parents`` is not a draft tree of T tokens, or None: 1-D integers, -1 (a root) or an earlier index."""
-    p = np.asarray(parents)
-    if p.ndim != 1 or len(p) != T or not (np.issubdtype(p.dtype, np.integer) or T == 0):
-        return f"parents must be a 1-D integer array of {T} entries (one per draft token), got {parents!r}"
-    bad = np.flatnonzero((p < -1) | (p >= np.arange(T)))
-    if len(bad):
-        return (f"parents[{bad[0]}] = {p[bad[0]]}: a draft token's parent must be -1 (the cache) or an earlier "
-                f"draft token")
-    return None
-
-
 def draft_mask(parents):
     """Boolean (T, T): draft token i sees draft token j iff j is i or one of its ancestors (Medusa/EAGLE trees).
 
@@ -209,91 +196,6 @@ def draft_partial(q, k, v, parents, scale):
 
 
 # ---------------------------------------------------------------- agreement
-
-
-def _digest(a):
-    return None if a is None else digest(np.ascontiguousarray(a).view(np.uint8))[:16]
-
-
-def _local_problem(q, k, v, scale, merge, causal, positions, kv_positions):
-    for name, a in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(a, np.ndarray):
-            return f"{name} must be a NumPy array, got {type(a).__name__}"
-        if a.dtype not in (np.float32, np.float64):
-            return f"{name} must be float32 or float64, got {a.dtype}"
-        if a.ndim < 3:
-            return f"{name} must have shape (..., heads, tokens, dim), got {a.shape}"
-    if not (q.dtype == k.dtype == v.dtype):
-        return f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
-    if not (q.ndim == k.ndim == v.ndim) or q.shape[:-3] != k.shape[:-3]:
-        return f"q, k, v must have the same batch axes, got {q.shape}, {k.shape}, {v.shape}"
-    if k.shape[:-1] != v.shape[:-1]:
-        return f"k and v must agree on all but the last axis, got {k.shape} and {v.shape}"
-    if q.shape[-1] != k.shape[-1]:
-        return f"q and k must have the same head dim, got {q.shape[-1]} and {k.shape[-1]}"
-    if k.shape[-3] == 0 or q.shape[-3] % k.shape[-3]:
-        return f"q heads ({q.shape[-3]}) must be a multiple of k/v heads ({k.shape[-3]})"
-    if q.shape[-2] < 1 or min(q.shape[-1], v.shape[-1]) < 1 or 0 in q.shape[:-2]:
-        return f"q needs at least one token, head and batch entry and a positive head dim, got q {q.shape}, v {v.shape}"
-    if merge not in MERGES:
-        return f"merge must be one of {', '.join(MERGES)}; got {merge!r}"
-    if not isinstance(causal, (bool, np.bool_)):
-        return f"causal must be True or False, got {causal!r}"
-    if causal:
-        for name, p, n in (("positions", positions, q.shape[-2]), ("kv_positions", kv_positions, k.shape[-2])):
-            p = None if p is None else np.asarray(p)
-            if p is None or p.ndim != 1 or len(p) != n or not (np.issubdtype(p.dtype, np.integer) or n == 0):
-                return f"causal decoding needs {name}: a 1-D integer array of {n} global positions"
-    return scale_problem(scale)
-
-
-def decode_agreement(comm, q, k, v, scale, timeout, merge="tree", causal=False, positions=None, kv_positions=None,
-                     k_peak=None, problem=None, values=None):
-    """Check this rank's arguments and agree with every rank (one all-gather): ``(scale, kv lengths)``.
-
-    The same ValueError on every rank if any rank has a problem, if q (its
-    bytes), its positions or an option differ from rank 0's, or if the logits
-    may overflow. ``q, k, v``: arrays, or lists of arrays, one per sequence
-    (``decode_many``; ``k_peak`` then a list too). ``k_peak``: max |k| when k is
-    only a stand-in for its shape (a cache's stored keys); ``problem``: one more
-    of this rank's problems (or None); ``values``: more that every rank must
-    pass alike (a dict, as ``agreed`` takes). The lengths: each rank's cached
-    tokens (all sequences').
-    """
-    many = isinstance(q, list)
-    qs, ks, vs, k_peaks = (x if many else [x] for x in (q, k, v, k_peak))
-    k_peaks = [None] * len(qs) if k_peaks is None else k_peaks
-    mine = peaks = None
-    try:
-        problem = problem or timeout_problem(timeout)
-        for i, (qi, ki, vi) in enumerate(zip(qs, ks, vs)):
-            found = _local_problem(qi, ki, vi, scale, merge, causal, positions, kv_positions)
-            problem = problem or (found and (f"sequence {i}: {found}" if many else found))
-        if problem is None and len({(qi.dtype, vi.shape[-1]) for qi, vi in zip(qs, vs)}) > 1:
-            problem = "every sequence must have one dtype and one v head dim"
-        if problem is None:
-            tags = [f" of sequence {i}" if many else "" for i in range(len(qs))]
-            mine = {"sequences": Shown(len(qs))} if many else {}
-            for tag, qi, ki, vi in zip(tags, qs, ks, vs):
-                mine.update({f"q shape{tag}": Shown(qi.shape), f"k shape{tag}": Shown(*[shape_text(ki)] * 2),
-                             f"v shape{tag}": Shown(*[shape_text(vi)] * 2)})
-            mine.update({"dtype": Shown(" ".join(sorted({str(qi.dtype) for qi in qs}))), "scale": Shown(scale),
-                         "merge": Shown(merge), "causal": Shown(bool(causal)), "timeout": Shown(timeout)})
-            mine.update({f"q{tag} (sha1 of its bytes)": Shown(*[_digest(qi)] * 2) for tag, qi in zip(tags, qs)})
-            mine["positions (sha1)"] = Shown(*[_digest(None if positions is None else
-                                                       np.asarray(positions, np.int64))] * 2)
-            mine.update(values or {})
-            k_peaks = [(float(np.abs(ki).max()) if ki.size else 0.0) if p is None else p
-                       for ki, p in zip(ks, k_peaks)]
-            peaks = (max(float(np.abs(qi).max()) for qi in qs), max(k_peaks), sum(ki.shape[-2] for ki in ks))
-    except Exception as exc:  # reported collectively, never raised alone
-        problem, mine = describe(exc), None
-    metas = agreed(comm, problem, mine, timeout, peaks, entry=True)
-    scale = default_scale(qs[0].shape[-1]) if scale is None else float(scale)
-    message = logit_problem(scale, qs[0].shape[-1], max(m[0] for m in metas), max(m[1] for m in metas), qs[0].dtype)
-    if message:
-        raise ValueError(message)
-    return scale, [m[2] for m in metas]
 
 
 DECODE_FIELDS = ("scale", "causal", "positions", "kv_positions")
@@ -333,11 +235,13 @@ class Scores:
         """Why this rank's call cannot run these scores, or None: they need every token's global position."""
         if positions is None or kv_positions is None:
             return "a mask or score modifier in decoding needs positions (of q) and kv_positions (of the cache)"
-        return self.spec.scores_problem(q)
+        reach = int(np.max(np.asarray(positions), initial=-1)) + 1  # a piece made for a sequence refuses others
+        return next(filter(None, (piece.problem(reach) for piece in self.mask)), None) or self.spec.scores_problem(q)
 
     def values(self):
         """What every rank must give alike: the pieces and functions by what they are."""
-        return {name: Shown(self.spec.field_key(name), repr(getattr(self.spec, name))) for name in SCORE_FIELDS}
+        return {name: Shown(None, described(getattr(self.spec, name)), self.spec.field_content(name))
+                for name in SCORE_FIELDS}
 
     def partial(self, q, blocks, scale, positions, causal, padded):
         out = np.zeros(q.shape[:-1] + (0,))
@@ -356,13 +260,6 @@ class Scores:
     def finish(self, out, lse):
         """The sinks, once, in the merged result (the same on every rank)."""
         return (out, lse) if self.spec.sinks is None else with_sinks(out, lse, self.spec.sinks)
-
-
-def decode_timeout(timeout, q, v, lengths):
-    """Seconds for every wait: ``timeout``, or for "auto" AUTO_BASE plus the longest shard's FLOPs at AUTO_RATE."""
-    if not isinstance(timeout, str):
-        return timeout
-    return AUTO_BASE + 4.0 * q.size * max(lengths + [0]) * (1 + v.shape[-1] / q.shape[-1]) / 2 / AUTO_RATE
 
 
 # ---------------------------------------------------------------- the entry point
@@ -405,19 +302,23 @@ def decode_attention(
             spec, scale, causal, positions, kv_positions, scores=dict(mask=mask, softcap=softcap, bias=bias,
                                                                       sinks=sinks))
         problem = problem or (scores and scores.problem(q, positions, kv_positions))
-        scale, lengths = decode_agreement(comm, q, k, v, scale, timeout, merge, causal, positions, kv_positions,
-                                          problem=problem, values=scores and scores.values())
-        timeout = decode_timeout(timeout, q, v, lengths)
         rec = Record(comm.Get_rank()) if record is None else record
-        start = time.perf_counter()
-        q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))
-        blocks = [(k, v, kv_positions)]
-        if causal and scores is None:
-            order = np.argsort(np.asarray(kv_positions, np.int64), kind="stable")
-            blocks = [(k[..., order, :], v[..., order, :], np.asarray(kv_positions, np.int64)[order])]
-            positions = np.asarray(positions, np.int64)
-        out, lse = local_partial(q, blocks, scale, positions, causal, scores=scores)
-        rec.compute_time += rec.event("compute", start, kind="decode") - start
+
+        @computing(rec)
+        def work(scale):  # this rank's partial, before the agreement: a failing mask or bias is agreed
+            blocks, pos = [(k, v, kv_positions)], positions
+            if causal and scores is None:
+                order = np.argsort(np.asarray(kv_positions, np.int64), kind="stable")
+                blocks = [(k[..., order, :], v[..., order, :], np.asarray(kv_positions, np.int64)[order])]
+                pos = np.asarray(positions, np.int64)
+            contiguous = [tuple(np.ascontiguousarray(a) for a in b[:2]) + b[2:] for b in blocks]
+            return local_partial(np.ascontiguousarray(q), contiguous, scale, pos, causal, scores=scores)
+
+        scale, lengths, (out, lse) = decode_agreement(comm, q, k, v, scale, timeout, merge, causal, positions,
+                                                      kv_positions, problem=problem,
+                                                      values=scores and scores.values(), work=work)
+        timeout = decode_timeout(timeout, q, v, lengths)
+        start = time.perf_counter() - work.seconds  # the call's wall time: its compute and its merge
         rows = merge_partials(packed(out, lse), comm, merge, timeout, rec=rec)
         rec.wall_time = time.perf_counter() - start
         out, lse = unpacked(rows, out.shape, q.dtype)
@@ -443,17 +344,35 @@ def decode_many(
         problem = None
         if not all(isinstance(x, (list, tuple)) for x in (qs, ks, vs)) or not (len(qs) == len(ks) == len(vs) > 0):
             problem, qs, ks, vs = "qs, ks, vs must be lists of one entry per sequence, at least one", [], [], []
-        scale, lengths = decode_agreement(comm, list(qs), list(ks), list(vs), scale, timeout, merge,
-                                          problem=problem)
-        timeout = decode_timeout(timeout, max(qs, key=np.size), vs[0], lengths)
         rec = Record(comm.Get_rank()) if record is None else record
-        start = time.perf_counter()
-        parts = [local_partial(np.ascontiguousarray(q), [(np.ascontiguousarray(k), np.ascontiguousarray(v), None)],
-                               scale) for q, k, v in zip(qs, ks, vs)]
-        rec.compute_time += rec.event("compute", start, kind="decode") - start
+
+        @computing(rec)
+        def work(scale):
+            return [local_partial(np.ascontiguousarray(q), [(np.ascontiguousarray(k), np.ascontiguousarray(v), None)],
+                                  scale) for q, k, v in zip(qs, ks, vs)]
+
+        scale, lengths, parts = decode_agreement(comm, list(qs), list(ks), list(vs), scale, timeout, merge,
+                                                 problem=problem, work=work)
+        timeout = decode_timeout(timeout, max(qs, key=np.size), vs[0], lengths)
+        start = time.perf_counter() - work.seconds
         result = merge_many(parts, comm, merge, timeout, rec=rec, dtype=qs[0].dtype)
         rec.wall_time = time.perf_counter() - start
         return result
+
+
+def computing(rec):
+    """``work`` recorded in ``rec`` as the call's "compute" event (its seconds in ``work.seconds``): a decoding
+    call computes its partial before the agreement (``decode_agreement(work=...)``)."""
+    def wrap(work):
+        def timed(scale):
+            start = time.perf_counter()
+            done = work(scale)
+            timed.seconds = rec.event("compute", start, kind="decode") - start
+            rec.compute_time += timed.seconds
+            return done
+        timed.seconds = 0.0
+        return timed
+    return wrap
 
 
 def merge_many(parts, comm, merge, timeout, ring=None, rec=None, dtype=np.float64):

@@ -21,39 +21,34 @@ import numpy as np
 
 from .core.block import GRAD_DTYPE
 from .core.kernels import default_scale
-from .core.precision import Precision, compute_dtype
-from .core.scores import Score
+from .core.precision import Precision
+from .core.scores import FunctionFailed, Score
 from .core.threads import limited, threads_for, threads_problem
 from .core.tiles import release_workspace
 from .lse import Lse, lse_problem, mismatch
-from .mpi.agree import check_call, check_comm, setup, setup_ring
+from .mpi.agree import Hosts, call_spec, check_call, check_comm, contiguous, moved_arrays, opening, setup, setup_ring
 from .mpi.axes import axis_problem, seq_index
 from .mpi.checks import (
     agreement_timeout,
     call_values,
     describe,
+    dlse_problem,
     grad_problem,
+    length_problem,
     local_problem,
     logit_problem,
+    pairs_problem,
     peaks,
     resolve_timeout,
 )
 from .mpi.record import Record
-from .mpi.waits import CommTimeout, exclusive, wait_until
+from .mpi.waits import Announced, CommTimeout, Watch, exclusive, watching
 from .options import SCORES, options_problem
 from .parallel.strategies import private_rings, rotation, run_backward, run_forward, scored_forward, sink_gradients
 from .plans.layouts import LAYOUTS, shard, take_rows
 from .plans.spec import Spec, spec_problem
 
 __all__ = ["Ring", "Lse", "Spec", "ring_attention", "ring_attention_backward"]
-
-
-def contiguous(tensors, lses):
-    """The call's arrays made contiguous: the backward's dout, q, out and lse in the dtype tiles compute in
-    (float32 for half inputs; k and v travel in theirs), the forward's q, k, v as they are."""
-    work = compute_dtype(tensors["q"].dtype) if "dout" in tensors else None
-    arrays = [np.ascontiguousarray(a, None if name in ("k", "v") else work) for name, a in tensors.items()]
-    return arrays, [np.ascontiguousarray(a, work) for a in lses]
 
 
 class Ring:
@@ -102,10 +97,10 @@ class Ring:
         self._start(comm, plan, spec, timeout, hosts, seq_axis, threads, check_finite, backward=True)
 
     @classmethod
-    def _agreed(cls, comm, plan, spec, timeout, hosts, seq_axis, threads, backward):
+    def _agreed(cls, comm, plan, spec, timeout, hosts, seq_axis, threads, backward, check_finite=False):
         """A handle for one call whose arguments were agreed already (``agree.setup``)."""
         ring = cls.__new__(cls)
-        ring._start(comm, plan, spec, timeout, hosts, seq_axis, threads, False, backward)
+        ring._start(comm, plan, spec, timeout, hosts, seq_axis, threads, check_finite, backward)
         return ring
 
     def _start(self, comm, plan, spec, timeout, hosts, seq_axis, threads, check_finite, backward):
@@ -116,6 +111,7 @@ class Ring:
         self._timeout, self._failed, self._rings = timeout, None, []
         # private duplicates: K/V; and what the strategy's backward needs (the ring modes: dK/dV onward and home)
         self.plan, self._rings = private_rings(comm, plan, spec.node_size, agreement_timeout(timeout), backward)
+        self._watch = Watch(self._rings[0].comm, getattr(hosts, "token", 0))  # the others' failure notices
 
     # ------------------------------------------------------------------ the handle's life
 
@@ -127,6 +123,7 @@ class Ring:
 
     def close(self):
         """Free the private communicators (collective only in that every rank should close its handle)."""
+        self._watch.close()
         for ring in self._rings:
             ring.free()  # pending transfers, after a failure, are abandoned, never cancelled
         self._rings = []
@@ -173,19 +170,33 @@ class Ring:
     def _call(self):
         if self._failed:
             raise RuntimeError(f"this Ring cannot be used any more: {self._failed}")
-        with exclusive(self._rings[0].comm), limited(self.threads):
-            yield
+        with exclusive(self._rings[0].comm), limited(self.threads), watching(self._watch):
+            try:
+                yield
+            except Announced as exc:  # another rank failed in this call or the last: this handle cannot go on
+                self._fail(exc)
+                raise
 
     @contextlib.contextmanager
     def _running(self):
-        """Inside the ring: a failure here leaves transfers behind, so the handle closes."""
+        """Inside the ring: a failure here leaves transfers behind, so the handle closes, and the others hear of
+        it at their next wait (``Watch.announce``): a user's function that failed as the same ValueError on every
+        rank, any other failure as CommTimeout naming it."""
         try:
             yield
         except BaseException as exc:
+            if isinstance(exc, FunctionFailed):
+                text = f"rank {self.rank}: {exc}"
+                self._watch.announce(text, value=True)
+                self._fail(exc)
+                raise ValueError(text) from exc
+            if not isinstance(exc, (CommTimeout, Announced, KeyboardInterrupt)):
+                self._watch.announce(f"rank {self.rank} failed in the call: {type(exc).__name__}: {exc}")
             self._fail(exc)
             raise
 
     def _fail(self, exc):
+        self._watch.close()
         self._failed = f"a call failed in the ring ({type(exc).__name__}: {exc})"
         for ring in self._rings:
             ring.free()
@@ -194,16 +205,18 @@ class Ring:
 
     # ------------------------------------------------------------------ calls
 
-    def forward(self, q, k, v, *, record: Record | None = None, problem: str | None = None, **options):
+    def forward(self, q, k, v, *, record: Record | None = None, problem: str | None = None, shared=None, **options):
         """This rank's ``(out, lse)``: out shaped as q with v's head dim, lse ``(..., Hq, n)`` (an ``Lse``).
 
         ``options``: any of the Ring's own (``scale=``, ``causal=``, ...; ``mpiring.options``), as a
         model passes them at every call: equal to the Ring's or refused. ``problem``: this rank's
-        own problem with the call, found by the caller (an adapter): every rank raises it as bad input.
+        own problem with the call, found by the caller (an adapter): every rank raises it as bad input;
+        ``shared``: what else every rank must pass alike (an adapter's: ``{name: checks.Shown}``).
         """
         with self._call():
-            (q, k, v), _, scale = self._agree_call({"q": q, "k": k, "v": v}, None, None, options, problem)
-            return self._forward(q, k, v, scale, record, checked=False)
+            (q, k, v), _, scale, timeout = self._agree_call({"q": q, "k": k, "v": v}, None, None, options, problem,
+                                                            shared)
+            return self._forward(q, k, v, scale, record, timeout)
 
     def backward(self, dout, q, k, v, out, lse, *, dlse=None, record: Record | None = None, problem=None, **options):
         """This rank's ``(dq, dk, dv)`` (shapes and dtypes of q, k, v) from the forward's out and lse.
@@ -213,12 +226,13 @@ class Ring:
         """
         with self._call():
             arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out}
-            moved, lses, scale = self._agree_call(arrays, lse, dlse, options, problem)
-            return self._backward(moved, lses, scale, record, checked=False)
+            moved, lses, scale, timeout = self._agree_call(arrays, lse, dlse, options, problem)
+            return self._backward(moved, lses, scale, record, timeout)
 
-    def _agree_call(self, tensors, lse, dlse, options, problem):
-        """Move the sequence to axis -2, check on this rank, agree on every rank; contiguous arrays and the scale."""
-        moved, lses, values, peak = [], [], None, [0.0, 0.0]
+    def _agree_call(self, tensors, lse, dlse, options, problem, shared=None):
+        """Move the sequence to axis -2, check on this rank, agree on every rank; contiguous arrays, the scale and the
+        timeout of every wait."""
+        moved, lses, values, peak, timeout = [], [], None, [0.0, 0.0], None
         same_rows = self.spec.kv_positions is None
         try:
             tokens = {"q": len(self.plan.shards[self.rank]), "k": len(self.plan.kv_shards[self.rank])}
@@ -229,18 +243,19 @@ class Ring:
                 q, k, v = names["q"], names["k"], names["v"]
                 problem = (local_problem(q, k, v, None, self.check_finite, same_rows)
                            or options_problem(options, self.options, q)
-                           or self._length_problem(q, k) or self.spec.heads_problem(q, k, self.size)
+                           or length_problem(self.plan, self.rank, q, k) or self.spec.heads_problem(q, k, self.size)
                            or self.spec.scores_problem(q))
                 if problem is None and lse is not None:
                     problem = (grad_problem(names["dout"], q, k, v, names["out"], lse)
-                               or self._dlse_problem(dlse, lse)
+                               or dlse_problem(dlse, lse)
                                or mismatch(lse, self.spec.made_by(self.size, self._resolved_scale(q),
                                                                   self.plan.seq_len)))
             if problem is None:  # may fail alone (MemoryError): agreed below
                 moved, lses = contiguous(dict(zip(tensors, moved)), [a for a in (lse, dlse) if a is not None])
                 moved, lses = self._sorted(list(tensors), moved, lses)
-                values = call_values(names)
+                values = dict(call_values(names), **(shared or {}))
                 peak = peaks(names["q"], names["k"])
+                timeout, problem = self._before_ring(names["q"], 1.0 if lse is None else 2.5)
         except Exception as exc:  # reported collectively, never raised alone
             problem = describe(exc)
         try:
@@ -253,19 +268,10 @@ class Ring:
         message = logit_problem(scale, q.shape[-1], highest[0], highest[1], q.dtype)
         if message:
             raise ValueError(message)
-        return moved, lses, scale
+        return moved, lses, scale, timeout
 
     def _resolved_scale(self, q):
         return default_scale(q.shape[-1]) if self.spec.scale is None else self.spec.scale
-
-    def _length_problem(self, q, k):
-        for name, a, shards in (("q", q, self.plan.shards), ("k", k, self.plan.kv_shards)):
-            want = len(shards[self.rank])
-            if a.shape[-2] != want:
-                held = (f"the {self.plan.layout} layout of {self.plan.seq_len} tokens over {self.size} ranks"
-                        if self.plan.layout in LAYOUTS else "its positions")
-                return f"{name} holds {a.shape[-2]} tokens, but {held} give this rank {want}"
-        return None
 
     def _sorted(self, names, arrays, lses):
         """The rows in position order, the order the ring works in (``Plan.in_caller_order`` undoes it)."""
@@ -273,25 +279,34 @@ class Ring:
         arrays = [take_rows(a, kv_rows if name in ("k", "v") else rows) for name, a in zip(names, arrays)]
         return arrays, [take_rows(a, rows, axis=-1) for a in lses]
 
-    @staticmethod
-    def _dlse_problem(dlse, lse):
-        if dlse is not None and not (isinstance(dlse, np.ndarray) and dlse.shape == lse.shape):
-            return f"dlse must be an array shaped as lse {lse.shape}, got {getattr(dlse, 'shape', type(dlse))}"
-        return None
-
     def _timeout_for(self, q, factor=1.0):
         return resolve_timeout(self._timeout, self.plan, q.size // (q.shape[-2] * q.shape[-1]), q.shape[-1], factor)
 
-    def _start_barrier(self, timeout):
-        """The common start of a call whose arguments were agreed by ``setup`` (a handle's all-reduce is one)."""
-        wait_until([self._rings[0].comm.Ibarrier()], timeout, self.rank, "start barrier", sync=True)
+    def _before_ring(self, q, factor):
+        """``(timeout, problem)``: the timeout of every wait, and this rank's problem with its own pairs
+        (``checks.pairs_problem``: a user's function that fails on them is found before any data moves)."""
+        try:
+            timeout = self._timeout_for(q, factor)  # "auto": every rank's pairs counted, the same on every rank
+        except FunctionFailed as exc:
+            return agreement_timeout(self._timeout), str(exc)
+        return timeout, pairs_problem(self.plan, self.spec, self.rank, q.shape[-3] if q.ndim > 2 else 1,
+                                      self.check_finite)
 
-    def _forward(self, q, k, v, scale, record, checked):
-        timeout = self._timeout_for(q)
+    def _opening(self, q, factor, timeout):
+        """The common start of a call whose arguments were agreed by ``setup`` (a handle's all-reduce is one): one
+        all-reduce of whether a rank found a problem with its own pairs (``_before_ring``); a second round names
+        it. Returns the timeout of every wait."""
+        if timeout is not None:  # a handle's call: agreed already
+            return timeout
+        timeout, problem = self._before_ring(q, factor)
+        opening(self._rings[0].comm, problem, timeout)
+        return timeout
+
+    def _forward(self, q, k, v, scale, record, timeout=None):
+        """The ring's forward on agreed arrays; ``timeout`` None: a one-call handle, which starts with ``_opening``."""
+        timeout = self._opening(q, 1.0, timeout)
         rec = Record(self.rank) if record is None else record
-        if checked:
-            self._start_barrier(timeout)
-        score = Score.of(self.spec, scale, q)
+        score = Score.of(self.spec, scale, q, finite=self.check_finite)
         with self._running():
             out, lse = run_forward(q, k, v, self.plan, self._rings[0], score, rec, timeout,
                                    Precision.of(q.dtype, self.spec.precision),
@@ -303,19 +318,17 @@ class Ring:
         out = np.moveaxis(out, -2, seq_index(self.seq_axis, out.ndim))
         return (out, lse) if top is None else (out, lse, top[0] if q.ndim == 2 else top)
 
-    def _backward(self, moved, lses, scale, record, checked):
+    def _backward(self, moved, lses, scale, record, timeout=None):
         dout, q, k, v, out = moved
         pr = Precision.of(k.dtype, self.spec.precision)
         delta = np.einsum("...d,...d->...", dout, out, dtype=GRAD_DTYPE)  # no float64 copies of dout and out
         if len(lses) > 1:  # d lse / d score = p: the dlse term joins delta (ds = p * (dp - delta + dlse))
             delta -= lses[1]
-        timeout = self._timeout_for(q, factor=2.5)
+        timeout = self._opening(q, 2.5, timeout)
         rec = Record(self.rank) if record is None else record
-        if checked:
-            self._start_barrier(timeout)
         with self._running():
             grads = run_backward((dout, q, k, v, out, lses[0], delta.astype(q.dtype)), self.plan, self._rings,
-                                 Score.of(self.spec, scale), rec, timeout, pr)
+                                 Score.of(self.spec, scale, finite=self.check_finite), rec, timeout, pr)
             dsinks = sink_gradients(self.spec, lses[0], delta, self._rings[0].comm, timeout)
         grads = [self.plan.in_caller_order(self.rank, g.astype(pr.input, copy=False), kv=i > 0)
                  for i, g in enumerate(grads)]
@@ -337,7 +350,7 @@ def ring_attention(
     accumulate: str = "float64", positions=None, kv_positions=None, causal_block: int | None = None,
     node_size: int | None = None, ulysses_size: int | None = None, rotate: str = "kv", mask=None,
     softcap: float | None = None, bias=None, sinks=None, dropout: float = 0.0, seed: int = 0,
-    return_max_logit: bool = False, spec: Spec | None = None, problem: str | None = None,
+    return_max_logit: bool = False, spec: Spec | None = None, problem: str | None = None, shared=None,
 ) -> tuple[np.ndarray, np.ndarray]:  # out (..., Hq, n, Dv), lse (..., Hq, n)
     """Attention of this rank's queries against the whole distributed sequence.
 
@@ -383,20 +396,22 @@ def ring_attention(
             waits forever. Must be the same on every rank and exceed the
             longest compute step.
         record: a ``Record`` to fill with tasks, events and traffic counters.
-        check_finite: also reject NaN/Inf in q, k, v (one extra pass over them).
+        check_finite: also reject NaN/Inf in q, k, v (one extra pass over them), and NaN/+Inf values from a
+            ``bias`` (on every tile: a failure inside the ring is every rank's ValueError).
         expected_size: raise unless the communicator has this many ranks.
         seq_axis: the sequence axis of q, k, v and out (-3 for ``(B, S, H, D)``).
         threads: BLAS threads per rank during the call ("auto": the node's
             cores shared among its ranks; ``mpiring.core.threads``), or None.
-        wire_dtype: "float16", "bfloat16" or "int8": K/V travel coded so (int8: with a
-            float32 scale per token and head), default the input dtype (``mpiring.core.precision``); in
+        wire_dtype: "float16", "bfloat16", "int8", "float8_e4m3" or "float8_e5m2": K/V travel coded so
+            (int8, FP8: with a float32 scale per token and head), default the input dtype
+            (``mpiring.core.precision``); in
             every mode (Ulysses' and the grid's all-to-alls too); with ``rotate="q"`` the query
             blocks travel coded instead. What a rank holds itself is never coded.
         accumulate: "float64" (default), "float32" or "input": the running (out, lse)'s dtype.
         spec: a ``Spec`` (``mpiring.plans.spec``) holding the problem and strategy options above instead;
             options passed beside it must equal its own.
         problem: this rank's own problem with the call, found by its caller (an adapter): every rank
-            raises it, as bad input.
+            raises it, as bad input; shared: what else every rank must pass alike (``{name: checks.Shown}``).
 
     float16 and bfloat16 inputs compute in float32: out comes back in the input
     dtype, lse in float32. Bad arguments on any rank raise the same ``ValueError`` on every rank,
@@ -406,37 +421,22 @@ def ring_attention(
     comm = check_comm(comm)
     with exclusive(comm):  # one call per communicator at a time (threads: one Dup each)
         first = problem  # the caller's: before any other
-        spec, problem, same_rows = _call_spec(
+        spec, problem, same_rows = call_spec(
             spec, layout=layout, mode=mode, causal=causal, scale=scale, window=window, cu_seqlens=cu_seqlens,
             wire_dtype=wire_dtype, accumulate=accumulate, positions=positions, kv_positions=kv_positions,
             causal_block=causal_block, node_size=node_size, ulysses_size=ulysses_size, rotate=rotate, mask=mask,
             softcap=softcap, bias=bias, sinks=sinks, dropout=dropout, seed=seed, return_max_logit=return_max_logit)
-        moved, moved_problem = _moved({"q": q, "k": k, "v": v}, seq_axis, threads, same_rows)
+        moved, moved_problem = moved_arrays({"q": q, "k": k, "v": v}, seq_axis, threads, same_rows)
         problem = moved_problem or problem or spec.heads_problem(moved[0], moved[1], comm.Get_size()) \
             or spec.scores_problem(moved[0])
-        hosts = []
+        hosts = Hosts()
         plan, spec, scale, (q, k, v) = setup(*moved, comm, spec, check_finite, expected_size, timeout,
                                              prepare=lambda: [np.ascontiguousarray(a) for a in moved],
                                              problem=problem, rows="qkk", hosts=hosts, same_rows=same_rows,
-                                             first=first)
-        with Ring._agreed(comm, plan, spec, timeout, hosts, seq_axis, threads, backward=False) as ring:
-            with limited(ring.threads):
-                return ring._forward(q, k, v, scale, record, checked=True)
-
-
-def _call_spec(spec, **keywords):
-    """A function call's spec (``spec_problem``), this rank's problem with it, and whether k holds q's tokens
-    (no ``kv_positions``: from the keywords when the spec could not be made)."""
-    spec, problem = spec_problem(keywords, spec)
-    return spec, problem, (keywords["kv_positions"] if spec is None else spec.kv_positions) is None
-
-
-def _moved(tensors, seq_axis, threads, same_rows=True, lse=None):
-    """The arrays with the sequence on axis -2 (unchanged if ``seq_axis`` is bad), and this rank's problem."""
-    problem = axis_problem(tensors, seq_axis, same_rows=same_rows, lse=lse) or threads_problem(threads)
-    if problem:
-        return list(tensors.values()), problem
-    return [np.moveaxis(a, seq_index(seq_axis, a.ndim), -2) for a in tensors.values()], None
+                                             first=first, shared=shared)
+        with Ring._agreed(comm, plan, spec, timeout, hosts, seq_axis, threads, False, check_finite) as ring:
+            with limited(ring.threads), watching(ring._watch):
+                return ring._forward(q, k, v, scale, record)
 
 
 def ring_attention_backward(
@@ -472,15 +472,15 @@ def ring_attention_backward(
     comm = check_comm(comm)
     with exclusive(comm):  # one call per communicator at a time (threads: one Dup each)
         first = problem  # the caller's: before any other
-        spec, problem, same_rows = _call_spec(
+        spec, problem, same_rows = call_spec(
             spec, layout=layout, mode=mode, causal=causal, scale=scale, window=window, cu_seqlens=cu_seqlens,
             wire_dtype=wire_dtype, grad_wire_dtype=grad_wire_dtype, positions=positions, kv_positions=kv_positions,
             causal_block=causal_block, node_size=node_size, ulysses_size=ulysses_size, rotate=rotate, mask=mask,
             softcap=softcap, bias=bias, sinks=sinks, dropout=dropout, seed=seed)
         tensors = {"dout": dout, "q": q, "k": k, "v": v, "out": out}
-        moved, moved_problem = _moved(tensors, seq_axis, threads, same_rows, lse)
+        moved, moved_problem = moved_arrays(tensors, seq_axis, threads, same_rows, lse)
         if moved_problem is None:
-            problem = (grad_problem(*moved, lse) or Ring._dlse_problem(dlse, lse) or problem
+            problem = (grad_problem(*moved, lse) or dlse_problem(dlse, lse) or problem
                        or spec.heads_problem(moved[1], moved[2], comm.Get_size()) or spec.scores_problem(moved[1])
                        or lse_problem(lse, spec, comm.Get_size(), moved[1]))
         problem = moved_problem or problem
@@ -489,10 +489,10 @@ def ring_attention_backward(
             arrays, lses = contiguous(dict(zip(tensors, moved)), [a for a in (lse, dlse) if a is not None])
             return arrays + lses
 
-        hosts = []
+        hosts = Hosts()
         plan, spec, scale, arrays = setup(*moved[1:4], comm, spec, timeout=timeout, prepare=prepare, problem=problem,
                                           rows="qqkkq" + "l" * (1 if dlse is None else 2), hosts=hosts,
                                           same_rows=same_rows, first=first)
         with Ring._agreed(comm, plan, spec, timeout, hosts, seq_axis, threads, backward=True) as ring:
-            with limited(ring.threads):
-                return ring._backward(arrays[:5], arrays[5:], scale, record, checked=True)
+            with limited(ring.threads), watching(ring._watch):
+                return ring._backward(arrays[:5], arrays[5:], scale, record)

@@ -28,8 +28,8 @@ import numpy as np
 from mpi4py import MPI
 
 from .decode import decode_agreement, decode_timeout, local_partial, lse_merge
-from .mpi.agree import agree, check_comm
-from .mpi.checks import describe
+from .mpi.agree import agreed, check_comm
+from .mpi.checks import Shown, describe
 from .mpi.record import Record
 from .mpi.waits import exclusive, wait_until
 
@@ -44,9 +44,9 @@ class HelixGrid:
         comm = check_comm(comm)
         size, rank = comm.Get_size(), comm.Get_rank()
         ok = not isinstance(tp, bool) and isinstance(tp, (int, np.integer)) and tp >= 1 and size % tp == 0
-        with exclusive(comm):
-            agree(comm, None if ok else f"tp must be a positive divisor of the {size} ranks, got {tp!r}",
-                  entry=True)
+        with exclusive(comm):  # every rank's tp the same: else ranks would pair up with the wrong heads
+            agreed(comm, None if ok else f"tp must be a positive divisor of the {size} ranks, got {tp!r}",
+                   {"tp": Shown(tp)} if ok else None, entry=True)
         self.comm, self.tp_size, self.kvp_size = comm, int(tp), size // int(tp)
         self.kvp = comm.Split(rank % self.tp_size, rank)  # same head slice, the sequence's shards
         self.tp = comm.Split(rank // self.tp_size, rank)  # same sequence shard, the head slices
@@ -89,10 +89,12 @@ def helix_attention(
             problem = describe(exc)
         message = None
         try:
-            scale, lengths = decode_agreement(kvp, q, k, v, scale, timeout, problem=problem)
+            scale, lengths, _ = decode_agreement(kvp, q, k, v, scale, timeout, problem=problem,
+                                                 values={"chunks": Shown(chunks)})
         except ValueError as exc:
             message = f"KVP group {grid.tp_rank}: {exc}"
-        agree(grid.tp, message, timeout)  # every group hears of any group's error
+        # every group hears of any group's error, and the options are the same in every group
+        agreed(grid.comm, message, None if message else {"chunks": Shown(chunks), "timeout": Shown(timeout)}, timeout)
         timeout = decode_timeout(timeout, q, v, lengths)
         rec = Record(grid.comm.Get_rank()) if record is None else record
         start = time.perf_counter()

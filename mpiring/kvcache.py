@@ -23,6 +23,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .decode import (
+    computing,
     decode_agreement,
     decode_timeout,
     draft_partial,
@@ -38,8 +39,9 @@ from .decode import (
 from .handle import ring_attention
 from .kvstore import ERROR_BOUND, QUANTIZE, TILE, KVStore, quantize
 from .mpi.agree import agree, agreed, check_comm, gather_entry
-from .mpi.checks import Shown, describe, timeout_problem, verdict
+from .mpi.checks import Shown, describe, timeout_problem
 from .mpi.comm import RingComm
+from .mpi.decoding import by_content, path_problem
 from .mpi.record import Record
 from .mpi.waits import exclusive, wait_until
 from .plans.layouts import layout_positions
@@ -59,20 +61,6 @@ def interleave_problem(placement, interleave):
     return None
 
 
-def path_problem(draft, accepted):
-    """Why ``accepted`` is not a root-first path of the ``draft`` tree (k, v, parents), or None."""
-    if draft is None:
-        return "commit needs a verify before it (and at most one commit per verify)"
-    parents = draft[2]
-    if np.any((accepted < 0) | (accepted >= len(parents))):
-        return f"accepted draft indices must lie in 0..{len(parents) - 1}, got {accepted.tolist()}"
-    above = parents[accepted]
-    if len(accepted) and (above[0] != -1 or np.any(above[1:] != accepted[:-1])):
-        return (f"accepted {accepted.tolist()} is not a path of the draft tree from a root (parents "
-                f"{above.tolist()})")
-    return None
-
-
 class KVCache:
     """This rank's share of a KV cache over ``comm``; construction, prefill, extend and attend are collective.
 
@@ -84,13 +72,15 @@ class KVCache:
         placement: "interleave", "round_robin" or "contiguous": which rank keeps each token.
         interleave: with "interleave", tokens per run: token t lives on rank (t // interleave) % P
             (vLLM's decode context parallelism); "round_robin" is interleave=1.
+        shared_values: the values are the keys' last ``value_dim`` values, stored once (MLA's latent:
+            keys [k_rope | c], values c; ``core.latent``); the calls then take v=None.
         timeout: as ``ring_attention``, for every call.
 
     Bad arguments on any rank raise the same ValueError on every rank.
     """
 
     def __init__(self, comm, kv_heads, head_dim, *, dtype=np.float32, quantize=None, placement="round_robin",
-                 interleave=1, value_dim=None, timeout="auto"):
+                 interleave=1, value_dim=None, shared_values=False, timeout="auto"):
         self.comm = check_comm(comm)
         problem = values = None
         try:
@@ -105,22 +95,25 @@ class KVCache:
             if placement not in PLACEMENTS:
                 problem = problem or f"placement must be one of {', '.join(PLACEMENTS)}; got {placement!r}"
             problem = problem or interleave_problem(placement, interleave)
+            if not isinstance(shared_values, bool) or (shared_values and value_dim > head_dim):
+                problem = problem or f"shared_values needs True or False and value_dim <= head_dim, got " \
+                                     f"{shared_values!r} with {value_dim} > {head_dim}"
             problem = problem or timeout_problem(timeout)
-            values = repr((kv_heads, head_dim, value_dim, np.dtype(dtype).name, quantize, placement, interleave,
-                           timeout))
+            values = {name: Shown(value) for name, value in (
+                ("kv_heads", kv_heads), ("head_dim", head_dim), ("value_dim", value_dim),
+                ("dtype", np.dtype(dtype).name), ("quantize", quantize), ("placement", placement),
+                ("interleave", interleave), ("shared_values", shared_values), ("timeout", timeout))}
         except Exception as exc:  # reported collectively, never raised alone
-            problem = describe(exc)
+            problem, values = describe(exc), None
         with exclusive(self.comm):
-            metas = agreed(self.comm, problem, None, timeout, values, entry=True)
-        message = verdict([None if m == metas[0] else f"options {m} differ from rank 0's {metas[0]}" for m in metas])
-        if message:
-            raise ValueError(message)
+            agreed(self.comm, problem, values, timeout, entry=True)
         self.kv_heads, self.head_dim, self.value_dim = int(kv_heads), int(head_dim), int(value_dim)
         self.dtype, self.quantize, self.placement, self.timeout = np.dtype(dtype), quantize, placement, timeout
         self.interleave = None if placement == "contiguous" else int(interleave)  # "round_robin": 1
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.lengths = [0] * self.size  # every rank's cached tokens, the same list on every rank
-        self.store = KVStore(self.kv_heads, self.head_dim, self.value_dim, self.dtype, quantize)  # this rank's
+        self.shared_values = shared_values
+        self.store = KVStore(self.kv_heads, self.head_dim, self.value_dim, self.dtype, quantize, shared_values)
         self._ring = None  # a private RingComm for merge="ring", made at the first such attend
         self._draft = None  # the last verify's (k, v, parents), until commit
 
@@ -168,7 +161,7 @@ class KVCache:
         Returns this rank's ``(out, lse)`` in the order of its rows. ``options``
         go to ``ring_attention`` (e.g. ``rotate``).
         """
-        opens = positions is not None  # else the all-gather of the prompt's length opens the call
+        opens, v = positions is not None, self._values(k, v)  # else the prompt's length opens the call
         if positions is None:
             with exclusive(self.comm):
                 total = sum(gather_entry(self.comm, int(np.shape(q)[-2]) if np.ndim(q) >= 2 else 0, self.timeout))
@@ -196,7 +189,7 @@ class KVCache:
         another rank, straight to it, and nothing else: ``record.bytes_sent`` is
         ``infercost.relayout_bytes`` (the tokens as given, K and V). Collective.
         """
-        rec = Record(self.rank) if record is None else record
+        rec, v = Record(self.rank) if record is None else record, self._values(k, v)
         with exclusive(self.comm):
             problem = None if not len(self) else f"adopt needs an empty cache; it holds {len(self)} tokens"
             try:
@@ -217,7 +210,7 @@ class KVCache:
         mine = owners[self.rank]
         order = np.argsort(mine, kind="stable")
         rows = np.concatenate([np.moveaxis(x, -2, 0).reshape(len(mine), int(np.prod(x.shape[:-2])) * x.shape[-1])
-                               for x in (k, v)], axis=1)[order]  # a token's K and V as one row
+                               for x in (k, v)[:2 - self.shared_values]], axis=1)[order]  # a token's K (and V)
         out = [int(np.count_nonzero(mine == r)) for r in range(self.size)]
         into = [int(np.count_nonzero(o == self.rank)) for o in owners]
         got = np.empty((sum(into), rows.shape[1]), rows.dtype)
@@ -232,8 +225,10 @@ class KVCache:
         pos = np.concatenate([p[o == self.rank] for p, o in zip(held, owners)])
         order = np.argsort(pos, kind="stable")
         got, split = got[order], int(np.prod(k.shape[:-2])) * self.head_dim
-        k, v = (np.ascontiguousarray(np.moveaxis(part.reshape((len(pos),) + k.shape[:-2] + (dim,)), 0, -2))
-                for part, dim in ((got[:, :split], self.head_dim), (got[:, split:], self.value_dim)))
+        parts = ((got[:, :split], self.head_dim), (got[:, split:], self.value_dim))[:2 - self.shared_values]
+        k, *v = (np.ascontiguousarray(np.moveaxis(part.reshape((len(pos),) + k.shape[:-2] + (dim,)), 0, -2))
+                 for part, dim in parts)
+        v = v[0] if v else self._values(k, None)
         self.lengths = [int(sum(np.count_nonzero(o == r) for o in owners)) for r in range(self.size)]
         self.store.append(k, v, pos[order])
 
@@ -244,21 +239,18 @@ class KVCache:
         starts = [len(p) for p in layout_positions(prompt_len, self.size, "contiguous")]
         return np.searchsorted(np.cumsum(starts), positions, side="right")
 
-    def extend(self, k, v):
+    def extend(self, k, v=None):
         """Append new tokens (``k, v`` (..., kv_heads, T, D), the same on every rank): each owner keeps its own."""
+        v = self._values(k, v)
         with exclusive(self.comm):
             problem = values = None
             try:
                 problem = self._shape_problem(k, v)
-                if problem is None:
-                    values = (k.shape, v.shape, _bytes_digest(k), _bytes_digest(v))
+                if problem is None:  # extend takes the same new tokens on every rank
+                    values = {"new k": by_content("new k", k), "new v": by_content("new v", v)}
             except Exception as exc:  # reported collectively, never raised alone
-                problem = describe(exc)
-            metas = agreed(self.comm, problem, None, self.timeout, values, entry=True)
-            message = verdict([None if m == metas[0] else "k and v differ from rank 0's: extend takes the same new "
-                               "tokens on every rank" for m in metas])
-            if message:
-                raise ValueError(message)
+                problem, values = describe(exc), None
+            agreed(self.comm, problem, values, self.timeout, entry=True)
         self._add(k, v)
 
     def _add(self, k, v):
@@ -281,6 +273,12 @@ class KVCache:
             lengths[r] += 1
         return np.array(owners, np.int64)
 
+    def _values(self, k, v):
+        """``v``, or with ``shared_values`` and v None, the last value_dim values of k's rows (a view)."""
+        if self.shared_values and v is None and isinstance(k, np.ndarray) and k.ndim:
+            return k[..., self.head_dim - self.value_dim:]
+        return v
+
     def _shape_problem(self, k, v):
         for name, a, dim in (("k", k, self.head_dim), ("v", v, self.value_dim)):
             if not isinstance(a, np.ndarray) or a.dtype != self.dtype:
@@ -291,6 +289,8 @@ class KVCache:
                 return f"{name} must have the cache's batch axes {self.store.lead}, got {a.shape}"
         if k.shape[:-1] != v.shape[:-1]:
             return f"k and v must agree on all but the last axis, got {k.shape} and {v.shape}"
+        if self.shared_values and not np.array_equal(v, self._values(k, None)):
+            return "this cache's values are its keys' last value_dim values (shared_values): give v=None"
         return None
 
     # ---------------------------------------------------------------- decoding
@@ -325,6 +325,7 @@ class KVCache:
         (``decode.draft_mask``). Returns ``(out, lse)``, the same bits on every
         rank; the drafts are held until ``commit`` keeps the accepted ones.
         """
+        v = self._values(k, v)
         with exclusive(self.comm):
             problem = values = None
             try:
@@ -334,13 +335,13 @@ class KVCache:
                     None if k.shape[-2] == T else f"{k.shape[-2]} draft k/v tokens for {T} draft queries")
                 if problem is None:
                     parents = np.asarray(parents, np.int64)
-                    values = {"draft k, v, parents (sha1)": Shown(*[(_bytes_digest(k), _bytes_digest(v),
-                                                                      _bytes_digest(parents))] * 2)}
+                    values = {"draft k": by_content("draft k", k), "draft v": by_content("draft v", v),
+                              "parents": by_content("parents", parents, str(parents.tolist()))}
             except Exception as exc:  # reported collectively, never raised alone
-                problem = describe(exc)
+                problem, values = describe(exc), None
             self._draft = None
             result = self._attend(q, merge, scale, record, problem, values=values, draft=(k, v, parents))
-            self._draft = (k.copy(), v.copy(), parents)  # T tokens: safe from the caller's later writes
+            self._draft = (k.copy(), v.copy(), parents, len(self))  # T tokens: safe from the caller's later writes
             return result
 
     def commit(self, accepted):
@@ -354,13 +355,16 @@ class KVCache:
         with exclusive(self.comm):
             problem = values = None
             try:
-                accepted = np.asarray(accepted, np.int64).reshape(-1)
-                problem = path_problem(self._draft, accepted)
+                given = np.asarray(accepted)
+                if given.size and given.dtype.kind not in "iu":
+                    problem = f"accepted must be integer indices of draft tokens, got {given.dtype}: {given.tolist()}"
+                accepted = given.astype(np.int64).reshape(-1)
+                problem = problem or path_problem(self._draft, accepted, len(self))
                 values = {"accepted": Shown(accepted)}
             except Exception as exc:  # reported collectively, never raised alone
                 problem = describe(exc)
             agreed(self.comm, problem, values, self.timeout, entry=True)
-        k, v, _ = self._draft
+        k, v = self._draft[:2]
         self._draft = None
         self._add(k[..., accepted, :], v[..., accepted, :])
 
@@ -371,20 +375,24 @@ class KVCache:
         problem = problem or self._q_problem(q)
         k_peak = self.store.k_peak if draft is None or problem or not draft[0].size else \
             max(self.store.k_peak, float(np.abs(draft[0]).max()))
-        scale, lengths = decode_agreement(self.comm, q, k_like, v_like, scale, self.timeout, merge, causal,
-                                          positions, self.store.positions, k_peak=k_peak, problem=problem,
-                                          values={**(values or {}), **(scores.values() if scores else {})})
-        timeout = decode_timeout(self.timeout, q, v_like, lengths)
         rec = Record(self.rank) if record is None else record
-        start = time.perf_counter()
-        q = np.ascontiguousarray(q)
-        positions = None if positions is None else np.asarray(positions, np.int64)
-        out, lse = local_partial(q, self.store.tiles(), scale, positions, causal, padded=True, scores=scores)
-        rec.compute_time += rec.event("compute", start, kind="decode") - start
+
+        @computing(rec)
+        def work(scale):  # this rank's tiles (and the user's functions on them), before the agreement
+            own = None if positions is None else np.asarray(positions, np.int64)
+            return local_partial(np.ascontiguousarray(q), self.store.tiles(), scale, own, causal, padded=True,
+                                 scores=scores)
+
+        scale, lengths, (out, lse) = decode_agreement(
+            self.comm, q, k_like, v_like, scale, self.timeout, merge, causal, positions, self.store.positions,
+            k_peak=k_peak, problem=problem, values={**(values or {}), **(scores.values() if scores else {})},
+            work=work)
+        timeout = decode_timeout(self.timeout, q, v_like, lengths)
+        start = time.perf_counter() - work.seconds
         rows = merge_partials(packed(out, lse), self.comm, merge, timeout, ring=self._ring_for(merge, timeout),
                               rec=rec)
         if draft is not None:  # the drafts among themselves: the same inputs and bits on every rank
-            lse_merge(packed(*draft_partial(q, draft[0], draft[1], draft[2], scale)), rows)
+            lse_merge(packed(*draft_partial(np.ascontiguousarray(q), draft[0], draft[1], draft[2], scale)), rows)
         rec.wall_time = time.perf_counter() - start
         out, lse = unpacked(rows, out.shape, q.dtype)
         return (out, lse) if scores is None else scores.finish(out, lse)
@@ -418,7 +426,7 @@ class KVCache:
         self.close()
 
 
-def attend_many(caches, qs, *, merge="tree", scale=None, record=None):
+def attend_many(caches, qs, *, merge="tree", scale=None, record=None, comm=None, timeout=None):
     """Continuous batching: the new tokens ``qs[i]`` of sequence i over ``caches[i]``, one agreement, one merge.
 
     ``caches``: ``KVCache`` objects on one communicator, one per sequence (any
@@ -426,29 +434,46 @@ def attend_many(caches, qs, *, merge="tree", scale=None, record=None):
     sequence's queries (..., Hq, T_i, D), the same on every rank. Returns
     ``[(out, lse), ...]``, the same bits on every rank: what ``attend`` gives
     for each sequence (unmasked), with one reduction for the whole batch
-    (``decode.merge_many``) instead of one per sequence.
+    (``decode.merge_many``) instead of one per sequence. ``comm`` and ``timeout``: the caches' own, for a rank
+    that passes none (it still joins the agreement and raises its ValueError with every rank): default
+    COMM_WORLD and "auto".
     """
-    first = caches[0]
-    comm = first.comm
-    with exclusive(comm):
-        problem = None
-        if len(caches) != len(qs):
+    problem, likes, peaks = None, [], []
+    try:
+        if not isinstance(caches, (list, tuple)) or not isinstance(qs, (list, tuple)):
+            problem = "caches and qs must be lists, one entry per sequence"
+        elif not caches:
+            problem = "attend_many needs at least one cache"
+        elif len(caches) != len(qs):
             problem = f"{len(caches)} caches for {len(qs)} query arrays"
-        elif any(c.comm is not comm for c in caches):
+        elif not all(isinstance(c, KVCache) for c in caches):
+            problem = "caches must be KVCache objects"
+        elif any(c.comm is not caches[0].comm for c in caches):
             problem = "every cache of one attend_many must be on the same communicator object"
-        for i, (cache, q) in enumerate(zip(caches, qs)):
+        for i, (cache, q) in enumerate(zip(caches, qs) if problem is None else ()):
             found = cache._q_problem(q)
             problem = problem or (found and f"sequence {i}: {found}")
-        likes = [cache._like(q) for cache, q in zip(caches, qs)] if problem is None else []
-        peaks = [c.store.k_peak for c in caches][:len(likes)]
-        scale, lengths = decode_agreement(comm, list(qs)[:len(likes)], [k for k, _ in likes], [v for _, v in likes],
-                                          scale, first.timeout, merge, k_peak=peaks, problem=problem)
+        if problem is None:
+            likes = [cache._like(q) for cache, q in zip(caches, qs)]
+            peaks = [c.store.k_peak for c in caches]
+    except Exception as exc:  # reported collectively, never raised alone
+        problem, likes, peaks = describe(exc), [], []
+    comm = check_comm(caches[0].comm if problem is None else comm)  # a rank without caches: ``comm``
+    first = caches[0] if problem is None else None
+    timeout = first.timeout if first is not None else "auto" if timeout is None else timeout
+    with exclusive(comm):
+        rec = Record(comm.Get_rank()) if record is None else record
+
+        @computing(rec)
+        def work(scale):
+            return [local_partial(np.ascontiguousarray(q), cache.store.tiles(), scale, padded=True)
+                    for cache, q in zip(caches, qs)]
+
+        scale, lengths, parts = decode_agreement(
+            comm, list(qs)[:len(likes)], [k for k, _ in likes], [v for _, v in likes], scale, timeout, merge,
+            k_peak=peaks, problem=problem, values={"timeout": Shown(timeout)}, work=work)
         timeout = decode_timeout(first.timeout, max(qs, key=np.size), likes[0][1], lengths)
-        rec = Record(first.rank) if record is None else record
-        start = time.perf_counter()
-        parts = [local_partial(np.ascontiguousarray(q), cache.store.tiles(), scale, padded=True)
-                 for cache, q in zip(caches, qs)]
-        rec.compute_time += rec.event("compute", start, kind="decode") - start
+        start = time.perf_counter() - work.seconds
         result = merge_many(parts, comm, merge, timeout, ring=first._ring_for(merge, timeout), rec=rec,
                             dtype=first.dtype)
         rec.wall_time = time.perf_counter() - start

@@ -49,9 +49,9 @@ class KVStore:
     ``lead``: the batch axes; ``k_peak``: max |k| so far (the logit check).
     """
 
-    def __init__(self, kv_heads, head_dim, value_dim, dtype, quantize):
+    def __init__(self, kv_heads, head_dim, value_dim, dtype, quantize, shared=False):
         self.kv_heads, self.head_dim, self.value_dim, self.dtype = kv_heads, head_dim, value_dim, dtype
-        self.quantize = quantize
+        self.quantize, self.shared = quantize, shared  # shared: v is k's last value_dim values, kept once
         self.arrays, self.lead, self.n, self.k_peak = None, None, 0, 0.0
         self._pos = np.empty(0, np.int64)
 
@@ -81,7 +81,7 @@ class KVStore:
         cap = self._pos.shape[0]
         if need > cap or self.arrays[0] is None:
             cap = max(need, 2 * cap, 16)
-            for i, dim in ((0, self.head_dim), (2, self.value_dim)):
+            for i, dim in ((0, self.head_dim),) + ((2, self.value_dim),) * (not self.shared):
                 self.arrays[i] = _grown(self.arrays[i], self.n, cap, self.lead + (self.kv_heads, dim),
                                         {None: self.dtype, "float16": np.float16, "int8": np.int8}[self.quantize],
                                         ones=self.quantize is None)
@@ -91,7 +91,7 @@ class KVStore:
             self._pos = np.concatenate([self._pos[:self.n], np.empty(cap - self.n, np.int64)])
         if n:
             self.k_peak = max(self.k_peak, float(np.abs(k).max()))
-        for i, x in ((0, k), (2, v)):
+        for i, x in ((0, k),) + ((2, v),) * (not self.shared):
             values, scales = quantize(x, self.quantize)
             self.arrays[i][..., :x.shape[-1], self.n:need] = np.swapaxes(values, -1, -2)
             if scales is not None:
@@ -109,6 +109,9 @@ class KVStore:
                     np.ones((self.kv_heads, self.value_dim + 1, 0), self.dtype), self._pos[:0])
         tiles = []
         for i in (0, 2):
+            if i == 2 and self.shared:  # [v | 1]^T: the last value_dim rows of [k | 1]^T and its ones, a view
+                tiles.append(tiles[0][..., self.head_dim - self.value_dim:, :])
+                break
             values = self.arrays[i][..., a:b]
             if self.quantize is None:
                 tiles.append(values)

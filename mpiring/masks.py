@@ -30,8 +30,9 @@ from .plans.masks import (
     check_cu_seqlens,
     check_window,
 )
+from .plans.topk import Selected
 
-__all__ = ["causal", "window", "documents", "frames", "prefix", "padding", "function", "parse", "alibi",
+__all__ = ["causal", "window", "documents", "frames", "prefix", "padding", "function", "selected", "parse", "alibi",
            "alibi_slopes", "MaskPiece", "And", "Or"]
 
 
@@ -78,6 +79,21 @@ def function(fn):
     """Any mask: ``fn(q_pos, k_pos) -> bool array``, evaluated with NumPy on broadcast blocks of global positions
     (flex-attention's ``mask_mod``, vectorized). The same function on every rank."""
     return Function(fn)
+
+
+def selected(chosen, block=1, causal=True):
+    """Top-k blocks: query t sees key s iff block ``s // block`` is in ``chosen[t]`` (and s <= t if ``causal``);
+    ``chosen`` (S, k) holds every query position's block indices, -1 for none. ``mpiring.select_topk`` makes
+    one from an indexer's scores (docs/masks.md)."""
+    a = np.asarray(chosen)
+    if a.ndim != 2 or a.dtype.kind not in "iu" or np.any(a < -1):
+        raise ValueError(f"selected(chosen) takes an integer array (positions, k) of block indices or -1; got "
+                         f"{a.dtype} of shape {a.shape}")
+    if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block < 1:
+        raise ValueError(f"selected(chosen, block) takes a positive block size, got {block!r}")
+    if np.any(a >= -(-len(a) // block)):
+        raise ValueError(f"selected: a block index is past the last block of {len(a)} positions")
+    return Selected(a, int(block), bool(causal))
 
 
 _NAMED = {"causal": lambda: causal(), "prefix": lambda n: prefix(int(n)), "frames": lambda n: frames(int(n)),

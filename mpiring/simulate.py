@@ -2,14 +2,14 @@
 
 import numpy as np
 
-from .core.block import accumulators, attend
+from .core.block import GRAD_DTYPE, accumulators, add_grads, attend, grads_of
 from .core.kernels import default_scale
 from .core.precision import INPUT_DTYPES, Precision
 from .core.scores import Score, with_sinks
 from .mpi.record import Record
 from .plans.spec import spec_problem
 
-__all__ = ["ring_attention_simulate", "simulate"]
+__all__ = ["ring_attention_simulate", "simulate", "simulate_backward"]
 
 
 def _as_float(name, a):
@@ -21,24 +21,9 @@ def _as_float(name, a):
     return a
 
 
-def simulate(Q, K, V, num_devices, *, causal=False, scale=None, layout="contiguous", mode="ring",
-             window=None, cu_seqlens=None, causal_block=None, positions=None, wire_dtype=None, accumulate="float64",
-             mask=None, softcap=None, bias=None, sinks=None, dropout=0.0, seed=0, spec=None):
-    """Run every device's part of the ring in turn; return ``(out, lse, schedule)``.
-
-    ``schedule`` is the plan's Schedule: ``schedule.table[step][device]``
-    holds the Tasks (source block, full/masked/skip) of that step.
-    ``wire_dtype`` and ``accumulate`` are as in ``ring_attention``: every block
-    a device gets from another is coded and decoded as the wire would.
-    ``positions``: one array per device, the tokens it holds (instead of ``layout``).
-    ``mask``, ``softcap``, ``bias``, ``sinks``, ``dropout``, ``seed``: as in ``ring_attention`` (the same
-    kernels: the same dropped entries).
-    ``spec``: a ``Spec`` holding the options instead (its ``positions``, if any: every device's, as agreed).
-    """
-    spec, problem = spec_problem(dict(causal=causal, scale=scale, layout=layout, mode=mode, window=window,
-                                      cu_seqlens=cu_seqlens, causal_block=causal_block, wire_dtype=wire_dtype,
-                                      accumulate=accumulate, mask=mask, softcap=softcap, bias=bias, sinks=sinks,
-                                      dropout=dropout, seed=seed), spec)
+def _prepared(Q, K, V, num_devices, options, spec, positions):
+    """The checked problem of ``simulate`` (and its backward): ``(spec, pr, plan, score, Q, K, V)``."""
+    spec, problem = spec_problem(options, spec)
     if problem:
         raise ValueError(problem)
     if positions is not None:  # one array per device: the agreed form of the spec's positions
@@ -63,12 +48,39 @@ def simulate(Q, K, V, num_devices, *, causal=False, scale=None, layout="contiguo
     problem = spec.scores_problem(Q)
     if problem:
         raise ValueError(problem)
-    score = Score.of(spec, scale)
+    return spec, pr, plan, Score.of(spec, scale), Q, K, V
+
+
+def _blocks(plan, pr, K, V):
+    """Per device: its own K/V block as the kernel takes it (exact), and as the others get it (coded by the
+    owner, decoded on arrival)."""
+    own = [tuple(pr.widen(np.take(X, plan.kv_shards[j], axis=-2)) for X in (K, V)) for j in range(plan.size)]
+    sent = [tuple(pr.wire.decode(pr.wire.encode(np.take(X, plan.kv_shards[j], axis=-2))) for X in (K, V))
+            for j in range(plan.size)]
+    return own, sent
+
+
+def simulate(Q, K, V, num_devices, *, causal=False, scale=None, layout="contiguous", mode="ring",
+             window=None, cu_seqlens=None, causal_block=None, positions=None, wire_dtype=None, accumulate="float64",
+             mask=None, softcap=None, bias=None, sinks=None, dropout=0.0, seed=0, spec=None):
+    """Run every device's part of the ring in turn; return ``(out, lse, schedule)``.
+
+    ``schedule`` is the plan's Schedule: ``schedule.table[step][device]``
+    holds the Tasks (source block, full/masked/skip) of that step.
+    ``wire_dtype`` and ``accumulate`` are as in ``ring_attention``: every block
+    a device gets from another is coded and decoded as the wire would.
+    ``positions``: one array per device, the tokens it holds (instead of ``layout``).
+    ``mask``, ``softcap``, ``bias``, ``sinks``, ``dropout``, ``seed``: as in ``ring_attention`` (the same
+    kernels: the same dropped entries).
+    ``spec``: a ``Spec`` holding the options instead (its ``positions``, if any: every device's, as agreed).
+    """
+    spec, pr, plan, score, Q, K, V = _prepared(
+        Q, K, V, num_devices, dict(causal=causal, scale=scale, layout=layout, mode=mode, window=window,
+                                   cu_seqlens=cu_seqlens, causal_block=causal_block, wire_dtype=wire_dtype,
+                                   accumulate=accumulate, mask=mask, softcap=softcap, bias=bias, sinks=sinks,
+                                   dropout=dropout, seed=seed), spec, positions)
     P = plan.size
-    wire = pr.wire  # the others get a block coded by its owner, decoded on arrival
-    kv = [tuple(pr.widen(np.take(X, plan.kv_shards[j], axis=-2)) for X in (K, V)) for j in range(P)]  # sorted
-    sent = [tuple(wire.decode(wire.encode(np.take(X, plan.kv_shards[j], axis=-2))) for X in (K, V))
-            for j in range(P)]
+    kv, sent = _blocks(plan, pr, K, V)  # the others get a block coded by its owner, decoded on arrival
     outs, lses = [], []
     for device in range(P):
         q = pr.widen(np.ascontiguousarray(np.take(Q, plan.shards[device], axis=-2)))
@@ -77,6 +89,8 @@ def simulate(Q, K, V, num_devices, *, causal=False, scale=None, layout="contiguo
         for step in range(plan.n_steps):
             for task in plan.tasks(step, device):
                 block = kv[device] if task.source == device else sent[task.source]
+                rows = plan.kept(device, task.source)  # the sparse movement's chosen keys: those pieces index
+                block = block if rows is None else tuple(np.take(x, rows, axis=-2) for x in block)
                 attend(q, block, task, plan.pieces(device, task.source), score, acc, rec, None, step)
         if spec.sinks is not None:
             acc = with_sinks(*acc, spec.sinks)
@@ -87,6 +101,47 @@ def simulate(Q, K, V, num_devices, *, causal=False, scale=None, layout="contiguo
     for device in range(P):
         out[..., plan.shards[device], :], lse[..., plan.shards[device]] = outs[device], lses[device]
     return out, lse, plan.schedule
+
+
+def simulate_backward(dO, Q, K, V, out, lse, num_devices, *, positions=None, spec=None, **options):
+    """The ring's backward pass simulated in one process: ``(dq, dk, dv)`` for ``simulate``'s ``(out, lse)``.
+
+    Options as ``simulate`` takes them (the ring modes), and ``grad_wire_dtype``. Every device recomputes
+    its rows against each block it visits, a block from another device coded and decoded as the wire
+    would; a block's dK/dV partial is summed in ``grad_wire_dtype`` (default float32, float64 for float64
+    inputs) by its visitors in the order they see it, as it travels, and added to its owner's own share in
+    float64 at home.
+    """
+    spec, pr, plan, score, Q, K, V = _prepared(Q, K, V, num_devices, options, spec, positions)
+    dO, out, lse = (np.asarray(a) for a in (dO, out, lse))
+    if dO.shape != out.shape or out.shape != Q.shape[:-1] + V.shape[-1:] or lse.shape != Q.shape[:-1]:
+        raise ValueError(f"dO and out must have shape {Q.shape[:-1] + V.shape[-1:]} and lse {Q.shape[:-1]}; got "
+                         f"{dO.shape}, {out.shape}, {lse.shape}")
+    kv, sent = _blocks(plan, pr, K, V)
+    rows = [[np.ascontiguousarray(np.take(X, plan.shards[d], axis=-2)) for X in (dO, Q, out)] for d in range(plan.size)]
+    queries = [(do, q, o, np.take(lse, plan.shards[d], axis=-1),
+                np.einsum("...d,...d->...", do, o, dtype=GRAD_DTYPE).astype(q.dtype))
+               for d, (do, q, o) in enumerate(rows)]
+    dq = [np.zeros(q.shape, GRAD_DTYPE) for _, q, _ in rows]
+    home = [[np.zeros(X.shape[:-2] + (len(s), X.shape[-1]), GRAD_DTYPE) for X in (K, V)] for s in plan.kv_shards]
+    partials, rec = {}, Record()
+    for step in range(plan.n_steps):  # a block's visitors in the order it meets them
+        for device in range(plan.size):
+            for task in plan.tasks(step, device):
+                mine = task.source == device
+                block = kv[device] if mine else sent[task.source]
+                grads = grads_of(queries[device], block, task, plan.pieces(device, task.source), score, dq[device],
+                                 rec, lambda: None, step)
+                total = home[task.source] if mine else partials.setdefault(
+                    (task.source, task.stream), [np.zeros(h.shape, pr.grad) for h in home[task.source]])
+                add_grads(total, grads)
+    for (source, _), partial in partials.items():
+        add_grads(home[source], [(0, partial[0].shape[-2], *partial)])
+    grads = [np.empty(X.shape, pr.input) for X in (Q, K, V)]
+    for d in range(plan.size):
+        grads[0][..., plan.shards[d], :] = dq[d]
+        grads[1][..., plan.kv_shards[d], :], grads[2][..., plan.kv_shards[d], :] = home[d]
+    return tuple(grads)
 
 
 def ring_attention_simulate(Q, K, V, num_devices):

@@ -24,9 +24,21 @@ from .core.precision import named_dtype
 from .handle import ring_attention as _ring_attention
 from .handle import ring_attention_backward as _ring_attention_backward
 from .mpi.axes import seq_index
+from .mpi.checks import Shown
 from .options import foreign_problem
+from .parallel.mixing.entry import Refused
+from .parallel.mixing.entry import causal_conv as _conv
+from .parallel.mixing.entry import causal_conv_backward as _conv_backward
+from .parallel.mixing.entry import linear_attention as _linear
+from .parallel.mixing.entry import linear_attention_backward as _linear_backward
+from .parallel.mixing.statespace import selective_scan as _scan
+from .parallel.mixing.statespace import selective_scan_backward as _scan_backward
+from .parallel.mixing.statespace import ssd as _ssd
+from .parallel.mixing.statespace import ssd_backward as _ssd_backward
+from .plans.content import content
 
-__all__ = ["ring_attention", "DTYPES"]
+__all__ = ["ring_attention", "DTYPES", "causal_conv1d", "linear_attention", "chunk_gated_delta_rule",
+           "mamba_chunk_scan", "selective_scan"]
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # bfloat16 through ml_dtypes
 FUNCTION_OPTIONS = set(inspect.signature(_ring_attention).parameters) - {"q", "k", "v", "problem"}
@@ -67,13 +79,13 @@ def _arrays(tensors, names):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring, options, problem):
+    def forward(ctx, q, k, v, ring, options, problem, shared):
         arrays, found = _arrays((q, k, v), "qkv")
         problem = problem or found  # reported by every rank, through the call's agreement
         if ring is not None:
-            out, lse, *top = ring.forward(*arrays, problem=problem, **options)
+            out, lse, *top = ring.forward(*arrays, problem=problem, shared=shared, **options)
         else:
-            out, lse, *top = _ring_attention(*arrays, problem=problem, **options)
+            out, lse, *top = _ring_attention(*arrays, problem=problem, shared=shared, **options)
         out_t = _tensor(out)
         ctx.save_for_backward(q, k, v, out_t)
         ctx.ring, ctx.options, ctx.lse = ring, options, lse  # lse as returned: it carries the forward's options
@@ -93,7 +105,7 @@ class _RingAttention(torch.autograd.Function):
         else:
             options = {name: value for name, value in ctx.options.items() if name in BACKWARD_OPTIONS}
             grads = _ring_attention_backward(*arrays, ctx.lse, dlse=dlse, problem=problem or found, **options)
-        return (*(_tensor(g) for g in grads[:3]), None, None, None)  # the Ring's own sinks: no tensor to feed
+        return (*(_tensor(g) for g in grads[:3]), None, None, None, None)  # the Ring's own sinks: no tensor
 
 
 def _with_sinks(out, lse, sinks, ring, options):
@@ -131,7 +143,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring=None,
     options = {name: value for name, value in options.items() if name not in unknown}
     if sinks is not None and problem is None:
         problem = _sinks_problem(sinks, q, ring, options)
-    out, lse, top = _RingAttention.apply(q, k, v, ring, options, problem)
+    out, lse, top = _RingAttention.apply(q, k, v, ring, options, problem, _shared(q, k, v, sinks, problem))
     if sinks is not None:
         out, lse = _with_sinks(out, lse, sinks, ring, options)
     results = (out, lse) if return_lse else (out,)
@@ -139,10 +151,23 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring=None,
     return results if len(results) > 1 else out
 
 
+def _shared(q, k, v, sinks, problem):
+    """What every rank's call must have alike beside the arrays: whether a backward follows (autograd calls it on
+    the ranks whose output needs a gradient: all or none), and the trainable sinks, by content."""
+    tensors = [t for t in (q, k, v, sinks) if isinstance(t, torch.Tensor)]
+    shared = {"requires_grad": Shown(torch.is_grad_enabled() and any(t.requires_grad for t in tensors))}
+    if sinks is not None and problem is None:
+        shared["sinks tensor"] = Shown(None, f"{sinks.dtype} ({len(sinks)},)", content(sinks.detach(), "sinks tensor"))
+    return shared
+
+
 def _sinks_problem(sinks, q, ring, options):
     """Why a call's trainable ``sinks`` cannot be used, or None."""
     if not isinstance(sinks, torch.Tensor) or sinks.ndim != 1 or not sinks.is_floating_point():
         return f"sinks must be a 1-D floating-point tensor of one logit per query head, got {sinks!r:.80}"
+    if not bool(torch.isfinite(sinks.detach()).all()):
+        bad = int((~torch.isfinite(sinks.detach())).sum())
+        return f"sinks must be finite logits, one per query head; got {bad} NaN/Inf of {len(sinks)}"
     if (ring is not None and ring.spec.sinks is not None) or options.get("sinks") is not None:
         return "sinks are given twice: as the Ring's (or an option's) fixed logits and as the call's tensor"
     seq_axis = ring.seq_axis if ring is not None else options.get("seq_axis", -2)
@@ -155,3 +180,128 @@ def _sinks_problem(sinks, q, ring, options):
     if len(sinks) != heads:
         return f"sinks has {len(sinks)} logits, but q has {heads} query heads: give one per head"
     return None
+
+
+# ---------------------------------------------------------------- the sequence mixers (docs/mixers.md)
+#
+# Each function takes what the transformers kernel it is named after takes (the same shapes, the same
+# pointwise steps in torch ops, so autograd differentiates them), plus the mixer call's keywords: comm=,
+# and the options of mpiring.MixerSpec (seq_len=, layout=, positions=, cu_seqlens=, passing=, block=) or
+# spec=; timeout=, record=. The recurrence or convolution itself runs collectively through mpiring.
+
+MIXERS = {"conv": (_conv, _conv_backward, "dy"), "linear": (_linear, _linear_backward, "dout"),
+          "ssd": (_ssd, _ssd_backward, "dy"), "scan": (_scan, _scan_backward, "dy")}
+
+
+def _mixer_arrays(named):
+    """NumPy views of the tensors (None kept; a Refused where a tensor cannot be one: every rank hears why)."""
+    out = {}
+    for name, t in named.items():
+        a, why = (None, None) if t is None else _numpy(t, name)
+        out[name] = Refused(why) if why else a
+    return out
+
+
+class _Mixer(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, kind, names, keywords, refused, *tensors):
+        arrays = _mixer_arrays(dict(zip(names, tensors)))
+        if refused:  # what the adapter could not map, reported by every rank through the call's agreement
+            arrays[names[0]] = Refused(refused)
+        result = MIXERS[kind][0](**arrays, **keywords)
+        out, ctx.carry = (result, None) if kind == "conv" else result
+        ctx.kind, ctx.names, ctx.keywords = kind, names, keywords
+        ctx.save_for_backward(*tensors)
+        return _tensor(out)
+
+    @staticmethod
+    def backward(ctx, dout):
+        _, backward, dname = MIXERS[ctx.kind]
+        arrays = _mixer_arrays({dname: dout, **dict(zip(ctx.names, ctx.saved_tensors))})
+        carry = {} if ctx.kind == "conv" else {"carry": ctx.carry}
+        grads = backward(**arrays, **carry, **ctx.keywords)
+        return (None, None, None, None, *(None if g is None else _tensor(g) for g in grads))
+
+
+def _refused(**given):
+    """Why an option the transformers kernel takes cannot be run by mpiring (name and value), or None."""
+    for name, (value, allowed) in given.items():
+        if value not in allowed:
+            return f"{name}={value!r} is not supported by mpiring's sequence mixers (supported: {allowed})"
+    return None
+
+
+def causal_conv1d(x, weight, bias=None, activation=None, **mixer):
+    """transformers' ``causal_conv1d_fn``: x (B, C, n) this rank's tokens, weight (C, w), bias (C,) or None;
+    ``activation`` None or "silu". Returns (B, C, n)."""
+    refused = _refused(activation=(activation, (None, "silu", "swish")))
+    y = _Mixer.apply("conv", ("x", "weight", "bias"), mixer, refused, x.transpose(-1, -2), weight, bias)
+    y = y.transpose(-1, -2).contiguous()  # contiguous as transformers' is: layers call .view() on it
+    return y if activation is None else torch.nn.functional.silu(y)
+
+
+def _l2norm(x, eps=1e-6):
+    """transformers' (and FLA's) l2norm: x / sqrt(sum x^2 + eps)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def linear_attention(q, k, v, g=None, *, scale=None, **mixer):
+    """Linear attention with a decay, (B, n, H, d) tensors as flash-linear-attention takes them: ``g`` None,
+    (B, n, H) log decays (one per head) or (B, n, H, dk) (GLA). Returns (B, n, H, dv)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    names = ("q", "k", "v", "decay")
+    out = _Mixer.apply("linear", names, dict(mixer, scale=scale), None,
+                       *(None if t is None else t.transpose(1, 2) for t in (q, k, v, g)))
+    return out.transpose(1, 2).contiguous()
+
+
+def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False, *, scale=None, **mixer):
+    """transformers' ``torch_chunk_gated_delta_rule`` (Qwen3-Next): query, key (B, n, Hk, dk), value (B, n, Hv, dv),
+    g and beta (B, n, Hv); Hv a multiple of Hk (each q/k head serves Hv / Hk consecutive value heads). Returns
+    ``(out (B, n, Hv, dv), None)``. ``chunk_size`` is transformers' block (mpiring's is ``block=``)."""
+    refused = _refused(initial_state=(initial_state, (None,)), output_final_state=(output_final_state, (False,)))
+    if value.shape[-2] != key.shape[-2]:
+        query, key = (t.repeat_interleave(value.shape[-2] // key.shape[-2], dim=2) for t in (query, key))
+    if use_qk_l2norm_in_kernel:
+        query, key = _l2norm(query), _l2norm(key)
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    names = ("q", "k", "v", "decay", "beta")
+    out = _Mixer.apply("linear", names, dict(mixer, scale=scale), refused,
+                       *(t.transpose(1, 2) for t in (query, key, value, g, beta)))
+    return out.transpose(1, 2).contiguous(), None
+
+
+def mamba_chunk_scan(hidden_states, dt, A, B, C, chunk_size=None, D=None, dt_bias=None, initial_states=None,
+                     dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, z=None, **mixer):
+    """transformers' ``mamba2_chunk_scan`` (Mamba-2's SSD, Falcon-H1): hidden_states (B, n, H, P), dt (B, n, H),
+    A (H,), B and C (B, n, G, N), D (H,); dt + dt_bias, softplus and the limits in torch ops as there. Returns
+    (B, n, H, P)."""
+    refused = _refused(initial_states=(initial_states, (None,)), return_final_states=(return_final_states, (False,)),
+                       z=(z, (None,)))
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if dt_softplus:
+        dt = torch.nn.functional.softplus(dt)
+    dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])
+    y = _Mixer.apply("ssd", ("x", "dt", "A", "B", "C"), mixer, refused,
+                     *(t.transpose(1, 2) for t in (hidden_states, dt)), A, *(t.transpose(1, 2) for t in (B, C)))
+    y = y.transpose(1, 2).contiguous()
+    return y if D is None else y + D[..., None] * hidden_states
+
+
+def selective_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                   return_last_state=False, **mixer):
+    """transformers' ``mamba_selective_scan`` (Mamba-1, Jamba): hidden_states and dt (B, channels, n), A
+    (channels, N), B and C (B, N, n), D (channels,), z (B, channels, n) the gate. Returns (B, channels, n)."""
+    refused = _refused(return_last_state=(return_last_state, (False,)))
+    mixer = {k: v for k, v in mixer.items() if k not in ("use_mambapy", "use_associative_scan")}
+    if delta_bias is not None:
+        dt = dt + delta_bias.to(dt.dtype)[..., None]
+    if delta_softplus:
+        dt = torch.nn.functional.softplus(dt)
+    y = _Mixer.apply("scan", ("x", "dt", "A", "B", "C"), mixer, refused, hidden_states, dt, A, B.transpose(-1, -2),
+                     C.transpose(-1, -2))
+    if D is not None:
+        y = y + hidden_states * D[None, :, None]
+    return y if z is None else y * torch.nn.functional.silu(z)

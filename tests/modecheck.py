@@ -16,6 +16,7 @@ import numpy as np
 from mpiring import Record, ring_attention, ring_attention_backward, shard_indices
 from mpiring.core.reference import definition_mask, dense_attention
 from mpiring.cost.nodes import predicted_bytes
+from mpiring.plans.masks import MaskPiece
 
 from conftest import GRAD_TOL, naive_attention_backward
 
@@ -24,6 +25,17 @@ def problem(rng, S, hq, hk, dtype=np.float64, dim=8, dim_v=6):
     """Seeded full Q, K, V, dOut: batch 2, ``hq`` query and ``hk`` K/V heads, ``S`` tokens."""
     shapes = ((2, hq, S, dim), (2, hk, S, dim), (2, hk, S, dim_v), (2, hq, S, dim_v))
     return [rng.standard_normal(s).astype(dtype) for s in shapes]
+
+
+def head_cases(P):
+    """``(Hq, Hk)`` pairs that Ulysses (or a grid's group) deals over P ranks unevenly, each with why it is here:
+    query heads not divisible by P, GQA groups split between ranks, fewer K/V heads than ranks, K/V heads
+    neither dividing nor divisible by P (``heads.deal_heads``); those with Hq >= P."""
+    u = P + P // 2  # not divisible by P from P = 2: 3 over 2, 4 over 3, 6 over 4, 12 over 8
+    cases = {(u, u): "MHA, uneven", (2 * u, u): "GQA, groups split", (u, 1): "MQA, uneven",
+             (8, 2): "8 query heads, 2 K/V", (9, 3): "3 K/V heads", (6, 3): "3 K/V heads, 2 each",
+             (2 * P, 2 * P): "even, as before"}
+    return {hk: why for hk, why in cases.items() if hk[0] >= P}
 
 
 def local(x, rows, axis=-2):
@@ -48,8 +60,10 @@ def check_mode(comm, Q, K, V, dOut, options, note=""):
     if isinstance(options.get("cu_seqlens"), str):
         options = dict(options, cu_seqlens=[0, 2, 2, S - 4, S])
     pos = np.arange(S)
+    given = options.get("mask") or ()
     mask = definition_mask(pos, pos, causal=options.get("causal", False), window=options.get("window"),
-                           cu_seqlens=options.get("cu_seqlens"), causal_block=options.get("causal_block"))
+                           cu_seqlens=options.get("cu_seqlens"), causal_block=options.get("causal_block"),
+                           mask=(given,) if isinstance(given, MaskPiece) else tuple(given))
     rows, kv_rows = rows_of(comm, S, options), rows_of(comm, S, options, kv=True)
     q, dout = (local(x, rows) for x in (Q, dOut))
     k, v = (local(x, kv_rows) for x in (K, V))

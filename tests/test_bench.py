@@ -14,11 +14,12 @@ import time
 import pytest
 
 from mpiring.tools import bench
-from mpiring.tools.bench import Config
-from mpiring.tools.benchtable import COLUMNS, format_table, format_targets, read_csv, write_csv
-from mpiring.tools.loadgen import spinner_pids
-from mpiring.tools.memory import memory_model
-from mpiring.tools.torchref import torch_available, torch_times
+from mpiring.tools.bench import table
+from mpiring.tools.bench.memory import memory_model
+from mpiring.tools.bench.peers import torch_available, torch_times
+from mpiring.tools.bench.probes import spinner_pids
+from mpiring.tools.bench.sheet import COLUMNS, format_table, format_targets, read_csv, write_csv
+from mpiring.tools.bench.table import Config
 
 from launch import MPIEXEC, clean_env, mpiexec_argv, open_mpi
 
@@ -156,7 +157,7 @@ def test_torch_is_timed_beside_each_row_idle_and_under_the_same_load(monkeypatch
         yield []
         loaded.pop()
 
-    real_run = bench.run_config
+    real_run = table.run_config
 
     def run_config(comm, cfg, **kw):
         events.append(("ring", cfg.name, cfg.causal, cfg.precision, bool(loaded)))
@@ -171,11 +172,11 @@ def test_torch_is_timed_beside_each_row_idle_and_under_the_same_load(monkeypatch
         events.append(("context parallel", len(configs), ranks))
         return [(None, "NotImplementedError: no sharding strategy")] * len(configs)
 
-    monkeypatch.setattr(bench, "busy_load", fake_load)
-    monkeypatch.setattr(bench, "run_config", run_config)
-    monkeypatch.setattr(bench, "torch_times", torch_times)
-    monkeypatch.setattr(bench, "context_parallel_times", context_parallel_times)
-    monkeypatch.setattr(bench, "torch_available", lambda: True)
+    monkeypatch.setattr(table, "busy_load", fake_load)
+    monkeypatch.setattr(table, "run_config", run_config)
+    monkeypatch.setattr(table, "torch_times", torch_times)
+    monkeypatch.setattr(table, "context_parallel_times", context_parallel_times)
+    monkeypatch.setattr(table, "torch_available", lambda: True)
     path = tmp_path / "rows.csv"
     assert bench.bench(MPI.COMM_SELF, TINY + ["--load", "1", "--precisions", "fp32", "--csv", str(path)]) == 0
     printed = capsys.readouterr().out
@@ -308,7 +309,7 @@ def test_memory_model_parts():
 def test_guard_skips_what_does_not_fit():
     from mpi4py import MPI
 
-    row = bench.run_config(MPI.COMM_SELF, Config(1 << 20, 64), guard_mb=1024)
+    row = table.run_config(MPI.COMM_SELF, Config(1 << 20, 64), guard_mb=1024)
     assert row["status"].startswith("skipped: needs")
 
 
@@ -326,7 +327,7 @@ def test_table_and_csv_round_trip(tmp_path):
 
 
 def test_blas_report_warns_about_forced_kernels():
-    code = "import json; from mpiring.tools.limits import blas_report; print(json.dumps(blas_report()))"
+    code = "import json; from mpiring.tools.bench.probes import blas_report; print(json.dumps(blas_report()))"
     env = dict(os.environ, OPENBLAS_CORETYPE="Haswell")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -350,3 +351,23 @@ def test_long_mode_reports_memory_per_rank(tmp_path, capsys):
     assert [(r["S"], r["H"], r["D"], r["causal"], r["pass"]) for r in rows] == [(256, 1, 64, 1, "fwd"),
                                                                               (512, 1, 64, 1, "fwd")]
     assert all(r["status"] == "ok" and r["peak_rss_mb"] > 0 for r in rows)
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
+@pytest.mark.parametrize("args, expect", [
+    (["--inference", "only", "--quick"], r"^decode: cache 4096 tokens, P=2, .* max error \S+ ok$"),
+    (["serving", "--caches", "1024"], r"^\| 1024 \| 2 \| .* \| \S+ ok \|$"),
+    (["overhead", "--sizes", "64", "--repeats", "1"], r"^64\s+Ring\s+[\d.]+"),
+    (["overlap", "--seq-len", "256", "--repeats", "1", "--heads", "2"], r"^transfer alone .*: [\d.]+ s$"),
+    (["peak"], r"(GFLOP/s float32 FMA peak, one core|no C compiler)"),  # no MPI: one process
+])
+def test_subcommands(args, expect):
+    """The subcommands behind docs/inference.md, cluster.md and performance.md run on two ranks, rank 0 reports."""
+    import re
+
+    cmd = [sys.executable, "-m", "mpiring", "bench", *args]
+    cmd = cmd if args == ["peak"] else mpiexec_argv(2, *cmd)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=clean_env())
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert len(re.findall(expect, result.stdout, re.M)) == 1, result.stdout  # found, and printed once
+    assert "FAILED" not in result.stdout

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from mpiring.__main__ import main
+from mpiring.__main__ import MOVED, main, parse
 
 from launch import MPIEXEC, clean_env, mpiexec_argv
 
@@ -40,6 +40,18 @@ def test_bad_arguments_exit_nonzero(capsys):
 def test_cost_report_floors_uneven_lengths_as_its_contract(capsys):
     assert main(["cost", "--seq-len", "1000", "-P", "3", "--hidden", "64", "--heads", "8"]) == 0
     assert "chunk_length: 333" in capsys.readouterr().out
+
+
+def test_bench_subcommands_and_the_commands_that_moved_under_it(capsys):
+    """``bench`` runs the table or a named subcommand; an old top-level spelling still runs it, with a note."""
+    assert parse(["bench", "--quick"])[1].quick and parse(["bench", "plan", "-P", "8"])[1].ranks == [8]
+    for old, new in MOVED.items():
+        assert vars(parse([old])[1]) == vars(parse(["bench", new])[1])
+    assert main(["planbench", "-P", "4", "--tokens-per-rank", "4", "--repeats", "1"]) == 0
+    captured = capsys.readouterr()
+    assert "python -m mpiring planbench is deprecated: use python -m mpiring bench plan" in captured.err
+    assert "| 4 | 16 |" in captured.out
+    assert main(["bench", "plan", "-P", "0x"]) == 2 and "invalid int value" in capsys.readouterr().err
 
 
 def _mpirun(n, *args, timeout=120):

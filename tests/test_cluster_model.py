@@ -43,8 +43,12 @@ def test_ulysses_pays_its_all_to_alls_and_presets_rank_the_modes():
     assert set(results) == {"ring", "double_ring", "ulysses", "hybrid"}
     assert results["ulysses"]["exposed"] > 0
     assert min(results, key=lambda m: results[m]["total"]) == "double_ring"
-    skipped = compare_modes(4096, emulated(2, 2, 1e8, 1e10, 4e9), causal=True, **dict(SHAPE, hq=6, hk=6))
-    assert "ulysses" not in skipped and "hybrid" in skipped  # 6 heads split over a node of 2, not over 4
+    cluster = emulated(2, 2, 1e8, 1e10, 4e9)
+    skipped = compare_modes(4096, cluster, causal=True, **dict(SHAPE, hq=3, hk=3))
+    assert "ulysses" not in skipped and "hybrid" in skipped  # 3 heads split over a node of 2, not over 4
+    uneven, even = (compare_modes(4096, cluster, causal=True, **dict(SHAPE, hq=h, hk=h)) for h in (6, 8))
+    assert uneven["ulysses"]["compute"] == even["ulysses"]["compute"]  # 6 heads over 4: the slowest has 2, as 8
+    assert uneven["ulysses"]["exposed"] < even["ulysses"]["exposed"]  # ... but fewer heads move
 
 
 def test_cost_compares_the_modes(capsys):

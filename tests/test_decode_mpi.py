@@ -95,7 +95,9 @@ def _bad_cases(size):
          "rank {b}: causal decoding needs positions: a 1-D integer array of 2 global positions"),
     ]
     if size > 1:
-        cases.append(("q differs", lambda q, k, v, kw: (q + 1, k, v, kw), "rank {b}: q (sha1 of its bytes) "))
+        cases.append(("q differs", lambda q, k, v, kw: (q + 1, k, v, kw),
+                      "rank {b}: q differs from rank 0's: q (numpy.ndarray float64 (1, 4, 2, 8)): first differing "
+                      "element (0, 0, 0, 0): rank 0 has "))
     return cases
 
 

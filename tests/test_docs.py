@@ -9,7 +9,9 @@ command must show lines that command prints. Everything runs in a temporary
 directory, and the tutorial's scratch files ``/tmp/mpiring-*`` go there too, so
 concurrent runs do not share them; the committed pictures in docs/img/ (drawn
 by run/figures) must come out untouched. Other docs/*.md: their ``python -m
-mpiring`` command lines must parse.
+mpiring`` command lines must parse, docs/training.md runs as one script,
+docs/masks.md's ALiBi snippet runs, and every section between ``<!-- checked: begin -->``
+and ``<!-- checked: end -->`` runs as one under mpiexec, printing the ```text block it shows.
 """
 
 import hashlib
@@ -137,22 +139,56 @@ def test_other_docs_commands_parse(path):
                 parse(words[words.index("mpiring") + 1:])
 
 
+def test_alibi_slopes_snippet_runs():
+    """docs/masks.md, "ALiBi's slopes": its python block runs (one process, COMM_SELF) and its asserts hold."""
+    section = (DOCS / "masks.md").read_text().split("### ALiBi's slopes", 1)[1].split("\n#", 1)[0]
+    code = [text for lang, text in (m.groups() for m in FENCE.finditer(section)) if lang == "python"]
+    assert len(code) == 1
+    exec(compile(code[0], "docs/masks.md (ALiBi's slopes)", "exec"), {})
+
+
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
-@pytest.mark.parametrize("P", [2, pytest.param(3, marks=pytest.mark.full)])
-def test_training_guide_runs(tmp_path, P):
-    """docs/training.md: its python blocks run in order as one script under mpiexec -n P (the PyTorch block
-    only where torch is installed), and the text block it shows is what the script prints."""
-    guide = DOCS / "training.md"
+@pytest.mark.parametrize("guide,P", [("training.md", 2), pytest.param("training.md", 3, marks=pytest.mark.full),
+                                     ("mixers.md", 2)])
+def test_guide_runs(tmp_path, guide, P):
+    """docs/training.md and docs/mixers.md: the python blocks run in order as one script under mpiexec -n P
+    (PyTorch blocks only where torch is installed), and the text blocks they show are what the script prints."""
+    guide = DOCS / guide
     code, shown = [], []
     for lang, text in blocks(guide):
         if lang == "python" and ("import torch" not in text or HAVE_TORCH):
             code.append(text)
         elif lang == "text":
             shown += [ln.rstrip() for ln in text.splitlines() if ln.strip()]
-    script = tmp_path / "training.py"
+    _runs_and_prints(tmp_path, P, code, shown)
+
+
+def _runs_and_prints(tmp_path, P, code, shown):
+    """``code`` (python blocks) runs as one script under mpiexec -n P and prints every line of ``shown``."""
+    script = tmp_path / "blocks.py"
     script.write_text("\n".join(code))
     result = subprocess.run(mpiexec_argv(P, sys.executable, str(script)), capture_output=True, text=True,
                             timeout=300, cwd=tmp_path, env=clean_env())
     assert result.returncode == 0, result.stdout + result.stderr
     printed = {ln.rstrip() for ln in result.stdout.splitlines()}
-    assert shown and not [ln for ln in shown if ln not in printed], result.stdout
+    assert code and shown and not [ln for ln in shown if ln not in printed], result.stdout
+
+
+CHECKED = re.compile(r"<!-- checked: begin -->\n(.*?)<!-- checked: end -->", re.S)
+SECTIONS = {f"{p.name}:{i}": text for p in sorted(DOCS.glob("*.md")) for i, text in
+            enumerate(CHECKED.findall(p.read_text()))}
+
+
+def test_the_checked_sections_are_found():
+    assert {"masks.md:0", "inference.md:0"} <= set(SECTIONS)
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
+@pytest.mark.parametrize("P", [2, 3])
+@pytest.mark.parametrize("section", sorted(SECTIONS))
+def test_checked_sections_run(tmp_path, section, P):
+    """A checked section's python blocks run as one script under mpiexec -n P and print its text blocks."""
+    code = [text for lang, text in FENCE.findall(SECTIONS[section]) if lang == "python"]
+    shown = [ln.rstrip() for lang, text in FENCE.findall(SECTIONS[section]) if lang == "text"
+             for ln in text.splitlines() if ln.strip()]
+    _runs_and_prints(tmp_path, P, code, shown)

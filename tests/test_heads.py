@@ -1,5 +1,6 @@
 """The Ulysses plan and its bytes (no MPI), and ``run``/``schedule`` with ``--mode ulysses``."""
 
+import itertools
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ from mpiring import LAYOUTS, make_plan
 from mpiring.__main__ import main
 from mpiring.core.reference import definition_mask
 from mpiring.cost.nodes import predicted_bytes
-from mpiring.plans.heads import heads_problem, kv_heads, query_heads
+from mpiring.plans.heads import deal_heads, heads_problem
 
 from launch import MPIEXEC, clean_env, mpiexec_argv
 
@@ -100,10 +101,73 @@ def test_ulysses_calls_the_kernel_at_most_once_per_key_block(layout):
 
 
 def test_heads_split_and_kv_heads_replicated_when_fewer_than_ranks():
-    assert [query_heads(r, 4, 8) for r in range(4)] == [slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8)]
-    assert [kv_heads(r, 4, 8) for r in range(4)] == [slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8)]
-    assert [kv_heads(r, 4, 2) for r in range(4)] == [slice(0, 1), slice(0, 1), slice(1, 2), slice(1, 2)]
-    assert [kv_heads(r, 4, 1) for r in range(4)] == [slice(0, 1)] * 4
+    def runs(slices):
+        return [(s.start, s.stop) for s in slices]
+
+    assert runs(deal_heads(8, 8, 4).q) == runs(deal_heads(8, 8, 4).kv) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert runs(deal_heads(8, 2, 4).kv) == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert runs(deal_heads(8, 1, 4).kv) == [(0, 1)] * 4
+    # uneven: 4 heads over 3 ranks, 6 over 4; 8 query heads in 2 groups over 3 ranks: the middle rank takes
+    # one head of each group (3, 2, 3 rather than 3, 3, 2, which would give it 1 and 2: an uneven ratio)
+    assert deal_heads(4, 4, 3).counts() == [2, 1, 1] and deal_heads(6, 6, 4).counts() == [2, 2, 1, 1]
+    deal = deal_heads(8, 2, 3)
+    assert runs(deal.q) == [(0, 3), (3, 5), (5, 8)] and runs(deal.kv) == [(0, 1), (0, 2), (1, 2)]
+    assert deal.held == (None, None, None)
+    deal = deal_heads(6, 3, 2)  # 3 heads each: rank 0 has 2 of group 0 and 1 of group 1
+    assert runs(deal.kv) == [(0, 2), (1, 3)] and deal.held == ((0, 0, 1), (0, 1, 1))
+    k = np.arange(2.0).reshape(2, 1, 1)
+    assert deal.expand(0, k).ravel().tolist() == [0, 0, 1]
+    assert deal.fold(0, np.ones((3, 1, 1))).ravel().tolist() == [2, 1]
+    with pytest.raises(ValueError, match="cannot deal 3 query heads, 1 K/V heads over 4 ranks"):
+        deal_heads(3, 1, 4)
+
+
+def _old_even_deal(hq, hk, P):
+    """The only deal before uneven heads (Hq divisible by P, Hk dividing or divisible by P), written out."""
+    q = [(r * hq // P, (r + 1) * hq // P) for r in range(P)]
+    kv = [(r * hk // P, (r + 1) * hk // P) if hk >= P else (r * hk // P, r * hk // P + 1) for r in range(P)]
+    return q, kv
+
+
+def _sent_and_held(runs, group):
+    """K/V heads sent (each rank's distinct ones) and held (repeated to one ratio) of a list of runs."""
+    sent = held = 0
+    for a, b in runs:
+        uses = [len([h for h in range(a, b) if h // group == c]) for c in range(a // group, (b - 1) // group + 1)]
+        sent += len(uses)
+        held += len(uses) if len(set(uses)) == 1 else sum(u // np.gcd.reduce(uses) for u in uses)
+    return sent, held
+
+
+@pytest.mark.parametrize("hq", range(1, 17))
+def test_any_head_count_is_dealt_evenly_keeping_groups_whole(hq):
+    """Every hq from 1 to 16, every hk dividing it, every P up to hq (and 9): contiguous runs of hq // P or one
+    more heads; each rank's K/V heads are exactly those its queries use, and ``held`` maps local query head i to
+    the global K/V head it uses; the deal sends the fewest K/V heads of all even deals (then holds the fewest,
+    then puts the longer runs first: by brute force); the even deal of before is unchanged."""
+    for hk in (h for h in range(1, hq + 1) if hq % h == 0):
+        group = hq // hk
+        for P in range(1, min(hq, 9) + 1):
+            deal = deal_heads(hq, hk, P)
+            runs = [(s.start, s.stop) for s in deal.q]
+            assert runs[0][0] == 0 and runs[-1][1] == hq and all(a[1] == b[0] for a, b in zip(runs, runs[1:]))
+            assert max(deal.counts()) - min(deal.counts()) <= 1 and min(deal.counts()) >= 1
+            for r, ((a, b), kv, held) in enumerate(zip(runs, deal.kv, deal.held)):
+                assert (kv.start, kv.stop) == (a // group, (b - 1) // group + 1)
+                used = np.arange(a, b) // group - kv.start  # the K/V head (in the slice) each query head uses
+                local = np.arange(kv.stop - kv.start) if held is None else np.array(held)
+                assert (b - a) % len(local) == 0
+                np.testing.assert_array_equal(local[np.arange(b - a) // ((b - a) // len(local))], used)
+                assert deal.held_counts()[r] == len(local)
+            base, extra = divmod(hq, P)
+            options = []
+            for longer in itertools.combinations(range(P), extra):
+                ends = np.cumsum([base + (r in longer) for r in range(P)])
+                options.append((*_sent_and_held(zip([0, *ends[:-1]], ends), group), list(longer)))
+            assert _sent_and_held(runs, group) + ([r for r, c in enumerate(deal.counts()) if c > base],) \
+                == min(options), (hq, hk, P)
+            if hq % P == 0 and (hk % P == 0 or P % hk == 0):
+                assert (runs, [(s.start, s.stop) for s in deal.kv]) == _old_even_deal(hq, hk, P)
 
 
 def test_bytes_by_hand():
@@ -124,6 +188,12 @@ def test_bytes_by_hand():
         [4 * (q_out + results) + int8] * 4
     ring = make_plan(64, 4)
     assert predicted_bytes(ring, batch=1, hq=8, hk=2, dim=4, dim_v=4, itemsize=4) == [3 * 16 * 2 * 8 * 4] * 4
+    # 4 heads over P = 3 (n = 16): rank 0 attends 2 heads, ranks 1 and 2 one; per other rank, rank 0 sends its
+    # 1 query head and 1 K/V head of my 16 tokens, and back its tokens of my 2 heads; ranks 1, 2 send rank 0
+    # 2 query and 2 K/V heads, back 1 head, and each other 1, 1, back 1
+    uneven = make_plan(48, 3, mode="ulysses")
+    assert predicted_bytes(uneven, batch=1, hq=4, hk=4, dim=4, dim_v=4, itemsize=4) == \
+        [2 * 16 * (1 * 4 + 1 * 8 + 2 * 5) * 4] + [16 * (2 * 4 + 2 * 8 + 1 * 5 + 1 * 4 + 1 * 8 + 1 * 5) * 4] * 2
 
 
 def test_heads_problems():
@@ -132,18 +202,20 @@ def test_heads_problems():
     q, k = np.zeros((1, 6, 4, 2)), np.zeros((1, 2, 4, 2))
     ulysses = Spec.of(mode="ulysses")
     assert Spec.of(mode="ring").heads_problem(q, k, 4) is None
-    assert "query heads (6) divisible by the number of ranks (4)" in ulysses.heads_problem(q, k, 4)
-    assert ulysses.heads_problem(q, k, 3) == "mode='ulysses' needs the K/V heads (2) to divide or be " \
-                                             "divisible by the number of ranks (3)"
+    assert ulysses.heads_problem(q, k, 4) is None and ulysses.heads_problem(q, k, 3) is None  # any count
+    assert ulysses.heads_problem(q, k, 7) == ("mode='ulysses' needs at least one query head per part: 6 query "
+                                              "heads for the number of ranks (7); the ring modes take any number "
+                                              "of heads")
     assert ulysses.heads_problem(q, k, 6) is None and ulysses.heads_problem(q, k, 2) is None
     assert "splits the heads axis" in ulysses.heads_problem(q[0, 0], k[0, 0], 2)
     assert ulysses.heads_problem(q[0, 0], k[0, 0], 1) is None
     assert ulysses.heads_problem("not an array", k, 2) is None  # local_problem reports that one
     grid = Spec.of(ulysses_size=2)
     assert grid.heads_problem(q, k, 3) == "ulysses_size 2 does not divide the 3 ranks"
-    assert grid.heads_problem(q, k, 4) is None
-    assert Spec.of(ulysses_size=4).heads_problem(q, k, 4) == ("ulysses_size 4 needs the query heads (6) divisible "
-                                                              "by ulysses_size (4)")
+    assert grid.heads_problem(q, k, 4) is None and Spec.of(ulysses_size=4).heads_problem(q, k, 4) is None
+    assert Spec.of(ulysses_size=8).heads_problem(q, k, 8) == ("ulysses_size 8 needs at least one query head per "
+                                                              "part: 6 query heads for ulysses_size (8); the ring "
+                                                              "modes take any number of heads")
     assert "combines with mode ring" in Spec.of(ulysses_size=2, mode="ulysses").heads_problem(q, k, 4)
     assert heads_problem(q, k, 2, "who", "the parts") is None
 

@@ -71,11 +71,12 @@ def imports(name):
         elif isinstance(node, ast.Import):
             found += [(alias.name, node.lineno) for alias in node.names
                       if alias.name == "mpiring" or alias.name.startswith("mpiring.")]
-        elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id in ("_LAZY", "COMMANDS")
+        elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id in ("_LAZY", "COMMANDS",
+                                                                                      "SUBCOMMANDS")
                                                   for t in node.targets):
-            # imported by name at run time: __init__'s lazy names, __main__'s commands
+            # imported by name at run time: __init__'s lazy names, __main__'s commands, bench's subcommands
             values = [v.value if isinstance(v, ast.Constant) else v.elts[0].value for v in node.value.values]
-            prefix = "mpiring." if name == "mpiring" else "mpiring.tools."
+            prefix = {"mpiring": "mpiring.", "mpiring.__main__": "mpiring.tools."}.get(name, name + ".")
             found += [(prefix + v, node.lineno) for v in values]
     for target, line in found:
         assert target in MODULES, f"{name}:{line} imports {target}, which is not a module of mpiring"
@@ -91,6 +92,7 @@ def test_the_graph_sees_the_package():
     assert ("mpiring.handle", "mpiring.parallel.strategies") in edges
     assert ("mpiring", "mpiring.handle") in edges  # a lazy name
     assert ("mpiring.__main__", "mpiring.tools.cli_run") in edges  # a command
+    assert ("mpiring.tools.bench", "mpiring.tools.bench.micro") in edges  # a subcommand
 
 
 def test_imports_flow_down():

@@ -1,4 +1,4 @@
-"""The benchmark's background load (mpiring.tools.loadgen): spinners that never outlive their parent.
+"""The benchmark's background load (mpiring.tools.bench.probes): spinners that never outlive their parent.
 
     python -m pytest -q tests/test_loadgen.py
 
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from mpiring.tools.loadgen import MARKER, busy_load, spinner_pids
+from mpiring.tools.bench.probes import MARKER, busy_load, spinner_pids
 
 needs_proc = pytest.mark.skipif(not os.path.isdir("/proc"), reason="no /proc")
 
@@ -60,10 +60,10 @@ def test_no_load_starts_nothing_and_negative_is_refused():
 @needs_proc
 def test_the_atexit_hook_ends_spinners_left_running():
     pids = _child("""
-        from mpiring.tools.loadgen import busy_load
+        from mpiring.tools.bench.probes import busy_load
         block = busy_load(1)
         print(*block.__enter__(), flush=True)
-        import mpiring.tools.loadgen as g
+        import mpiring.tools.bench.probes as g
         g._keep = block  # never closed: only the atexit hook can end the spinner
     """)
     assert len(pids) == 1 and _gone(pids)
@@ -74,7 +74,7 @@ def test_an_orphaned_spinner_leaves_on_its_own():
     """The parent ends without finally or atexit (os._exit, as on Ctrl-C; or MPI_Abort, SIGKILL)."""
     pids = _child("""
         import os
-        from mpiring.tools.loadgen import busy_load
+        from mpiring.tools.bench.probes import busy_load
         with busy_load(1) as pids:
             print(*pids, flush=True)
             os._exit(0)

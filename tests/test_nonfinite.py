@@ -119,3 +119,58 @@ def test_ring_never_returns_finite_garbage(comm, case):
         out, _ = ring_attention(q, k, v, comm, causal=True, layout=layout)
         got_bad = ~np.isfinite(out).all(axis=-1)[0]
         assert (got_bad | ~local(want_bad[:, :, None], comm, layout)[..., 0]).all()
+
+
+def _score_bad_rows(q, k, mask):
+    """Rows whose visible scores meet a NaN, and rows that meet +Inf (and no NaN): by the definition their lse is
+    NaN, and +Inf (the log of an infinite sum; out is NaN there: inf / inf). (heads, S) per batch entry each."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        s = q @ np.swapaxes(k, -1, -2)
+    nan = (np.isnan(s) & mask).any(axis=-1) | np.isnan(q).any(axis=-1)
+    return nan, ((s == np.inf) & mask).any(axis=-1) & ~nan
+
+
+@pytest.mark.parametrize("case", ["q nan", "k nan", "k +inf entry"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_kernel_lse_is_not_finite_where_the_definition_is_not(case, causal):
+    """A row whose scores meet a NaN has a NaN lse, not -inf (which a merge would drop as 'no key seen'); one that
+    meets +Inf has lse +Inf; every other row a finite lse."""
+    q, k, v = _poison(case, *_inputs())
+    mask = dense_mask(S, causal)
+    klo, khi = (np.zeros(S, int), np.arange(S) + 1) if causal else (None, None)
+    with np.errstate(invalid="ignore"):
+        _, lse = attention_block(q, k, v, None, klo, khi)
+    nan, inf = _score_bad_rows(q, k, mask)
+    assert (nan | inf).any()
+    assert (np.isnan(lse) == nan).all(), np.argwhere(np.isnan(lse) != nan)
+    assert (np.isposinf(lse) == inf).all() and np.isfinite(lse[~(nan | inf)]).all()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("where", ["k", "bias"])
+def test_ring_lse_is_nan_on_every_rank_where_out_is(comm, where):
+    """One NaN in K (or from a bias at one pair): every row that sees it has NaN out and NaN lse, on the rank that
+    holds the key and on the others; every other row is finite (issue 48: the lse was -inf on the key's rank and
+    finite elsewhere)."""
+    P = comm.size
+    n = 6 * P
+    rng = np.random.default_rng(7)
+    Q, K, V = (rng.standard_normal((1, 2, n, D)) for _ in range(3))
+    options = dict(causal=True)
+    if where == "k":
+        K[0, 1, n // 3, 2] = np.nan
+        bad = np.zeros((2, n), bool)
+        bad[1, n // 3:] = True
+    else:
+        hit = (n - 2, 1)  # query n - 2 sees key 1 through a NaN bias, in every head
+        options["bias"] = lambda h, a, b: np.where((a == hit[0]) & (b == hit[1]), np.nan, 0.0)
+        bad = np.zeros((2, n), bool)
+        bad[:, hit[0]] = True
+    for layout in ("contiguous", "zigzag"):
+        q, k, v = (local(x, comm, layout) for x in (Q, K, V))
+        with np.errstate(invalid="ignore"):
+            out, lse = ring_attention(q, k, v, comm, layout=layout, **options)
+        want = local(bad[..., None], comm, layout)[..., 0]
+        assert (np.isnan(out).any(axis=-1)[0] == want).all()
+        assert (np.isnan(lse)[0] == want).all(), (comm.rank, layout, lse)
+        assert np.isfinite(lse[0][~want]).all()

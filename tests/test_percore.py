@@ -1,4 +1,4 @@
-"""``python -m mpiring percore``: the kernel's three steps on its tiles compute what they say; the command's table.
+"""``python -m mpiring bench percore``: the kernel's three steps on its tiles compute what they say; the table.
 
     python -m pytest -q tests/test_percore.py
 """
@@ -13,7 +13,7 @@ import pytest
 
 from mpiring.core.kernels import LOG2E
 from mpiring.core.tiles import pad_ones
-from mpiring.tools.percore import kernel_steps
+from mpiring.tools.bench.micro import kernel_steps
 
 
 @pytest.mark.parametrize("seq, tiles", [(8, (8, 8)), (24, (8, 8)), (24, (16, 4)), (20, (8, 6))])
@@ -38,8 +38,8 @@ def test_the_steps_add_up_every_tile(seq, tiles, dtype):
 
 
 def test_command_table():
-    run = subprocess.run([sys.executable, "-m", "mpiring", "percore", "--seq", "96", "--heads", "2", "--dim", "8",
-                          "--repeats", "1", "--no-torch"], capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-m", "mpiring", "bench", "percore", "--seq", "96", "--heads", "2",
+                          "--dim", "8", "--repeats", "1", "--no-torch"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
     assert lines[0].startswith("one core of ") and ": 2 heads x 96 queries x 96 keys, D=8, float32, full mask; " \
@@ -54,6 +54,6 @@ def test_command_table():
     assert rows["the matmul+exp limit"][2] == 1.0
     assert all(ms > 0 and gf > 0 and of > 0 for ms, gf, of in rows.values())
     assert "torch" not in run.stdout
-    bad = subprocess.run([sys.executable, "-m", "mpiring", "percore", "--seq", "0"], capture_output=True, text=True,
-                         timeout=120)
+    bad = subprocess.run([sys.executable, "-m", "mpiring", "bench", "percore", "--seq", "0"], capture_output=True,
+                         text=True, timeout=120)
     assert bad.returncode == 2 and "--seq must be at least 1" in bad.stderr

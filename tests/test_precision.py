@@ -8,7 +8,7 @@ import pytest
 
 import mpiring
 from mpiring.core.precision import Plain, Precision, Wire, canonical_precision, named_dtype, row_bytes
-from mpiring.testing import assert_attention_close, reference, tolerance
+from mpiring.testing import assert_attention_close, reference, reference_backward, tolerance
 
 from launch import MPIEXEC, clean_env, mpiexec_argv
 
@@ -19,8 +19,9 @@ except ImportError:  # the bfloat16 cases skip, with the reason, where the `half
 
 BF16 = pytest.param("bfloat16", marks=pytest.mark.skipif(ml_dtypes is None, reason='bfloat16 needs ml_dtypes: '
                                                           'pip install -e ".[half]"'))
+FP8 = [pytest.param(name, marks=BF16.marks) for name in ("float8_e4m3", "float8_e5m2")]  # ml_dtypes' too
 HALF = ["float16", BF16]
-WIRES = ["float16", BF16, "int8"]
+WIRES = ["float16", BF16, "int8", *FP8]
 
 
 def _inputs(rng, dtype, shape=(2, 37, 16)):
@@ -35,14 +36,23 @@ def test_wire_codes_each_row_within_its_step(rng, wire):
     x[0, 0, 3] = 0  # a row of zeros stays zeros
     w = Wire(wire, np.float32)
     coded = w.encode(x)
-    assert coded.dtype == w.dtype and coded.shape == x.shape[:-1] + (64 + 4 * (wire == "int8"),)
+    scaled = wire in ("int8", "float8_e4m3", "float8_e5m2")
+    assert coded.dtype == w.dtype and coded.shape == x.shape[:-1] + (64 + 4 * scaled,)
     back = w.decode(coded)
     assert back.dtype == np.float32 and back.shape == x.shape
     assert np.all(back[0, 0, 3] == 0)
     err = np.abs(back - x)
+    peak = np.abs(x).max(axis=-1, keepdims=True)
     if wire == "int8":  # absmax / 127 per token and head, rounded to nearest: at most half a step
-        step = np.abs(x).max(axis=-1, keepdims=True) / 127
+        step = peak / 127
         assert np.all(err <= step * 0.5 * (1 + 1e-6)) and np.abs(coded[..., :64]).max() == 127
+    elif scaled:  # absmax / 448 (57344): each value one rounding to FP8's 3 (2) mantissa bits, or half its
+        top, bits, tiny = {"float8_e4m3": (448, 3, 2.0 ** -9), "float8_e5m2": (57344, 2, 2.0 ** -16)}[wire]
+        scale = peak / top  # smallest step (a subnormal) in the scaled units, rounded to nearest
+        assert np.all(err <= np.maximum(np.abs(x) * 2.0 ** -(bits + 1), scale * tiny / 2) * (1 + 1e-5) + 1e-30)
+        codes = coded[..., :64].view(named_dtype(wire)).astype(np.float32)
+        assert np.all(np.abs(codes).max(axis=-1)[peak[..., 0] > 0] == top)  # each row's peak at the top code
+        assert np.all(err <= peak * {"float8_e4m3": 1 / 28, "float8_e5m2": 1 / 14}[wire] * (1 + 1e-6))
     else:  # one rounding to the wire's mantissa
         eps = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}[wire]
         assert np.all(err <= np.abs(x) * eps)
@@ -139,7 +149,9 @@ def test_accumulate_sets_the_running_dtype_and_input_grows_the_error(rng):
 
 
 @pytest.mark.parametrize("options,message", [
-    ({"wire_dtype": "int4"}, "wire_dtype must be None or one of 'float16', 'bfloat16', 'int8'; got 'int4'"),
+    ({"wire_dtype": "int4"}, "wire_dtype must be None or one of 'float16', 'bfloat16', 'int8', 'float8_e4m3', "
+                             "'float8_e5m2'; got 'int4'"),
+    ({"wire_dtype": "float8_e4m3fn"}, "wire_dtype must be None or one of"),  # ml_dtypes' name: ours is shorter
     ({"wire_dtype": np.float16}, "wire_dtype must be None or one of"),
     ({"grad_wire_dtype": "float16"}, "grad_wire_dtype must be None or one of 'float32', 'float64'; got 'float16'"),
     ({"accumulate": None}, "accumulate must be one of 'float64', 'float32', 'input'; got None"),
@@ -171,3 +183,56 @@ def test_run_command_with_half_inputs_and_int8_wire():
     assert out.count("VERIFIED") == 1 and "K/V on the wire: int8 (+ a float32 scale per token and head), " \
         "0.281x the bytes of float32" in out and "dK/dV partials on the wire: float32" in out
     assert f"tolerance {tolerance(dtype, 'int8'):g}" in out and "; mean " in out
+
+
+@pytest.mark.parametrize("wire", ["float8_e4m3", "float8_e5m2", "bfloat16"])
+def test_a_wire_ml_dtypes_lacks_is_refused_by_name(monkeypatch, wire):
+    """Without ml_dtypes, or with an ml_dtypes that has not the type: a ValueError naming what is missing."""
+    import importlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ml_dtypes", None)  # import ml_dtypes raises ImportError
+    with pytest.raises(ValueError, match=f"{wire} needs the ml_dtypes package"):
+        canonical_precision({"wire_dtype": wire})
+    monkeypatch.setitem(sys.modules, "ml_dtypes", type(sys)("ml_dtypes"))  # an ml_dtypes without the type
+    name = {"float8_e4m3": "float8_e4m3fn", "float8_e5m2": "float8_e5m2", "bfloat16": "bfloat16"}[wire]
+    with pytest.raises(ValueError, match=f"{wire} needs ml_dtypes.{name}, which ml_dtypes \\? lacks"):
+        canonical_precision({"wire_dtype": wire})
+    with pytest.raises(ValueError, match=f"{wire} needs ml_dtypes.{name}"):
+        mpiring.simulate(*[np.ones((4, 8))] * 3, 2, wire_dtype=wire)
+    assert importlib.import_module("numpy") is np  # nothing else disturbed
+
+
+@pytest.mark.parametrize("wire", FP8)
+def test_fp8_error_grows_with_p_and_stays_in_its_bound(wire):
+    """The accuracy command's measurement (``error_growth``): nothing coded at P = 1; out and the gradients
+    within the wire's ``TOLERANCE`` at P = 2, 4, 8; e5m2 (2 mantissa bits) coarser than e4m3 (3) and int8."""
+    from mpiring.tools.bench.accuracy import error_growth
+
+    got = error_growth(96, 2, 32, [1, 2, 4, 8], "float32", "float64", causal=True, wire_dtype=wire, backward=True)
+    (out1, _), (grad1, _) = got[1]
+    assert out1 < tolerance("float32") and grad1 < tolerance("float32")
+    for P in (2, 4, 8):
+        (out, _), (grad, _) = got[P]
+        assert out > 1e-3 and grad > 1e-3  # coded: far above float32's error
+        assert out <= tolerance("float32", wire) and grad <= tolerance("float32", wire)
+    int8 = error_growth(96, 2, 32, [4], "float32", "float64", causal=True, wire_dtype="int8", backward=True)[4]
+    assert got[4][0][1] > int8[0][1] and got[4][1][1] > int8[1][1]  # mean errors: FP8 coarser than int8
+
+
+def test_simulated_backward_is_the_rings(rng):
+    """``simulate_backward``: float64 within 1e-12 of the reference for every ring mode at P = 1..4, and a coded
+    wire's gradients within its bound and far from the uncoded ones."""
+    from mpiring.simulate import simulate_backward
+
+    Q, K, V, dO = (rng.standard_normal(s) for s in [(2, 4, 29, 8), (2, 2, 29, 8), (2, 2, 29, 8), (2, 4, 29, 8)])
+    want = reference_backward(dO, Q, K, V, causal=True)
+    for P in (1, 2, 3, 4):
+        for mode in ("ring", "bidirectional", "allgather"):
+            out, lse, _ = mpiring.simulate(Q, K, V, P, causal=True, layout="zigzag", mode=mode)
+            grads = simulate_backward(dO, Q, K, V, out, lse, P, causal=True, layout="zigzag", mode=mode)
+            for got, ref, name in zip(grads, want, ("dq", "dk", "dv")):
+                assert_attention_close(got, ref, np.float64, name)
+    coded = simulate_backward(dO, Q, K, V, out, lse, 4, causal=True, layout="zigzag", wire_dtype="int8")
+    for got, ref, name in zip(coded, want, ("dq", "dk", "dv")):
+        assert tolerance(np.float64) * 100 < assert_attention_close(got, ref, np.float64, name, "int8")

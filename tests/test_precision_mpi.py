@@ -7,6 +7,8 @@ its shard, and checks its own rows against the float64 reference of the rounded
 inputs, with the tolerances of ``mpiring.testing.TOLERANCE``; P is the world size.
 """
 
+import sys
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -23,7 +25,7 @@ from mpiring import (
     ring_attention_backward,
     ring_attention_context_parallel,
 )
-from mpiring.core.precision import named_dtype
+from mpiring.core.precision import SCALED, named_dtype
 from mpiring.testing import assert_attention_close, reference, reference_backward
 
 from conftest import local
@@ -37,6 +39,7 @@ except ImportError:
 
 BF16 = pytest.param("bfloat16", marks=pytest.mark.skipif(ml_dtypes is None, reason='bfloat16 needs ml_dtypes: '
                                                           'pip install -e ".[half]"'))
+FP8 = [pytest.param(name, 0.3, marks=BF16.marks) for name in ("float8_e4m3", "float8_e5m2")]
 
 
 def _full(seed, S, dtype, heads=2, kv_heads=1, dim=16):
@@ -97,7 +100,7 @@ def test_bfloat16_sends_the_bytes_of_the_cost_report(comm):
 
 
 @pytest.mark.parametrize("wire,fraction", [("float16", 0.5), pytest.param("bfloat16", 0.5, marks=BF16.marks),
-                                           ("int8", 0.3)])
+                                           ("int8", 0.3), *FP8])
 def test_wire_error_and_bytes(comm, wire, fraction):
     """fp32 inputs, K/V coded on the wire: the error under its bound, the bytes at their fraction of float32."""
     S, dim = 12 * comm.size + 1, 32
@@ -119,8 +122,8 @@ def test_wire_error_and_bytes(comm, wire, fraction):
         kv = coded.bytes_sent  # the backward's K/V travel as the forward's; its float32 partials do not change
         assert coded_back.bytes_sent - kv == plain_back.bytes_sent - plain.bytes_sent
     plan = make_plan(S, comm.size, causal=True, layout="zigzag")
-    row = dim + 4 if wire == "int8" else dim
-    itemsize = 1 if wire == "int8" else 2
+    row = dim + 4 if wire in SCALED else dim  # int8, FP8: 1 byte per value and a float32 scale per row
+    itemsize = 1 if wire in SCALED else 2
     assert coded.bytes_sent == predicted_bytes_sent(plan, 2 * row, itemsize)[comm.rank]
     assert coded_back.bytes_sent == predicted_backward_bytes(plan, 2 * row, itemsize, 4, 2 * dim)[comm.rank]
     for got, want, name in zip(grads, reference_backward(*_f64((dO, Q, K, V)), causal=True), ("dq", "dk", "dv")):
@@ -184,7 +187,8 @@ def test_distributed_with_half_inputs_and_int8_wire(comm):
 
 
 BAD = [  # (keyword, bad value, the text every rank raises)
-    ("wire_dtype", "int4", "wire_dtype must be None or one of 'float16', 'bfloat16', 'int8'; got 'int4'"),
+    ("wire_dtype", "int4", "wire_dtype must be None or one of 'float16', 'bfloat16', 'int8', 'float8_e4m3', "
+                           "'float8_e5m2'; got 'int4'"),
     ("accumulate", "float16", "accumulate must be one of 'float64', 'float32', 'input'; got 'float16'"),
     ("grad_wire_dtype", "bfloat16", "grad_wire_dtype must be None or one of 'float32', 'float64'; got 'bfloat16'"),
 ]
@@ -215,6 +219,28 @@ def test_bad_precision_option_raises_on_every_rank(comm, name, value, text):
         with pytest.raises(ValueError, match=f"rank {b}: {name} '{good}' differs from rank 0's"):
             call(*args, comm, **({name: good} if comm.rank == b else {}))
     assert comm.allreduce(1) == comm.size  # the communicator still works
+
+
+def test_fp8_wire_without_ml_dtypes_raises_on_every_rank(comm, monkeypatch):
+    """The last rank's ml_dtypes lacks float8_e4m3fn (with one rank: every rank's): every rank raises the
+    same ValueError naming it, before anything moves; the others with ml_dtypes run it afterwards."""
+    b = comm.size - 1
+    Q, K, V, dO = _full(4, 4 * comm.size, "float32")
+    q, k, v = (local(x, comm) for x in (Q, K, V))
+    if comm.rank == b:
+        monkeypatch.setitem(sys.modules, "ml_dtypes", type(sys)("ml_dtypes"))  # an ml_dtypes without FP8
+    rec = Record()
+    with pytest.raises(ValueError) as caught:
+        ring_attention(q, k, v, comm, wire_dtype="float8_e4m3", record=rec)
+    assert rec.bytes_sent == 0 and rec.messages == 0
+    text = f"rank {b}: float8_e4m3 needs ml_dtypes.float8_e4m3fn, which ml_dtypes ? lacks: pip install -U ml_dtypes"
+    assert comm.allgather(str(caught.value)) == [text] * comm.size
+    monkeypatch.undo()
+    if ml_dtypes is not None:
+        out, _ = ring_attention(q, k, v, comm, wire_dtype="float8_e4m3")
+        assert_attention_close(out, reference(*_f64((Q, K, V)))[0][..., local(np.arange(4 * comm.size)[:, None],
+                                                                               comm)[:, 0], :],
+                               np.float32, "out", "float8_e4m3")
 
 
 def _strategies(P):

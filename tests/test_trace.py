@@ -14,8 +14,7 @@ import pytest
 
 from mpiring.tools.plot import plot_timeline
 from mpiring.tools.progress import Progress, stdout_is_terminal
-from mpiring.tools.report import format_timeline, measured_steps
-from mpiring.tools.trace import chrome_trace, step_table, write_chrome_trace
+from mpiring.tools.trace import chrome_trace, format_timeline, measured_steps, step_table, write_chrome_trace
 
 from launch import MPIEXEC, clean_env, mpiexec_argv
 

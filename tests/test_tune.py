@@ -1,4 +1,4 @@
-"""The tuning cache (``python -m mpiring tune``): written (core.tune), read back (core.machine), used by the kernels.
+"""The tuning cache (``python -m mpiring bench tune``): written (core.tune), read back (core.machine), used.
 
     python -m pytest -q tests/test_tune.py
 """
@@ -67,15 +67,15 @@ def test_candidates_fill_the_same_bytes():
 
 
 def test_command(cache):
-    run = subprocess.run([sys.executable, "-m", "mpiring", "tune", "--dims", "8", "--dtypes", "float32", "--seq",
-                          "64", "--heads", "1", "--repeats", "1"], capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-m", "mpiring", "bench", "tune", "--dims", "8", "--dtypes", "float32",
+                          "--seq", "64", "--heads", "1", "--repeats", "1"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "fastest backend:" in run.stdout and "kernel backend" not in run.stdout and "cached" in run.stdout
-    show = subprocess.run([sys.executable, "-m", "mpiring", "tune", "--show"], capture_output=True, text=True,
-                          timeout=120)
+    show = subprocess.run([sys.executable, "-m", "mpiring", "bench", "tune", "--show"], capture_output=True,
+                          text=True, timeout=120)
     assert show.returncode == 0 and '"gemm"' in show.stdout
-    bad = subprocess.run([sys.executable, "-m", "mpiring", "tune", "--seq", "0"], capture_output=True, text=True,
-                         timeout=120)
+    bad = subprocess.run([sys.executable, "-m", "mpiring", "bench", "tune", "--seq", "0"], capture_output=True,
+                         text=True, timeout=120)
     assert bad.returncode == 2 and "--seq must be at least 1" in bad.stderr
 
 

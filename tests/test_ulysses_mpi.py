@@ -5,12 +5,12 @@
 Every rank builds the same seeded problem, keeps its shard, and checks its own
 results, bytes and recorded schedule; P is the world size. Query heads are 2P,
 K/V heads 2P (no grouping), 2 and 1: with P > 2 the K/V heads are fewer than
-the ranks and are replicated.
+the ranks and are replicated; and the uneven deals of ``modecheck.head_cases``.
 """
 
 import numpy as np
 import pytest
-from modecheck import check_mode
+from modecheck import check_mode, head_cases
 from modecheck import problem as _problem
 
 from mpiring import LAYOUTS, distributed_attention, make_plan, ring_attention, ring_attention_backward, shard
@@ -38,8 +38,9 @@ def test_forward_and_backward_match_reference(comm, rng, layout, causal, window,
     P = comm.size
     S = 5 * P + 3  # uneven on purpose
     options = dict(layout=layout, mode="ulysses", causal=causal, window=window, cu_seqlens=cu)
-    for hk in _kv_counts(P):
-        check_mode(comm, *_problem(rng, S, 2 * P, hk), options, f"{hk} K/V heads")
+    cases = {(2 * P, hk): f"{hk} K/V heads" for hk in _kv_counts(P)}
+    for (hq, hk), why in {**cases, **head_cases(P)}.items():  # and any number of heads (deal_heads)
+        check_mode(comm, *_problem(rng, S, hq, hk), options, f"{hq}/{hk} ({why})")
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -75,19 +76,18 @@ def test_distributed_attention_gathers_ulysses(comm, rng):
 
 
 def test_heads_that_do_not_split_raise_on_every_rank(comm, rng):
+    """Fewer query heads than ranks, or no heads axis; any other count splits (tests/test_uneven_heads_mpi.py)."""
     P = comm.size
     if P == 1:
         pytest.skip("one rank takes any number of heads")
-    q, k, v, dout = (_local(x, comm, "contiguous") for x in _problem(rng, 4 * P, 2 * P + 1, 1))
-    with pytest.raises(ValueError, match=rf"ranks 0(, 1|-{P - 1}): mode='ulysses' needs the query heads "
-                                         rf"\({2 * P + 1}\) divisible by the number of ranks \({P}\)"):
+    q, k, v, dout = (_local(x, comm, "contiguous") for x in _problem(rng, 4 * P, P - 1, 1))
+    with pytest.raises(ValueError, match=rf"ranks 0(, 1|-{P - 1}): mode='ulysses' needs at least one query head "
+                                         rf"per part: {P - 1} query heads for the number of ranks \({P}\)"):
         ring_attention(q, k, v, comm, mode="ulysses")
-    if P > 2:  # 2 K/V heads neither divide nor are divisible by P = 3
-        q, k, v, dout = (_local(x, comm, "contiguous") for x in _problem(rng, 4 * P, 6 * P, 2 if P % 2 else 4))
-        if P % 2:
-            out, lse = ring_attention(q, k, v, comm)  # the ring takes them
-            with pytest.raises(ValueError, match="needs the K/V heads"):
-                ring_attention_backward(dout, q, k, v, out, lse, comm, mode="ulysses")
+    if P > 2:  # the ring takes them; the backward's check is Ulysses' own
+        out, lse = ring_attention(q, k, v, comm)
+        with pytest.raises(ValueError, match="needs at least one query head per part"):
+            ring_attention_backward(dout, q, k, v, out, lse, comm, mode="ulysses")
     flat = [a[0, 0] for a in (q, k, v)]  # (seq, dim): no heads axis to split
     with pytest.raises(ValueError, match="splits the heads axis"):
         ring_attention(*flat, comm, mode="ulysses")

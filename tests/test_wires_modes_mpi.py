@@ -1,14 +1,16 @@
-"""Coded wires in every mode: Ulysses, the double ring, the ring x Ulysses grid and pass-Q.
+"""Coded wires in every mode: the ring modes, sparse, Ulysses, the double ring, the ring x Ulysses grid, pass-Q.
 
     mpiexec -n 4 python -m pytest --with-mpi -m mpi -q tests/test_wires_modes_mpi.py
 
-``wire_dtype`` codes what travels between ranks that a ring would send coded:
-K/V in Ulysses' all-to-all, in the double ring's two rings, in the grid's
+``wire_dtype`` (half, int8, FP8) codes what travels between ranks that a ring would send coded:
+K/V round the rings, all-gathered, sent where the sparse movement needs them,
+in Ulysses' all-to-all, in the double ring's two rings, in the grid's
 all-to-all and its ring across the groups; under pass-Q the query blocks. The
 backward's dK/dV (Ulysses, the grid: dq, dK, dV on their way back) travel in
 ``grad_wire_dtype``. Every rank draws the whole problem from one seed, keeps
 its shard (``shard_indices``) and checks its rows against the float64
-reference with the wire's tolerance (``mpiring.testing.TOLERANCE``), its bytes
+reference with the wire's tolerance (``mpiring.testing.TOLERANCE``; pass-Q's
+gradients twice it: its forward coded the queries, its backward the K/V), its bytes
 against the prediction, and that what a rank holds itself is never coded: at
 P = 1 a coded wire changes nothing, and rows that see only their own rank's
 keys come out bit for bit as without a wire. P is the world size.
@@ -21,7 +23,7 @@ from mpi4py import MPI
 from mpiring import Record, ring_attention, ring_attention_backward, shard_indices
 from mpiring.cost.nodes import predicted_bytes
 from mpiring.parallel.passq import plan_bytes, rank_bytes
-from mpiring.plans.heads import query_heads
+from mpiring.plans.heads import deal_heads
 from mpiring.testing import assert_attention_close, reference, reference_backward
 
 from conftest import sweep
@@ -33,9 +35,10 @@ try:
 except ImportError:
     ml_dtypes = None
 
-WIRES = ["float16", pytest.param("bfloat16", marks=pytest.mark.skipif(
-    ml_dtypes is None, reason='bfloat16 needs ml_dtypes: pip install -e ".[half]"')), "int8"]
-MODES = ["ulysses", "double_ring", "grid", "passq"]
+NEEDS_ML_DTYPES = pytest.mark.skipif(ml_dtypes is None, reason='needs ml_dtypes: pip install -e ".[half]"')
+WIRES = ["float16", pytest.param("bfloat16", marks=NEEDS_ML_DTYPES), "int8",
+         *(pytest.param(name, marks=NEEDS_ML_DTYPES) for name in ("float8_e4m3", "float8_e5m2"))]
+MODES = ["ring", "bidirectional", "allgather", "sparse", "ulysses", "double_ring", "grid", "passq"]
 DIM, DIM_V, BATCH = 8, 6, 2
 
 
@@ -49,13 +52,14 @@ def _mode(mode, P):
     if mode == "grid":
         return dict(ulysses_size=2 if P % 2 == 0 else 1), "contiguous", 8 * P
     options = {"ulysses": dict(mode="ulysses"), "passq": dict(rotate="q"),
-               "double_ring": dict(mode="double_ring", node_size=2 if P % 2 == 0 else P)}[mode]
+               "double_ring": dict(mode="double_ring", node_size=2 if P % 2 == 0 else P)}.get(mode, dict(mode=mode))
     return options, "zigzag", 8 * P + 3
 
 
 def _heads(P, gqa):
-    """Query and K/V heads that every mode splits over P ranks (Ulysses: query heads divisible by P)."""
-    hq = max(2, P)
+    """Query and K/V heads: P + P // 2 query heads (not divisible by P from P = 2: Ulysses deals them unevenly),
+    and with ``gqa`` half as many K/V heads (fewer than P from P = 3), or one."""
+    hq = max(2, P + P // 2)
     return hq, (hq // 2 if hq % 2 == 0 else 1) if gqa else hq
 
 
@@ -107,8 +111,8 @@ def test_coded_wire_forward_and_backward(comm, mode, wire, dtype, causal, gqa):
     ref, ref_lse = reference(*exact[:3], causal=causal)
     want = [_rows(ref, mine), _rows(ref_lse, mine, -1)]
     want += [_rows(g, mine) for g in reference_backward(exact[3], *exact[:3], causal=causal)]
-    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
-        assert_attention_close(a, b, np.dtype(dtype), name, wire)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):  # pass-Q's gradients: two codings
+        assert_attention_close(a, b, np.dtype(dtype), name, wire, 1 + (mode == "passq" and name[0] == "d"))
     forward, backward = _predicted(fwd, bwd, mode, hq, hk, dtype, wire, rank)
     assert (fwd.bytes_sent, bwd.bytes_sent) == (forward, backward)
     if P > 1:  # the coded wire's bytes are not the input dtype's: a wire left uncoded would fail the line above
@@ -140,7 +144,7 @@ def test_what_a_rank_holds_is_never_coded(comm, mode, wire):
                 np.testing.assert_array_equal(a, b, err_msg=f"{name}: P = 1 with a {wire} wire")
             continue
         split = {"ulysses": size, "grid": run.get("ulysses_size")}.get(mode)
-        heads = query_heads(0, split, hq) if split else slice(None)
+        heads = deal_heads(hq, hk, split).q[0] if split else slice(None)
         if rank == 0:
             for name, a, b in zip(("out", "lse", "dq"), coded[:3], plain[:3]):
                 np.testing.assert_array_equal(a[:, heads], b[:, heads], err_msg=f"{name} of rank 0's own keys")

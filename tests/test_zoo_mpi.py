@@ -1,4 +1,4 @@
-"""The bytes table of docs/balance.md (``python -m mpiring zoo``): measured, equal to predicted, and in the doc.
+"""The bytes table of docs/balance.md (``python -m mpiring bench zoo``): measured, equal to predicted, and in the doc.
 
     mpiexec -n 4 python -m pytest --with-mpi -m mpi -q tests/test_zoo_mpi.py
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mpiring.tools import zoo
+from mpiring.tools.bench import zoo
 
 pytestmark = pytest.mark.mpi
 

@@ -42,7 +42,7 @@ calls = Counter()
 
 # "auto": the fewest query rows of a block that torch's op computes, by whether NumPy's float32 exp2 runs vectorized
 # here (its AVX-512 loop: without it, as on a Zen 3, NumPy's exp2 is ~10x slower and so is the NumPy kernel's
-# softmax), then by (compute dtype, pass); None: never (docs/performance.md §18). Measured one block at a time, one
+# softmax), then by (compute dtype, pass); None: never (docs/performance.md §19). Measured one block at a time, one
 # thread, 8 heads, D = 64 and 128: with AVX-512, torch's forward from 512 rows on (1.1-1.17x the NumPy kernel),
 # its backward from 1024 (1.0-1.1x), float64 never (0.7-1.0x); without it, torch's from 256 rows
 # (1.4-1.8x forward, 1.0-1.3x backward), float64 forward 1.1-1.5x, backward 0.6-0.9x.

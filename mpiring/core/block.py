@@ -11,6 +11,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .backends import attention_block, attention_block_backward, delta_is_rowsum
+from .latent import Expanded
 from .scores import Score, attend_general, count_allowed, grads_general
 from .tiles import filled, kernel_dtype, scratch
 
@@ -21,12 +22,14 @@ GRAD_DTYPE = np.dtype(np.float64)  # each rank's own gradients (dq, its block's 
 KEPT_OUT = "ring.out"  # the kept buffer of the forward's running out; the backward sums dq in it
 
 
-def accumulators(q, v, out_dtype=np.float64, lse_dtype=None, keep=False):
+def accumulators(q, v, out_dtype=np.float64, lse_dtype=None, keep=False, wire=None):
     """Running (out, lse), in float64 by default whatever the input dtype, as flash-attn keeps fp32 for fp16:
     with fp32 ones the merge's rounding made the error grow with P (docs/reliability.md). ``lse_dtype``:
     that of out unless given (``precision.Precision`` keeps lse in float32 when out is in a half dtype).
-    ``keep``: out in this thread's kept buffer (``tiles.filled``), for a caller that returns a converted copy."""
-    shape, lse_dtype = q.shape[:-1] + v.shape[-1:], lse_dtype or out_dtype
+    ``keep``: out in this thread's kept buffer (``tiles.filled``), for a caller that returns a converted copy.
+    ``wire``: the call's; out has v's head dim, or the ``value_dim`` of a wire that expands blocks (``latent``)."""
+    shape = q.shape[:-1] + (getattr(wire, "value_dim", v.shape[-1]),)
+    lse_dtype = lse_dtype or out_dtype
     out = filled(KEPT_OUT if keep else None, shape, np.dtype(out_dtype), 0)
     return [out, np.full(q.shape[:-1], -np.inf, lse_dtype)]
 
@@ -138,6 +141,8 @@ def grads_of(queries, kv, task, pieces, scale, dq, rec, progress, step, **info):
         return []
     start = time.perf_counter()
     grads = block_grads(queries, kv, pieces, scale, dq, progress)
+    if isinstance(kv, Expanded):  # a latent block expanded per head: its gradients go back to the latent
+        grads = kv.fold(grads)
     info = {"step": step, "source": task.source, "kind": task.kind, "stream": task.stream, "pass": "backward", **info}
     end = rec.event("compute", start, **info)
     rec.compute_time += end - start

@@ -10,7 +10,7 @@ on either of its last two axes), and ``out`` is written in place. With
 temporary and no second pass over it.
 
 Backends (``MPIRING_GEMM`` or ``set_backend``; ``"auto"``, the default, takes
-the tuning cache's choice, ``python -m mpiring tune``, else MKL when it is
+the tuning cache's choice, ``python -m mpiring bench tune``, else MKL when it is
 installed and the CPU is Intel's, else NumPy's):
 
 - ``numpy``: ``np.matmul`` (OpenBLAS in NumPy's wheels). Always there.

@@ -49,7 +49,7 @@ from .tiles import (
 )
 
 __all__ = ["attention_block", "attention_block_backward", "merge", "default_scale", "pad_ones", "LSE_LIMIT",
-           "EXACT_ABOVE"]
+           "EXACT_ABOVE", "empty_or_nan"]
 
 LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)
@@ -203,7 +203,7 @@ def attention_block(
                 tile_out = tile_out_buf[:b * rows * dv].reshape(b, g, e - a, dv)
                 tile_lse = tile_lse_buf[:b * rows].reshape(b, g, e - a)
             np.divide(acc[..., :dv], np.where(ok, rowsum, 1)[..., None], out=tile_out)
-            tile_lse[...] = np.where(ok, (m + np.log2(rowsum)) * LN2, -np.inf)
+            tile_lse[...] = np.where(ok, (m + np.log2(rowsum)) * LN2, empty_or_nan(rowsum))
             # A row sum is >= 1 in exact arithmetic (the offset is one of the row's scores, or
             # its max). Below 1/2, or not finite, rounding beat the fast path: redo those rows.
             # (a NaN or Inf in v's columns needs no redo: it is the IEEE answer, kept as it is)
@@ -283,8 +283,15 @@ def _exact_rows(q, kt, vt, scale, lo=None, hi=None):
             p = np.exp(s - np.where(np.isfinite(m), m, 0))
             den = p.sum(axis=-1)
             out[:, :, r0:r1] = np.matmul(p, v64) / np.where(den > 0, den, 1)[..., None]
-            lse[:, :, r0:r1] = np.where(den > 0, m[..., 0] + np.log(np.where(den > 0, den, 1)), -np.inf)
+            lse[:, :, r0:r1] = np.where(den > 0, m[..., 0] + np.log(np.where(den > 0, den, 1)), empty_or_nan(den))
     return out, lse
+
+
+def empty_or_nan(total):
+    """The lse of rows whose sum of weights ``total`` is not positive: -inf (no key seen), or NaN where the sum
+    is NaN (a NaN score): a row whose out is NaN has a NaN lse too, never -inf, which the merge would drop."""
+    return np.where(np.isnan(total), np.nan, -np.inf)
+
 
 
 def _unflatten(out, lse, sh):

@@ -1,4 +1,4 @@
-"""This machine: where Intel MKL's library is, and what ``python -m mpiring tune`` cached for this CPU. No MPI.
+"""This machine: where Intel MKL's library is, and what ``python -m mpiring bench tune`` cached for this CPU. No MPI.
 
 The tuning cache is read here, below the kernels and GEMMs that use its
 choices (``tiles.default_tiles``, ``gemm.backend``); ``mpiring.core.tune``

@@ -4,14 +4,20 @@
   the ``half`` extra installs it, imported only when a bfloat16 is met). Their
   tiles compute in float32; outputs and gradients come back in the input dtype,
   lse in float32.
-- ``wire_dtype`` ("float16", "bfloat16", "int8"; default: the input dtype): K
-  and V are coded once by their owner, before they first travel, and decoded
-  by every rank a block reaches, in every mode (ring, all-gather, double ring,
-  Ulysses' all-to-alls, the grid's both); under pass-Q (``rotate="q"``) the
-  query blocks, which travel instead. int8 keeps a float32 absmax scale per
-  token and head, in 4 more bytes at the end of each row, so a coded K (or V)
-  is still one array, one message. The owner computes on its own block
-  exactly: its share never leaves it.
+- ``wire_dtype`` ("float16", "bfloat16", "int8", "float8_e4m3", "float8_e5m2";
+  default: the input dtype): K and V are coded once by their owner, before
+  they first travel, and decoded by every rank a block reaches, in every mode
+  (ring, all-gather, double ring, sparse, Ulysses' all-to-alls, the grid's
+  both); under pass-Q (``rotate="q"``) the query blocks, which travel instead.
+  The 1-byte wires (``SCALED``) keep a float32 scale per token and head,
+  absmax / the code's largest value (int8: 127; FP8, ml_dtypes' float8_e4m3fn
+  and float8_e5m2: 448 and 57344), in 4 more bytes at the end of each row, so
+  a coded K (or V) is still one array, one message. Per row rather than per
+  block: a token with large values coarsens only its own row (FP8's dynamic
+  range keeps small values of the row; a block's scale would push the other
+  tokens' toward its subnormals), and every mode moves rows, so one form
+  serves them all. The owner computes on its own block exactly: its share
+  never leaves it.
 - ``grad_wire_dtype`` ("float32", "float64"; default float32, float64 for
   float64 inputs): the dK/dV partials that travel (and Ulysses' dq, dK, dV on
   their way back); every rank's own gradients are still summed in float64.
@@ -22,26 +28,34 @@
 
 import numpy as np
 
-__all__ = ["INPUT_DTYPES", "WIRE_DTYPES", "GRAD_WIRE_DTYPES", "ACCUMULATE", "KEYS", "named_dtype", "dtype_problem",
+__all__ = ["INPUT_DTYPES", "WIRE_DTYPES", "SCALED", "GRAD_WIRE_DTYPES", "ACCUMULATE", "KEYS", "named_dtype",
+           "dtype_problem",
            "compute_dtype", "compute_itemsize", "canonical_precision", "without_precision", "row_bytes",
            "Wire", "Plain", "Precision"]
 
 INPUT_DTYPES = ("float16", "bfloat16", "float32", "float64")
-WIRE_DTYPES = ("float16", "bfloat16", "int8")
+WIRE_DTYPES = ("float16", "bfloat16", "int8", "float8_e4m3", "float8_e5m2")
 GRAD_WIRE_DTYPES = ("float32", "float64")
 ACCUMULATE = ("float64", "float32", "input")
 KEYS = ("wire_dtype", "grad_wire_dtype", "accumulate")  # the options of this module, beside the plan's
-SCALE_BYTES = 4  # an int8 row's float32 scale
+SCALE_BYTES = 4  # a 1-byte wire row's float32 scale
+SCALED = {"int8": 127.0, "float8_e4m3": 448.0, "float8_e5m2": 57344.0}  # per-row scaled wires: their largest code
+ML_DTYPES = {"bfloat16": "bfloat16", "float8_e4m3": "float8_e4m3fn", "float8_e5m2": "float8_e5m2"}  # ml_dtypes' names
 
 
 def named_dtype(name):
-    """The NumPy dtype called ``name``; "bfloat16" is ml_dtypes' (raises ValueError if it is not installed)."""
-    if name == "bfloat16":
+    """The NumPy dtype called ``name``; "bfloat16" and the FP8 wires are ml_dtypes' (``ML_DTYPES``; raises
+    ValueError if it is not installed or has not that type)."""
+    if name in ML_DTYPES:
         try:
             import ml_dtypes
         except ImportError:
-            raise ValueError('bfloat16 needs the ml_dtypes package: pip install -e ".[half]"') from None
-        return np.dtype(ml_dtypes.bfloat16)
+            raise ValueError(f'{name} needs the ml_dtypes package: pip install -e ".[half]"') from None
+        found = getattr(ml_dtypes, ML_DTYPES[name], None)
+        if found is None:
+            raise ValueError(f"{name} needs ml_dtypes.{ML_DTYPES[name]}, which ml_dtypes "
+                             f"{getattr(ml_dtypes, '__version__', '?')} lacks: pip install -U ml_dtypes")
+        return np.dtype(found)
     return np.dtype(name)
 
 
@@ -66,7 +80,7 @@ def _choice(name, value, allowed):
 def canonical_precision(options):
     """The precision options of ``options`` (missing: defaults), checked; raises ValueError on a bad one."""
     wire = _choice("wire_dtype", options.get("wire_dtype"), WIRE_DTYPES)
-    if wire == "bfloat16":
+    if wire in ML_DTYPES:
         named_dtype(wire)
     grad = _choice("grad_wire_dtype", options.get("grad_wire_dtype"), GRAD_WIRE_DTYPES)
     accumulate = options.get("accumulate", "float64")
@@ -78,10 +92,10 @@ def canonical_precision(options):
 def row_bytes(wire_dtype, dim, itemsize):
     """Bytes of one token's ``dim`` values of one head on a K/V wire (what ``Wire.row_bytes`` counts):
     ``dim * itemsize`` when ``wire_dtype`` is None (the input dtype), 2 per value for a half wire, 1 per value
-    and the float32 scale's 4 for int8."""
+    and the float32 scale's 4 for int8 and FP8."""
     if wire_dtype is None:
         return dim * itemsize
-    return dim + SCALE_BYTES if wire_dtype == "int8" else 2 * dim
+    return dim + SCALE_BYTES if wire_dtype in SCALED else 2 * dim
 
 
 def compute_itemsize(itemsize):
@@ -97,28 +111,31 @@ def without_precision(options):
 
 
 class Wire:
-    """How a K or V block (under pass-Q, a query block) travels: as it is, or coded (half, int8 with per-row scales)
-    and decoded on arrival.
+    """How a K or V block (under pass-Q, a query block) travels: as it is, or coded (half; int8 or FP8 with
+    per-row scales) and decoded on arrival.
 
     ``coded`` is False only when the wire dtype is the input dtype and tiles
     compute in it (float32, float64): then blocks travel in the kernel's own
     form with no copy (``buffers.kernel_form``). Otherwise ``encode`` makes the
-    wire form of an array (..., n, d): the wire dtype, (..., n, d + 4) int8
-    with the row's float32 scale in its last 4 bytes; ``decode`` gives it back
-    in the compute dtype. Every mode uses a block the same way: ``own`` is
-    this rank's, never coded; ``arrived`` one that travelled, decoded.
+    wire form of an array (..., n, d): the wire dtype, or for a ``SCALED`` wire
+    (..., n, d + 4) bytes (int8; FP8 codes as uint8) with the row's float32
+    scale in its last 4; ``decode`` gives it back in the compute dtype. Every
+    mode uses a block the same way: ``own`` is this rank's, never coded;
+    ``arrived`` one that travelled, decoded.
     """
 
     def __init__(self, name, input_dtype):
         self.input = np.dtype(input_dtype)
         self.compute = compute_dtype(self.input)
         self.name = self.input.name if name is None else name
-        self.dtype = np.dtype(np.int8) if self.name == "int8" else named_dtype(self.name)
+        self.scaled = self.name in SCALED
+        self.code = np.dtype(np.int8) if self.name == "int8" else named_dtype(self.name)  # a value's own dtype
+        self.dtype = np.dtype(np.uint8) if self.scaled and self.name != "int8" else self.code  # FP8: as bytes
         self.coded = not (self.dtype == self.input == self.compute)
 
     def row(self, dim):
-        """Wire elements of one token's row of ``dim`` values: ``dim``, plus the scale's 4 bytes for int8."""
-        return dim + SCALE_BYTES if self.name == "int8" else dim
+        """Wire elements of one token's row of ``dim`` values: ``dim``, plus the scale's 4 bytes if scaled."""
+        return dim + SCALE_BYTES if self.scaled else dim
 
     def row_bytes(self, dim):
         """Bytes of one token's row of ``dim`` values on the wire."""
@@ -130,22 +147,26 @@ class Wire:
             return a
         if out is None:
             out = np.empty(a.shape[:-1] + (self.row(a.shape[-1]),), self.dtype)
-        if self.name != "int8":
+        if not self.scaled:
             out[...] = a
             return out
         x = np.asarray(a, np.float32)
+        top = SCALED[self.name]
         peak = np.max(np.abs(x), axis=-1, keepdims=True)
-        scale = np.where(peak > 0, peak / 127, 1).astype(np.float32)  # a row of zeros: any scale, all codes 0
+        scale = np.where(peak > 0, peak / top, 1).astype(np.float32)  # a row of zeros: any scale, all codes 0
         d = a.shape[-1]
-        np.rint(x / scale, out=out[..., :d], casting="unsafe")
-        out[..., d:] = scale.view(np.int8)
+        if self.name == "int8":
+            np.rint(x / scale, out=out[..., :d], casting="unsafe")
+        else:  # round to nearest even in FP8; the clip keeps a quotient a rounding over the top finite
+            out[..., :d] = np.clip(x / scale, -top, top).astype(self.code).view(np.uint8)
+        out[..., d:] = scale.view(self.dtype)
         return out
 
     def decode(self, w, out=None):
         """A wire array back in the compute dtype (..., n, d): ``w`` itself when not coded."""
         if not self.coded:
             return w
-        if self.name != "int8":
+        if not self.scaled:
             if out is None:
                 return np.asarray(w, self.compute)
             out[...] = w
@@ -154,7 +175,8 @@ class Wire:
         scale = np.ascontiguousarray(w[..., d:]).view(np.float32)
         if out is None:
             out = np.empty(w.shape[:-1] + (d,), self.compute)
-        np.multiply(w[..., :d], scale, out=out, casting="unsafe")
+        codes = w[..., :d] if self.name == "int8" else w[..., :d].view(self.code).astype(self.compute)
+        np.multiply(codes, scale, out=out, casting="unsafe")
         return out
 
     def _padded(self, lead, d, n):
@@ -165,7 +187,7 @@ class Wire:
 
     def decode_padded(self, w):
         """A wire array as the forward kernel takes a block, [x | 1]^T (..., d + 1, n), in the compute dtype."""
-        out, x = self._padded(w.shape[:-2], w.shape[-1] - (SCALE_BYTES if self.name == "int8" else 0), w.shape[-2])
+        out, x = self._padded(w.shape[:-2], w.shape[-1] - (SCALE_BYTES if self.scaled else 0), w.shape[-2])
         self.decode(w, x)
         return out
 

@@ -26,11 +26,11 @@ import math
 
 import numpy as np
 
-from .kernels import merge
+from .kernels import empty_or_nan, merge
 from .tiles import kernel_dtype
 
 __all__ = ["Score", "attend_general", "grads_general", "alibi_slopes", "alibi", "with_sinks", "sink_grads",
-           "dropout_keep", "count_allowed"]
+           "dropout_keep", "count_allowed", "FunctionFailed", "evaluated", "bias_probe", "finite_bias"]
 
 TILE_Q, TILE_K = 128, 512
 
@@ -40,25 +40,27 @@ class Score:
     holds (None: all, in order; Ulysses holds a slice); ``max_logit``: where the forward keeps its largest
     visible logit per batch entry and global head (None: not asked)."""
 
-    def __init__(self, scale, softcap=None, bias=None, dropout=0.0, seed=0, heads=None, max_logit=None):
-        self.scale, self.softcap, self.bias = float(scale), softcap, bias
+    def __init__(self, scale, softcap=None, bias=None, dropout=0.0, seed=0, heads=None, max_logit=None,
+                 finite=False):
+        self.scale, self.softcap, self.bias, self.finite = float(scale), softcap, bias, finite
         self.dropout, self.seed, self.heads, self.max_logit = float(dropout or 0.0), int(seed or 0), heads, max_logit
 
     @classmethod
-    def of(cls, spec, scale, q=None):
+    def of(cls, spec, scale, q=None, finite=False):
         """The spec's score at ``scale``, or the plain float when it has no modifier (the fast kernel's call);
         ``q``: this rank's queries, for the max-logit statistic's shape (batch entries, heads); without it
-        (a backward pass) no statistic is kept."""
+        (a backward pass) no statistic is kept; ``finite``: a bias value that is NaN or +Inf raises
+        ``FunctionFailed`` (``check_finite=True``; -Inf hides a key, as a mask does)."""
         stat = None
         if spec.return_max_logit and q is not None:
             stat = np.full(q.shape[:-2] if q.ndim > 2 else (1,), -np.inf)
         if spec.softcap is None and spec.bias is None and not spec.dropout and stat is None:
             return scale
-        return cls(scale, spec.softcap, spec.bias, spec.dropout, spec.seed, None, stat)
+        return cls(scale, spec.softcap, spec.bias, spec.dropout, spec.seed, None, stat, finite)
 
     def for_heads(self, heads):
         """The same score for a rank that holds the query heads ``heads`` (a slice of the global heads)."""
-        return Score(self.scale, self.softcap, self.bias, self.dropout, self.seed, heads, self.max_logit)
+        return Score(self.scale, self.softcap, self.bias, self.dropout, self.seed, heads, self.max_logit, self.finite)
 
 
 def as_score(scale):
@@ -68,6 +70,48 @@ def as_score(scale):
 def for_heads(scale, heads):
     """``scale`` for the query heads ``heads``: a ``Score`` learns them; a plain scale has nothing to learn."""
     return scale.for_heads(heads) if isinstance(scale, Score) else scale
+
+
+class FunctionFailed(ValueError):
+    """A user's mask, bias or score function raised: which one, on which positions, and what it raised."""
+
+
+def evaluated(what, q_pos, k_pos, fn, *args):
+    """``fn(*args)``: the user's function ``what`` (e.g. "the mask Function(f)") on query positions ``q_pos`` and key
+    positions ``k_pos``; whatever it raises comes back as ``FunctionFailed`` naming the function and the positions."""
+    try:
+        return fn(*args)
+    except FunctionFailed:
+        raise
+    except Exception as exc:  # noqa: BLE001 (a user's function: anything it raises is reported, with where)
+        raise FunctionFailed(f"{what} fails on query positions {_span(q_pos)} and key positions {_span(k_pos)}: "
+                             f"{type(exc).__name__}: {exc}") from exc
+
+
+def finite_bias(values):
+    """Raise ValueError if bias ``values`` hold NaN or +Inf (``check_finite=True``)."""
+    bad = np.isnan(values) | np.isposinf(values)
+    if bad.any():
+        raise ValueError(f"it returned {int(bad.sum())} NaN/+Inf values (check_finite=True; -Inf hides a key)")
+
+
+def bias_probe(bias, heads, q_pos, seq_len, finite=False):
+    """Try ``bias`` on a rank's query positions ``q_pos`` against the sequence's first and last key, and on its
+    first and last query against every key (``heads`` query heads): O(heads x seq_len) work that finds a function
+    failing at some positions (an index past an array's end) before any data moves. ``FunctionFailed`` if it fails."""
+    q_pos, h = np.asarray(q_pos, np.int64), np.arange(heads)[:, None, None]
+    every = np.arange(seq_len, dtype=np.int64)
+    for qp, kp in ((q_pos, every[[0, -1]]), (q_pos[[0, -1]], every)):
+        values = evaluated(f"the bias function {getattr(bias, '__qualname__', type(bias).__qualname__)}", qp, kp,
+                           bias, h, qp[None, :, None], kp[None, None, :])
+        if finite:
+            evaluated(f"the bias function {getattr(bias, '__qualname__', type(bias).__qualname__)}", qp, kp,
+                      finite_bias, np.asarray(values))
+
+
+def _span(pos):
+    pos = np.asarray(pos).reshape(-1)
+    return "(none)" if not pos.size else str(int(pos[0])) if pos.size == 1 else f"{int(pos.min())}..{int(pos.max())}"
 
 
 # ---------------------------------------------------------------- visible pairs of a mask with holes
@@ -86,7 +130,7 @@ def count_allowed(mask, q_pos, k_pos, klo, khi):
     step = max(1, _CHUNK // max(1, d - c))
     for a in range(0, len(q_pos), step):
         b = min(a + step, len(q_pos))
-        ok = mask.allows(q_pos[a:b, None], k_pos[None, c:d])
+        ok = evaluated(f"the mask {mask!r}", q_pos[a:b], k_pos[c:d], mask.allows, q_pos[a:b, None], k_pos[None, c:d])
         ok = ok & (np.arange(c, d) >= klo[a:b, None]) & (np.arange(c, d) < khi[a:b, None])
         if full:
             full = bool(np.all(ok))
@@ -197,17 +241,23 @@ class _Block:
             t = np.tanh(s / sc.softcap)
             s = sc.softcap * t
         if sc.bias is not None:
-            heads = self.heads[:, None, None]
-            extra = np.asarray(sc.bias(heads, self.q_pos[i0:i1][None, :, None], self.k_pos[j0:j1][None, None, :]))
-            try:
-                extra = np.broadcast_to(extra, (self.hq, i1 - i0, j1 - j0))
-            except ValueError:
-                raise ValueError(f"bias returned shape {extra.shape}, which does not broadcast to (heads, queries, "
-                                 f"keys) = {(self.hq, i1 - i0, j1 - j0)}") from None
+            heads, qp, kp = self.heads[:, None, None], self.q_pos[i0:i1], self.k_pos[j0:j1]
+            extra = evaluated(f"the bias function {getattr(sc.bias, '__qualname__', type(sc.bias).__qualname__)}",
+                              qp, kp, self._bias, heads, qp, kp, sc.finite)
             s = s + extra.reshape(self.hk, self.g, i1 - i0, j1 - j0).astype(self.dt, copy=False)
         if allowed is not None:
             s = np.where(allowed, s, -np.inf)
         return s, t, allowed
+
+    def _bias(self, heads, q_pos, k_pos, finite=False):
+        extra = np.asarray(self.score.bias(heads, q_pos[None, :, None], k_pos[None, None, :]))
+        if finite:
+            finite_bias(extra)
+        try:
+            return np.broadcast_to(extra, (self.hq, len(q_pos), len(k_pos)))
+        except ValueError:
+            raise ValueError(f"bias returned shape {extra.shape}, which does not broadcast to (heads, queries, "
+                             f"keys) = {(self.hq, len(q_pos), len(k_pos))}") from None
 
     def _allowed(self, i0, i1, j0, j1):
         ok = None
@@ -215,7 +265,8 @@ class _Block:
             j = np.arange(j0, j1)
             ok = (j >= self.klo[i0:i1, None]) & (j < self.khi[i0:i1, None])
         if self.mask is not None:
-            holes = self.mask.allows(self.q_pos[i0:i1, None], self.k_pos[None, j0:j1])
+            qp, kp = self.q_pos[i0:i1], self.k_pos[j0:j1]
+            holes = evaluated(f"the mask {self.mask!r}", qp, kp, self.mask.allows, qp[:, None], kp[None, :])
             ok = holes if ok is None else holes & ok
         if ok is None:
             return None
@@ -272,7 +323,8 @@ def attend_general(q, k, v, piece, score, into, padded=False):
                                                      blk.v[..., j0:j1, :].astype(blk.dt, copy=False))
             m = m_new
         seen = total > 0
-        block_lse = np.where(seen, np.where(np.isfinite(m), m, 0) + np.log(np.where(seen, total, 1)), -np.inf)
+        block_lse = np.where(seen, np.where(np.isfinite(m), m, 0) + np.log(np.where(seen, total, 1)),
+                             empty_or_nan(total))
         block_out = acc / np.where(seen, total, 1)[..., None]
         rows = np.s_[..., a + i0:a + i1, :]
         o, s_ = out[rows], lse[..., a + i0:a + i1]

@@ -34,7 +34,7 @@ THREAD_POLL_INTERVAL = 0.005
 def default_tiles(d, dtype, kind="fwd"):
     """Default (tile_q, tile_k) of the ``kind`` ("fwd"/"bwd") kernel for head dim d and dtype.
 
-    What ``python -m mpiring tune`` found fastest on this machine, when it was
+    What ``python -m mpiring bench tune`` found fastest on this machine, when it was
     run; else the constants above (d did not matter there: 64 and 128).
     """
     return cached_tiles(kind, d, dtype) or (TILE_BYTES // (TILE_K * np.dtype(dtype).itemsize), TILE_K)

@@ -1,7 +1,7 @@
 """Tuning for this CPU: the GEMM backend and tile sizes that run the NumPy kernel fastest, cached. No MPI.
 
-    python -m mpiring tune            # times the candidates on one core (under a minute), writes the cache
-    python -m mpiring tune --show     # what the cache holds for this machine
+    python -m mpiring bench tune            # times the candidates on one core (under a minute), writes the cache
+    python -m mpiring bench tune --show     # what the cache holds for this machine
 
 The kernels' defaults were measured on one CPU; another CPU, or another
 BLAS, may prefer other tiles. ``tune`` times the forward and the backward

@@ -100,7 +100,7 @@ def cluster_time(plan, cluster, *, batch, hq, hk, dim, dim_v, itemsize):
 
 
 def compare_modes(seq_len, cluster, *, causal, batch, hq, hk, dim, dim_v, itemsize, modes=COMPARED):
-    """``{mode: cluster_time(...)}`` for each mode that fits (Ulysses needs heads divisible by the ranks)."""
+    """``{mode: cluster_time(...)}`` for each mode that fits (Ulysses needs a query head per rank)."""
     out = {}
     layout = "zigzag" if causal else "contiguous"
     for mode in modes:
@@ -125,5 +125,5 @@ def format_comparison(seq_len, cluster, **shape):
                      f"layout {'zigzag' if shape['causal'] else 'contiguous'})")
     skipped = [m for m in COMPARED if m not in results]
     if skipped:
-        lines.append(f"not compared: {', '.join(skipped)} (heads not divisible by the ranks)")
+        lines.append(f"not compared: {', '.join(skipped)} (fewer query heads than the ranks that share them)")
     return "\n".join(lines)

@@ -11,7 +11,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.precision import compute_itemsize
-from .strategies import TIME_NOTES, TIME_VARIANTS, analytic, predicted_backward_bytes, predicted_bytes_sent, strategy_of
+from .strategies import (
+    TIME_NOTES,
+    TIME_VARIANTS,
+    analytic,
+    kv_tokens_sent,
+    predicted_backward_bytes,
+    predicted_bytes_sent,
+)
 
 __all__ = ["ring_attention_context_parallel", "predicted_bytes_sent", "predicted_backward_bytes", "Machine", "PRESETS",
            "TIME_VARIANTS",
@@ -211,7 +218,6 @@ def predict_plan(plan, machine, *, batch, heads, kv_heads, head_dim, itemsize, b
     work, traffic = (2.5, itemsize + grad_itemsize) if backward else (1.0, itemsize)
     flop_per_pair = work * 4 * batch * heads * head_dim
     per_token = 2 * batch * kv_heads * head_dim * traffic
-    lengths = [len(s) for s in plan.kv_shards]
     cache = {}
 
     def seconds(r, j):
@@ -223,8 +229,8 @@ def predict_plan(plan, machine, *, batch, heads, kv_heads, head_dim, itemsize, b
 
     started = [{} for _ in range(plan.size)]  # per rank: step -> tokens of each transfer it starts then
     for r, at in enumerate(started):
-        for step, sources in strategy_of(plan).kv_transfers(plan, r):
-            at.setdefault(step, []).append(sum(lengths[b] for b in sources))
+        for step, tokens in kv_tokens_sent(plan, r):
+            at.setdefault(step, []).append(tokens)
     out = []
     for step in range(plan.n_steps):
         compute = max(sum(seconds(r, t.source) for t in plan.tasks(step, r)) for r in range(plan.size))
@@ -279,6 +285,7 @@ def format_time_model(total_seq_len, num_devices, *, heads, head_dim, kv_heads=N
 
 
 # bytes per element of K/V on the wire (``wire_dtype``); int8's float32 scale per token and head adds 4 / head_dim
+# (the FP8 wires move exactly int8's bytes: its row stands for them)
 WIRE_BYTES = {"float32": lambda d: 4, "bfloat16": lambda d: 2, "float16": lambda d: 2, "int8": lambda d: 1 + 4 / d}
 
 

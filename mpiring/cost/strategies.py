@@ -14,12 +14,12 @@ grad_itemsize, wire_dtype`` that ``nodes.traffic`` takes (``full_shape``).
 from typing import Callable, NamedTuple
 
 from ..core.precision import compute_itemsize, row_bytes
-from ..plans.heads import kv_heads, ulysses_pair_bytes
+from ..plans.heads import deal_heads, ulysses_pair_bytes
 from ..plans.make import make_plan
 
 __all__ = ["Strategy", "Analytic", "STRATEGIES", "TIME_VARIANTS", "strategy_of", "analytic", "full_shape",
            "predicted_bytes_sent", "predicted_backward_bytes", "traffic_of", "bytes_of", "compared_plan",
-           "TIME_NOTES"]
+           "TIME_NOTES", "kv_tokens_sent"]
 
 
 class Analytic(NamedTuple):
@@ -44,6 +44,8 @@ class Strategy(NamedTuple):
     head_split: Callable | None = None  # (cluster) -> ranks that share out the heads (None: heads stay whole)
     compared: Callable | None = None  # (seq_len, cluster, layout, causal) -> the plan compare_modes times
     analytic: Analytic | None = None
+    kv_tokens: Callable | None = None  # (plan, rank) -> [(step, tokens)] when not whole blocks travel (None:
+    grad_tokens: Callable | None = None  # kv_transfers' blocks); (plan, rank) -> tokens of each dK/dV partial
 
 
 def strategy_of(plan):
@@ -70,12 +72,16 @@ def predicted_bytes_sent(plan, kv_width, itemsize):
     every ring step is needed; windows and packed documents can stop the ring
     early, and the all-gather mode moves the same bytes in one collective.
     """
-    kv_transfers = strategy_of(plan).kv_transfers
-    sent = []
-    for rank in range(plan.size):
-        blocks = [b for _, sources in kv_transfers(plan, rank) for b in sources]
-        sent.append(sum(len(plan.kv_shards[b]) for b in blocks) * kv_width * itemsize)
-    return sent
+    return [sum(tokens for _, tokens in kv_tokens_sent(plan, rank)) * kv_width * itemsize for rank in range(plan.size)]
+
+
+def kv_tokens_sent(plan, rank):
+    """``[(step, tokens)]``: the K/V tokens of each transfer ``rank`` starts, by step (whole blocks unless the
+    strategy says otherwise: ``Strategy.kv_tokens``)."""
+    strategy = strategy_of(plan)
+    if strategy.kv_tokens is not None:
+        return strategy.kv_tokens(plan, rank)
+    return [(step, sum(len(plan.kv_shards[b]) for b in blocks)) for step, blocks in strategy.kv_transfers(plan, rank)]
 
 
 def predicted_backward_bytes(plan, kv_width, itemsize, grad_itemsize=None, grad_width=None):
@@ -90,9 +96,9 @@ def predicted_backward_bytes(plan, kv_width, itemsize, grad_itemsize=None, grad_
     """
     grad_itemsize = compute_itemsize(itemsize) if grad_itemsize is None else grad_itemsize
     grad_width = kv_width if grad_width is None else grad_width
-    n = [len(s) for s in plan.kv_shards]
-    grad_blocks = strategy_of(plan).grad_blocks
-    return [kv_bytes + grad_width * sum(n[b] for b in grad_blocks(plan, rank)) * grad_itemsize
+    n, strategy = [len(s) for s in plan.kv_shards], strategy_of(plan)
+    tokens = strategy.grad_tokens or (lambda plan, rank: [n[b] for b in strategy.grad_blocks(plan, rank)])
+    return [kv_bytes + grad_width * sum(tokens(plan, rank)) * grad_itemsize
             for rank, kv_bytes in enumerate(predicted_bytes_sent(plan, kv_width, itemsize))]  # K/V: as forward
 
 
@@ -124,6 +130,25 @@ def _sparse_transfers(plan, rank):
 def _sparse_grads(plan, rank):
     """... and the dK/dV partial of each block it needed, straight home."""
     return plan.needs[rank]
+
+
+def _sparse_tokens(plan, rank):
+    """... each send carrying the keys of the block that its user's queries see (``SparsePlan.tokens``)."""
+    return [(0, plan.tokens(user, rank)) for user in plan.users[rank]]
+
+
+def _sparse_grad_tokens(plan, rank):
+    return [plan.tokens(rank, source) for source in plan.needs[rank]]
+
+
+def _sparse_traffic(plan, shape):
+    """The sparse movement's sends (``SparsePlan.sends``), each of the tokens that travel to its user."""
+    matrix = [[0] * plan.size for _ in range(plan.size)]
+    kv_token, grad_token = _kv_token(shape), _grad_width(shape) * shape["grad_itemsize"]
+    for r in range(plan.size):
+        for _, dest, source, what in plan.sends(r, shape["backward"]):
+            matrix[r][dest] += plan.tokens(dest, r) * kv_token if what == "K/V" else plan.tokens(r, source) * grad_token
+    return matrix
 
 
 def _nothing(plan, rank, backward=False):
@@ -223,27 +248,28 @@ def _group_pair(plan, r, d, *, batch, hq, hk, dim, dim_v, itemsize, backward, gr
     ``grad_itemsize`` bytes).
     """
     u = plan.ulysses_size
-    hq_l, n_r, n_d = hq // u, len(plan.shards[r]), len(plan.shards[d])
+    deal = deal_heads(hq, hk, u)
+    (q_r, q_d), (kv_r, kv_d) = ([c[x % u] for x in (r, d)] for c in (deal.counts(), deal.counts(kv=True)))
+    n_r, n_d = len(plan.shards[r]), len(plan.shards[d])
     m_r, m_d = len(plan.kv_shards[r]), len(plan.kv_shards[d])
-    kv_r, kv_d = (len(range(hk)[kv_heads(x % u, u, hk)]) for x in (r, d))
     kv_row = row_bytes(wire_dtype, dim, itemsize) + row_bytes(wire_dtype, dim_v, itemsize)
     compute = compute_itemsize(itemsize)
     if backward:
-        out = n_r * hq_l * (dim + 2 * dim_v + 1) * compute + m_r * kv_d * kv_row
-        back = (n_d * hq_l * dim + m_d * kv_r * (dim + dim_v)) * grad_itemsize
+        out = n_r * q_d * (dim + 2 * dim_v + 1) * compute + m_r * kv_d * kv_row
+        back = (n_d * q_r * dim + m_d * kv_r * (dim + dim_v)) * grad_itemsize
     else:
-        out = n_r * hq_l * dim * itemsize + m_r * kv_d * kv_row
-        back = n_d * hq_l * (dim_v * itemsize + compute)
+        out = n_r * q_d * dim * itemsize + m_r * kv_d * kv_row
+        back = n_d * q_r * (dim_v * itemsize + compute)
     return batch * (out + back)
 
 
 def _inner_shapes(plan, shape):
-    """Per place j of a group: the shape its ring across the groups moves (Hq/u heads, its K/V heads); the
-    backward's inputs in the dtype tiles compute in, as the all-to-all brought them."""
-    u, hk = plan.ulysses_size, shape["hk"]
+    """Per place j of a group: the shape its ring across the groups moves (its query heads, the K/V heads it
+    computes with: ``HeadDeal.held_counts``); the backward's inputs in the dtype tiles compute in, as the
+    all-to-all brought them."""
+    deal = deal_heads(shape["hq"], shape["hk"], plan.ulysses_size)
     itemsize = compute_itemsize(shape["itemsize"]) if shape["backward"] else shape["itemsize"]
-    return [dict(shape, hq=shape["hq"] // u, hk=len(range(hk)[kv_heads(j, u, hk)]), itemsize=itemsize)
-            for j in range(u)]
+    return [dict(shape, hq=hq, hk=hk, itemsize=itemsize) for hq, hk in zip(deal.counts(), deal.held_counts())]
 
 
 def _grid_traffic(plan, shape):
@@ -320,11 +346,13 @@ def _double_ring_time(plan, cluster, link, shape):
 
 
 def _ulysses_time(plan, cluster, link, shape):
-    """All-to-all in, compute (every pair, Hq/P heads), all-to-all back."""
-    pair = 4 * shape["batch"] * shape["hq"] * shape["dim"] / cluster.flops
+    """All-to-all in, compute (every pair, the most query heads a rank gets: Hq/P when they split evenly),
+    all-to-all back."""
+    heads = max(deal_heads(shape["hq"], shape["hk"], plan.size).counts())
+    pair = 4 * shape["batch"] * heads * shape["dim"] / cluster.flops
     matrix = traffic_of(plan, full_shape(**shape))
     sends = [(r, d, b) for r, row in enumerate(matrix) for d, b in enumerate(row) if b]
-    work = max(plan.computed_pairs()) * pair / plan.size
+    work = max(plan.computed_pairs()) * pair
     comm = link(sends)  # both all-to-alls' bytes, as one exchange's worth of link time
     return {"total": work + comm, "compute": work, "exposed": comm}
 
@@ -336,9 +364,10 @@ def _grid_time(plan, cluster, link, shape):
     matrix = traffic_of(plan, full_shape(**shape))
     a2a = link([(r, d, matrix[r][d]) for r in range(plan.size) for d in range(plan.size)
                 if r // u == d // u and matrix[r][d]])
-    pair = 4 * batch * (hq // u) * dim / cluster.flops
-    places = [_step_sends(ring, batch * len(range(hk)[kv_heads(j, u, hk)]) * (dim + dim_v) * itemsize)
-              for j in range(u)]  # place j of every group: its K/V heads of the group's tokens
+    deal = deal_heads(hq, hk, u)
+    pair = 4 * batch * max(deal.counts()) * dim / cluster.flops  # the place with the most query heads
+    places = [_step_sends(ring, batch * held * (dim + dim_v) * itemsize)
+              for held in deal.held_counts()]  # place j of every group: its K/V heads of the group's tokens
     total = work = 0.0
     for step in range(ring.n_steps):
         compute = max(sum((p.q1 - p.q0) * (p.k1 - p.k0) for t in ring.tasks(step, g) for p in ring.pieces(g, t.source))
@@ -365,10 +394,10 @@ def _grid_compared(seq_len, cluster, layout, causal):
 
 def compared_plan(name, seq_len, cluster, *, layout, causal, hq, hk):
     """The plan ``compare_modes`` times as ``name`` (a mode, or an entry's ``label``); None when the heads do
-    not split over the ranks that share them out."""
+    not split over the ranks that share them out (fewer query heads than those ranks)."""
     entry = _LABELS.get(name)
     split = entry.head_split(cluster) if entry and entry.head_split else None
-    if split and (hq % split or (hk % split and split % hk)):
+    if split and hq < split:
         return None
     if entry and entry.compared:
         return entry.compared(seq_len, cluster, layout, causal)
@@ -422,7 +451,8 @@ STRATEGIES = {
     "grid": Strategy(_as_groups_ring("kv_transfers"), _as_groups_ring("grad_blocks"), _grid_traffic, _grid_time,
                      gathered=_grid_gathered, label="hybrid", head_split=_node_heads, compared=_grid_compared),
     # every transfer posted at step 0 (the time model's step 0 carries them all, as the all-gather's)
-    "sparse": Strategy(_sparse_transfers, _sparse_grads, _sends_traffic, _ring_time, sends=_plan_sends),
+    "sparse": Strategy(_sparse_transfers, _sparse_grads, _sparse_traffic, _ring_time, sends=_plan_sends,
+                       kv_tokens=_sparse_tokens, grad_tokens=_sparse_grad_tokens),
 }
 
 _LABELS = {entry.label or name: entry for name, entry in STRATEGIES.items()}

@@ -8,21 +8,29 @@ ValueError naming each offending rank. Nothing here raises before that
 all-gather, so one rank's bad input cannot leave the others waiting.
 """
 
+import secrets
+
 import numpy as np
 from mpi4py import MPI
 
 from ..core.kernels import default_scale
+from ..core.precision import compute_dtype
+from ..core.threads import threads_problem
 from ..plans.layouts import take_rows
+from ..plans.spec import spec_problem
+from .axes import axis_problem, seq_index
 from .checks import (
     Shown,
     agreement_timeout,
     compared,
     describe,
     differences,
+    differing_parts,
     entry_timeout,
     is_real,
     local_problem,
     logit_problem,
+    part_values,
     peaks,
     shape_text,
     size_problem,
@@ -30,11 +38,11 @@ from .checks import (
     values_digest,
     verdict,
 )
-from .collectives import allgather
+from .collectives import allgather, allreduced
 from .waits import abandon, completed, wait_entry, wait_until
 
 __all__ = ["agreed", "agree", "gather_entry", "setup", "agree_root", "setup_ring", "check_call", "check_comm",
-           "comm_problem"]
+           "comm_problem", "contiguous", "call_spec", "moved_arrays", "opening", "Hosts"]
 
 
 def comm_problem(comm):
@@ -86,10 +94,24 @@ def agreed(comm, problem, values=None, timeout=None, extra=None, entry=False):
     """
     gathered = (gather_entry(comm, (problem, values, extra), timeout) if entry
                 else allgather(comm, (problem, values, extra), agreement_timeout(timeout)))
-    message = verdict([g[0] for g in gathered]) or verdict(differences([g[1] for g in gathered], 0))
+    message = verdict([g[0] for g in gathered]) or _differences(comm, values, [g[1] for g in gathered], timeout)
     if message:
         raise ValueError(message)
     return [g[2] for g in gathered]
+
+
+def _differences(comm, mine, every, timeout):
+    """The message naming each rank whose values differ from rank 0's, or None.
+
+    Values with content (functions, arrays) that differ under the same text are named down to the part
+    that differs: a second all-gather (only then, on every rank alike) brings that part from both ranks.
+    """
+    wanted = differing_parts(every, 0)
+    parts = {}
+    if wanted:
+        sent = allgather(comm, part_values(mine, wanted, comm.Get_rank(), 0), agreement_timeout(timeout))
+        parts = {(r, name): (sent[r][(r, name)], sent[0][(r, name)]) for r, name, _ in wanted}
+    return verdict(differences(every, 0, parts))
 
 
 def agree(comm, problem, timeout=None, entry=False):
@@ -98,7 +120,7 @@ def agree(comm, problem, timeout=None, entry=False):
 
 
 def setup(q, k, v, comm, spec, check_finite=False, expected_size=None, timeout=None, prepare=None,
-          problem=None, rows=None, hosts=None, same_rows=True, first=None):
+          problem=None, rows=None, hosts=None, same_rows=True, first=None, shared=None):
     """Validate on every rank, agree collectively (one all-gather), and build the shared plan.
 
     Every rank ends with the same verdict: either ``(plan, spec, scale,
@@ -113,7 +135,8 @@ def setup(q, k, v, comm, spec, check_finite=False, expected_size=None, timeout=N
     ``problem``: one more of this rank's problems, found by the caller (or None).
     ``hosts``: a list to fill with every rank's processor name (who shares a node).
     ``same_rows``: k holds q's tokens (no ``kv_positions``). ``first``: a
-    problem the caller's caller found (an adapter's), reported before the arrays'.
+    problem the caller's caller found (an adapter's), reported before the arrays'; ``shared``: its values
+    that every rank must pass alike (``Shown``).
     ``rows``: one letter per prepared array, "q" (query rows), "k" (key/value
     rows) or "l" (query rows on the last axis: lse); they come back sorted by
     position, the order the ring works in (``Plan.in_caller_order`` undoes it;
@@ -138,14 +161,14 @@ def setup(q, k, v, comm, spec, check_finite=False, expected_size=None, timeout=N
         if problem is None:
             held = spec.held()
             values = {f"{n} shape": Shown(*[shape_text(a)] * 2) for n, a in (("q", q), ("k", k), ("v", v))}
-            values.update({"dtype": Shown(str(q.dtype)), **compared(spec, timeout)})
+            values.update({"dtype": Shown(str(q.dtype)), **compared(spec, timeout), **(shared or {})})
             n_local = q.shape[-2]
             peak = peaks(q, k)
     except Exception as exc:  # whatever goes wrong here is reported collectively, never raised alone
         problem, values = describe(exc), None
-    metas = agreed(comm, problem, values, timeout, (n_local, peak, held, MPI.Get_processor_name()), entry=True)
+    metas = agreed(comm, problem, values, timeout, (n_local, peak, held, Host.mine()), entry=True)
     if hosts is not None:
-        hosts[:] = [m[3] for m in metas]
+        hosts[:] = Hosts(m[3] for m in metas)
     scale = default_scale(q.shape[-1]) if spec.scale is None else spec.scale
     message = logit_problem(scale, q.shape[-1], max(m[1][0] for m in metas), max(m[1][1] for m in metas), q.dtype)
     if message:
@@ -210,12 +233,40 @@ def setup_ring(comm, spec, timeout, expected_size=None, problem=None, values=Non
             shown = dict(compared(spec, timeout), **{name: Shown(value) for name, value in (values or {}).items()})
     except Exception as exc:  # reported collectively, never raised alone
         problem, shown = describe(exc), None
-    gathered = agreed(comm, problem, shown, timeout, (MPI.Get_processor_name(), held), entry=True)
+    gathered = agreed(comm, problem, shown, timeout, (Host.mine(), held), entry=True)
     spec, implied = spec.with_ranks([g[1] for g in gathered])
     if spec.seq_len is not None and implied is not None and implied != spec.seq_len:  # the same data everywhere
         raise ValueError(f"seq_len={spec.seq_len} but the ranks' positions hold {implied} tokens")
     plan = spec.plan(comm.Get_size(), implied or spec.seq_len)  # raises everywhere
-    return plan, spec, [g[0] for g in gathered]
+    return plan, spec, Hosts(g[0] for g in gathered)
+
+
+class Host(str):
+    """A rank's processor name, with a random ``nonce`` of its own (what the agreement gathers of every rank)."""
+
+    @classmethod
+    def mine(cls):
+        host = cls(MPI.Get_processor_name())
+        host.nonce = secrets.randbits(63)
+        return host
+
+    def __reduce__(self):
+        return _host, (str(self), self.nonce)
+
+
+def _host(name, nonce):
+    host = Host(name)
+    host.nonce = nonce
+    return host
+
+
+class Hosts(list):
+    """Every rank's ``Host``; ``token``: a number drawn from all their nonces, the same on every rank and new for
+    every agreement (a handle's failure notices carry it: ``waits.Watch``)."""
+
+    @property
+    def token(self):
+        return sum(getattr(h, "nonce", 0) for h in self) % (1 << 63)
 
 
 ENTRY_TAG = 7  # a Ring call's entry notices; the ring's own messages use tags 0-3 and, homeward, 4 per chunk and up
@@ -258,3 +309,33 @@ def check_call(comm, problem, values, peaks, timeout):
         agreed(comm, problem, values, timeout)
         raise ValueError("the ranks passed arrays of different shapes or dtypes")
     return every[3:]
+
+
+def contiguous(tensors, lses):
+    """The call's arrays made contiguous: the backward's dout, q, out and lse in the dtype tiles compute in
+    (float32 for half inputs; k and v travel in theirs), the forward's q, k, v as they are."""
+    work = compute_dtype(tensors["q"].dtype) if "dout" in tensors else None
+    arrays = [np.ascontiguousarray(a, None if name in ("k", "v") else work) for name, a in tensors.items()]
+    return arrays, [np.ascontiguousarray(a, work) for a in lses]
+
+
+def call_spec(spec, **keywords):
+    """A function call's spec (``spec_problem``), this rank's problem with it, and whether k holds q's tokens
+    (no ``kv_positions``: from the keywords when the spec could not be made)."""
+    spec, problem = spec_problem(keywords, spec)
+    return spec, problem, (keywords["kv_positions"] if spec is None else spec.kv_positions) is None
+
+
+def moved_arrays(tensors, seq_axis, threads, same_rows=True, lse=None):
+    """The arrays with the sequence on axis -2 (unchanged if ``seq_axis`` is bad), and this rank's problem."""
+    problem = axis_problem(tensors, seq_axis, same_rows=same_rows, lse=lse) or threads_problem(threads)
+    if problem:
+        return list(tensors.values()), problem
+    return [np.moveaxis(a, seq_index(seq_axis, a.ndim), -2) for a in tensors.values()], None
+
+
+def opening(comm, problem, timeout):
+    """The common start of a call agreed already (by ``setup``): one all-reduce of whether a rank found a problem
+    since (``checks.pairs_problem``); only then a second round names it, the same ValueError on every rank."""
+    if allreduced(comm, [1.0 if problem else 0.0], MPI.MAX, timeout, "start of the call")[0]:
+        agree(comm, problem, timeout)

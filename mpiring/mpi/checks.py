@@ -12,12 +12,15 @@ from ..core import backends, gemm
 from ..core.kernels import LSE_LIMIT
 from ..core.precision import compute_dtype, dtype_problem
 from ..core.ranks import ranks_text
+from ..core.scores import FunctionFailed, bias_probe
+from ..plans.content import described, difference, first_difference, leaf_value
 from ..plans.spec import FIELDS, digest, is_real, scale_problem
 
 __all__ = ["local_problem", "backend_problem", "is_real", "timeout_problem", "AUTO_AGREE", "AUTO_BASE", "AUTO_RATE",
            "AUTO_ENTRY", "agreement_timeout", "entry_timeout", "resolve_timeout", "size_problem", "Shown", "shape_text",
-           "verdict", "differences", "describe", "compared", "logit_problem", "grad_problem", "root_problem",
-           "root_grad_problem", "scale_problem", "call_values", "values_digest", "peaks"]
+           "verdict", "differences", "differing_parts", "part_values", "describe", "compared", "logit_problem",
+           "grad_problem", "root_problem", "root_grad_problem", "scale_problem", "call_values", "values_digest",
+           "peaks", "pairs_problem", "length_problem", "dlse_problem"]
 
 
 def backend_problem(q=None):
@@ -134,10 +137,17 @@ def size_problem(size, expected_size):
 
 
 class Shown:
-    """A value compared by content (cu_seqlens by digest) and shown briefly in messages."""
+    """A value compared by content (cu_seqlens by digest) and shown briefly in messages.
 
-    def __init__(self, value, text=None):
-        if text is not None:
+    ``found``: the value's ``plans.content.Content`` (a function, mask pieces, an array): compared by its
+    digest, and a difference named leaf by leaf (``differences``).
+    """
+
+    def __init__(self, value, text=None, found=None):
+        self.content = found
+        if found is not None:
+            self.text, self.key = text, found.digest
+        elif text is not None:
             self.text, self.key = text, value
         elif isinstance(value, np.ndarray):
             items = value.tolist()
@@ -169,17 +179,42 @@ def verdict(problems, prefix="rank"):
     return "; ".join(parts) or None
 
 
-def differences(values, ref):
-    """Per rank: which named value differs from rank ``ref``'s (values[r] is a dict, or None)."""
-    out = [None] * len(values)
+def _differing(values, ref):
+    """``(rank, name, its value, rank ref's)`` of each rank's first value that differs from rank ``ref``'s."""
     for r, mine in enumerate(values):
         if mine is None or values[ref] is None or r == ref:
             continue
-        for name, val in mine.items():
-            if not val == values[ref][name]:
-                out[r] = f"{name} {val!r} differs from rank {ref}'s {values[ref][name]!r}"
-                break
+        found = next(((name, val) for name, val in mine.items() if not val == values[ref][name]), None)
+        if found is not None:
+            yield r, found[0], found[1], values[ref][found[0]]
+
+
+def differences(values, ref, parts=None):
+    """Per rank: which named value differs from rank ``ref``'s (values[r] is a dict, or None).
+
+    A value with content (``Shown.found``) whose text is rank ``ref``'s too is named down to the part that
+    differs: ``parts[(rank, name)]`` holds both ranks' ``leaf_value`` of it (``differing_parts``).
+    """
+    out = [None] * len(values)
+    for r, name, val, theirs in _differing(values, ref):
+        out[r] = f"{name} {val!r} differs from rank {ref}'s {theirs!r}"
+        if (r, name) in (parts or {}):
+            index = first_difference(val.content, theirs.content)
+            leaves = [c.leaves[index] if index < len(c.leaves) else None for c in (val.content, theirs.content)]
+            out[r] = f"{name} differs from rank {ref}'s: {difference(index, leaves, parts[(r, name)], (r, ref))}"
     return out
+
+
+def differing_parts(values, ref):
+    """``[(rank, name, leaf index)]``: the values with content that differ from rank ``ref``'s under the same
+    text, and the first leaf that differs (the same list on every rank, from the gathered values)."""
+    return [(r, name, first_difference(val.content, theirs.content)) for r, name, val, theirs in _differing(values, ref)
+            if val.content is not None and theirs.content is not None and val.text == theirs.text]
+
+
+def part_values(mine, wanted, rank, ref):
+    """What this rank sends of its ``mine`` values for ``differing_parts``: ``{(r, name): leaf_value}``."""
+    return {(r, name): leaf_value(mine[name].content, index) for r, name, index in wanted if rank in (r, ref)}
 
 
 def describe(exc):
@@ -193,9 +228,10 @@ def compared(spec, timeout):
     """
     values = dict({name: getattr(spec, name) for name in FIELDS}, timeout=timeout)
     rows = ("positions", "kv_positions")
-    by_key = ("mask", "bias")  # functions inside: compared by what they are (``Spec.field_key``), not pickled
+    by_content = ("mask", "bias", "sinks")  # by what they are and read (``Spec.field_content``), not pickled
     return {name: Shown(val is not None, "given" if val is not None else "None") if name in rows
-            else Shown(spec.field_key(name), repr(val)) if name in by_key
+            else Shown(None, " & ".join(map(repr, val)) or "()" if name == "mask" else described(val),
+                       spec.field_content(name)) if name in by_content
             else Shown(val) for name, val in values.items()}
 
 
@@ -287,3 +323,37 @@ def values_digest(values):
 def peaks(*arrays):
     """Largest |entry| of each array (the logit bound of ``logit_problem``)."""
     return [_peak(a) for a in arrays]
+
+
+def pairs_problem(plan, spec, rank, heads, finite=False):
+    """This rank's problem with its own (query, key) pairs under ``plan``, or None: a mask with holes is evaluated
+    on them (``plan.kinds``, kept for the ring), the bias probed (``scores.bias_probe``), so a user's function that
+    fails there is found before any data moves and agreed, not met inside the ring (``finite``: or, with
+    ``check_finite=True``, returns NaN or +Inf there)."""
+    try:
+        if not plan.exact:
+            row = plan.kinds[rank]
+            for source in range(len(row)):
+                row[source]
+        if spec.bias is not None:
+            bias_probe(spec.bias, heads, plan.shards[rank], plan.seq_len, finite)
+    except FunctionFailed as exc:
+        return str(exc)
+    return None
+
+
+def length_problem(plan, rank, q, k):
+    """Why this rank's q and k do not hold the tokens ``plan`` gives it, or None."""
+    for name, a, shards in (("q", q, plan.shards), ("k", k, plan.kv_shards)):
+        want = len(shards[rank])
+        if a.shape[-2] != want:
+            held = (f"the {plan.layout} layout of {plan.seq_len} tokens over {plan.size} ranks"
+                    if plan.layout != "positions" else "its positions")
+            return f"{name} holds {a.shape[-2]} tokens, but {held} give this rank {want}"
+    return None
+
+
+def dlse_problem(dlse, lse):
+    if dlse is not None and not (isinstance(dlse, np.ndarray) and dlse.shape == lse.shape):
+        return f"dlse must be an array shaped as lse {lse.shape}, got {getattr(dlse, 'shape', type(dlse))}"
+    return None

@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 from ..core.tiles import as_view
 from .buffers import mpi_view, payload_bytes
-from .waits import abandon, completed, test_all, wait_until
+from .waits import abandon, completed, cut_short, test_all, wait_until
 
 __all__ = ["RingComm", "HomeRing", "shift"]
 
@@ -116,7 +116,7 @@ class RingComm:
         process, so MPI can never touch freed memory, and the caller's error
         propagates. Returns whether everything was freed.
         """
-        if self._requests and not completed(self._requests):
+        if (self._requests and not completed(self._requests)) or cut_short():
             abandon((self.comm, self._requests, self._types))  # the datatypes too: pending transfers use them
             self._requests, self._types = [], {}
             return False

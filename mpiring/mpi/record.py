@@ -35,7 +35,7 @@ class Record:
     computed_pairs: int = 0  # score entries given to the kernel
     visible_pairs: int = 0  # of those, the ones the mask lets through
     wall_time: float = 0.0
-    wire_dtype: str = ""  # how K/V travelled: the input dtype's name, or a ``wire_dtype`` ("int8", ...)
+    wire_dtype: str = ""  # how K/V travelled: the input dtype's name, or a ``wire_dtype`` ("int8", "float8_e4m3", ...)
     error: dict = field(default_factory=dict)  # max |result - float64 reference| by name, if a checker filled it in
     plan: object = None  # the Plan the ring followed, set when the call returns
     rotate: str = "kv"  # what travelled the ring: "kv" (K/V blocks) or "q" (query blocks; ``rotate="auto"`` decides)

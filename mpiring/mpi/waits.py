@@ -12,12 +12,13 @@ import logging
 import threading
 import time
 
+import numpy as np
 from mpi4py import MPI
 
 from ..core.threads import cores, launcher_local_ranks
 
 __all__ = ["CommTimeout", "CAUSES", "wait_until", "wait_entry", "test_all", "completed", "exclusive", "abandon",
-           "ABANDONED", "shares_cores"]
+           "ABANDONED", "shares_cores", "Watch", "watching", "Announced", "cut_short"]
 
 
 # what a timed-out wait says when it knows no better
@@ -101,6 +102,100 @@ class CommTimeout(RuntimeError):
     """A ring transfer did not complete within the requested timeout (or failed with its peer)."""
 
 
+class Announced(ValueError):
+    """Another rank's failure inside a call, as it announced it (``Watch``): the error that rank raised."""
+
+
+# A rank that fails inside a call tells the others at once (``Watch.announce``): a notice of NOTICE_BYTES on the
+# call's private communicator with FAILURE_TAG (the ring's messages use tags below 8), which every wait of the
+# call polls for (``watching``), so the others raise within one poll of their next wait, not at their timeout.
+FAILURE_TAG = 32000
+DRAIN_SECONDS = 1.0  # how long a rank told of a failure lets what it waits for complete before leaving it
+WATCH_SECONDS = 1e-3  # a wait looks for a notice at most this often (an MPI test each: the polls stay cheap)
+NOTICE_BYTES = 2048
+_WATCHED = threading.local()
+
+
+class Watch:
+    """This rank's receive of the others' failure notices on a private communicator, posted once, polled by every
+    wait inside ``watching(watch)``. ``token``: the same on every rank of the handle and new for each (``agree.Hosts``):
+    a notice meant for an earlier handle whose communicator MPI has since reused is ignored. ``close()`` completes
+    the receive with a notice of this rank's own: nothing is cancelled (docs/reliability.md §2)."""
+
+    def __init__(self, comm, token=0):
+        self.comm, self.rank, self.token = comm, comm.Get_rank(), int(token)
+        self._notice = np.zeros(NOTICE_BYTES, np.uint8)
+        self._request = self._post()
+
+    def _post(self):
+        return self.comm.Irecv(self._notice, source=MPI.ANY_SOURCE, tag=FAILURE_TAG)
+
+    def _taken(self):
+        """The notice received: ``(token, kind, text)``; the receive is posted again for the next one."""
+        token = int(self._notice[:8].view(np.int64)[0])
+        kind, text = chr(self._notice[8]), bytes(self._notice[9:]).rstrip(b"\0").decode(errors="replace")
+        return token, kind, text
+
+    def check(self):
+        """Raise what another rank announced, if a notice has come: ``Announced`` (the same ValueError as on that
+        rank) for a bad function of the user's, CommTimeout for any other failure."""
+        while self._request is not None and completed([self._request]):
+            token, kind, text = self._taken()
+            if token != self.token:  # another handle's, late: not for this one
+                self._request = self._post()
+                continue
+            self._request = None
+            raise Announced(text) if kind == "V" else CommTimeout(f"rank {self.rank}: {text}")
+
+    def _notice_of(self, text, kind):
+        notice = np.zeros(NOTICE_BYTES, np.uint8)
+        notice[:8] = np.frombuffer(np.int64(self.token).tobytes(), np.uint8)
+        data = (kind + text).encode()[:NOTICE_BYTES - 9]
+        notice[8:8 + len(data)] = np.frombuffer(data, np.uint8)
+        return notice
+
+    def announce(self, text, value=False):
+        """Tell every other rank that this one failed (``value``: with the ValueError ``text``, which they raise
+        as it is). The sends are never waited for nor freed (``abandon``): a notice is small (sent eagerly)."""
+        notice = self._notice_of(text, "V" if value else "T")
+        sends = [self.comm.Isend(notice, dest=r, tag=FAILURE_TAG) for r in range(self.comm.Get_size())
+                 if r != self.rank]
+        abandon((self.comm, sends, notice))
+
+    def close(self):
+        """Complete the pending receive: with this rank's own "closed" notice, after any that came before it."""
+        if self._request is None:
+            return
+        mine = self._notice_of("", "C")
+        sent = self.comm.Isend(mine, dest=self.rank, tag=FAILURE_TAG)
+        status = MPI.Status()
+        while True:
+            self._request.Wait(status)
+            if status.Get_source() == self.rank:  # a rank's notices to itself arrive in order: this is the one
+                break
+            self._request = self._post()
+        sent.Wait()
+        self._request = None
+
+
+@contextlib.contextmanager
+def watching(watch):
+    """Every wait of this thread inside the block also polls ``watch`` for another rank's failure."""
+    before = getattr(_WATCHED, "watch", None)
+    _WATCHED.watch, _WATCHED.cut_short = watch, False
+    try:
+        watch.check()
+        yield
+    finally:
+        _WATCHED.watch = before
+
+
+def cut_short():
+    """Whether a wait of this thread's call gave up because another rank failed (``watching``): requests of the
+    call may be pending on any of its communicators (a collective the others joined), so none may be freed."""
+    return getattr(_WATCHED, "cut_short", False)
+
+
 def test_all(requests, rank, what):
     """``MPI.Request.Testall``; an MPI error on a transfer is raised as CommTimeout.
 
@@ -136,8 +231,17 @@ def _polls(requests, rank, what, sync, patient=False):
     """
     spin, burst = (SYNC_SPIN_SECONDS, 0.0) if sync else (SPIN_SECONDS, BURST_SECONDS)
     polled, nap = time.perf_counter(), NAP_SECONDS[0]
+    watch, looked = getattr(_WATCHED, "watch", None), 0.0
     while not test_all(requests, rank, what):
         now = time.perf_counter()
+        if watch is not None and now - looked > WATCH_SECONDS:
+            looked = now
+            try:
+                watch.check()
+            except BaseException:  # another rank failed: what this rank waits for may still complete (a
+                _drained(requests)  # collective that rank had joined): given a moment to, else kept for good
+                _WATCHED.cut_short = True  # the call's communicators are never freed (``cut_short``)
+                raise
         yield now
         if patient and now - polled > LONG_WAIT_SECONDS:
             time.sleep(LONG_NAP_SECONDS)
@@ -149,6 +253,18 @@ def _polls(requests, rank, what, sync, patient=False):
             until = time.perf_counter() + burst  # data: a burst of polls after each nap keeps it moving
             while time.perf_counter() < until and not test_all(requests, rank, what):
                 pass
+
+
+def _drained(requests):
+    """After another rank's failure: let ``requests`` complete if they can within DRAIN_SECONDS (a collective
+    every rank had joined: leaving it half done corrupted MPICH's state at the next call), else keep them and
+    their buffers for good (``abandon``)."""
+    deadline = time.perf_counter() + DRAIN_SECONDS
+    while not completed(requests):
+        if time.perf_counter() > deadline:
+            abandon(requests)
+            return
+        time.sleep(1e-4)
 
 
 def wait_entry(requests, timeout, rank, what, absent=None):

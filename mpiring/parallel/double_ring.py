@@ -92,7 +92,7 @@ def double_ring_forward(q, k, v, plan, ring, scale, rec, timeout, pr=None):
     before = (inner.bytes_sent, inner.messages, inner.wait_time)  # the caller's ring may have served earlier calls
     try:
         rank = inner.rank
-        acc = block.accumulators(q, v, pr.out, pr.lse)  # accumulate= as in the ring modes
+        acc = block.accumulators(q, v, pr.out, pr.lse, wire=wire)  # accumulate= as in the ring modes
         longest = max(len(s) for s in plan.kv_shards)
         inner_slots, outer_slots = kv_slots(wire, (k, v), longest), kv_slots(wire, (k, v), longest)
         first = outer_slots.hold((k, v))  # a round's first block: this rank's own, then what the outer ring brings

@@ -6,7 +6,8 @@ Ranks form a u x (P/u) grid with two communicators (``Split``): the group,
 u consecutive ranks, and the cross ring, the ranks at the same place of
 every group. Every rank holds the tokens its layout gives it, as in every
 mode (``shard_indices``). The group's all-to-all gives each rank the
-group's tokens for Hq/u heads (``ulysses.heads_out``), member after member;
+group's tokens for its share of the heads (``ulysses.heads_out``; any
+number of heads from u up: ``heads.deal_heads``), member after member;
 the ring across groups is the ring modes' own loop (``run.run_forward``,
 ``run_backward``, handed in: no loop calls the public API) over the plan of
 the groups, whose tokens are its ``positions`` (``heads.HybridPlan.ring_plan``),
@@ -17,8 +18,8 @@ call's record.
 A coded ``wire_dtype`` codes K/V on both: the group's all-to-all (each
 rank's own share stays exact) and the ring across groups (the inner call,
 given the same wire). A token from another member so crosses two coded
-hops, but coding is idempotent (a half rounding exactly; int8 to within
-float32 rounding of its scale), so it carries one coding's error. The ring
+hops, but coding is idempotent (a half rounding exactly; int8 and FP8 to
+within float32 rounding of the scale), so it carries one coding's error. The ring
 across groups accumulates as ``accumulate=`` says, as the ring modes do
 (results bit for bit those of ``ring_attention`` on the cross communicator).
 Gradients come back in ``grad_wire_dtype``, which the inner ring's partials use too.
@@ -31,7 +32,7 @@ from ..core.scores import for_heads
 from ..mpi.collectives import together
 from ..mpi.comm import RingComm
 from ..mpi.record import Record
-from ..plans.heads import kv_heads, query_heads
+from ..plans.heads import deal_heads
 from ..plans.layouts import take_rows
 from .backward import gradient_rings
 from .ulysses import gradients_home, heads_out, result_dtypes, tokens_back
@@ -61,10 +62,6 @@ def _join(rec, inner):
         setattr(rec, name, getattr(rec, name) + getattr(inner, name))
 
 
-def _heads(plan, hq, hk):
-    """Per group member: its query heads and K/V heads (slices), as Ulysses splits them over u ranks."""
-    u = plan.ulysses_size
-    return [query_heads(j, u, hq) for j in range(u)], [kv_heads(j, u, hk) for j in range(u)]
 
 
 def _lengths(plan, rank, kv=False):
@@ -101,14 +98,16 @@ def hybrid_forward(q, k, v, plan, comm, scale, rec, timeout, pr, rotate, loop):
     groups on the group's tokens, the results back; ``pr``: the call's ``Precision`` (its wire codes K/V on
     both); ``rotate``: what the ring across groups passes ("kv" or "q")."""
     rank = comm.Get_rank()
-    qs, ks = _heads(plan, q.shape[-3], k.shape[-3])
+    deal = deal_heads(q.shape[-3], k.shape[-3], plan.ulysses_size)  # as Ulysses deals them over u ranks
     lengths, kv_lengths = _lengths(plan, rank), _lengths(plan, rank, kv=True)
     group, cross = grid_comms(comm, plan, timeout)
-    scale = for_heads(scale, qs[group.Get_rank()])  # a score's bias and dropout see the global heads
+    place = group.Get_rank()
+    scale = for_heads(scale, deal.q[place])  # a score's bias and dropout see the global heads
     try:
-        Q, K, V = heads_out(group, [q, k, v], [qs, ks, ks], [lengths, kv_lengths, kv_lengths],
+        Q, K, V = heads_out(group, [q, k, v], [deal.q, deal.kv, deal.kv], [lengths, kv_lengths, kv_lengths],
                             [q.dtype, pr.wire, pr.wire], rec, timeout, 0)
-        K, V = (a.astype(q.dtype, copy=False) for a in (K, V))  # one dtype across (half: as given)
+        # one dtype across (half: as given); a place holding part of a GQA group: its K/V heads repeated
+        K, V = (deal.expand(place, a.astype(q.dtype, copy=False)) for a in (K, V))
         inner, inner_pr = Record(rank), Precision(q.dtype, pr.options["wire_dtype"], accumulate=pr.accumulate)
 
         def forward(arrays, ring, rings):
@@ -116,8 +115,7 @@ def hybrid_forward(q, k, v, plan, comm, scale, rec, timeout, pr, rotate, loop):
 
         out, lse = _across(forward, [Q, K, V], "qkk", "ql", plan, rank, cross, timeout, backward=False)
         _join(rec, inner)
-        h = Q.shape[-3]
-        got = tokens_back(group, [out, lse[..., None]], [[h] * len(lengths)] * 2, [lengths] * 2,
+        got = tokens_back(group, [out, lse[..., None]], [deal.counts()] * 2, [lengths] * 2,
                           result_dtypes(q.dtype), rec, timeout, plan.n_steps - 1)
     finally:
         group.Free()
@@ -130,13 +128,16 @@ def hybrid_backward(dout, q, k, v, out, lse, plan, comm, scale, rec, timeout, pr
     ``loop`` (``run.run_backward``) over the ring across groups, the gradients back (in ``pr.grad``); dK, dV
     of a K/V head that several members held (fewer K/V heads than u) add up."""
     rank = comm.Get_rank()
-    qs, ks = _heads(plan, q.shape[-3], k.shape[-3])
+    deal = deal_heads(q.shape[-3], k.shape[-3], plan.ulysses_size)
     lengths, kv_lengths = _lengths(plan, rank), _lengths(plan, rank, kv=True)
     group, cross = grid_comms(comm, plan, timeout)
-    scale = for_heads(scale, qs[group.Get_rank()])  # a score's bias and dropout see the global heads
+    place = group.Get_rank()
+    scale = for_heads(scale, deal.q[place])  # a score's bias and dropout see the global heads
     try:
-        Q, dO, Out, L, K, V = heads_out(group, [q, dout, out, lse[..., None], k, v], [qs] * 4 + [ks] * 2,
-                                      [lengths] * 4 + [kv_lengths] * 2, [q.dtype] * 4 + [pr.wire] * 2, rec, timeout, 0)
+        Q, dO, Out, L, K, V = heads_out(group, [q, dout, out, lse[..., None], k, v], [deal.q] * 4 + [deal.kv] * 2,
+                                        [lengths] * 4 + [kv_lengths] * 2, [q.dtype] * 4 + [pr.wire] * 2, rec,
+                                        timeout, 0)
+        K, V = deal.expand(place, K), deal.expand(place, V)
         inner, inner_pr = Record(rank), Precision.of(K.dtype, pr.options)
 
         def backward(arrays, ring, rings):
@@ -148,10 +149,10 @@ def hybrid_backward(dout, q, k, v, out, lse, plan, comm, scale, rec, timeout, pr
         dq, dk, dv = _across(backward, [dO, Q, K, V, Out, L[..., 0]], "qqkkql", "qkk", plan, rank, cross, timeout,
                              backward=True)
         _join(rec, inner)
-        kv = [len(range(k.shape[-3])[s]) for s in ks]
-        got = tokens_back(group, [dq, dk, dv], [[Q.shape[-3]] * len(lengths), kv, kv],
+        kv = deal.counts(kv=True)
+        got = tokens_back(group, [dq, deal.fold(place, dk), deal.fold(place, dv)], [deal.counts(), kv, kv],
                           [lengths, kv_lengths, kv_lengths], pr.grad, rec, timeout, plan.n_steps - 1, "gradients back")
     finally:
         group.Free()
         cross.Free()
-    return gradients_home(got, ks, k.shape, v.shape)
+    return gradients_home(got, deal.kv, k.shape, v.shape)

@@ -27,7 +27,7 @@ def ring_loop(q, k, v, plan, ring, scale, rec, timeout, pr=None):
     pr = pr or Precision(k.dtype)
     rank, wire = ring.rank, pr.wire
     # out is returned converted to the input dtype: a copy, so its accumulator can be a kept buffer
-    acc = block.accumulators(q, v, pr.out, pr.lse, keep=pr.out != pr.input)
+    acc = block.accumulators(q, v, pr.out, pr.lse, keep=pr.out != pr.input, wire=wire)
     q = pr.widen(q)  # half inputs: tiles compute in float32
     longest = max(len(s) for s in plan.kv_shards)
     # K/V blocks are kept as the kernel backend takes them ([k | 1]^T and [v | 1]^T for the NumPy kernel,
@@ -63,7 +63,7 @@ def allgather_loop(q, k, v, plan, comm, scale, rec, timeout, pr=None, arrive=all
     """
     pr = pr or Precision(k.dtype)
     rank, wire = comm.Get_rank(), pr.wire
-    acc = block.accumulators(q, v, pr.out, pr.lse)
+    acc = block.accumulators(q, v, pr.out, pr.lse, wire=wire)
     q = pr.widen(q)
     mine = wire.own((k, v))
     for step, task, kv, progress in arrive(wire.encode(k), wire.encode(v), plan, comm, rec, timeout):

@@ -10,7 +10,9 @@ loop (``ring.allgather_loop``) over the blocks ``delivered`` yields: the own
 block while the others travel, then each needed block once it has arrived.
 The backward pass computes the same blocks and sends each one's dK/dV partial
 home as soon as it is done; the owner's receives of them are posted at the
-start and added up, in the order of the users' ranks, at the end.
+start and added up, in the order of the users' ranks, at the end. Under a
+top-k choice (``plan.kept``) only the chosen keys of a block travel, and
+their partial comes home into those rows.
 """
 
 import time
@@ -69,10 +71,16 @@ class _Transfers:
 
 
 def _received(plan, rank, template, dtype):
-    """Per source rank, (..., n_j, d) views of one flat buffer for the blocks ``rank`` needs (empty for others)."""
+    """Per source rank, (..., n_j, d) views of one flat buffer for the blocks ``rank`` needs (empty for others):
+    n_j the tokens of j's block that travel to ``rank`` (``SparsePlan.tokens``)."""
     needed = set(plan.needs[rank])
-    lengths = [len(s) if j in needed else 0 for j, s in enumerate(plan.kv_shards)]
+    lengths = [plan.tokens(rank, j) if j in needed else 0 for j in range(plan.size)]
     return flat_blocks(template, lengths, dtype, empty=True)[2]
+
+
+def _taken(arrays, rows):
+    """``arrays`` (..., n, d), or only their ``rows`` (contiguous copies) when rows is not None."""
+    return arrays if rows is None else tuple(np.take(a, rows, axis=-2) for a in arrays)
 
 
 def delivered(k, v, plan, comm, rec, timeout):
@@ -88,8 +96,8 @@ def delivered(k, v, plan, comm, rec, timeout):
         blocks = [_received(plan, rank, a, a.dtype) for a in (k, v)]
         for source in plan.needs[rank]:
             moves.receive(source, (blocks[0][source], blocks[1][source]), source, KV_TAGS)
-        for dest in plan.users[rank]:
-            moves.send((k, v), dest, KV_TAGS, 0, "K/V")
+        for dest in plan.users[rank]:  # the whole block, or the keys dest's queries see (``plan.kept``)
+            moves.send(_taken((k, v), plan.kept(dest, rank)), dest, KV_TAGS, 0, "K/V")
         for step in range(plan.steps_of(rank)):
             for task in plan.tasks(step, rank):
                 if task.source != rank:  # (still pending, so abandoned, if this wait gives up)
@@ -121,7 +129,7 @@ def sparse_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec, time
     users = plan.users[rank]
     homes = _Transfers(comm, rec, timeout, "sparse dK/dV transfer")
     try:
-        home = [flat_blocks(a, [a.shape[-2]] * len(users), pr.grad, empty=True)[2] for a in (k, v)]
+        home = [flat_blocks(a, [plan.tokens(user, rank) for user in users], pr.grad, empty=True)[2] for a in (k, v)]
         for i, user in enumerate(users):
             homes.receive(user, (home[0][i], home[1][i]), user, GRAD_TAGS)
         for step, task, kv, kv_progress in delivered(wire.encode(k), wire.encode(v), plan, comm, rec, timeout):
@@ -132,7 +140,7 @@ def sparse_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec, time
             if task.source == rank:
                 add_grads(own, grads)
             else:  # this rank's share of the block's dK, dV: straight home
-                partial = [np.zeros(a.shape[:-2] + (len(plan.kv_shards[task.source]), a.shape[-1]), pr.grad)
+                partial = [np.zeros(a.shape[:-2] + (plan.tokens(rank, task.source), a.shape[-1]), pr.grad)
                            for a in (k, v)]
                 add_grads(partial, grads)
                 homes.send(partial, task.source, GRAD_TAGS, step, "dK/dV home")
@@ -142,7 +150,9 @@ def sparse_backward(dout, q, k, v, out, lse, delta, plan, comm, scale, rec, time
     except BaseException:
         homes.give_up()
         raise
-    for i in range(len(users)):  # in the users' rank order: the same sum whatever arrived first
-        own[0] += home[0][i]
-        own[1] += home[1][i]
+    for i, user in enumerate(users):  # in the users' rank order: the same sum whatever arrived first
+        rows = plan.kept(user, rank)
+        at = np.s_[...] if rows is None else np.s_[..., rows, :]
+        own[0][at] += home[0][i]
+        own[1][at] += home[1][i]
     return dq, own[0], own[1]

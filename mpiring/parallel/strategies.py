@@ -61,6 +61,8 @@ class Strategy:
     backward: Callable
     rings: Callable = lambda comm, plan, timeout: []
     rotates: bool = False  # rotate="auto" may pick pass-Q for it
+    latent: bool = True  # its loops take K/V blocks through the wire (own, arrived) and their gradients through
+    # block.grads_of, so MLA's latent can travel in its place (parallel.latent); not where heads or queries move
     place: Callable = lambda plan, comm, node_size, timeout: plan  # the plan once MPI placed the ranks (collective)
 
 
@@ -120,15 +122,15 @@ STRATEGIES = {
     "allgather": Strategy(  # K/V gathered once, dK/dV reduce-scattered (parallel.ring, .backward)
         lambda a, c: allgather_loop(*a, c.plan, c.rings[0].comm, c.scale, c.rec, c.timeout, c.pr),
         lambda a, c: allgather_backward(*a, c.plan, c.rings[0].comm, c.scale, c.rec, c.timeout, c.pr)),
-    "pass-q": Strategy(_passq_forward, _ring_backward, gradient_rings),  # queries travel (parallel.passq)
+    "pass-q": Strategy(_passq_forward, _ring_backward, gradient_rings, latent=False),  # queries travel (.passq)
     "ulysses": Strategy(  # heads move by all-to-all (parallel.ulysses)
         lambda a, c: ulysses_forward(*a, c.plan, c.rings[0].comm, c.scale, c.rec, c.timeout, c.pr),
-        _ulysses_backward),
+        _ulysses_backward, latent=False),
     "double_ring": Strategy(  # an inner ring per node, an outer ring across (parallel.double_ring)
         lambda a, c: double_ring_forward(*a, c.plan, c.rings[0], c.scale, c.rec, c.timeout, c.pr),
         lambda a, c: double_ring_backward(*a, c.plan, c.rings[0].comm, c.scale, c.rec, c.timeout, c.pr),
         place=nodes_of),
-    "grid": Strategy(_grid_forward, _grid_backward),  # Ulysses in groups, a ring across them (parallel.grid)
+    "grid": Strategy(_grid_forward, _grid_backward, latent=False),  # Ulysses in groups, a ring across (.grid)
     "sparse": Strategy(  # each block straight to the ranks that need it, partials straight home (parallel.sparse)
         lambda a, c: allgather_loop(*a, c.plan, c.rings[0].comm, c.scale, c.rec, c.timeout, c.pr, arrive=delivered),
         lambda a, c: sparse_backward(*a, c.plan, c.rings[0].comm, c.scale, c.rec, c.timeout, c.pr)),

@@ -20,7 +20,7 @@ from ..core.precision import Plain, Precision, Wire, compute_dtype
 from ..core.scores import for_heads
 from ..mpi.buffers import mpi_view
 from ..mpi.waits import wait_until
-from ..plans.heads import kv_heads, query_heads
+from ..plans.heads import deal_heads
 from ..plans.layouts import put_rows, take_rows
 
 __all__ = ["exchange", "heads_out", "tokens_back", "result_dtypes", "gradients_home", "ulysses_forward",
@@ -137,22 +137,22 @@ def ulysses_forward(q, k, v, plan, comm, scale, rec, timeout, pr=None):
         q, k, v = _with_heads(q, k, v)
     rank, size = plan_rank(comm, plan)
     n, m = [len(s) for s in plan.shards], [len(s) for s in plan.kv_shards]
-    qs = [query_heads(d, size, q.shape[-3]) for d in range(size)]
-    ks = [kv_heads(d, size, k.shape[-3]) for d in range(size)]
+    deal = deal_heads(q.shape[-3], k.shape[-3], size)
+    qs, ks = deal.q, deal.kv
     scale = for_heads(scale, qs[rank])  # a score's bias and dropout see the global heads
     queries, keys, values = heads_out(comm, [q, k, v], [qs, ks, ks], [n, m, m], [q.dtype, pr.wire, pr.wire], rec,
                                       timeout, 0)
     [queries], [keys, values] = _in_order(plan, [queries]), _in_order(plan, [keys, values], kv=True)
+    keys, values = deal.expand(rank, keys), deal.expand(rank, values)  # a group this rank holds part of
     acc = block.accumulators(queries, values, pr.out, pr.lse)  # accumulate= as in the ring modes
     for task in plan.tasks(0, rank):  # key block j: the j-th run of keys in position order
         j = plan.key_block(task.source)
         block.attend(queries, (keys[..., j, :], values[..., j, :]), task, plan.block_pieces(task.source), scale,
                      acc, rec, _no_progress, 0)
     rec.step_done(0, plan.n_steps)
-    h = queries.shape[-3]
     order = plan.order()
     got = tokens_back(comm, [put_rows(acc[0], order), put_rows(acc[1], order, axis=-1)[..., None]],
-                      [[h] * size] * 2, [n, n], result_dtypes(q.dtype), rec, timeout, 0)
+                      [deal.counts()] * 2, [n, n], result_dtypes(q.dtype), rec, timeout, 0)
     out = np.concatenate([g[0] for g in got], axis=-3)
     lse = np.concatenate([g[1][..., 0] for g in got], axis=-2)
     return (out[0], lse[0]) if flat else (out, lse)
@@ -194,12 +194,13 @@ def ulysses_backward(dout, q, k, v, lse, delta, plan, comm, scale, rec, timeout,
         lse, delta = lse[None], delta[None]
     rank, size = plan_rank(comm, plan)
     n, m = [len(s) for s in plan.shards], [len(s) for s in plan.kv_shards]
-    qs = [query_heads(d, size, q.shape[-3]) for d in range(size)]
-    ks = [kv_heads(d, size, k.shape[-3]) for d in range(size)]
+    deal = deal_heads(q.shape[-3], k.shape[-3], size)
+    qs, ks = deal.q, deal.kv
     scale = for_heads(scale, qs[rank])
     Q, dO, L, De, K, V = heads_out(comm, [q, dout, lse[..., None], delta[..., None], k, v], [qs] * 4 + [ks] * 2,
                                    [n] * 4 + [m] * 2, [q.dtype] * 4 + [pr.wire] * 2, rec, timeout, 0)
     (Q, dO, L, De), (K, V) = _in_order(plan, [Q, dO, L, De]), _in_order(plan, [K, V], kv=True)
+    K, V = deal.expand(rank, K), deal.expand(rank, V)
     # out is read only to compute delta, which is given: a zero-size stand-in of its shape
     queries = (dO, Q, np.broadcast_to(np.zeros((), q.dtype), dO.shape), L[..., 0], De[..., 0])
     dq = np.zeros(Q.shape, GRAD_DTYPE)
@@ -212,9 +213,10 @@ def ulysses_backward(dout, q, k, v, lse, delta, plan, comm, scale, rec, timeout,
         add_grads((dK[..., j, :], dV[..., j, :]), grads)
         rec.tasks.append((0, task))
     rec.step_done(0, plan.n_steps)
-    kv = [len(range(k.shape[-3])[s]) for s in ks]
+    kv = deal.counts(kv=True)
+    dK, dV = deal.fold(rank, dK), deal.fold(rank, dV)
     dq, dK, dV = put_rows(dq, plan.order()), put_rows(dK, plan.order(kv=True)), put_rows(dV, plan.order(kv=True))
-    got = tokens_back(comm, [dq, dK, dV], [[Q.shape[-3]] * size, kv, kv], [n, m, m], pr.grad, rec, timeout, 0,
+    got = tokens_back(comm, [dq, dK, dV], [deal.counts(), kv, kv], [n, m, m], pr.grad, rec, timeout, 0,
                       "gradients back")
     dq, dk, dv = gradients_home(got, ks, k.shape, v.shape)
     return (dq[0], dk[0], dv[0]) if flat else (dq, dk, dv)

@@ -3,10 +3,11 @@
     python -m mpiring schedule -P 4 --mode ulysses --causal --layout zigzag
 
 One all-to-all turns every rank's sequence shard of all heads into all tokens
-of its share of the heads: rank d gets query heads ``d*Hq/P .. (d+1)*Hq/P``
-of every rank's tokens. It attends them over the whole sequence with the same
-block code as the ring (``block.attend`` / ``block.grads_of``), and a second
-all-to-all returns each rank's tokens.
+of its share of the heads: rank d gets its run of query heads (``deal_heads``,
+``d*Hq/P .. (d+1)*Hq/P`` when P divides Hq) of every rank's tokens. It attends
+them over the whole sequence with the same block code as the ring
+(``block.attend`` / ``block.grads_of``), and a second all-to-all returns each
+rank's tokens.
 
 After the first all-to-all a rank holds the tokens in shard order (rank 0's
 positions, then rank 1's, ...). It puts the rows in position order once
@@ -22,16 +23,29 @@ order it was once per query shard and key block, O(P^2)); the kernel's tiles
 skip what the intervals leave out, as under the ring's diagonal blocks. The
 results go back to shard order before the second all-to-all.
 
-K/V heads: with Hk divisible by P each rank gets Hk/P of them, the ones its
-query heads use. With fewer K/V heads than ranks (P divisible by Hk), each
-rank gets the one K/V head of its query heads: every K/V head is sent to P/Hk
-ranks, so the K/V part of the all-to-all is P/Hk times what an even split of
-heads would move (it equals ``1 x n x (D + Dv)`` per destination, the size of
-one head, instead of ``Hk/P`` of one). In the backward pass the replicas' dK,
-dV (each from a subset of the group's query heads) are summed at the owner.
+Heads: any number of query heads Hq >= P (``deal_heads``). Each rank gets a
+run of query heads, as evenly as possible (Hq // P or one more: the compute
+is Hq/P heads' whatever the split), and the K/V heads those use. Which ranks
+take the one more is chosen to keep GQA groups whole where they can be: a
+group split between two ranks sends its K/V head to both, so the deal takes,
+of the even splits, one that sends the fewest K/V heads (then the one whose
+ranks hold the fewest, below). With Hk dividing P or divisible by it and Hq
+divisible by P the deal is the even one: Hk/P K/V heads each, or with fewer
+K/V heads than ranks the one its query heads use (every K/V head goes to
+P/Hk ranks: the K/V part of the all-to-all is ``1 x n x (D + Dv)`` per
+destination instead of ``Hk/P`` of that). In the backward pass the replicas'
+dK, dV (each from a subset of the group's query heads) are summed at the
+owner. A rank whose run breaks a group so that its query heads do not use
+its K/V heads evenly (2 heads of one group, 1 of the next) computes with
+those K/V heads repeated to the largest even ratio (``HeadDeal.held``): the
+all-to-all still sends each K/V head once per rank; only the grid's ring
+across the groups moves the repeated heads.
 """
 
+import functools
+import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -40,7 +54,7 @@ from .layouts import sort_order
 from .masks import combined, count_visible, visible_keys
 from .plan import Piece, Plan, PlannedSchedule, Task, Where, counted_kind, problem_fields, ring_plan
 
-__all__ = ["HEAD_MODES", "UlyssesPlan", "ulysses_plan", "heads_problem", "query_heads", "kv_heads",
+__all__ = ["HEAD_MODES", "UlyssesPlan", "ulysses_plan", "heads_problem", "HeadDeal", "deal_heads",
            "ulysses_pair_bytes", "predicted_ulysses_bytes", "HybridPlan", "hybrid_plan",
            "sequence_pairs"]
 
@@ -52,34 +66,96 @@ def heads_problem(q, k, parts, who, what):
 
     Never raises. Called on each rank before the agreement (``Spec.heads_problem``
     says who splits the heads); every rank has the same head counts (the
-    agreement compares shapes), so every rank finds the same problem.
+    agreement compares shapes), so every rank finds the same problem. Any
+    number of query heads from ``parts`` up splits (``deal_heads``).
     """
     try:
         if q.ndim < 3:
             return None if parts == 1 else (f"{who} splits the heads axis over the ranks: q needs shape "
                                             f"(..., heads, seq, dim), got {q.shape}")
-        hq, hk = q.shape[-3], k.shape[-3]
+        hq = q.shape[-3]
     except AttributeError:  # not arrays: local_problem reports it
         return None
-    if hq % parts:
-        return f"{who} needs the query heads ({hq}) divisible by {what} ({parts})"
-    if hk % parts and parts % hk:
-        return f"{who} needs the K/V heads ({hk}) to divide or be divisible by {what} ({parts})"
+    if hq < parts:
+        return (f"{who} needs at least one query head per part: {hq} query heads for {what} ({parts}); "
+                f"the ring modes take any number of heads")
     return None
 
 
-def query_heads(rank, size, hq):
-    """The query heads rank ``rank`` attends, as a slice."""
-    per = hq // size
-    return slice(rank * per, (rank + 1) * per)
+class HeadDeal(NamedTuple):
+    """Per rank of ``deal_heads``: ``q`` its query heads and ``kv`` the K/V heads they use (slices of the global
+    heads); ``held`` the K/V heads it computes with, as indices into its ``kv`` slice (each used by the same
+    number of its query heads, in order), or None when that is its ``kv`` slice itself."""
+
+    q: tuple
+    kv: tuple
+    held: tuple
+
+    def counts(self, kv=False):
+        """Per rank: how many query (``kv``: K/V) heads it gets."""
+        return [s.stop - s.start for s in (self.kv if kv else self.q)]
+
+    def held_counts(self):
+        """Per rank: how many K/V heads it computes with (the ring across a grid's groups moves these)."""
+        return [len(h) if h is not None else s.stop - s.start for h, s in zip(self.held, self.kv)]
+
+    def expand(self, rank, a):
+        """``a`` (..., its K/V heads, n, d) as ``rank`` computes with it: its ``held`` heads (``a`` if None)."""
+        held = self.held[rank]
+        return a if held is None else np.take(a, held, axis=-3)
+
+    def fold(self, rank, a):
+        """The inverse for gradients: the ``held`` heads' dK (or dV) summed into ``rank``'s K/V heads."""
+        held = self.held[rank]
+        if held is None:
+            return a
+        out = np.zeros(a.shape[:-3] + (self.kv[rank].stop - self.kv[rank].start,) + a.shape[-2:],
+                       np.result_type(a.dtype, np.float64))
+        for j, c in enumerate(held):
+            out[..., c, :, :] += a[..., j, :, :]
+        return out
 
 
-def kv_heads(rank, size, hk):
-    """The K/V heads rank ``rank``'s query heads use, as a slice: Hk/P of them, or one when Hk < P."""
-    if hk >= size:
-        return slice(rank * hk // size, (rank + 1) * hk // size)
-    first = rank * hk // size
-    return slice(first, first + 1)
+def _run(a, b, group):
+    """``(K/V heads, held heads, held)`` of the query heads a:b, ``group`` query heads per K/V head."""
+    if b <= a:
+        return 0, 0, None
+    first, last = a // group, (b - 1) // group
+    uses = [min(b, (c + 1) * group) - max(a, c * group) for c in range(first, last + 1)]
+    ratio = functools.reduce(math.gcd, uses)
+    if all(u == ratio for u in uses):
+        return len(uses), len(uses), None
+    held = tuple(int(c) for c in np.repeat(np.arange(len(uses)), [u // ratio for u in uses]))
+    return len(uses), len(held), held
+
+
+@functools.lru_cache(maxsize=256)
+def deal_heads(hq, hk, parts):
+    """The ``HeadDeal`` of ``hq`` query heads (``hq // hk`` per K/V head) over ``parts`` ranks (hq >= parts).
+
+    Runs of query heads in rank order, ``hq // parts`` or one more each; of the ways to place the longer runs,
+    the one that sends the fewest K/V heads, then holds the fewest, then gives the longer runs to the first
+    ranks (a dynamic programme over the ranks and the longer runs placed so far).
+    """
+    if hk < 1 or hq % hk or not 1 <= parts <= hq:
+        raise ValueError(f"cannot deal {hq} query heads, {hk} K/V heads over {parts} ranks")
+    group, (base, extra) = hq // hk, divmod(hq, parts)
+    best = {(parts, extra): (0, ())}  # (ranks done, longer runs placed) -> (cost of the rest, their runs)
+    for i in range(parts - 1, -1, -1):
+        for j in range(max(0, extra - (parts - i)), min(i, extra) + 1):
+            options = []
+            for e in (1, 0):  # a longer run first: ties keep it
+                if (i + 1, j + e) in best:
+                    a = i * base + j
+                    sent, held, _ = _run(a, a + base + e, group)
+                    cost, rest = best[(i + 1, j + e)]
+                    options.append((cost + sent * (hq + 1) + held, (a + base + e,) + rest))
+            best[(i, j)] = min(options, key=lambda o: o[0])
+    ends = best[(0, 0)][1]
+    starts = (0,) + ends[:-1]
+    runs = [_run(a, b, group) for a, b in zip(starts, ends)]
+    kv = tuple(slice(a // group, a // group + n) for a, (n, _, _) in zip(starts, runs))
+    return HeadDeal(tuple(slice(a, b) for a, b in zip(starts, ends)), kv, tuple(h for _, _, h in runs))
 
 
 @dataclass
@@ -224,28 +300,29 @@ def ulysses_pair_bytes(plan, r, d, *, batch, hq, hk, dim, dim_v, itemsize, backw
                        wire_dtype=None):
     """Bytes rank r sends rank d under a Ulysses plan (0 to itself: that share never leaves it).
 
-    Forward: d's query heads of r's tokens (``Hq/P x n_r x D``) and the K/V
-    heads d uses of r's keys (``kv_d x m_r`` rows of D and Dv on the K/V wire,
-    ``precision.row_bytes``), then back d's tokens of r's heads: out in the
-    input dtype and lse in the dtype tiles compute in (``Hq/P x n_d x Dv`` and
-    ``x 1``). Backward: out goes as delta, so ``Hq/P x n_r x (D + Dv + 2)``
+    Forward: d's query heads of r's tokens (``q_d x n_r x D``, ``q_d``: d's
+    query heads of ``deal_heads``) and the K/V heads d uses of r's keys
+    (``kv_d x m_r`` rows of D and Dv on the K/V wire, ``precision.row_bytes``),
+    then back d's tokens of r's heads: out in the input dtype and lse in the
+    dtype tiles compute in (``q_r x n_d x Dv`` and ``x 1``). Backward: out goes
+    as delta, so ``q_d x n_r x (D + Dv + 2)``
     (q, dout, lse, delta, in the compute dtype) and the K/V heads on the wire;
     back dq and the dK, dV of r's K/V heads for d's keys, in ``grad_itemsize``
     bytes (default: the ``grad_wire_dtype`` default for ``itemsize``).
     """
     if r == d:
         return 0
-    P = plan.size
-    hq_l, n_r, n_d = hq // P, len(plan.shards[r]), len(plan.shards[d])
+    deal = deal_heads(hq, hk, plan.size)
+    (q_r, q_d), (kv_r, kv_d) = ([c[x] for x in (r, d)] for c in (deal.counts(), deal.counts(kv=True)))
+    n_r, n_d = len(plan.shards[r]), len(plan.shards[d])
     m_r, m_d = len(plan.kv_shards[r]), len(plan.kv_shards[d])  # key tokens (kv_positions: other than q's)
-    kv_r, kv_d = (len(range(hk)[kv_heads(x, P, hk)]) for x in (r, d))  # K/V heads each rank gets
     kv_row = row_bytes(wire_dtype, dim, itemsize) + row_bytes(wire_dtype, dim_v, itemsize)
     compute = compute_itemsize(itemsize)
     if backward:
         grad_itemsize = compute_itemsize(itemsize) if grad_itemsize is None else grad_itemsize
-        return batch * (n_r * hq_l * (dim + dim_v + 2) * compute + m_r * kv_d * kv_row
-                        + (n_d * hq_l * dim + m_d * kv_r * (dim + dim_v)) * grad_itemsize)
-    return batch * (n_r * hq_l * dim * itemsize + m_r * kv_d * kv_row + n_d * hq_l * (dim_v * itemsize + compute))
+        return batch * (n_r * q_d * (dim + dim_v + 2) * compute + m_r * kv_d * kv_row
+                        + (n_d * q_r * dim + m_d * kv_r * (dim + dim_v)) * grad_itemsize)
+    return batch * (n_r * q_d * dim * itemsize + m_r * kv_d * kv_row + n_d * q_r * (dim_v * itemsize + compute))
 
 
 def predicted_ulysses_bytes(plan, **shape):

@@ -31,6 +31,7 @@ import functools
 import numpy as np
 
 from ..core.scores import count_allowed
+from .content import content, described
 
 __all__ = ["visible_keys", "block_kind", "doc_ids", "check_window", "check_cu_seqlens", "check_causal_block",
            "row_work", "MaskPiece", "Causal", "Window", "Documents", "Prefix", "Padding", "Function", "And", "Or",
@@ -98,11 +99,13 @@ class MaskPiece:
 
     ``exact = False``: ``bounds`` is an envelope only, ``allows`` says which keys inside it are visible.
     ``batched = True``: ``allows`` depends on the batch entry too, and returns the batch axes first.
+    ``sparse_keys = True``: the sparse movement sends only the keys a rank's queries see, not whole blocks.
     ``a & b``: keys both allow; ``a | b``: keys either allows.
     """
 
     exact = True
     batched = False
+    sparse_keys = False  # under mode="sparse", send only the keys some query of the receiving rank sees
 
     def bounds(self, q_pos):
         """``(lo, hi)`` int64 arrays for the query positions ``q_pos`` (int64); +-``BIG``: unbounded."""
@@ -112,9 +115,18 @@ class MaskPiece:
         """Whether query position q may see key position k, from the mask's definition (broadcasting)."""
         raise NotImplementedError
 
+    def problem(self, seq_len):
+        """Why this piece cannot mask a sequence of ``seq_len`` tokens, or None (documents: their ends)."""
+        return None
+
+    def leaves(self):
+        """The pieces this one is made of (itself, or a combination's parts, all the way down)."""
+        return (self,)
+
     def key(self):
-        """What the piece is, comparable: its class and its fields (arrays by their values)."""
-        return (type(self).__qualname__, tuple((name, _field_key(value)) for name, value in sorted(vars(self).items())))
+        """What the piece is, comparable across processes: its class and the content of its fields (arrays by
+        their bytes, functions by everything they read: ``plans.content``)."""
+        return type(self).__qualname__, content(vars(self), type(self).__qualname__).digest
 
     def __eq__(self, other):
         return isinstance(other, MaskPiece) and other.key() == self.key()
@@ -127,28 +139,6 @@ class MaskPiece:
 
     def __or__(self, other):
         return Or(self, _piece(other, "|"))
-
-
-def _field_key(value):
-    if isinstance(value, np.ndarray):
-        return value.dtype.str, value.shape, value.tobytes()
-    if isinstance(value, MaskPiece):
-        return value.key()
-    if isinstance(value, tuple):
-        return tuple(_field_key(v) for v in value)
-    if callable(value):
-        return function_key(value)
-    return value
-
-
-def function_key(fn):
-    """A function, comparable across processes: its module, name, code, constants and the values it closes over
-    (not its address, which differs from rank to rank)."""
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return (getattr(fn, "__module__", None), getattr(fn, "__qualname__", repr(type(fn))))
-    cells = tuple(_field_key(c.cell_contents) for c in (fn.__closure__ or ()))
-    return (fn.__module__, fn.__qualname__, code.co_code, repr(code.co_consts), cells)
 
 
 def _piece(other, op):
@@ -203,6 +193,13 @@ class Documents(MaskPiece):
 
     def __init__(self, cu_seqlens):
         self.cu = np.asarray(cu_seqlens, np.int64)
+
+    def problem(self, seq_len):
+        try:
+            check_cu_seqlens(self.cu, seq_len)
+        except ValueError as exc:
+            return f"mask {self!r}: {exc}"
+        return None
 
     def bounds(self, q_pos):
         d = doc_ids(q_pos, self.cu)
@@ -288,7 +285,7 @@ class Function(MaskPiece):
 
 
 def _name(fn):
-    return getattr(fn, "__qualname__", None) or repr(fn)
+    return described(fn)  # no address: the same text on every rank
 
 
 class _Combination(MaskPiece):
@@ -302,6 +299,13 @@ class _Combination(MaskPiece):
         self.parts = tuple(q for p in parts for q in (p.parts if type(p) is type(self) else (p,)))
 
     batched = property(lambda self: any(p.batched for p in self.parts))
+    sparse_keys = property(lambda self: any(p.sparse_keys for p in self.parts))
+
+    def problem(self, seq_len):
+        return next(filter(None, (part.problem(seq_len) for part in self.parts)), None)
+
+    def leaves(self):
+        return tuple(leaf for part in self.parts for leaf in part.leaves())
 
     def bounds(self, q_pos):  # never decreasing, as the parts'
         lo, hi = (np.full(q_pos.shape, edge, np.int64) for edge in self.START)
@@ -341,8 +345,9 @@ def pieces(causal=False, window=(-1, -1), cu_seqlens=None, causal_block=None, ma
     return tuple(named) + tuple(mask)
 
 
-def check_mask(mask):
-    """``mask`` (None, a piece, or pieces) as a tuple of ``MaskPiece``; ValueError otherwise."""
+def check_mask(mask, seq_len=None):
+    """``mask`` (None, a piece, or pieces) as a tuple of ``MaskPiece``; ValueError otherwise, or if a piece cannot
+    mask ``seq_len`` tokens (``MaskPiece.problem``)."""
     if mask is None:
         return ()
     found = (mask,) if isinstance(mask, MaskPiece) else mask
@@ -354,6 +359,9 @@ def check_mask(mask):
     if bad:
         raise ValueError(f"mask must be mask pieces (mpiring.plans.masks.MaskPiece: Causal, Window, Documents, "
                          f"or a class of your own), got {bad[0]!r}")
+    problem = next(filter(None, (piece.problem(seq_len) for piece in found)), None) if seq_len is not None else None
+    if problem:
+        raise ValueError(problem)
     return found
 
 

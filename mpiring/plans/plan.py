@@ -222,6 +222,10 @@ class Plan:
                             window=self.window, cu_seqlens=self.cu_seqlens, causal_block=self.causal_block,
                             mask=self.mask_pieces)
 
+    def kept(self, rank, source):
+        """The rows of source's block that travel to rank: None, all (the sparse movement may send fewer)."""
+        return None
+
     def in_caller_order(self, rank, a, kv=False, axis=-2):
         """``rank``'s results, computed on its rows sorted by position, back in the order it passed them.
 
@@ -233,21 +237,24 @@ class Plan:
         """Source of the block that ``stream`` brings to ``rank`` at ``step``."""
         return (rank - stream * step) % self.size
 
-    def pieces(self, rank, source):
+    def pieces(self, rank, source, rows=None):
         """Sub-blocks worth computing, as ``Piece(q0, q1, k0, k1, klo, khi)``: query rows q0:q1 against keys k0:k1.
 
-        A rank's positions fall into runs (zigzag: two chunks). For each run the
-        visible keys form one index range; only that range is computed, which is
-        what makes zigzag's causal work half a block per step. ``klo, khi`` are
-        relative to c, or None when the whole sub-block is visible.
+        A rank's positions fall into runs (zigzag: two chunks). For each run the visible keys form one index
+        range; only that range is computed, which is what makes zigzag's causal work half a block per step.
+        ``klo, khi`` are relative to c, or None when the whole sub-block is visible. ``rows``: only these
+        (sorted) key rows of source's block, indexed as they are taken.
         """
         if self.kinds[rank][source] == "skip":
             return []
-        n_q, n_k = len(self.shards[rank]), len(self.kv_shards[source])
         where = self.where(rank, source)
+        if rows is not None:
+            where = where._replace(k_pos=where.k_pos[rows])
+        n_q, n_k = len(self.shards[rank]), len(where.k_pos)
         if self.kinds[rank][source] == "full":
             return [Piece(0, n_q, 0, n_k, where=where._replace(mask=None))]
-        klo, khi = self.mask(rank, source)
+        klo, khi = (self.mask(rank, source) if rows is None
+                    else visible_keys(where.q_pos, where.k_pos, **self.mask_options()))
         out = []
         for a, b in self.runs[rank]:
             lo, hi = klo[a:b], khi[a:b]
@@ -314,8 +321,7 @@ class Plan:
 
 
 PROBLEM_FIELDS = ("seq_len", "size", "layout", "causal", "window", "cu_seqlens", "causal_block", "mask_pieces",
-                  "shards", "kv_shards",
-                  "orders", "kv_orders", "runs", "kinds", "pairs")  # what a call computes; the rest is how
+                  "shards", "kv_shards", "orders", "kv_orders", "runs", "kinds", "pairs")  # what a call computes
 
 
 def problem_fields(plan):
@@ -366,7 +372,7 @@ def ring_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str 
         raise ValueError("kv_positions needs positions: the query rows' own positions")
     plan = Plan(seq_len, size, "positions" if positions is not None else layout, mode, bool(causal),
                 check_window(window), check_cu_seqlens(cu_seqlens, seq_len), check_causal_block(causal_block, causal),
-                check_mask(mask))
+                check_mask(mask, seq_len))
     if positions is None:
         plan.shards, plan.orders = Rows(size, lambda r: shard_indices(seq_len, size, r, layout)), [None] * size
     else:

@@ -15,6 +15,10 @@ nearest source first). Backward: K/V move the same way, and each user sends
 its dK/dV partial of a block straight home as soon as that block is done; the
 owner adds them up in the order of the users' ranks.
 
+Under a mask that asks for it (a piece with ``sparse_keys``: the top-k
+selection, ``plans.topk``), only the keys of a block that some query of the
+receiving rank sees travel (``kept``), and only their dK/dV partial comes home.
+
 Each rank receives exactly the blocks it needs, once: the minimum. Never more
 bytes than the ring with its early stop (a block the ring brings to a rank at
 offset s is sent there once, and only if that rank needs it), often far
@@ -24,8 +28,10 @@ all-gather holds all of them) and more, smaller messages at once.
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from .plan import Plan, PlannedSchedule, Task, problem_fields
-from .rows import Rows
+from .rows import PairTable, Rows
 
 __all__ = ["SparsePlan", "sparse_plan"]
 
@@ -38,6 +44,20 @@ class SparsePlan(Plan):
 
     needs: Rows | None = None  # needs[r]: the other ranks whose blocks r needs, nearest ring offset first
     users: Rows | None = None  # users[j]: the other ranks that need j's block, in rank order
+    keys: PairTable | None = None  # keys[r][j]: the rows of j's block that travel to r (None: whole blocks)
+
+    def kept(self, rank, source):
+        """The sorted rows of ``source``'s block that travel to ``rank``; None: all of them (``keys``)."""
+        return None if self.keys is None or rank == source else self.keys[rank][source]
+
+    def tokens(self, rank, source):
+        """K/V tokens of ``source``'s block that ``rank`` receives (and whose dK/dV partial it sends home)."""
+        rows = self.kept(rank, source)
+        return len(self.kv_shards[source]) if rows is None else len(rows)
+
+    def pieces(self, rank, source, rows=None):
+        """``Plan.pieces`` over the keys that travel to ``rank`` (``kept``), indexed as they arrive."""
+        return super().pieces(rank, source, self.kept(rank, source) if rows is None else rows)
 
     def sends(self, rank, backward=False):
         """``[(step, dest, source, what)]``: ``rank``'s own block to each user at step 0; backward also the dK/dV
@@ -62,7 +82,7 @@ class SparsePlan(Plan):
 
     def moved_tokens(self):
         """Per rank: K/V tokens it receives (the sum of its needed blocks' lengths, each once)."""
-        return [sum(len(self.kv_shards[j]) for j in self.needs[r]) for r in range(self.size)]
+        return [sum(self.tokens(r, j) for j in self.needs[r]) for r in range(self.size)]
 
     def format_moves(self):
         """The graph of needed blocks as text: per rank, the blocks it receives and the ranks its own goes to."""
@@ -80,8 +100,11 @@ def sparse_plan(base):
     """
     size = base.size
     plan = SparsePlan(**problem_fields(base), mode="sparse", rounds={})
-    plan.needs = Rows(size, lambda r: [j for s in range(1, size) for j in [(r - s) % size] if plan.pieces(r, j)])
-    plan.users = Rows(size, lambda j: [r for r in range(size) if r != j and plan.pieces(r, j)])
+    needed = lambda r, j: Plan.pieces(plan, r, j)  # noqa: E731 (any visible pair of r's queries in j's block)
+    plan.needs = Rows(size, lambda r: [j for s in range(1, size) for j in [(r - s) % size] if needed(r, j)])
+    plan.users = Rows(size, lambda j: [r for r in range(size) if r != j and needed(r, j)])
+    if any(piece.sparse_keys for piece in plan.mask_pieces):
+        plan.keys = PairTable(size, lambda r, j: (_seen(plan, r, j),), 0)
 
     def tasks(step, rank):
         if step == 0:
@@ -91,6 +114,19 @@ def sparse_plan(base):
 
     plan.schedule = _Schedule(plan, tasks)
     return plan
+
+
+def _seen(plan, rank, source, chunk=1 << 22):
+    """The rows of ``source``'s block that some query of ``rank`` sees, from the mask's definition."""
+    where = plan.where(rank, source)
+    seen = np.zeros(len(where.k_pos), bool)
+    if plan.kinds[rank][source] == "skip":
+        return np.flatnonzero(seen)
+    step = max(1, chunk // max(1, len(where.k_pos)))
+    for a in range(0, len(where.q_pos), step):
+        ok = where.mask.allows(where.q_pos[a:a + step, None], where.k_pos[None, :])
+        seen |= ok.reshape(-1, len(where.k_pos)).any(axis=0)
+    return np.flatnonzero(seen)
 
 
 class _Schedule(PlannedSchedule):

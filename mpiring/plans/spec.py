@@ -33,10 +33,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.precision import canonical_precision
+from .content import content
 from .heads import heads_problem
 from .layouts import check_layout, sort_order
 from .make import make_plan
-from .masks import MaskPiece, check_causal_block, check_mask, check_window, function_key
+from .masks import MaskPiece, check_causal_block, check_mask, check_window
 from .plan import ALL_MODES, MODES
 
 __all__ = ["Spec", "ROTATE", "FIELDS", "spec_problem", "digest", "is_real", "scale_problem"]
@@ -175,13 +176,16 @@ class Spec:
         if problem:
             raise ValueError(problem)
         scores = _scores(given)
-        return cls(seq_len=None if seq_len is None else int(seq_len), layout=given["layout"], **rows, **scores,
+        spec = cls(seq_len=None if seq_len is None else int(seq_len), layout=given["layout"], **rows, **scores,
                    causal=bool(given["causal"]), window=check_window(given["window"]), cu_seqlens=cu,
                    causal_block=check_causal_block(given["causal_block"], given["causal"]),
                    mask=check_mask(given["mask"]),
                    scale=None if scale is None else float(scale), **canonical_precision(given), mode=mode,
                    rotate=given["rotate"], node_size=_count("node_size", given["node_size"], " (ranks per node)"),
                    ulysses_size=_count("ulysses_size", given["ulysses_size"], ""))
+        for name in ("mask", "bias"):  # what the functions read, once: Unreadable (a ValueError) names what is not
+            spec.field_content(name)
+        return spec
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
@@ -251,9 +255,9 @@ class Spec:
             except Exception as exc:  # noqa: BLE001
                 return (f"bias(heads, q_pos, k_pos) must return an array broadcastable to (heads, queries, keys); "
                         f"on {heads} heads and 2 x 2 positions it gave {type(exc).__name__}: {exc}")
-        for piece in self.mask:
+        for piece in (leaf for part in self.mask for leaf in part.leaves()):
             lengths = getattr(piece, "lengths", None)
-            if getattr(piece, "batched", False) and lengths is not None and lengths.shape != q.shape[:-3]:
+            if lengths is not None and lengths.ndim and lengths.shape != q.shape[:-3]:
                 return (f"{piece!r} gives lengths of shape {lengths.shape}, one per batch entry, but q's batch "
                         f"shape is {q.shape[:-3]}")
         return None
@@ -345,9 +349,21 @@ class Spec:
         tag["digest"] = digest(repr(sorted(tag.items())).encode())[:16]  # the whole record, compared first
         return tag
 
+    def field_content(self, name):
+        """A field's ``plans.content.Content``: what it is and reads, leaf by leaf (made once per spec)."""
+        found = self._contents.get(name)
+        if found is None:
+            value = getattr(self, name)
+            found = self._contents[name] = content(value, name, [repr(p) for p in value] if name == "mask" else None)
+        return found
+
+    @functools.cached_property
+    def _contents(self):
+        return {}
+
     def field_key(self, name):
-        """A field as 16 hex digits of what it is (functions by their code, pieces by their fields)."""
-        return digest(repr(_key(getattr(self, name))).encode())[:16]
+        """A field as 16 hex digits of what it is (functions by everything they read, pieces by their fields)."""
+        return self.field_content(name).digest
 
     @functools.cached_property
     def digest(self):
@@ -363,7 +379,7 @@ def _key(value):
     if isinstance(value, MaskPiece):
         return value.key()
     if callable(value):
-        return function_key(value)
+        return ("function", content(value).digest)
     return value
 
 

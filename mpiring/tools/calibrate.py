@@ -19,17 +19,12 @@ NO_MPI_ALPHA = 1e-6  # seconds per message assumed when there is no communicator
 
 
 def calibrate(comm=None, *, head_dim=64, dtype="float32", tokens=512, nbytes=32 << 20, seconds=0.4, threads=1):
-    """Measure this machine: the attention kernel's FLOP/s and the link's alpha and beta.
+    """Measure this machine: the attention kernel's FLOP/s and the link's alpha and beta (about ``seconds``).
 
-    Compute: ``attention_block`` on one head of ``tokens`` x ``tokens`` with
-    ``threads`` BLAS threads (every rank at once, so shared cores count),
-    without and with a causal mask (the NumPy kernel pays for masking).
-    Link: with a communicator of two or more ranks, every rank sends to the
-    next around the ring at once (as the ring does), first 8 bytes (alpha),
-    then ``nbytes`` (beta); the slowest rank counts. With one process, a
-    memory copy of ``nbytes`` (beta) and an 8-byte message to itself (alpha);
-    without a communicator (no MPI), alpha is ``NO_MPI_ALPHA``.
-    Takes about ``seconds``.
+    Compute: ``attention_block`` on one head of ``tokens`` x ``tokens`` with ``threads`` BLAS threads on every
+    rank at once, without and with a causal mask. Link: every rank sends to the next around the ring at once,
+    8 bytes (alpha), then ``nbytes`` (beta), the slowest rank counting; with one process a memory copy (beta)
+    and a message to itself (alpha); without a communicator alpha is ``NO_MPI_ALPHA``.
     """
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, tokens, head_dim)).astype(dtype) for _ in range(3))

@@ -3,6 +3,7 @@
 import argparse
 import functools
 import os
+import pickle
 import time
 
 import numpy as np
@@ -13,7 +14,8 @@ from mpiring.plans.balancers import METHODS, balance, imbalance, work
 from mpiring.plans.plan import ALL_MODES
 
 __all__ = ["command_parser", "with_threads", "heads_problem", "add_variant_args", "variant", "mode_text", "video",
-           "held_positions", "balance_table", "at_least", "Agreed", "launch_rank", "poll"]
+           "held_positions", "balance_table", "at_least", "Agreed", "launch_rank", "poll", "objects", "on_rank0",
+           "table_text"]
 
 
 class Agreed(Exception):  # noqa: N818 (not an error of one rank: the same verdict on every rank)
@@ -24,8 +26,8 @@ class Agreed(Exception):  # noqa: N818 (not an error of one rank: the same verdi
     """
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Defaults in the help, except where there is none to show (None, a flag that is off)."""
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in the help, except where there is none to show (None, a flag that is off); the epilog as written."""
 
     def _get_help_string(self, action):
         if action.default is None or action.default is False:
@@ -229,3 +231,42 @@ def poll(requests, timeout=None, what="the other ranks"):
         if timeout is not None and time.perf_counter() - start > timeout:
             raise TimeoutError(f"waited {timeout:g} s for {what}")
         time.sleep(0.001)
+
+
+def objects(comm, obj, root=None, timeout=None, what="the other ranks"):
+    """Every rank's ``obj`` (pickled), waited for in a polling loop: the list on every rank, or with ``root``
+    on that rank only (None on the others)."""
+    data = np.frombuffer(pickle.dumps(obj), np.uint8)
+    here = root is None or comm.Get_rank() == root
+    sizes = np.empty(comm.Get_size(), np.int64) if here else None
+    count = np.array([data.size], np.int64)
+    if root is None:
+        poll([comm.Iallgather(count, sizes)], timeout, what)
+        flat = np.empty(int(sizes.sum()), np.uint8)
+        poll([comm.Iallgatherv(data, [flat, sizes])], timeout, what)
+    else:
+        poll([comm.Igather(count, sizes, root=root)], timeout, what)
+        flat = np.empty(int(sizes.sum()), np.uint8) if here else None
+        poll([comm.Igatherv(data, [flat, sizes] if here else None, root=root)], timeout, what)
+    if not here:
+        return None
+    edges = np.concatenate([[0], np.cumsum(sizes)])
+    return [pickle.loads(flat[a:b].tobytes()) for a, b in zip(edges[:-1], edges[1:])]
+
+
+def on_rank0(comm, work, otherwise=None):
+    """``work()`` on rank 0 while the other ranks sleep, their cores left to it: its result on rank 0,
+    ``otherwise`` on the others."""
+    result = work() if comm.Get_rank() == 0 else otherwise
+    poll([comm.Ibarrier()])
+    return result
+
+
+def table_text(head, rows, markdown=False, left=False, indent=""):
+    """Rows of cells as text: columns aligned to their widest cell (right, or ``left``), or a Markdown table."""
+    rows = [[str(c) for c in row] for row in [head, *rows]]
+    if markdown:
+        return "\n".join("| " + " | ".join(r) + " |" for r in [rows[0], ["---"] * len(head), *rows[1:]])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    return "\n".join(indent + "  ".join(c.ljust(w) if left else c.rjust(w) for c, w in zip(r, widths)).rstrip()
+                     for r in rows)

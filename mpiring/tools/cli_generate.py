@@ -151,19 +151,7 @@ def generate(comm, args):
                 call = partial(cache.attend, q_new, causal=end - pos > 1)  # several tokens: causal among them
             want = grouped_reference(q_new, K64[..., :end, :], V64[..., :end, :], np.arange(pos, end),
                                      causal=end - pos > 1)
-            for m in merges:
-                rec = Record(rank)
-                comm.Barrier()
-                start = time.perf_counter()
-                got = call(merge=m, record=rec)
-                s = steps[m]
-                s["latency"].append(time.perf_counter() - start)
-                s["compute"].append(rec.compute_time)
-                s["merge"].append(sum(e - b for name, b, e, _ in rec.events if name == "merge"))
-                s["bytes"].append(rec.bytes_sent)
-                s["error"].append(_error(got, want))
-                digest = hashlib.sha1(got[0].tobytes() + got[1].tobytes()).hexdigest()
-                s["same"] &= len(set(comm.allgather(digest))) == 1
+            _timed_step(comm, call, steps, want)
             if args.speculative:
                 accepted.append(int(keep.integers(1, min(args.speculative, T - t) + 1)))
                 start = time.perf_counter()
@@ -179,6 +167,23 @@ def generate(comm, args):
     if rank != 0:
         return 0
     return _report(args, size, gathered, nbytes, lengths, machine, tol, merges, accepted)
+
+
+def _timed_step(comm, call, steps, want):
+    """``call`` once with each merge of ``steps``, timed: latency, compute, merge, bytes, error against ``want``,
+    and whether every rank got the same bits."""
+    for m, s in steps.items():
+        rec = Record(comm.Get_rank())
+        comm.Barrier()
+        start = time.perf_counter()
+        got = call(merge=m, record=rec)
+        s["latency"].append(time.perf_counter() - start)
+        s["compute"].append(rec.compute_time)
+        s["merge"].append(sum(e - b for name, b, e, _ in rec.events if name == "merge"))
+        s["bytes"].append(rec.bytes_sent)
+        s["error"].append(_error(got, want))
+        digest = hashlib.sha1(got[0].tobytes() + got[1].tobytes()).hexdigest()
+        s["same"] &= len(set(comm.allgather(digest))) == 1
 
 
 def _ms(seconds):

@@ -135,7 +135,7 @@ def cost_parser():
     p.add_argument("--preset", nargs="+", default=["nvlink", "infiniband"],
                    choices=["nvlink", "infiniband", "10gbe", "this-machine"], help="machines for the time model")
     p.add_argument("--wires", action="store_true", help="also the time model of each K/V wire format (float32, "
-                   "bf16, fp16, int8) on every machine: where a smaller wire wins")
+                   "bf16, fp16, int8 = FP8's bytes) on every machine: where a smaller wire wins")
     p.add_argument("--flops", type=float, help="a custom machine: FLOP/s (with --bandwidth, --latency)")
     p.add_argument("--bandwidth", type=float, help="custom machine: bytes/s per direction")
     p.add_argument("--latency", type=float, default=10e-6, help="custom machine: seconds per transfer")

@@ -15,7 +15,6 @@ prints the report.
 import argparse
 import importlib.util
 import os
-import pickle
 
 import numpy as np
 
@@ -47,17 +46,17 @@ from .cli import (
     heads_problem,
     held_positions,
     mode_text,
-    poll,
+    objects,
     score_options,
     variant,
     with_threads,
 )
+from .cli_mixers import add_mixer_args, run_mixer
 from .cli_plan import compute_table, held_text
 from .links import LinkMeter
 from .plot import plot_timeline
 from .progress import Progress
-from .report import format_timeline, timing_report
-from .trace import write_chrome_trace
+from .trace import format_timeline, timing_report, write_chrome_trace
 
 __all__ = ["run", "run_parser", "VERIFY_TOL", "job_problem"]
 
@@ -87,8 +86,8 @@ def run_parser():
     p.add_argument("--batch", type=int, default=1, help="batch size")
     p.add_argument("--dtype", default="float32", choices=INPUT_DTYPES,
                    help="dtype of Q, K, V (half ones compute in float32; bfloat16 needs ml_dtypes)")
-    p.add_argument("--wire-dtype", choices=WIRE_DTYPES, help="K/V travel coded so (int8: with a float32 scale per "
-                   "token and head); default: the input dtype")
+    p.add_argument("--wire-dtype", choices=WIRE_DTYPES, help="K/V travel coded so (int8 and FP8: with a float32 "
+                   "scale per token and head; FP8 and bfloat16 need ml_dtypes); default: the input dtype")
     p.add_argument("--grad-wire-dtype", choices=GRAD_WIRE_DTYPES, help="dtype of the travelling dK/dV partials "
                    "(--backward); default float32, float64 for float64 inputs")
     p.add_argument("--accumulate", choices=ACCUMULATE, default="float64",
@@ -108,7 +107,9 @@ def run_parser():
     p.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
                    help="ring step counter on rank 0 (auto: when output is a terminal)")
     add_variant_args(p)
-    p.checks += [at_least(1, **{"--seq-len": "seq_len", "--dim": "dim", "--heads": "heads",
+    add_mixer_args(p)
+    p.checks += [at_least(1, **{"--seq-len": "seq_len", "--dim": "dim", "--heads": "heads", "--width": "width",
+                                "--state": "state",
                                 "--kv-heads": "kv_heads", "--batch": "batch", "--threads": "threads",
                                 "--ulysses-size": "ulysses_size"}),
                  at_least(0, **{"--seed": "seed"}), heads_problem]
@@ -154,48 +155,15 @@ def _balance_problem(args, size):
     return None
 
 
-def _share_text(comm, text):
-    """Rank 0's ``text`` (or None) on every rank, waited for without spinning."""
-    data = np.frombuffer(pickle.dumps(text), np.uint8) if comm.Get_rank() == 0 else None
-    size = np.array([0 if data is None else data.size], np.int64)
-    poll([comm.Ibcast(size, root=0)])
-    buf = data.copy() if data is not None else np.empty(int(size[0]), np.uint8)
-    poll([comm.Ibcast(buf, root=0)])
-    return pickle.loads(buf.tobytes())
-
-
-def gather_objects(comm, obj, root=0):
-    """``comm.gather(obj, root)``, waited for in a polling loop: ranks done first leave their cores to the others."""
-    rank = comm.Get_rank()
-    data = np.frombuffer(pickle.dumps(obj), np.uint8)
-    sizes = np.empty(comm.Get_size(), np.int64) if rank == root else None
-    poll([comm.Igather(np.array([data.size], np.int64), sizes, root=root)])
-    flat = np.empty(int(sizes.sum()), np.uint8) if rank == root else None
-    poll([comm.Igatherv(data, [flat, sizes] if rank == root else None, root=root)])
-    if rank != root:
-        return None
-    offsets = np.cumsum(np.concatenate([[0], sizes]))
-    return [pickle.loads(flat[offsets[r]:offsets[r + 1]].tobytes()) for r in range(len(sizes))]
-
-
-def allgather_arrays(comm, piece):
-    """Every rank's float64 ``piece`` (same shape but for the last axis), waited for in a polling loop."""
-    piece = np.ascontiguousarray(piece, np.float64)
-    counts = np.empty(comm.Get_size(), np.int64)
-    poll([comm.Iallgather(np.array([piece.size], np.int64), counts)])
-    flat = np.empty(int(counts.sum()))
-    poll([comm.Iallgatherv(piece, [flat, counts])])
-    offsets = np.cumsum(np.concatenate([[0], counts]))
-    return [flat[offsets[r]:offsets[r + 1]].reshape(piece.shape[:-1] + (-1,)) for r in range(len(counts))]
-
-
 @with_threads(run_parser)
 def run(comm, args):
     """Every rank makes its seeded shard and runs ring attention; every rank checks its rows; rank 0 reports."""
     rank, size = comm.Get_rank(), comm.Get_size()
-    problem = _share_text(comm, job_problem(args, size) if rank == 0 else None)
+    problem = objects(comm, job_problem(args, size) if rank == 0 else None)[0]  # rank 0 decides
     if problem:
         raise Agreed(problem)
+    if args.mixer:
+        return run_mixer(comm, args)
     dtype = named_dtype(args.dtype)
     hk = args.kv_heads or args.heads
     options = variant(args)
@@ -241,13 +209,13 @@ def run(comm, args):
         mask = dict(causal=args.causal, window=args.window, cu_seqlens=args.cu_seqlens, causal_block=args.causal_block,
                     mask=args.mask_pieces)
         checked = verify.check_rank(inputs, args.seq_len, size, rank, parts, mask, got,
-                                    share=lambda piece: allgather_arrays(comm, piece),
+                                    share=lambda piece: objects(comm, piece),
                                     scores=verify.Scores(**score_options(args)))
     rec = backward if args.backward else forward
     if checked is not None:
         rec.error = forward.error = dict(checked["error"])  # what every rank's results were off by
     summary = dict(rec.summary(), **({"forward": forward.summary()} if args.backward else {}))
-    columns = gather_objects(comm, (rec.table(plan.n_steps), summary, checked))
+    columns = objects(comm, (rec.table(plan.n_steps), summary, checked), root=0)
     if rank != 0:
         return 0
     table = [[columns[r][0][step] for r in range(size)] for step in range(plan.n_steps)]
@@ -348,7 +316,7 @@ def _wire(args):
 def _wire_line(args, pr):
     """What travels and what accumulates, in one line; with the wire's size against float32 K/V."""
     row = pr.wire.row(args.dim) * pr.wire.dtype.itemsize
-    scales = " (+ a float32 scale per token and head)" if pr.wire.name == "int8" else ""
+    scales = " (+ a float32 scale per token and head)" if pr.wire.scaled else ""
     line = (f"K/V on the wire: {pr.wire.name}{scales}, {row / (4 * args.dim):.3g}x the bytes of float32; "
             f"running (out, lse): {pr.out}, {pr.lse}")
     if args.backward:

@@ -1,44 +1,31 @@
-"""Why a ring of blocking sends deadlocks on this MPI, and the two fixes, shown live.
+"""``demo deadlock``: why a ring of blocking sends deadlocks on this MPI, and the two fixes, shown live.
 
-    mpiexec -n 2 python -m mpiring.tools.deadlock
-    mpiexec -n 4 python -m mpiring.tools.deadlock --timeout 2
+    mpiexec -n 2 python -m mpiring demo deadlock
+    mpiexec -n 4 python -m mpiring demo deadlock --timeout 2
 
-1. The eager limit, measured: each rank starts a standard-mode ``Isend`` (the mode of ``Send``)
-   to its neighbour with no receive posted, and polls it. A small message completes at once:
-   MPI copied it into its own buffers ("eager"). A large one waits until the receive is posted
-   ("rendezvous"). Powers of two from 64 B, then bisection, give the limit.
-2. The blocking ring: on a duplicate of COMM_WORLD every rank calls ``comm.Send`` to rank + 1,
-   then ``comm.Recv`` from rank - 1. The ``Send`` runs in a helper thread so that the demo can
-   watch it: below the eager limit it returns at once; above it no rank's ``Send`` returns, as
-   every rank is in ``Send`` and none in ``Recv``: a deadlock. After ``--timeout`` seconds the
-   main thread posts the ``Recv`` itself (MPI_THREAD_MULTIPLE), the ``Send``s return, and the
-   demo goes on.
+1. The eager limit, measured: a standard-mode ``Isend`` (the mode of ``Send``) with no receive posted
+   completes at once when MPI copies it into its own buffers, and waits for the receive above that size.
+2. The blocking ring: every rank calls ``Send`` to rank + 1 (in a helper thread, so the demo can watch
+   it), then ``Recv`` from rank - 1; above the limit no ``Send`` returns. After ``--timeout`` seconds
+   the main thread posts the ``Recv`` (MPI_THREAD_MULTIPLE) and the demo goes on.
 3. The fixes, with the large message: ``Isend`` + ``Irecv`` + ``Waitall``, and ``Sendrecv``.
-   Both complete, at any size.
 
-Exit code 0 when every rank saw what is described above (or the MPI buffered every size tried,
-which is reported), 1 otherwise. Rank 0 prints.
+Exit code 0 when every rank saw the above (or MPI buffered every size tried), 1 otherwise. Rank 0 prints.
 """
 
 import argparse
-import sys
 import threading
 import time
 
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["deadlock_demo", "eager_limit", "main"]
+from mpiring.testing.timed import size_text as _size
+
+__all__ = ["demo", "demo_parser", "deadlock_demo", "eager_limit"]
 
 PROBE_WAIT = 0.2  # seconds a probe Isend may take and still count as "completed without a receive"
 LARGEST = 16 * 2**20
-
-
-def _size(nbytes):
-    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.4g} {unit}"
-    return f"{nbytes} B"
 
 
 def _completes_alone(comm, nbytes, wait=PROBE_WAIT):
@@ -142,16 +129,28 @@ def fix_sendrecv(comm, nbytes, timeout):
     return took[0], bool(np.all(into == ((rank - 1) % size) % 251))
 
 
-def deadlock_demo(comm, argv):
+DEMOS = {"deadlock": "a ring of blocking Sends: fine below MPI's eager limit, deadlocked above; the two fixes"}
+
+
+def demo_parser():
+    p = argparse.ArgumentParser(prog="python -m mpiring demo", description="Demonstrations that run under mpiexec.",
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="demos:\n" + "".join(f"  {name:<10}{what}\n" for name, what in DEMOS.items()))
+    p.add_argument("name", choices=list(DEMOS), help="which demo")
+    p.add_argument("--timeout", type=float, default=2.0,
+                   help="seconds to wait for a blocking Send before calling it deadlocked (default 2)")
+    return p
+
+
+def demo(comm, args=None):
+    """Run a demo on every rank of ``comm``."""
+    options = demo_parser().parse_args(list(args or []))
+    return {"deadlock": deadlock_demo}[options.name](comm, options.timeout)
+
+
+def deadlock_demo(comm, timeout=2.0):
     """Run the demo on ``comm`` (every rank); returns the exit code, the same on every rank."""
     rank = comm.Get_rank()
-    parser = argparse.ArgumentParser(prog="python -m mpiring.tools.deadlock", description=__doc__.splitlines()[0])
-    parser.add_argument("--timeout", type=float, default=2.0,
-                        help="seconds to wait for a blocking Send before calling it deadlocked (default 2)")
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:
-        return exc.code
 
     def say(text=""):
         if rank == 0:
@@ -164,6 +163,13 @@ def deadlock_demo(comm, argv):
         say("this MPI does not provide MPI_THREAD_MULTIPLE: the demo needs it to watch a blocking Send")
         return 1
     comm = comm.Dup()
+    try:
+        return _deadlock_demo(comm, timeout, say)
+    finally:
+        comm.Free()
+
+
+def _deadlock_demo(comm, timeout, say):
     size = comm.Get_size()
     say(f"{MPI.Get_library_version().splitlines()[0].strip()}, {size} ranks in a ring: rank r sends to "
         f"(r + 1) % {size} and receives from (r - 1) % {size}")
@@ -173,7 +179,6 @@ def deadlock_demo(comm, argv):
     if high is None:
         say(f"   every size up to {_size(low)} completed without a receive: this MPI buffers them all,")
         say("   so a ring of blocking sends cannot deadlock here (it still would on another MPI)")
-        comm.Free()
         return 0
     if low == 0:
         say("   even 64 B waits: this MPI sends nothing eagerly between these ranks")
@@ -182,54 +187,32 @@ def deadlock_demo(comm, argv):
     say(f"   {_size(high)} waits for the receive ('rendezvous'): the eager limit is between the two")
     say("")
     say("2. The blocking ring: comm.Send(to rank + 1), then comm.Recv(from rank - 1), on every rank")
-    sizes = [max(64, low // 2), 2 * high, 2**20]  # below the limit, above it, and a ring attention-sized block
-    sizes = sorted(set(sizes))
     ok = True
-    for n in sizes:
-        alone, took, right = blocking_ring(comm, n, args.timeout)
-        everyone = comm.allgather((alone, took, right))
-        all_alone = all(a for a, _, _ in everyone)
-        none_alone = not any(a for a, _, _ in everyone)
-        data_ok = all(r for _, _, r in everyone)
+    for n in sorted({max(64, low // 2), 2 * high, 2**20}):  # below the limit, above it, a ring attention block
+        everyone = comm.allgather(blocking_ring(comm, n, timeout))
+        all_alone, none_alone = all(a for a, _, _ in everyone), not any(a for a, _, _ in everyone)
+        slowest = max(t for _, t, _ in everyone)
         if all_alone:
             say(f"   {_size(n):>9}: every Send returned before any Recv was posted (after at most "
-                f"{max(t for _, t, _ in everyone) * 1e3:.2f} ms): works, but only because MPI buffered the message")
+                f"{slowest * 1e3:.2f} ms): works, but only because MPI buffered the message")
         elif none_alone:
-            say(f"   {_size(n):>9}: DEADLOCK: no rank's Send returned within {args.timeout:g} s; every rank is in Send")
+            say(f"   {_size(n):>9}: DEADLOCK: no rank's Send returned within {timeout:g} s; every rank is in Send")
             say("              and none in Recv, so no send can complete. (The demo then posted each Recv from")
-            say(f"              another thread: the Sends returned after {max(t for _, t, _ in everyone):.2f} s.)")
+            say(f"              another thread: the Sends returned after {slowest:.2f} s.)")
         else:
             say(f"   {_size(n):>9}: some Sends returned and some did not: near the limit")
-        expected_alone = n <= low
-        ok &= data_ok and (all_alone if expected_alone else none_alone or n <= high)
+        ok &= all(r for _, _, r in everyone) and (all_alone if n <= low else none_alone or n <= high)
     say("")
     say(f"3. The fixes, with {_size(2**20)} messages")
-    seconds, right = fix_nonblocking(comm, 2**20, args.timeout)
-    everyone = comm.allgather((seconds, right))
-    good = all(s is not None and r for s, r in everyone)
-    ok &= good
-    say("   Isend + Irecv, then Waitall: " + (
-        f"completed on every rank in at most {max(s for s, _ in everyone) * 1e3:.1f} ms, data right" if good
-        else "FAILED"))
-    seconds, right = fix_sendrecv(comm, 2**20, args.timeout)
-    everyone = comm.allgather((seconds, right))
-    good = all(s is not None and r for s, r in everyone)
-    ok &= good
-    say("   Sendrecv:                    " + (
-        f"completed on every rank in at most {max(s for s, _ in everyone) * 1e3:.1f} ms, data right" if good
-        else "FAILED"))
+    for label, fix in (("Isend + Irecv, then Waitall:", fix_nonblocking), ("Sendrecv:", fix_sendrecv)):
+        everyone = comm.allgather(fix(comm, 2**20, timeout))
+        good = all(s is not None and r for s, r in everyone)
+        ok &= good
+        say(f"   {label:<29}" + (f"completed on every rank in at most {max(s for s, _ in everyone) * 1e3:.1f} ms, "
+                                  f"data right" if good else "FAILED"))
     say("")
     say("A program that is only correct while MPI buffers its sends is unsafe: the MPI standard allows any")
     say("standard-mode Send to wait for its receive. Post receives before (or together with) blocking sends.")
     say("python -m mpiring grade runs every student send in synchronous mode, so an unsafe ring fails at")
     say("every size there, not only above this limit.")
-    comm.Free()
     return 0 if ok else 1
-
-
-def main(argv=None):
-    return deadlock_demo(MPI.COMM_WORLD, sys.argv[1:] if argv is None else argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,12 +2,9 @@
 
     run/cluster run -n 4 python -m mpiring run --seq-len 8192 --causal    # 2 hosts: run reports both
 
-Ranks on one node are those with one host name (``MPI.Get_processor_name``,
-what MPICH and Open MPI go by too). The first rank of each node reads its
-host's interface counters (Linux /sys/class/net, every interface but lo)
-before and after the call; the difference is every byte the host put on the
-wire, TCP/IP headers and acknowledgements included, so it is a little above
-the payload the model counts (``nodes.inter_node_bytes``).
+A node is the ranks with one ``MPI.Get_processor_name``; its first rank reads the host's interface counters
+(/sys/class/net, all but lo) around the call: every byte on the wire, TCP/IP headers included, so a little
+above the payload the model counts (``nodes.inter_node_bytes``).
 """
 
 import os

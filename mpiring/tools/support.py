@@ -13,7 +13,7 @@ gives both). A cell works when every rank's result is within
 rounded to the dtype, or raises the same ValueError on every rank before any
 data moved (its ``Record`` stays empty); anything else is WRONG (exit code 1).
 
-The full product is 6,000 runs per strategy. The matrix (``matrix``) runs,
+The full product is 21,600 runs per strategy. The matrix (``matrix``) runs,
 per strategy, every option alone (the other axes at their ``DEFAULTS``);
 then the options that work alone, 5 at a time, in the rows of an orthogonal
 array of strength 2 (``covering``: every pair of them meets in a row); then
@@ -21,7 +21,6 @@ every pair of options of each row that failed. Options that fail alone stay
 out of the rows, where they would mask the others. docs/reliability.md §6.
 """
 
-import functools
 import itertools
 import math
 import time
@@ -30,25 +29,33 @@ from typing import NamedTuple
 import numpy as np
 
 from mpiring.core.precision import INPUT_DTYPES, WIRE_DTYPES, named_dtype
-from mpiring.core.reference import definition_mask, dense_attention, dense_attention_backward, scored_attention
-from mpiring.core.scores import alibi
 from mpiring.mpi.checks import verdict
 from mpiring.mpi.record import Record
-from mpiring.plans.layouts import LAYOUTS, shard_indices
+from mpiring.plans.layouts import LAYOUTS
 from mpiring.plans.plan import ALL_MODES, MODES
 from mpiring.testing import attention_error, tolerance
 
 from .cli import Agreed, command_parser
+from .support_cases import (
+    call,
+    grad_names,
+    head_counts,
+    inputs,
+    mask_options,
+    placement,
+    reference,
+    score_options,
+    sizes,
+)
 from .verify import run_tolerance
 
 __all__ = ["AXES", "DEFAULTS", "Cell", "strategies", "cells", "changed", "label", "covering", "matrix", "sample",
            "run_cell", "run_cells", "run_case", "render", "doc_section", "write_section", "support",
            "support_parser"]
 
-SEED = 20240611
 AXES = {"assignment": LAYOUTS + ("positions", "kv_positions"),
-        "mask": ("none", "causal", "window", "documents", "block-causal"),
-        "heads": ("MHA", "GQA", "MQA"),  # K/V heads: as many as q's, half as many, one
+        "mask": ("none", "causal", "window", "documents", "block-causal", "top-k"),  # top-k: an indexer's choice
+        "heads": ("MHA", "GQA", "MQA", "MLA", "uneven", "uneven GQA"),  # ``support_cases.head_counts``
         "dtype": INPUT_DTYPES,
         "wire": ("none",) + WIRE_DTYPES,
         "score": ("none", "softcap", "alibi", "sinks", "dropout")}  # docs/masks.md's score modifiers
@@ -93,11 +100,6 @@ def strategies(P):
     passing_q = {("pass-Q" if name == "ring" else f"pass-Q {name}"): dict(options, rotate="q")
                  for name, options in found.items()}
     return {**found, **passing_q}
-
-
-def sizes(P):
-    """``(S, dim, query heads)`` of every cell at P ranks: uneven shards, heads that Ulysses can split."""
-    return 4 * P + 3, 8, 4 * P // math.gcd(4, P)
 
 
 def cells(P):
@@ -147,79 +149,17 @@ def sample(P, n, seed=0, most=None):
     return list({Cell(s, *case, p): None for s, case in picks for p in PASSES})
 
 
-def mask_options(name, S):
-    """The ``ring_attention`` (and ``definition_mask``) options of mask ``name`` over S tokens."""
-    return {"none": {}, "causal": {"causal": True}, "window": {"window": (3, 1)},
-            "documents": {"causal": True, "cu_seqlens": np.array([0, S // 3, S // 2 + 1, S])},
-            "block-causal": {"causal": True, "causal_block": 3}}[name]
-
-
-def _partition(rng, items, P):
-    """``items`` shuffled and cut into P non-empty, uneven, unsorted parts."""
-    cuts = np.sort(rng.choice(np.arange(1, len(items)), P - 1, replace=False))
-    return np.split(rng.permutation(items), cuts)
-
-
-def placement(P, rank, assignment):
-    """``(query positions, k/v positions, options)`` of ``rank``: a layout's shard, or positions from a seed."""
-    S = sizes(P)[0]
-    if assignment in LAYOUTS:
-        mine = shard_indices(S, P, rank, assignment)
-        return mine, mine, {"layout": assignment}
-    rng = np.random.default_rng([SEED, P])
-    kv = _partition(rng, np.arange(S), P)
-    if assignment == "positions":
-        return kv[rank], kv[rank], {"positions": kv[rank]}
-    queries = _partition(rng, np.arange(S // 2, S), P)  # chunked prefill: the last tokens against all of them
-    return queries[rank], kv[rank], {"positions": queries[rank], "kv_positions": kv[rank]}
-
-
-# ---------------------------------------------------------------- the problem and its reference
-
-
-@functools.lru_cache(maxsize=None)
-def _inputs(P, heads, dtype):
-    """Whole q, k, v, dout in ``dtype`` (the same on every rank), and the same as float64."""
-    S, D, hq = sizes(P)
-    hk = {"MHA": hq, "GQA": hq // 2, "MQA": 1}[heads]
-    rng = np.random.default_rng([SEED, S, hq, hk])
-    arrays = [rng.standard_normal((h, S, D)).astype(named_dtype(dtype)) for h in (hq, hk, hk, hq)]
-    return arrays, [a.astype(np.float64) for a in arrays]
-
-
-def score_options(name, P):
-    """The ``ring_attention`` options of score modifier ``name`` at P ranks (docs/masks.md)."""
-    return {"none": {}, "softcap": {"softcap": 2.0}, "alibi": {"bias": alibi(sizes(P)[2])},
-            "sinks": {"sinks": np.linspace(-1.0, 1.0, sizes(P)[2])}, "dropout": {"dropout": 0.25, "seed": 3}}[name]
-
-
-@functools.lru_cache(maxsize=None)
-def _reference(P, heads, dtype, mask, prefill, score="none"):
-    """float64 ``(out, lse, dq, dk, dv[, dsinks])`` over the whole sequence; ``prefill``: only the queries of
-    ``placement``'s kv_positions (the last S - S//2) count in dk, dv (dout is zero for the others)."""
-    S = sizes(P)[0]
-    q, k, v, dout = _inputs(P, heads, dtype)[1]
-    pos = np.arange(S)
-    allowed = definition_mask(pos, pos, **mask_options(mask, S))
-    rows = lambda a, b: allowed[a:b]  # noqa: E731
-    if prefill:
-        dout = np.where(pos[:, None] >= S // 2, dout, 0.0)
-    if score != "none":  # the scored reference, from the definitions (core.reference.scored_attention)
-        extra = score_options(score, P)
-        grads = scored_attention(q, k, v, allowed, dout=dout, **extra)
-        return scored_attention(q, k, v, allowed, **extra)[:2] + grads[:3] + grads[3:] * ("sinks" in extra)
-    return dense_attention(q, k, v, None, rows) + dense_attention_backward(dout, q, k, v, None, rows)
-
-
 # ---------------------------------------------------------------- running cells
 
 
-def _have_bfloat16():
-    try:
-        named_dtype("bfloat16")
-    except ValueError:
-        return False
-    return True
+def _missing(names):
+    """Why a dtype of ``names`` cannot be made here (bfloat16 and FP8 need ml_dtypes), or None."""
+    for name in names:
+        try:
+            named_dtype(name)
+        except ValueError as exc:
+            return str(exc)
+    return None
 
 
 def _error(name, got, want, tol, dtype):
@@ -275,21 +215,18 @@ def run_case(comm, case, backward=True, records=None, keep_going=False):
     ``records``: the forward's and the backward's ``Record`` (fresh ones if None). An exception other
     than ValueError is a bug: it propagates, or with ``keep_going`` is a WRONG verdict ("crashed: ...").
     """
-    from mpiring import ring_attention, ring_attention_backward
-
     strategy, assignment, mask, heads, dtype, wire, score = case
-    if "bfloat16" in (dtype, wire) and not _have_bfloat16():
-        skipped = 'skipped: bfloat16 needs ml_dtypes (pip install -e ".[half]")'
-        return {"forward": skipped, "backward": skipped}
+    missing = _missing([dtype] + [wire] * (wire != "none"))
+    if missing:
+        return {"forward": f"skipped: {missing}", "backward": f"skipped: {missing}"}
     P, rank = comm.Get_size(), comm.Get_rank()
     mine, kv, held = placement(P, rank, assignment)
     wire = None if wire == "none" else wire
     options = dict(strategies(P)[strategy], **mask_options(mask, sizes(P)[0]), **held, wire_dtype=wire,
-                   **score_options(score, P))
-    arrays = _inputs(P, heads, dtype)[0]
-    q, dout = (np.ascontiguousarray(a[..., mine, :]) for a in (arrays[0], arrays[3]))
-    k, v = (np.ascontiguousarray(a[..., kv, :]) for a in arrays[1:3])
-    ref = _reference(P, heads, dtype, mask, assignment == "kv_positions", score)
+                   **score_options(score, P, heads))
+    whole = inputs(P, heads, dtype)[0]  # q, k, v, dout (MLA: q, c_kv, k_rope, dout, w_uk, w_uv)
+    arrays = [np.ascontiguousarray(a[..., rows, :]) for a, rows in zip(whole, (mine, kv, kv, mine))] + whole[4:]
+    ref = reference(P, heads, dtype, mask, assignment == "kv_positions", score)
     kind = named_dtype(dtype)
     lse_kind = np.float32 if kind.itemsize == 2 else kind  # half inputs: lse in float32
     fwd, bwd = records or (Record(rank), Record(rank))
@@ -298,22 +235,27 @@ def run_case(comm, case, backward=True, records=None, keep_going=False):
         return [("out", result[0], ref[0][..., mine, :], tolerance(kind, wire), kind),
                 ("lse", result[1], ref[1][..., mine], tolerance(lse_kind, wire), lse_kind)]
 
-    result, verdict = _verdict(comm, lambda: ring_attention(q, k, v, comm, record=fwd, **options), fwd,
-                               forward_errors, keep_going)
+    result, verdict = _verdict(comm, lambda: call(heads)(arrays, comm, options, fwd, None), fwd, forward_errors,
+                               keep_going)
     verdicts = {"forward": verdict, "backward": verdict}
     if backward and result is not None:
-        options.pop("rotate", None)  # the backward has no pass-Q: K/V travel
+        codings = 2 if options.pop("rotate", None) == "q" else 1  # no pass-Q backward: K/V travel (coded too)
+        at = {"q": np.s_[..., mine, :], "k": np.s_[..., kv, :], "all": np.s_[...]}
 
         def backward_errors(grads):
-            found = [(name, g, r[..., rows, :], run_tolerance(kind, wire), kind)
-                     for name, g, r, rows in zip(("dq", "dk", "dv"), grads, ref[2:], (mine, kv, kv))]
-            if len(ref) > 5 or len(grads) > 3:  # sinks: their gradient, summed over every rank's rows
-                found.append(("dsinks", grads[3], ref[5], run_tolerance(kind, wire), np.float64))
+            # the weights' gradients (MLA: rows "all") in float64, as the weights; products of the coded latent and
+            # gradients made from it, they carry two codings' error (bfloat16 2.0e-2, int8 3.9e-2 at P = 4)
+            found = []
+            for (name, rows), g, r in zip(grad_names(heads), grads, ref[2:]):
+                weights = rows == "all"
+                found.append((name, g, r[at[rows]], run_tolerance(kind, wire, codings * (1 + weights)),
+                              np.float64 if weights else kind))
+            if heads != "MLA" and (len(ref) > 5 or len(grads) > 3):  # sinks: their gradient, over every rank's rows
+                found.append(("dsinks", grads[3], ref[5], run_tolerance(kind, wire, codings), np.float64))
             return found
 
-        verdicts["backward"] = _verdict(comm, lambda: ring_attention_backward(dout, q, k, v, *result, comm,
-                                                                              record=bwd, **options),
-                                        bwd, backward_errors, keep_going)[1]
+        verdicts["backward"] = _verdict(comm, lambda: call(heads, True)(arrays, comm, options, bwd, result), bwd,
+                                        backward_errors, keep_going)[1]
     return verdicts
 
 
@@ -402,8 +344,9 @@ def render(verdicts, P, markdown=False):
     S, D, hq = sizes(P)
     bold = "**" if markdown else ""
     out = [f"P = {P}: {len(verdicts)} cells of the {len(cells(P))} of the full product ({S} tokens, head dim {D}, "
-           f"{hq} query heads): {counts['works']} work, {counts['raises']} raise, {counts['WRONG']} WRONG, "
-           f"{counts['skipped']} skipped.",
+           f"{hq} query heads; uneven {head_counts(P, 'uneven')[0]}, uneven GQA "
+           f"{'/'.join(map(str, head_counts(P, 'uneven GQA')))}): {counts['works']} work, {counts['raises']} raise, "
+           f"{counts['WRONG']} WRONG, {counts['skipped']} skipped.",
            "",
            f"Each option alone, the others at their defaults ({', '.join(f'{a} {v}' for a, v in DEFAULTS.items())}); "
            f"a cell is forward / backward where they differ:"]

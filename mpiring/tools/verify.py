@@ -2,25 +2,12 @@
 
     mpiexec -n 4 python -m mpiring run --seq-len 4096 --dim 64 --heads 8 --causal --layout zigzag
 
-Inputs are counter-based: token block ``b`` (positions ``b*BLOCK`` up to
-``(b+1)*BLOCK``) of tensor kind ``c`` (q, k, v, dout = 0, 1, 2, 3) is drawn
-from ``np.random.default_rng([seed, c, b])`` and cast to the run's dtype. Any
-rank can make any token's values without the others: each makes its own shard
-(no scatter), and the checker regenerates the keys it needs a block at a time
-(no rank ever holds a whole tensor).
-
-The check is an exact float64 computation from those inputs (rounded to the
-run's dtype, then widened), with the mask from its definition
-(``mpiring.core.reference.definition_mask``, never ``mpiring.plans.masks`` or the plan) and
-the textbook softmax, written out below with an online max and sum over key
-blocks. It shares no code with the ring it checks. What it covers:
-
-- forward: ``out`` and ``lse`` of a sample of each rank's query rows (all of
-  them when the shard has at most ``SAMPLE`` rows, or when dK/dV are checked);
-- backward: dQ of the sampled rows (a second pass over the keys with
-  ``delta_i = dout_i . out_i``); dK and dV of a sample of each rank's own keys
-  when ``seq_len <= DKV_MAX_SEQ``: they need every query row's exact lse, a
-  pass over all rows as costly as the forward ring, shared out over the ranks.
+Token block ``b`` of tensor ``c`` (q, k, v, dout) is drawn from ``default_rng([seed, c, b])``: any rank makes
+any token without the others, so no rank holds a whole tensor. The check is an exact float64 computation
+from those inputs, the mask from its definition (``core.reference.definition_mask``, never the plan), the
+textbook softmax with an online max and sum over key blocks: no code shared with the ring it checks. It
+covers out and lse of a sample of each rank's rows, dQ of those rows, and dK, dV of a sample of each rank's
+keys when ``seq_len <= DKV_MAX_SEQ`` (they need every row's exact lse: a pass as costly as the forward ring).
 """
 
 import numpy as np
@@ -41,10 +28,10 @@ ROW_CHUNK = 256  # query rows per matrix product in the forward pass (bounds its
 TOLERANCE = {np.dtype(np.float64): 1e-10, np.dtype(np.float32): 1e-4}
 
 
-def run_tolerance(dtype, wire=None):
+def run_tolerance(dtype, wire=None, codings=1):
     """The error ``run`` accepts for inputs of ``dtype`` with K/V on the ``wire``: TOLERANCE above, half
-    inputs and coded wires by the library's one table (``mpiring.testing.TOLERANCE``)."""
-    return max(TOLERANCE.get(np.dtype(dtype), 0.0), tolerance(dtype, wire))
+    inputs and coded wires by the library's one table (``mpiring.testing.TOLERANCE``; ``codings`` as there)."""
+    return max(TOLERANCE.get(np.dtype(dtype), 0.0), tolerance(dtype, wire, codings))
 
 
 class Inputs:

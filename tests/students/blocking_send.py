@@ -1,6 +1,6 @@
 """Defective: every rank does a blocking Send before its Recv (correct only while MPI buffers the messages).
 
-    mpiexec -n 4 python -m mpiring.tools.grade tests/students/blocking_send.py     # fails: unsafe
+    mpiexec -n 4 python -m mpiring grade tests/students/blocking_send.py     # fails: unsafe
 """
 
 import numpy as np

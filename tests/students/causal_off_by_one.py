@@ -1,6 +1,6 @@
 """Defective: the causal triangle is applied one step (one block) late: to the block of rank r - 1, not r.
 
-    mpiexec -n 4 python -m mpiring.tools.grade tests/students/causal_off_by_one.py     # fails: causal mask
+    mpiexec -n 4 python -m mpiring grade tests/students/causal_off_by_one.py     # fails: causal mask
 """
 
 import numpy as np

@@ -1,6 +1,6 @@
 """A correct ring in another style: Sendrecv_replace, one (2, H, n, D) message per step, compute in the input dtype.
 
-    mpiexec -n 4 python -m mpiring.tools.grade tests/students/correct_sendrecv.py
+    mpiexec -n 4 python -m mpiring grade tests/students/correct_sendrecv.py
 """
 
 import numpy as np

@@ -1,6 +1,6 @@
 """Defective: right answers, but every K/V block is sent twice (a second, stacked copy per step).
 
-    mpiexec -n 4 python -m mpiring.tools.grade tests/students/kv_twice.py     # fails: traffic
+    mpiexec -n 4 python -m mpiring grade tests/students/kv_twice.py     # fails: traffic
 """
 
 import numpy as np

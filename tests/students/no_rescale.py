@@ -1,6 +1,6 @@
 """Defective: merges the blocks by averaging their outputs, without the log-sum-exp weights.
 
-    mpiexec -n 4 python -m mpiring.tools.grade tests/students/no_rescale.py     # fails: wrong merge
+    mpiexec -n 4 python -m mpiring grade tests/students/no_rescale.py     # fails: wrong merge
 """
 
 import numpy as np

@@ -1,6 +1,6 @@
 """Defective: right causal answers, but every block is computed in full and masked by global positions.
 
-    mpiexec -n 4 python -m mpiring.tools.grade --exercise causal tests/students/no_skip.py    # fails: work
+    mpiexec -n 4 python -m mpiring grade --exercise causal tests/students/no_skip.py    # fails: work
 
 Nothing is skipped: rank 0 does the work of rank P - 1. ``masked_ring`` serves zigzag_no_skip.py too.
 """
@@ -9,6 +9,8 @@ import numpy as np
 from mpi4py import MPI
 
 import mpiring
+
+EXERCISE = "causal"  # graded as this exercise unless --exercise says otherwise
 
 
 def masked_ring(q, k, v, comm, causal, layout):

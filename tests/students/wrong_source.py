@@ -1,6 +1,6 @@
 """Defective: receives from rank + 1, the rank it sends to, instead of rank - 1 (hangs in Waitall for P > 2).
 
-    mpiexec -n 3 python -m mpiring.tools.grade tests/students/wrong_source.py     # fails: stuck
+    mpiexec -n 3 python -m mpiring grade tests/students/wrong_source.py     # fails: stuck
 """
 
 import numpy as np

@@ -1,9 +1,11 @@
 """Exercise 1, solution: merge the softmax results of two key blocks (the log-sum-exp rule).
 
-    mpiexec -n 1 python -m mpiring.tools.grade --exercise merge examples/exercises/solutions/01_merge.py
+    mpiexec -n 1 python -m mpiring grade --exercise merge examples/exercises/solutions/01_merge.py
 """
 
 import numpy as np
+
+EXERCISE = "merge"
 
 
 def merge(out1, lse1, out2, lse2):

@@ -1,6 +1,6 @@
 """Exercise 2, solution: the ring loop (non-causal).
 
-    mpiexec -n 4 python -m mpiring.tools.grade --exercise ring examples/exercises/solutions/02_ring.py
+    mpiexec -n 4 python -m mpiring grade --exercise ring examples/exercises/solutions/02_ring.py
 
 Every rank keeps its queries; the K/V blocks travel the ring, one hop per step, while each
 rank computes on the block it holds and merges the result into its running (out, lse).
@@ -8,6 +8,8 @@ rank computes on the block it holds and merges the result into its running (out,
 
 import numpy as np
 from mpi4py import MPI
+
+EXERCISE = "ring"
 
 
 def block_attention(q, k, v, scale, mask=None):

@@ -1,7 +1,7 @@
 """Exercise 3, solution: causal ring attention that skips the blocks a rank cannot see.
 
-    mpiexec -n 4 python -m mpiring.tools.grade --exercise causal examples/exercises/solutions/03_causal.py
-    mpiexec -n 4 python -m mpiring.tools.grade examples/exercises/solutions/03_causal.py   # the full grade
+    mpiexec -n 4 python -m mpiring grade --exercise causal examples/exercises/solutions/03_causal.py
+    mpiexec -n 4 python -m mpiring grade examples/exercises/solutions/03_causal.py   # the full grade
 
 With contiguous shards, at step t rank r holds the block of rank s = (r - t) mod P. Causal:
 s < r is visible in full, s == r (step 0) with the triangle j <= i, s > r not at all: skip it
@@ -10,6 +10,8 @@ s < r is visible in full, s == r (step 0) with the triangle j <= i, s > r not at
 
 import numpy as np
 from mpi4py import MPI
+
+EXERCISE = "causal"
 
 
 def block_attention(q, k, v, scale, mask=None):

@@ -1,6 +1,6 @@
 """Exercise 4, solution: zigzag shards, so every rank has the same causal work.
 
-    mpiexec -n 4 python -m mpiring.tools.grade --exercise zigzag examples/exercises/solutions/04_zigzag.py
+    mpiexec -n 4 python -m mpiring grade --exercise zigzag examples/exercises/solutions/04_zigzag.py
 
 The sequence is cut into 2P chunks of c = n/2 tokens; rank r holds chunks r ("early") and
 2P-1-r ("late"). For the block of rank s (its chunks s and 2P-1-s), causal:
@@ -13,6 +13,8 @@ So every off-diagonal block costs half a block, on every rank.
 
 import numpy as np
 from mpi4py import MPI
+
+EXERCISE = "zigzag"
 
 
 def block_attention(q, k, v, scale, mask=None):

@@ -1,6 +1,6 @@
 """Exercise 5, solution: a bidirectional ring, K/V travel both ways.
 
-    mpiexec -n 4 python -m mpiring.tools.grade --exercise bidirectional examples/exercises/solutions/05_bidirectional.py
+    mpiexec -n 4 python -m mpiring grade --exercise bidirectional examples/exercises/solutions/05_bidirectional.py
 
 Stream A passes blocks to rank + 1 (rank r receives r-1, r-2, ...), stream B to rank - 1
 (r receives r+1, r+2, ...). A brings a = floor(P/2) blocks and B the other b = P - 1 - a, so
@@ -11,6 +11,8 @@ s < r, with the triangle if s == r).
 
 import numpy as np
 from mpi4py import MPI
+
+EXERCISE = "bidirectional"
 
 
 def block_attention(q, k, v, scale, mask=None):

@@ -1,6 +1,6 @@
 """Exercise 6, solution: the backward pass of ring attention.
 
-    mpiexec -n 4 python -m mpiring.tools.grade --exercise backward examples/exercises/solutions/06_backward.py
+    mpiexec -n 4 python -m mpiring grade --exercise backward examples/exercises/solutions/06_backward.py
 
 Every rank keeps q, dout, out, lse; the K/V blocks travel the ring as in the forward pass, and
 each carries its partial dK/dV with it: every rank adds its queries' contribution to the block
@@ -10,6 +10,8 @@ Probabilities are recomputed from the saved lse: P = exp(scale q k^T - lse).
 
 import numpy as np
 from mpi4py import MPI
+
+EXERCISE = "backward"
 
 
 def block_backward(dout, q, k, v, lse, delta, scale, mask=None):

@@ -1,4 +1,4 @@
-"""``python -m mpiring.tools.grade``: see the package's docstring."""
+"""``python -m mpiring.tools.grade``: the earlier spelling of ``python -m mpiring grade`` (deprecated)."""
 
 import sys
 

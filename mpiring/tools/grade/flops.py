@@ -19,6 +19,7 @@ arrays is not counted, so a caller compares the tally with the least the result 
 """
 
 import math
+import time
 
 import numpy as np
 
@@ -26,17 +27,24 @@ __all__ = ["Counted", "Meter", "counted", "macs_of", "mark"]
 
 
 class Meter:
-    """The tally of multiply-adds made while it is active (``with Meter() as meter:``); one at a time."""
+    """The tally of multiply-adds made while it is active (``with Meter() as meter:``); one at a time.
+
+    With a ``ledger`` (``mpiring.testing``'s), every product is a "product" event of its timeline
+    too, between the communication events: what overlapped what, in order.
+    """
 
     active = None
 
-    def __init__(self):
+    def __init__(self, ledger=None):
         self.macs = 0
         self.products = 0  # calls counted
+        self.ledger = ledger
 
-    def add(self, macs):
+    def add(self, macs, start=None):
         self.macs += int(macs)
         self.products += 1
+        if self.ledger is not None:
+            self.ledger.note("product", start=start, end=time.perf_counter(), macs=int(macs))
 
     def __enter__(self):
         Meter.active = self
@@ -107,20 +115,22 @@ class Counted(np.ndarray):
         args = _plain(inputs)
         if out is not None:
             kwargs["out"] = _plain(out)
+        start = time.perf_counter()
         result = getattr(ufunc, method)(*args, **kwargs)
         if ufunc is np.matmul and method == "__call__" and Meter.active is not None:
-            Meter.active.add(macs_of(np.matmul, args, kwargs, result))
+            Meter.active.add(macs_of(np.matmul, args, kwargs, result), start)
         if out is not None:
             return out[0] if len(out) == 1 else out
         return _wrap(result)
 
     def __array_function__(self, func, types, args, kwargs):
         args, plain_kwargs = _plain(args), _plain(kwargs)
+        start = time.perf_counter()
         result = func(*args, **plain_kwargs)
         if Meter.active is not None:
             macs = macs_of(func, args, plain_kwargs, result)
             if macs:
-                Meter.active.add(macs)
+                Meter.active.add(macs, start)
         if kwargs.get("out") is not None:
             return kwargs["out"]
         return _wrap(result)

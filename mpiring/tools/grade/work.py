@@ -21,11 +21,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from ... import make_plan
-from .cases import Case, run_forward_case
+from .cases import run_forward_case
+from .exercises import make_cases
 from .sync import allgather
 from .verdicts import Verdict, ranks_text
 
-__all__ = ["SLACK", "WORK_SIZE", "Work", "allowed_pairs", "measure_work", "work_verdict"]
+__all__ = ["SLACK", "WORK_SIZE", "Work", "allowed_pairs", "counted_runs", "measure_work", "work_verdict"]
 
 WORK_SIZE = "medium"  # the case the work checks count (H, n, D) = (4, 64, 32)
 SLACK = 0.1  # extra products allowed over the plan (row sums as products, merges with einsum, ...)
@@ -48,14 +49,19 @@ def allowed_pairs(plan):
             + len(plan.shards[r]) ** 2 for r in range(plan.size)]
 
 
-def measure_work(exercise, fn, gcomm, opts):
-    """Count every rank's products on the causal WORK_SIZE float64 case (one call); returns a Work."""
-    case = Case(WORK_SIZE, np.float64, True, seed=999)
-    h, n, d = case.shape
+def counted_runs(exercise, fn, gcomm, opts, causal):
+    """Every rank's Run of one call on the WORK_SIZE float64 case with counting arrays, its timeline kept."""
     P = gcomm.Get_size()
+    case = next(c for c in make_cases(exercise, P) if c.size == WORK_SIZE and c.dtype == np.float64
+                and c.causal == causal)
+    run, _ = run_forward_case(case, exercise, fn, gcomm, opts, check_output=False, count=True, events=True)
+    return case, allgather(gcomm, run, opts.sync_timeout)
+
+
+def measure_work(exercise, case, runs, P):
+    """Every rank's products on the causal WORK_SIZE case (``counted_runs``) against the plan; returns a Work."""
+    h, n, d = case.shape
     plan = make_plan(n * P, P, layout=exercise.layout, causal=True)
-    run, _ = run_forward_case(case, exercise, fn, gcomm, opts, check_output=False, count=True)
-    runs = allgather(gcomm, run, opts.sync_timeout)
     work = Work([None if r.macs is None else r.macs / (2 * h * d) for r in runs], allowed_pairs(plan),
                 plan.visible_pairs(), n * n)
     failed = [r for r, other in enumerate(runs) if other.outcome != "returned"]

@@ -1,0 +1,1 @@
+"""The sequence mixers that are not attention: short convolutions and linear recurrences, in NumPy. No MPI."""

@@ -1,0 +1,62 @@
+"""The benchmark's memory model: what a rank holds for one row, and the kernel scratch on top of it."""
+
+import math
+
+from mpiring.core.block import GRAD_DTYPE
+from mpiring.core.precision import Precision, named_dtype
+from mpiring.core.tiles import default_tiles
+from mpiring.cost.costmodel import ring_attention_context_parallel
+
+__all__ = ["MB", "memory_model", "kernel_scratch", "running_mb"]
+
+MB = 2**20
+
+
+def memory_model(cfg, P, kv_heads=None):
+    """Bytes per rank that ring attention holds for benchmark row ``cfg`` on ``P`` ranks, by part.
+
+    Local Q, K, V (the cost report's ``memory_per_gpu``), out and lse, two K/V receive buffers in the wire's
+    form (P > 1), coded blocks decoded, half inputs' q widened; forward+backward adds dout and the gradients,
+    their float64 accumulators and the dK/dV partials' buffers. Kernel scratch is not in the model.
+    """
+    hk = kv_heads or cfg.H
+    pr = Precision(named_dtype(cfg.dtype), getattr(cfg, "wire", None))
+    e = pr.input.itemsize
+    n = math.ceil(cfg.S / P)  # the longest shard
+    if cfg.S % P == 0 and hk == cfg.H:
+        qkv = ring_attention_context_parallel(cfg.S, P, cfg.H * cfg.D, cfg.H, e)["memory_per_gpu_bytes"] * cfg.B
+    else:
+        qkv = cfg.B * n * (cfg.H + 2 * hk) * cfg.D * e
+    block = cfg.B * hk * n * cfg.D * e  # one of K or V
+    wire_block = cfg.B * hk * n * pr.wire.row(cfg.D) * pr.wire.dtype.itemsize  # one of K or V as it travels
+    parts = {"local_qkv": qkv, "out": cfg.B * cfg.H * n * cfg.D * e, "lse": cfg.B * cfg.H * n * pr.lse.itemsize,
+             "kv_buffers": 4 * wire_block if P > 1 else 0}
+    c = pr.compute.itemsize
+    if pr.wire.coded:  # the own block exactly and the block in use, decoded: [x | 1]^T of K and V each
+        parts["decoded_kv"] = 4 * cfg.B * hk * n * (cfg.D + 1) * c
+    if pr.input != pr.compute:  # half inputs: q widened to float32 for the tiles
+        parts["widened_q"] = cfg.B * cfg.H * n * cfg.D * c
+    if cfg.backward:
+        g = GRAD_DTYPE.itemsize / e  # a gradient element over an input element
+        parts["dout_grads"] = 2 * cfg.B * cfg.H * n * cfg.D * e + 2 * block  # dout, dq; dk, dv
+        parts["grad_accumulators"] = int(g * (cfg.B * cfg.H * n * cfg.D * e + 2 * block))
+        parts["dkv_buffers"] = int(pr.grad.itemsize / e * 6 * block) if P > 1 else 0
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def kernel_scratch(cfg, plan):
+    """Estimated peak scratch bytes of the tiled kernel on the busiest rank (for the out-of-memory guard)."""
+    work = Precision(named_dtype(cfg.dtype)).compute  # tiles compute in float32 for half inputs
+    e = work.itemsize
+    n = max(len(s) for s in plan.shards)
+    tiles = max(cfg.B * cfg.H * min(tq, n) * min(tk, n) * e * (4 if kind == "bwd" else 2)
+                for kind in (("fwd", "bwd") if cfg.backward else ("fwd",))
+                for tq, tk in [default_tiles(cfg.D, work, kind)])
+    return tiles + 2 * cfg.B * cfg.H * n * (cfg.D + 1) * e + 3 * cfg.B * cfg.H * n * cfg.D * e
+
+
+def running_mb(row):
+    """MiB of the forward pass's float64 running (out, lse) on the longest shard of a benchmark row."""
+    n = math.ceil(row["S"] / row["P"])
+    return row["B"] * row["H"] * n * (row["D"] + 1) * 8 / MB
