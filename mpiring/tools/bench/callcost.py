@@ -6,7 +6,8 @@ A call of S = P tokens (one per rank), H = 1, D = 8, float64: what is left is th
 Each sample starts after a barrier; the row shows the median over samples of the slowest rank's time, for:
 the whole ``Ring.forward``; its per-call agreement alone (``agree.check_call``, on a private communicator as
 the handle's); and, in the same run, a bare ``Iallreduce`` of the agreement's five float64 (waited by
-``MPI.Request.Wait``). With more ranks than cores (oversubscribed), the figures measure the scheduler too.
+``MPI.Request.Wait``); and the point-to-point requests (sends and receives) the agreement posts on one rank
+per call, beside its all-reduce. With more ranks than cores (oversubscribed), the figures measure the scheduler too.
 """
 
 import time
@@ -20,7 +21,7 @@ from mpiring.mpi.agree import check_call
 from ..cli import at_least, command_parser, table_text
 from .probes import cpu_text
 
-__all__ = ["callcost", "callcost_parser", "call_seconds"]
+__all__ = ["callcost", "callcost_parser", "call_seconds", "agreement_requests"]
 
 
 def callcost_parser():
@@ -29,6 +30,36 @@ def callcost_parser():
     p.add_argument("--dim", type=int, default=8, help="head dim")
     p.checks.append(at_least(1, **{"--repeats": "repeats", "--dim": "dim"}))
     return p
+
+
+class _Counted:
+    """A communicator that counts the point-to-point requests posted through it."""
+
+    def __init__(self, comm):
+        self._comm, self.requests = comm, 0
+
+    def Isend(self, *args, **kwargs):
+        self.requests += 1
+        return self._comm.Isend(*args, **kwargs)
+
+    def Irecv(self, *args, **kwargs):
+        self.requests += 1
+        return self._comm.Irecv(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+
+def agreement_requests(comm, calls=3):
+    """Point-to-point requests one rank's per-call agreement posts per call, every rank present (most over ranks)."""
+    from mpi4py import MPI
+
+    private = comm.Dup()
+    counted = _Counted(private)
+    for _ in range(calls):
+        check_call(counted, None, {}, [1.0, 1.0], "auto")
+    private.Free()
+    return comm.allreduce(counted.requests, op=MPI.MAX) / calls
 
 
 def call_seconds(comm, repeats, dim=8):
@@ -65,10 +96,12 @@ def callcost(comm, args=None):
     """Time a tiny Ring call (S = P tokens, H = 1, D = 8), its agreement and a bare Iallreduce on P ranks."""
     args = callcost_parser().parse_args(args)
     seconds = call_seconds(comm, args.repeats, args.dim)
+    requests = agreement_requests(comm)
     if comm.Get_rank() == 0:
         size, here = comm.Get_size(), launcher_local_ranks()
         print(f"CPU: {cpu_text()}; P={size} ({here} ranks on {cores()} cores here"
               f"{', oversubscribed' if here > cores() else ''}); S=P, H=1, D={args.dim}, float64; "
               f"median of {args.repeats} of the slowest rank, microseconds")
-        print(table_text(["P", *seconds], [[size, *(f"{s * 1e6:.0f}" for s in seconds.values())]], markdown=True))
+        print(table_text(["P", *seconds, "its point-to-point requests"],
+                         [[size, *(f"{s * 1e6:.0f}" for s in seconds.values()), f"{requests:g}"]], markdown=True))
     return 0
