@@ -209,7 +209,8 @@ def differing_parts(values, ref):
     """``[(rank, name, leaf index)]``: the values with content that differ from rank ``ref``'s under the same
     text, and the first leaf that differs (the same list on every rank, from the gathered values)."""
     return [(r, name, first_difference(val.content, theirs.content)) for r, name, val, theirs in _differing(values, ref)
-            if val.content is not None and theirs.content is not None and val.text == theirs.text]
+            if isinstance(val, Shown) and isinstance(theirs, Shown)  # plain values are named by their text alone
+            and val.content is not None and theirs.content is not None and val.text == theirs.text]
 
 
 def part_values(mine, wanted, rank, ref):
