@@ -153,7 +153,9 @@ def each_kernel(request):
 #   runs only at those world sizes (unmarked tests run at every size: the serial stage, -n 2, 3 and 4);
 # - the ``comm`` fixture's duplicate and COMM_SELF variants run at P = 2 only (at P = 1 all three are one rank);
 # - ``sweep(...)``: a parametrized sweep keeps an all-pairs cover of its cases (every value of each option meets
-#   every value of every other in some case); the rest, and tests marked ``full``, run only with --full.
+#   every value of every other in some case); the rest, and tests marked ``full``, run only with --full;
+# - a parametrized MPI test (unmarked by ``ranks``) runs every case at P = 2, and at P = 1, 3 and 4 a cover of
+#   its cases in which every value of each parameter appears (``spread``): each value meets every size.
 
 
 def pytest_addoption(parser):
@@ -187,11 +189,49 @@ def quick_skip(item, size):
     return None
 
 
+SPREAD_SIZES = (1, 3, 4)  # where a parametrized MPI test runs a cover of its cases; at P = 2 (and 8) every case
+
+
+def _factors(item):
+    """A test case's parameters as ``{(name, index)}``, the comm fixture's variant left out."""
+    spec = getattr(item, "callspec", None)
+    return {(name, index) for name, index in (spec.indices.items() if spec else ()) if name != "comm"}
+
+
+def spread(items, size):
+    """The items the quick suite leaves out at world ``size`` of each parametrized MPI test: at P = 1, 3 and 4
+    each test runs a greedy cover of its cases in which every value of every parameter appears at least once
+    (each size starting from another case, so the sizes run different ones); P = 2 runs every case. Tests marked
+    ``ranks`` or ``full`` keep their own rule. The same on every rank: the collection is."""
+    if size not in SPREAD_SIZES:
+        return []
+    groups = collections.defaultdict(list)
+    for item in items:
+        if (item.get_closest_marker("mpi") and not item.get_closest_marker("ranks")
+                and not item.get_closest_marker("full") and _factors(item)):
+            params = item.callspec.params
+            groups[item.path, item.cls, item.originalname, params.get("comm", "world")].append(item)
+    left = []
+    for group in groups.values():
+        start = size * 7 % len(group)
+        order = group[start:] + group[:start]
+        need = set().union(*map(_factors, group))
+        chosen = set()
+        while need:
+            best = max(order, key=lambda item: len(_factors(item) & need))  # ties: the first in order
+            chosen.add(id(best))
+            need -= _factors(best)
+        left += [item for item in group if id(item) not in chosen]
+    return left
+
+
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--full"):
         return
     size = _world_size(config)
     left = [item for item in items if quick_skip(item, size)]
+    gone = set(map(id, left))
+    left += spread([item for item in items if id(item) not in gone], size)
     if left:
         config.hook.pytest_deselected(items=left)
         gone = set(map(id, left))

@@ -50,3 +50,27 @@ def test_which_size_runs_what():
     assert quick_skip(_item(comm="world"), 3) is None
     assert quick_skip(_item(comm="dup"), 2) is None           # the comm variants at P = 2
     assert quick_skip(_item(comm="self"), 1) and quick_skip(_item(comm="dup"), 4)
+
+
+def _case(name, **indices):
+    """A fake parametrized MPI test case: ``indices`` its parameters' value indices."""
+    marks = {"mpi": True}
+    return types.SimpleNamespace(get_closest_marker=marks.get, path="t.py", cls=None, originalname=name,
+                                 callspec=types.SimpleNamespace(params=dict(indices), indices=dict(indices)))
+
+
+def test_spread_runs_every_case_at_2_and_each_value_at_the_other_sizes():
+    from conftest import spread
+
+    cases = [_case("t", layout=i, mask=j) for i in range(3) for j in range(4)] + [_case("u", strategy=s)
+                                                                                  for s in range(5)]
+    assert spread(cases, 2) == [] and spread(cases, 8) == []
+    kept = {}
+    for size in (1, 3, 4):
+        left = {id(c) for c in spread(cases, size)}
+        kept[size] = [c for c in cases if id(c) not in left]
+        for name, n in (("layout", 3), ("mask", 4), ("strategy", 5)):
+            assert {c.callspec.indices[name] for c in kept[size] if name in c.callspec.indices} == set(range(n))
+        assert len([c for c in kept[size] if c.originalname == "t"]) == 4  # of 12: the most values of one
+        assert spread(cases, size) == spread(cases, size)  # the same on every rank
+    assert len({tuple(map(id, kept[size])) for size in kept}) == 3  # each size runs other cases
