@@ -12,30 +12,13 @@ import pytest
 from mpiring.mpi import waits
 from mpiring.mpi.agree import check_call
 from mpiring.mpi.checks import Shown
-
-
-class Counting:
-    """A communicator that counts the point-to-point sends and receives posted through it."""
-
-    def __init__(self, comm):
-        self._comm, self.sends, self.receives = comm, 0, 0
-
-    def Isend(self, *args, **kwargs):
-        self.sends += 1
-        return self._comm.Isend(*args, **kwargs)
-
-    def Irecv(self, *args, **kwargs):
-        self.receives += 1
-        return self._comm.Irecv(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._comm, name)
+from mpiring.tools.bench.callcost import CountedComm
 
 
 @pytest.fixture
 def counting(comm):
     private = comm.Dup()  # as a handle's private communicator
-    yield Counting(private)
+    yield CountedComm(private)
     private.Free()
 
 
@@ -44,7 +27,7 @@ def test_a_call_with_every_rank_there_sends_nothing_but_its_all_reduce(comm, cou
     for call in range(5):
         highest = check_call(counting, None, {"n": Shown(call)}, [comm.rank + 1.0, 2.0], "auto")
         assert list(highest) == [comm.size, 2.0]
-    assert (counting.sends, counting.receives) == (0, 0)  # were 2 (P - 1) per call: a notice to and from each rank
+    assert counting.requests == 0  # were 2 (P - 1) per call: a notice to and from each other rank
 
 
 @pytest.mark.mpi(min_size=2)
@@ -52,19 +35,19 @@ def test_a_call_with_every_rank_there_sends_nothing_but_its_all_reduce(comm, cou
 def test_a_late_rank_is_named_after_one_notice_to_each_other_rank(comm, counting, monkeypatch, caplog):
     monkeypatch.setattr(waits, "ENTRY_REPORT_SECONDS", 0.4)
     for late in (comm.size - 1, 0):  # the second: notices of the first call are not counted for it
-        counting.sends = 0
+        counting.requests = 0
         caplog.clear()
         if comm.rank == late:
             time.sleep(1.5)
         with caplog.at_level(logging.WARNING, logger="mpiring"):
             check_call(counting, None, {}, [1.0, 1.0], "auto")
-        assert counting.sends <= comm.size - 1
+        assert counting.requests <= comm.size - 1  # one notice to each other rank at most
         if comm.rank != late:
             logged = [r.getMessage() for r in caplog.records]
             assert logged and all(f"rank {late} has not entered the call" in m for m in logged), logged
-    counting.sends = 0
+    counting.requests = 0
     check_call(counting, None, {}, [1.0, 1.0], "auto")
-    assert counting.sends == 0
+    assert counting.requests == 0
     comm.Barrier()
 
 

@@ -21,7 +21,7 @@ from mpiring.mpi.agree import check_call
 from ..cli import at_least, command_parser, table_text
 from .probes import cpu_text
 
-__all__ = ["callcost", "callcost_parser", "call_seconds", "agreement_requests"]
+__all__ = ["callcost", "callcost_parser", "call_seconds", "agreement_requests", "CountedComm"]
 
 
 def callcost_parser():
@@ -32,7 +32,7 @@ def callcost_parser():
     return p
 
 
-class _Counted:
+class CountedComm:
     """A communicator that counts the point-to-point requests posted through it."""
 
     def __init__(self, comm):
@@ -55,7 +55,7 @@ def agreement_requests(comm, calls=3):
     from mpi4py import MPI
 
     private = comm.Dup()
-    counted = _Counted(private)
+    counted = CountedComm(private)
     for _ in range(calls):
         check_call(counted, None, {}, [1.0, 1.0], "auto")
     private.Free()
