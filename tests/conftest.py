@@ -193,9 +193,9 @@ SPREAD_SIZES = (1, 3, 4)  # where a parametrized MPI test runs a cover of its ca
 
 
 def _factors(item):
-    """A test case's parameters as ``{(name, index)}``, the comm fixture's variant left out."""
+    """A test case's parameters as ``{(name, repr of its value)}``, the comm fixture's variant left out."""
     spec = getattr(item, "callspec", None)
-    return {(name, index) for name, index in (spec.indices.items() if spec else ()) if name != "comm"}
+    return {(name, repr(value)) for name, value in (spec.params.items() if spec else ()) if name != "comm"}
 
 
 def spread(items, size):

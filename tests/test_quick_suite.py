@@ -70,7 +70,7 @@ def test_spread_runs_every_case_at_2_and_each_value_at_the_other_sizes():
         left = {id(c) for c in spread(cases, size)}
         kept[size] = [c for c in cases if id(c) not in left]
         for name, n in (("layout", 3), ("mask", 4), ("strategy", 5)):
-            assert {c.callspec.indices[name] for c in kept[size] if name in c.callspec.indices} == set(range(n))
+            assert {c.callspec.params[name] for c in kept[size] if name in c.callspec.params} == set(range(n))
         assert len([c for c in kept[size] if c.originalname == "t"]) == 4  # of 12: the most values of one
         assert spread(cases, size) == spread(cases, size)  # the same on every rank
     assert len({tuple(map(id, kept[size])) for size in kept}) == 3  # each size runs other cases
