@@ -4,7 +4,9 @@ Planning, the cost model, the kernels, the references and the one-process
 simulator need no MPI: ``import mpiring`` starts MPI only when an MPI-backed
 name (``ring_attention``, ``distributed_attention``, ...) is first used, and
 changes nothing else in the process (no environment variables: the run/
-scripts set UCX's segment sizes where they start MPI, docs/mpi.md).
+scripts set UCX's segment sizes where they start MPI, docs/mpi.md). The
+submodules ``masks``, ``testing``, ``torch`` and ``hf`` are attributes too,
+imported on first use (torch only for the last two).
 """
 
 import importlib
@@ -35,6 +37,8 @@ _LAZY = {
     "linear_attention": "parallel.mixing.entry", "linear_attention_backward": "parallel.mixing.entry",
     "ssd": "parallel.mixing.statespace", "ssd_backward": "parallel.mixing.statespace",
     "selective_scan": "parallel.mixing.statespace", "selective_scan_backward": "parallel.mixing.statespace",
+    # submodules reachable as attributes (``mpiring.masks.causal()``); torch and hf import torch
+    "masks": "masks", "testing": "testing", "torch": "torch", "hf": "hf",
 }
 
 __all__ = [
@@ -56,7 +60,8 @@ __version__ = "0.1.0"
 
 def __getattr__(name):
     if name in _LAZY:
-        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        module = importlib.import_module(f".{_LAZY[name]}", __name__)
+        value = module if _LAZY[name] == name else getattr(module, name)
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,7 +3,7 @@
     python -m pytest -q tests/test_agreement.py
 
 ``test_every_entry_point_at_P`` runs ``tests/agreement_job.py`` (every case in
-one ``mpiexec`` job) at P = 2, 3, 4: in every case every rank raises the same
+one ``mpiexec`` job) at P = 3, and at P = 2 and 4 too with ``--full``: in every case every rank raises the same
 ValueError, whose text has the case's words, within seconds; a case that
 leaves a rank waiting hangs the job and its limit fails the test. The table of
 docs/reliability.md §1b is the job's, word for word. The rest checks what a
@@ -35,8 +35,8 @@ QUICK = ("a bias raising at one pair inside the ring",)  # announced: seconds, n
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
-@pytest.mark.parametrize("P", [2, 3, 4])
-def test_every_entry_point_at_P(P):
+@pytest.mark.parametrize("P", [pytest.param(2, marks=pytest.mark.full), 3, pytest.param(4, marks=pytest.mark.full)])
+def test_every_entry_point_at_P(P):  # quick suite: P = 3 (rank 0, a rank between and the odd one); --full: 2, 3, 4
     cmd = mpiexec_argv(P, sys.executable, JOB)
     code, out, err = run_limited(cmd, 120 + 30 * P)
     assert code == 0, f"{' '.join(cmd)}\n{out}\n{err[-3000:]}"

@@ -9,13 +9,17 @@ check that the torch backend did compute the blocks it claims, and that the
 blocks it cannot do exactly went to the NumPy kernel, bit for bit.
 """
 
+import importlib.util
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from mpiring import ring_attention, ring_attention_backward, shard_indices
-from mpiring.core import backends, kernels, machine
+from mpiring import Ring, ring_attention, ring_attention_backward, shard_indices
+from mpiring.core import backends, kernels, machine, torch_kernel
 from mpiring.core.reference import reference_attention, reference_attention_backward
 from mpiring.plans.masks import visible_keys
 from mpiring.testing import assert_attention_close
@@ -166,26 +170,89 @@ def test_numpy_backend_is_the_kernel_bit_for_bit(rng):
 
 
 def test_the_choice(monkeypatch, tmp_path):
-    """A bad name raises; "auto" takes the tuning cache's kernel, else numpy; ``using`` restores the choice."""
+    """A bad name raises; "auto" is the rule where torch is installed (a tuning cache's old "kernel" entry is not
+    read), else numpy; ``using`` restores the choice."""
     with pytest.raises(ValueError, match="kernel backend must be one of"):
         backends.set_backend("fast")
     if "torch" not in backends.available():
         with pytest.raises(ValueError, match="needs PyTorch"):
             backends.set_backend("torch")
+    auto = "auto" if "torch" in backends.available() else "numpy"
     with backends.using("auto"):
-        assert backends.backend() == "numpy"  # conftest turns the tuning cache off
+        assert backends.backend() == auto
         cache = tmp_path / "tune.json"
-        cache.write_text(json.dumps({machine.machine_key(): {"kernel": "torch"}}))
+        cache.write_text(json.dumps({machine.machine_key(): {"kernel": "numpy"}}))
         monkeypatch.setenv("MPIRING_TUNE_CACHE", str(cache))
         machine.cached.cache_clear()
         backends.backend.cache_clear()
         try:
-            assert backends.backend() == ("torch" if "torch" in backends.available() else "numpy")
+            assert backends.backend() == auto
         finally:
             monkeypatch.undo()
             machine.cached.cache_clear()
             backends.backend.cache_clear()
-        assert backends.backend() == "numpy"
+        with backends.using("numpy"):
+            assert backends.backend() == "numpy" and backends.for_block(np.float32, 10**6) == "numpy"
+    assert backends.choice() == "auto"
+
+
+@needs_torch
+@pytest.mark.parametrize("vectorized", [True, False])
+def test_auto_gives_torch_the_blocks_of_many_rows(rng, monkeypatch, vectorized):
+    """"auto": torch's op from ``AUTO_ROWS`` query rows on, by dtype and pass, the NumPy kernel below (half
+    inputs as float32, which they compute in); whether NumPy's exp2 is vectorized picks the row of the table."""
+    monkeypatch.setattr(backends, "numpy_exp2_vectorized", lambda: vectorized)
+    rules = backends.AUTO_ROWS[vectorized]
+    with backends.using("auto"):
+        for (dtype, kind), least in rules.items():
+            backward = kind == "backward"
+            for dt in [dtype] + (["float16"] if dtype == "float32" else []):
+                if least is None:
+                    assert backends.for_block(np.dtype(dt), 10**6, backward) == "numpy"
+                    continue
+                assert backends.for_block(np.dtype(dt), least, backward) == "torch"
+                assert backends.for_block(np.dtype(dt), least - 1, backward) == "numpy"
+                if not backward:  # the ring keeps K/V in the form of the forward's backend
+                    assert not backends.takes_padded(np.dtype(dt), least)
+                    assert backends.takes_padded(np.dtype(dt), least - 1)
+        least = rules[("float32", "forward")]
+        for rows, name in ((least, "torch"), (least - 1, "numpy")):  # the blocks themselves
+            q, k, v = qkv(rng, (1, rows, 8), (1, 16, 8), np.float32)
+            out, lse = _computed_by(name, lambda: backends.attention_block(q, k, v))  # noqa: B023
+            want, want_lse = reference_attention(*(x.astype(np.float64) for x in (q, k, v)))
+            assert_attention_close(out, want, np.float32)
+            assert_attention_close(lse, want_lse, np.float32, "lse")
+    with backends.using("torch"):
+        assert backends.for_block(np.float64, 1) == "torch"  # a backend named: every block it can do
+
+
+def test_auto_imports_torch_only_for_a_call_it_gives_torch():
+    """In a fresh process with torch installed: choosing numpy, resolving "auto" and a call of few rows import nothing;
+    preparing a call of many float32 rows imports torch, before any block (``mpi.checks.backend_problem``)."""
+    code = ("import sys, numpy as np; from mpiring.core import backends, torch_kernel; "
+            "from mpiring.mpi.checks import backend_problem; "
+            "backends.set_backend('numpy'); backends.set_backend('auto'); "
+            "print(backends.backend(), backend_problem(np.zeros((4, 16, 8), np.float32)), 'torch' in sys.modules); "
+            "backend_problem(np.zeros((1, 4096, 8), np.float32)); print('torch' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k != "MPIRING_KERNEL"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    installed = importlib.util.find_spec("torch") is not None
+    assert done.stdout.split() == (["auto", "None", "False", "True"] if installed else
+                                   ["numpy", "None", "False", "False"])
+
+
+def test_numpy_exp2_vectorized_follows_numpy():
+    """The rule's key is NumPy's own dispatch: with its AVX-512 loops disabled, exp2 runs its baseline loop."""
+    introspect = pytest.importorskip("numpy.lib.introspect")
+    loops = introspect.opt_func_info(func_name="^exp2$", signature="float32")["exp2"].values()
+    assert machine.numpy_exp2_vectorized() == any(not x["current"].startswith("baseline") for x in loops)
+    code = "from mpiring.core import machine; print(machine.numpy_exp2_vectorized())"
+    env = dict(os.environ, NPY_DISABLE_CPU_FEATURES="X86_V4 AVX512_SKX AVX512_ICL AVX512_SPR")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    if done.returncode != 0:  # names NumPy does not know on this CPU (another architecture, an older NumPy)
+        pytest.skip(done.stderr.strip().splitlines()[-1])
+    assert done.stdout.strip() == "False"
 
 
 def test_a_bad_environment_choice_raises_at_the_first_block(rng, monkeypatch):
@@ -231,6 +298,72 @@ def test_ring_on_torch_matches_the_reference(comm, dtype, options, per_rank):
     np.testing.assert_allclose(out, ref[..., idx, :], atol=tol(dtype), rtol=0)
     for got, full in zip(grads, want):
         np.testing.assert_allclose(got, full[..., idx, :], atol=GRAD_TOL[dtype], rtol=0)
+
+
+@pytest.mark.mpi
+@pytest.mark.ranks(1, 2)  # a rule per block: P = 2 shows every rank follows it (the torch ring at P = 1..4: above)
+@needs_torch
+@pytest.mark.parametrize("vectorized", [True, False])
+def test_auto_ring_gives_torch_the_blocks_of_many_rows(comm, monkeypatch, vectorized):
+    """With no backend chosen, a ring call whose float32 blocks reach ``AUTO_ROWS`` computes them on torch's op,
+    forward and backward, on every rank, a call of one row fewer on the NumPy kernel; both within the float32
+    tolerance, and the same bits when called again."""
+    monkeypatch.setattr(backends, "numpy_exp2_vectorized", lambda: vectorized)
+    rules = backends.AUTO_ROWS[vectorized]
+    P = comm.size
+    for n, name in ((max(rules[("float32", "forward")], rules[("float32", "backward")]), "torch"),
+                    (min(rules[("float32", "forward")], rules[("float32", "backward")]) - 1, "numpy")):
+        S = n * P
+        rng = np.random.default_rng(S)
+        Q, K, V, dOut = (rng.standard_normal((1, 1, S, 8)).astype(np.float32) for _ in range(4))
+        idx = shard_indices(S, P, comm.rank)
+        mine = [np.ascontiguousarray(x[..., idx, :]) for x in (Q, K, V, dOut)]
+        before = dict(backends.calls)
+        with backends.using("auto"):
+            runs = [ring_attention(*mine[:3], comm, causal=True) for _ in range(2)]
+            grads = [ring_attention_backward(mine[3], *mine[:3], *runs[0], comm, causal=True) for _ in range(2)]
+        assert backends.calls[name] > before.get(name, 0)
+        other = "numpy" if name == "torch" else "torch"
+        assert backends.calls[other] == before.get(other, 0), f"{other} computed a block of {n} rows"
+        for a, b in zip(runs[0] + grads[0], runs[1] + grads[1]):
+            np.testing.assert_array_equal(a, b)
+        x64 = [x.astype(np.float64) for x in (Q, K, V)]
+        pos = np.arange(S)
+        klo, khi = visible_keys(pos, pos, causal=True)
+        ref, _ = reference_attention(*x64, None, klo, khi)
+        want = reference_attention_backward(dOut.astype(np.float64), *x64, None, klo, khi)
+        np.testing.assert_allclose(runs[0][0], ref[..., idx, :], atol=tol(np.float32), rtol=0)
+        for got, full in zip(grads[0], want):
+            np.testing.assert_allclose(got, full[..., idx, :], atol=GRAD_TOL[np.float32], rtol=0)
+
+
+@pytest.mark.mpi
+@needs_torch
+def test_delta_is_checked_once_per_backward_call(comm, monkeypatch):
+    """On the torch backend a backward call checks that delta is rowsum(dout * out) once, not once per block or
+    key chunk; with a ``dlse`` (delta - dlse) every block goes to the NumPy kernel: the bits of the NumPy
+    backend's call."""
+    P, S = comm.size, 12 * comm.size + 1
+    rng = np.random.default_rng(3)
+    Q, K, V, dOut = (rng.standard_normal((1, 2, S, 8)) for _ in range(4))
+    G = rng.standard_normal(Q.shape[:-1])
+    idx = shard_indices(S, P, comm.rank, "zigzag")
+    q, k, v, dout = (np.ascontiguousarray(x[..., idx, :]) for x in (Q, K, V, dOut))
+    g = np.ascontiguousarray(G[..., idx])
+    checks = []
+    real = torch_kernel.delta_matches
+    monkeypatch.setattr(torch_kernel, "delta_matches", lambda *a: checks.append(1) or real(*a))
+    with Ring(comm, S, causal=True, layout="zigzag") as ring, backends.using("torch"):
+        out, lse = ring.forward(q, k, v)
+        before = backends.calls["torch"]
+        ring.backward(dout, q, k, v, out, lse)
+        assert len(checks) == 1 and backends.calls["torch"] - before >= P  # every block (and chunk) on torch
+        before = backends.calls["torch"]
+        with_dlse = ring.backward(dout, q, k, v, out, lse, dlse=g)
+        assert backends.calls["torch"] == before
+    with Ring(comm, S, causal=True, layout="zigzag") as ring, backends.using("numpy"):
+        for a, b in zip(with_dlse, ring.backward(dout, q, k, v, out, lse, dlse=g)):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_progress_polls_while_a_long_call_runs():

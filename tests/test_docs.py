@@ -148,7 +148,8 @@ def test_alibi_slopes_snippet_runs():
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
-@pytest.mark.parametrize("guide,P", [("training.md", 2), ("training.md", 3), ("mixers.md", 2)])
+@pytest.mark.parametrize("guide,P", [("training.md", 2), pytest.param("training.md", 3, marks=pytest.mark.full),
+                                     ("mixers.md", 2)])
 def test_guide_runs(tmp_path, guide, P):
     """docs/training.md and docs/mixers.md: the python blocks run in order as one script under mpiexec -n P
     (PyTorch blocks only where torch is installed), and the text blocks they show are what the script prints."""

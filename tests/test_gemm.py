@@ -17,7 +17,7 @@ from mpiring.core import gemm, machine
 from mpiring.core.kernels import attention_block, attention_block_backward
 from mpiring.core.reference import reference_attention, reference_attention_backward
 
-from conftest import GEMM_BACKENDS
+from conftest import GEMM_BACKENDS, gemm_backend, sweep
 
 needs_mkl = pytest.mark.skipif("mkl" not in GEMM_BACKENDS, reason="MKL not installed (pip install mpiring[mkl])")
 
@@ -183,12 +183,15 @@ def _mask(kind, sq, sk, rng):
     return lo, np.minimum(lo + rng.integers(0, sk, sq), sk)   # some rows see no key
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("sq, sk", SIZES)
-@pytest.mark.parametrize("mask", MASKS)
-@pytest.mark.parametrize("tiles", [(None, None), (128, 64)])
-@pytest.mark.parametrize("hq, hk", [(2, 2), (4, 2)])
-def test_kernels_on_each_backend(each_gemm, dtype, sq, sk, mask, tiles, hq, hk):
+@pytest.mark.parametrize(*sweep(backend=GEMM_BACKENDS, dtype=[np.float32, np.float64], sizes=SIZES, mask=MASKS,
+                               tiles=[(None, None), (128, 64)], heads=[(2, 2), (4, 2)]))
+def test_kernels_on_each_backend(backend, dtype, sizes, mask, tiles, heads):
+    """Every pair of options meets in the quick suite (``sweep``); --full runs the whole product."""
+    with gemm_backend(backend):
+        _kernels_against_the_reference(dtype, *sizes, mask, tiles, *heads)
+
+
+def _kernels_against_the_reference(dtype, sq, sk, mask, tiles, hq, hk):
     rng = np.random.default_rng(sq * 7 + sk + len(mask))
     d = 16
     q = rng.standard_normal((hq, sq, d)).astype(dtype)

@@ -15,7 +15,9 @@ from mpiring import LAYOUTS, MODES, Lse, Ring, ring_attention, ring_attention_ba
 
 from conftest import GRAD_TOL, dense_mask, local, naive_attention, naive_attention_backward
 
-pytestmark = pytest.mark.mpi
+# the handle's behaviour (errors, kept buffers, threads, modes) at P = 1 and 2 in the quick suite; its results
+# over many calls in every layout x mode at every P (run/test --full: all of it at every P)
+pytestmark = [pytest.mark.mpi, pytest.mark.ranks(1, 2)]
 
 TOL = GRAD_TOL[np.float64]
 
@@ -32,6 +34,7 @@ MASKS = [dict(causal=False), dict(causal=True), dict(causal=True, window=(3, 0))
 
 
 @pytest.mark.parametrize("layout, mode", list(itertools.product(LAYOUTS, MODES)))
+@pytest.mark.ranks(1, 2, 3, 4)
 def test_handle_matches_reference_over_many_calls(comm, layout, mode):
     """One handle, every mask's problem twice: forward and backward equal the dense reference every call."""
     S = 23

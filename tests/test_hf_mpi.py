@@ -32,7 +32,8 @@ from hf_models import DOCUMENTS, FAMILIES, HYBRIDS, build, differences  # noqa: 
 import mpiring  # noqa: E402
 import mpiring.hf  # noqa: E402
 
-pytestmark = pytest.mark.mpi
+# P = 1, 2 and 3 (uneven shards) in the quick suite; run/test --full adds P = 4
+pytestmark = [pytest.mark.mpi, pytest.mark.ranks(1, 2, 3)]
 
 S, DOCS = 24, [0, 7, 16, 24]
 SWEEP = os.environ.get("MPIRING_HF_SWEEP") == "1"

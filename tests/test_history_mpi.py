@@ -66,7 +66,8 @@ from mpiring.testing import attention_error
 
 from history_catalogue import HALF, RAISERS, TORCH, bits, build, dtype_of, long_sizes, results, run_fresh
 
-pytestmark = pytest.mark.mpi
+# P = 1 and 2 in the quick suite (the kept state a call leaves does not depend on P beyond 2); --full: every P
+pytestmark = [pytest.mark.mpi, pytest.mark.ranks(1, 2)]
 
 ROOT = Path(mpiring.__file__).resolve().parents[1]  # the checkout whose mpiring this is
 CATALOGUE_SCRIPT = Path(__file__).with_name("history_catalogue.py")

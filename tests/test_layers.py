@@ -157,6 +157,22 @@ def test_planning_names_need_no_mpi(name):
     assert done.returncode == 0 and done.stdout.strip() == "False", done.stdout + done.stderr
 
 
+def test_submodules_are_attributes_loaded_when_used():
+    """``mpiring.masks`` and ``mpiring.testing`` after ``import mpiring`` alone, without torch or mpi4py; torch
+    comes with ``mpiring.torch`` (and ``mpiring.hf``), where it is installed."""
+    code = ("import importlib.util, json, sys, mpiring; m = mpiring.masks.causal() | mpiring.masks.prefix(2); "
+            "t = mpiring.testing.TOLERANCE; before = sorted({'torch', 'mpi4py'} & set(sys.modules)); "
+            "has = importlib.util.find_spec('transformers') is not None; "
+            "names = [mpiring.torch.__name__, mpiring.hf.__name__, 'torch' in sys.modules] if has else []; "
+            "print(json.dumps([type(m).__name__, before, names, sorted(dir(mpiring))]))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    mask, before, names, listed = json.loads(done.stdout)
+    assert mask == "Or" and before == []
+    assert names in ([], ["mpiring.torch", "mpiring.hf", True])
+    assert {"masks", "testing", "torch", "hf"} <= set(listed)
+
+
 PLAN_CLASSES = {"HybridPlan", "UlyssesPlan", "DoubleRingPlan"}
 LOOKS_AT_THE_MODE = {"mpiring.plans.spec", "mpiring.plans.make", "mpiring.parallel.strategies",
                      "mpiring.cost.strategies"}  # the spec, the plan builder, the strategy table, the cost builder
@@ -254,3 +270,52 @@ def test_no_function_is_longer_than_eighty_lines_outside_the_kernels():
 def test_the_function_counter_counts_parameters_and_lines():
     source = "def f(a, b=1, *c, d, **e):\n    pass\n\n\nclass K:\n    def g(self, x):\n        return x\n"
     assert functions(source) == [("f", 5, 2), ("g", 1, 2)]
+
+
+def _private(name):
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _defined_private_names(tree):
+    """The private names a module binds: functions, classes, variables, arguments and attributes it assigns."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Store):
+            names.add(node.id if isinstance(node, ast.Name) else node.attr)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+    return {n for n in names if _private(n)}
+
+
+def private_uses(sources):
+    """``name:line what`` for each private name (``_x``, not ``__x__``) a module takes from another module of the
+    package: ``from .other import _x``, or ``obj._x`` where only another module defines ``_x`` (a module, class
+    or instance attribute: ``plan._mask_options()`` from tools/ reaching into plans/)."""
+    trees = {name: ast.parse(source) for name, source in sources.items()}
+    defined = {name: _defined_private_names(tree) for name, tree in trees.items()}
+    anywhere = set().union(*defined.values())
+    found = []
+    for name, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("mpiring")):
+                found += [f"{name}:{node.lineno} imports {alias.name}" for alias in node.names if _private(alias.name)]
+            elif isinstance(node, ast.Attribute) and _private(node.attr) and node.attr in anywhere - defined[name]:
+                found.append(f"{name}:{node.lineno} uses {ast.unparse(node)}")
+    return found
+
+
+def test_no_private_name_crosses_modules():
+    """What two modules share is public inside the package: no module takes another's ``_private`` name."""
+    crossing = private_uses({name: path.read_text() for name, path in MODULES.items()})
+    assert not crossing, "private names used across modules:\n" + "\n".join(crossing)
+
+
+def test_the_private_name_check_sees_imports_and_attributes():
+    sources = {"a": "_LIMIT = 1\nclass Plan:\n    def _options(self):\n        return {}\n",
+               "b": "from .a import _LIMIT\nfrom . import a\nx = a._LIMIT\n",
+               "c": "def show(plan):\n    return plan._options(), plan._own\n",
+               "d": "class D:\n    def __init__(self, other):\n        self._own = other._own\n"}
+    assert sorted(private_uses(sources)) == ["b:1 imports _LIMIT", "b:3 uses a._LIMIT", "c:2 uses plan._options",
+                                             "c:2 uses plan._own"]  # d's own attribute of another D: its own

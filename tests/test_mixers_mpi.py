@@ -36,6 +36,8 @@ from mpiring.core.mixers.ssm import scan_grads, scan_inputs, ssd_grads, ssd_inpu
 from mpiring.cost.statebytes import halo_bytes, state_bytes, state_messages
 from mpiring.plans.chunks import Chain, MixerPlan
 
+from conftest import sweep
+
 pytestmark = pytest.mark.mpi
 
 PASSINGS = ("ring", "allgather", "scan")
@@ -50,10 +52,11 @@ def sizes(P):
     return [(P, None), (4 * P + 3, None), (3 * 4 * P + 1, 4)]
 
 
-def cases(P, rng):
-    """(S, options, this rank's positions, documents) over every layout, explicit positions and documents."""
+def cases(P, rng, size=None):
+    """(S, options, this rank's positions, documents) over every layout, explicit positions and documents; of
+    every size, or of ``sizes(P)[size]``."""
     rank = MPI.COMM_WORLD.rank
-    for S, block in sizes(P):
+    for S, block in sizes(P) if size is None else sizes(P)[size:size + 1]:
         for cu in (None, sorted({0, 1, S // 2, S})):
             extra = dict(cu_seqlens=cu, block=block)
             for layout in LAYOUTS:
@@ -172,11 +175,11 @@ def state_size(name, arrays):
     return Z * DK * DV, Z * DK * DK if beta else Z * DK if kind == "key" else Z
 
 
-def check_recurrence(name, passing, rng, comm):
-    """One mixer and strategy over every case: results, gradients, bytes and messages."""
+def check_recurrence(name, passing, rng, comm, size=None):
+    """One mixer and strategy over every case (of one size): results, gradients, bytes and messages."""
     P, rank = comm.size, comm.rank
     kind, _ = RECURRENCES[name]
-    for S, options, mine, cu in cases(P, rng):
+    for S, options, mine, cu in cases(P, rng, size):
         arrays = draw(rng, name, S)
         out_axis = -1 if kind == "scan" else -2
         full_dy = rng.standard_normal(arrays["x" if "x" in arrays else "v"].shape)
@@ -209,10 +212,11 @@ def check_recurrence(name, passing, rng, comm):
         check.done()
 
 
-@pytest.mark.parametrize("passing", PASSINGS)
-@pytest.mark.parametrize("name", list(RECURRENCES))
-def test_recurrences_are_exact(name, passing, rng):
-    check_recurrence(name, passing, rng, MPI.COMM_WORLD)
+# each mixer meets each strategy at one of the sizes (one token per rank, uneven, runs of blocks), every layout,
+# positions and documents; --full: every mixer x strategy x size
+@pytest.mark.parametrize(*sweep(name=list(RECURRENCES), passing=list(PASSINGS), size=[0, 1, 2]))
+def test_recurrences_are_exact(name, passing, size, rng):
+    check_recurrence(name, passing, rng, MPI.COMM_WORLD, size)
 
 
 def test_causal_conv_is_exact(rng):

@@ -54,5 +54,6 @@ def test_every_strategy_at_4_ranks_ends_every_rank_in_time():
     _check(_cases(4, 1.5, 1), CASES, 4, 1.5, 1)
 
 
+@pytest.mark.full  # the P = 4 job runs every case; this one a case per strategy at scale (oversubscribed)
 def test_every_strategy_at_16_ranks_ends_every_rank_in_time():
     _check(_cases(16, 3, 5, SIXTEEN), SIXTEEN, 16, 3, 5)

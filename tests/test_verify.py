@@ -58,8 +58,10 @@ def test_streamed_reference_equals_the_dense_one(mask):
     np.testing.assert_allclose(dv, want_dv[..., rows, :], rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("scores", [dict(softcap=2.0), dict(sinks=np.array([0.5, -1.0, 2.0, 0.0])),
-                                    dict(dropout=0.2, seed=4), dict(softcap=3.0, sinks=np.ones(4), dropout=0.1)])
+@pytest.mark.parametrize("scores", [pytest.param(dict(softcap=2.0), marks=pytest.mark.full),  # each alone: --full
+                                    pytest.param(dict(sinks=np.array([0.5, -1.0, 2.0, 0.0])), marks=pytest.mark.full),
+                                    pytest.param(dict(dropout=0.2, seed=4), marks=pytest.mark.full),
+                                    dict(softcap=3.0, sinks=np.ones(4), dropout=0.1)])
 def test_streamed_scores_equal_the_dense_scored_reference(scores):
     """The run's checker with softcap, sinks and dropout against core.reference.scored_attention (dense)."""
     from mpiring.core.reference import scored_attention

@@ -26,6 +26,8 @@ from mpiring.parallel.passq import plan_bytes, rank_bytes
 from mpiring.plans.heads import deal_heads
 from mpiring.testing import assert_attention_close, reference, reference_backward
 
+from conftest import sweep
+
 pytestmark = pytest.mark.mpi
 
 try:
@@ -91,13 +93,11 @@ def _predicted(fwd, bwd, mode, hq, hk, dtype, wire, rank):
     return predicted_bytes(fwd.plan, **shape)[rank], backward
 
 
-@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("wire", WIRES)
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(*sweep(mode=MODES, wire=WIRES, dtype=["float32", "float64"],
+                               causal={"full": False, "causal": True}, gqa={"mha": False, "gqa": True}))
 def test_coded_wire_forward_and_backward(comm, mode, wire, dtype, causal, gqa):
-    """out, lse, dq, dk, dv within the wire's tolerance of float64; bytes as predicted for the coded wire."""
+    """out, lse, dq, dk, dv within the wire's tolerance of float64; bytes as predicted for the coded wire (every
+    pair of options in the quick suite, ``sweep``)."""
     P, rank = comm.size, comm.rank
     options, layout, S = _mode(mode, P)
     hq, hk = _heads(P, gqa)

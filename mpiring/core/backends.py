@@ -13,10 +13,14 @@ exactly (its ``supports``). Backends (``MPIRING_KERNEL`` or ``set_backend``):
   when torch is installed; the blocks they cannot do exactly (V's head dim
   other than K's, scores too large for float tiles, non-finite inputs, an lse
   the backward refuses) go to the NumPy kernel.
-- ``auto`` (the default): what ``python -m mpiring bench tune`` measured fastest on
-  this CPU (its cache), else ``numpy``. So a machine gives the same results
-  for the same inputs run after run; backends differ from each other by
-  rounding only (the same tolerances against the float64 reference).
+- ``auto`` (the default): each block by ``AUTO_ROWS``, a fixed rule measured
+  on the CPUs at hand: torch's op for blocks of many query rows where torch is
+  installed, the NumPy kernel for the rest (few rows, as in decoding, or
+  float64 where NumPy's exp2 is vectorized). No tuning step and no timing at
+  run time: a machine gives the same results for the same inputs run after
+  run; backends differ from each other by rounding only (the same tolerances
+  against the float64 reference). Torch is imported only for a call the rule
+  gives to it (``prepare``, in every call's checks).
 
 ``calls`` counts the blocks each backend computed in this process (tests check
 that the backend they chose did the work).
@@ -24,14 +28,30 @@ that the backend they chose did the work).
 
 from collections import Counter
 
-from . import kernels, torch_kernel
-from .machine import Choice
+import numpy as np
 
-__all__ = ["BACKENDS", "available", "set_backend", "using", "backend", "choice", "takes_padded", "calls",
-           "attention_block", "attention_block_backward"]
+from . import kernels, torch_kernel
+from .machine import Choice, numpy_exp2_vectorized
+from .tiles import kernel_dtype
+
+__all__ = ["BACKENDS", "AUTO_ROWS", "available", "set_backend", "using", "backend", "choice", "for_block", "describe",
+           "prepare", "takes_padded", "calls", "attention_block", "delta_is_rowsum", "attention_block_backward"]
 
 BACKENDS = ("numpy", "torch")
 calls = Counter()
+
+# "auto": the fewest query rows of a block that torch's op computes, by whether NumPy's float32 exp2 runs vectorized
+# here (its AVX-512 loop: without it, as on a Zen 3, NumPy's exp2 is ~10x slower and so is the NumPy kernel's
+# softmax), then by (compute dtype, pass); None: never (docs/performance.md §19). Measured one block at a time, one
+# thread, 8 heads, D = 64 and 128: with AVX-512, torch's forward from 512 rows on (1.1-1.17x the NumPy kernel),
+# its backward from 1024 (1.0-1.1x), float64 never (0.7-1.0x); without it, torch's from 256 rows
+# (1.4-1.8x forward, 1.0-1.3x backward), float64 forward 1.1-1.5x, backward 0.6-0.9x.
+AUTO_ROWS = {
+    True: {("float32", "forward"): 512, ("float32", "backward"): 1024,
+           ("float64", "forward"): None, ("float64", "backward"): None},
+    False: {("float32", "forward"): 256, ("float32", "backward"): 512,
+            ("float64", "forward"): 256, ("float64", "backward"): None},
+}
 
 
 def available():
@@ -41,40 +61,82 @@ def available():
 
 _choice = Choice("kernel", "MPIRING_KERNEL", BACKENDS, available,
                  lambda name: f"kernel backend {name!r} needs PyTorch with its CPU flash-attention ops: "
-                              "pip install torch (a CPU build)", "kernel", lambda: "numpy")
-set_backend = _choice.set  # "numpy", "torch" or "auto" (the tuning cache's choice) for this process
+                              "pip install torch (a CPU build)", None,
+                 lambda: "auto" if torch_kernel.installed() else "numpy")
+set_backend = _choice.set  # "numpy", "torch" or "auto" (``AUTO_ROWS``) for this process
 using = _choice.using  # ``set_backend(name)`` inside a ``with`` block, the choice before it restored after
-backend = _choice.current  # the backend in use (a bad MPIRING_KERNEL: every rank's error, mpi.checks.backend_problem)
+# what runs: "numpy", "torch", or "auto" (each block by ``AUTO_ROWS``, torch installed); resolving it imports nothing
+# (a bad MPIRING_KERNEL: every rank's error, mpi.checks.backend_problem)
+backend = _choice.current
 
 
 def choice():
-    """What was chosen: a backend's name, or "auto" (``backend()`` says which backend that is)."""
+    """What was chosen: a backend's name, or "auto"."""
     return _choice.choice
 
 
-def takes_padded():
-    """Whether the backend in use takes K/V blocks as [x | 1]^T (``padded=True``): the NumPy kernel does, so
-    the ring keeps them so; torch's op takes them as (..., n, d)."""
-    return backend() != "torch"
+def for_block(dtype, rows, backward=False):
+    """The backend that computes a block of ``rows`` query rows of ``dtype`` inputs: "numpy" or "torch"."""
+    name = backend()
+    if name != "auto":
+        return name
+    least = AUTO_ROWS[numpy_exp2_vectorized()].get((kernel_dtype(dtype).name, "backward" if backward else "forward"))
+    return "torch" if least is not None and rows >= least else "numpy"
+
+
+def describe():
+    """The backend in use in words: its name, or "auto" and the blocks its rule gives torch (bench's header)."""
+    name = backend()
+    if name != "auto":
+        return name
+    rows = AUTO_ROWS[numpy_exp2_vectorized()]
+    return "auto (torch's op for " + ", ".join(f"{dtype} {kind} blocks from {n} query rows"
+                                               for (dtype, kind), n in rows.items() if n is not None) + ")"
+
+
+def prepare(dtype, rows):
+    """Load the backend that blocks of ``rows`` query rows of ``dtype`` inputs will use (torch's import takes
+    seconds per rank: every call's checks spend it before the ring starts, not inside its first block)."""
+    if "torch" in (for_block(dtype, rows), for_block(dtype, rows, backward=True)):
+        torch_kernel.available()
+
+
+def takes_padded(dtype, rows):
+    """Whether the forward blocks of ``rows`` query rows of ``dtype`` inputs go to a kernel that takes K/V as
+    [x | 1]^T (``padded=True``): the NumPy kernel does, so the ring keeps them so; torch's op takes (..., n, d)."""
+    return for_block(dtype, rows) != "torch" or not torch_kernel.available()
 
 
 def attention_block(q, k, v, scale=None, klo=None, khi=None, *, padded=False, into=None, progress=None, **tiles):
     """``kernels.attention_block`` by the backend in use (the NumPy kernel where it cannot)."""
-    if backend() == "torch" and torch_kernel.supports(q, k, v, scale, padded=padded):
+    q = np.asarray(q)
+    if for_block(q.dtype, q.shape[-2]) == "torch" and torch_kernel.supports(q, k, v, scale, padded=padded):
         calls["torch"] += 1
         return torch_kernel.forward(q, k, v, scale, klo, khi, padded=padded, into=into, progress=progress)
     calls["numpy"] += 1
     return kernels.attention_block(q, k, v, scale, klo, khi, padded=padded, into=into, progress=progress, **tiles)
 
 
-def attention_block_backward(dout, q, k, v, out, lse, scale=None, klo=None, khi=None, *, delta=None,
+def delta_is_rowsum(dout, q, out, delta):
+    """Whether ``delta`` is rowsum(dout * out) up to rounding, for a backward whose blocks torch's op may take
+    (on queries like ``q``), else None (not asked)."""
+    q = np.asarray(q)
+    if for_block(q.dtype, q.shape[-2], backward=True) != "torch":
+        return None
+    return torch_kernel.delta_matches(dout, out, delta)
+
+
+def attention_block_backward(dout, q, k, v, out, lse, scale=None, klo=None, khi=None, *, delta=None, rowsum=None,
                              progress=None, buffers=None, **tiles):
     """``kernels.attention_block_backward`` by the backend in use (the NumPy kernel where it cannot).
 
     The torch ops compute delta = rowsum(dout * out) themselves: a ``delta`` that differs from it by more
-    than rounding (a loss that uses lse too: ``dlse`` enters as delta - dlse) takes the NumPy kernel."""
-    if backend() == "torch" and torch_kernel.supports(q, k, v, scale, lse=lse) \
-            and torch_kernel.delta_matches(dout, out, delta):
+    than rounding (a loss that uses lse too: ``dlse`` enters as delta - dlse) takes the NumPy kernel.
+    ``rowsum``: whether it is that rowsum, known for every row of the call (``delta_is_rowsum``); None:
+    checked here on these rows."""
+    q = np.asarray(q)
+    if for_block(q.dtype, q.shape[-2], backward=True) == "torch" and torch_kernel.supports(q, k, v, scale, lse=lse) \
+            and (torch_kernel.delta_matches(dout, out, delta) if rowsum is None else rowsum):
         calls["torch"] += 1
         return torch_kernel.backward(dout, q, k, v, out, lse, scale, klo, khi, progress=progress, buffers=buffers)
     calls["numpy"] += 1

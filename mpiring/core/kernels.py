@@ -49,7 +49,7 @@ from .tiles import (
 )
 
 __all__ = ["attention_block", "attention_block_backward", "merge", "merge_weight", "merge_commutative",
-           "default_scale", "pad_ones", "LSE_LIMIT", "empty_or_nan"]
+           "default_scale", "pad_ones", "LSE_LIMIT", "EXACT_ABOVE", "empty_or_nan"]
 
 LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)
@@ -61,7 +61,7 @@ _LIMIT_LOG2 = {np.dtype(np.float32): 64.0, np.dtype(np.float64): 512.0}
 # score computed in the input dtype, with the offset folded into the GEMM, can reach one
 # unit of log2: such tiles take the exact float64 path (``_exact_rows``, ``_exact_probs``).
 # About (D+1) eps |q||k| is the error bound; 1/(256 eps) leaves room for D up to 255.
-_EXACT_ABOVE = {np.dtype(np.float32): 1 / (256 * 2.0 ** -23), np.dtype(np.float64): 1 / (256 * 2.0 ** -52)}
+EXACT_ABOVE = {np.dtype(np.float32): 1 / (256 * 2.0 ** -23), np.dtype(np.float64): 1 / (256 * 2.0 ** -52)}
 # |lse| above which exp(s - lse), recomputed in the backward pass, is off by more than ~0.1 %
 # from the rounding of lse alone (2**-10 / eps): such gradients are refused, not returned wrong.
 LSE_LIMIT = {np.dtype(np.float32): 2.0 ** 13, np.dtype(np.float64): 2.0 ** 42}
@@ -137,7 +137,7 @@ def attention_block(
     # kt's row of ones meets -m in q's extra column; p @ vt.T also gives the row sums
     kn = tile_max_norm_t(kt[:, :d], tk)     # for the cheap "can exp2 underflow?" test
     qn = tile_max_norm(sh.q, tq) * abs(c2)
-    exact = ~(qn * kn.max() <= _EXACT_ABOVE[dt])   # query tiles whose scores are too large (or inf/NaN)
+    exact = ~(qn * kn.max() <= EXACT_ABOVE[dt])   # query tiles whose scores are too large (or inf/NaN)
     sees = None if lo is None else hi > lo    # rows that see at least one key of this block
 
     nq = min(tq, sq)
@@ -448,7 +448,7 @@ def attention_block_backward(
                 dp = dp_buf[:b * g * n * cols].reshape(b, g * n, cols)
                 # p = exp2(c2 q.k - lse*log2e): probabilities from the final lse
                 p4 = p.reshape(b, g, n, cols)
-                if not qn[it] * kn[t] <= _EXACT_ABOVE[dt]:   # scores too large to fold lse in: float64
+                if not qn[it] * kn[t] <= EXACT_ABOVE[dt]:   # scores too large to fold lse in: float64
                     p4[...] = _exact_probs(sh.q[:, :, a + r0:a + r1], sh.k[:, c:dd], lse3[:, :, a + r0:a + r1],
                                            scale, mask)
                 else:

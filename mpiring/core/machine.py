@@ -19,7 +19,7 @@ import sys
 import numpy as np
 
 __all__ = ["mkl_library", "cache_path", "machine_key", "cached", "cached_choice", "cached_tiles", "Choice",
-           "cpu_model", "cpu_vendor", "vector_extensions", "trim_heap"]
+           "cpu_model", "cpu_vendor", "vector_extensions", "numpy_exp2_vectorized", "trim_heap"]
 
 
 def mkl_library():
@@ -90,6 +90,20 @@ def vector_extensions():
 
 
 @functools.cache
+def numpy_exp2_vectorized():
+    """Whether NumPy runs float32 ``exp2`` with a SIMD loop here, not its baseline one (NumPy 2's x86 wheels
+    have one for AVX-512 only: on an AVX2 CPU its exp2 runs ~10x slower). NumPy's own report
+    (``numpy.lib.introspect``), else whether the CPU has AVX-512 (NumPy before 2.0)."""
+    try:
+        from numpy.lib.introspect import opt_func_info
+
+        loops = opt_func_info(func_name="^exp2$", signature="float32")["exp2"].values()
+        return any(not loop["current"].startswith("baseline") for loop in loops)
+    except (ImportError, KeyError, TypeError, AttributeError):
+        return "avx512f" in vector_extensions().split()
+
+
+@functools.cache
 def machine_key():
     """What the fastest choice depends on: CPU model, NumPy's version and BLAS, whether MKL is installed.
 
@@ -142,8 +156,9 @@ class Choice:
 
     It starts from the environment variable ``env`` ("auto" when unset); ``set``
     and ``using`` change it. ``current()`` names the backend in use: the chosen
-    one, or for "auto" the tuning cache's entry ``key`` for this machine, else
-    ``fallback()``; "numpy" when that is not ``available()`` here. A name that is
+    one, or for "auto" the tuning cache's entry ``key`` for this machine when
+    that is ``available()`` here (``key`` None: no cache entry), else
+    ``fallback()``, which answers without loading a library. A name that is
     not a backend raises ValueError, from ``set`` or at the first ``current()``.
     """
 
@@ -156,8 +171,8 @@ class Choice:
     def check(self, name):
         if name not in self.names + ("auto",):
             raise ValueError(f"{self.what} backend must be one of {self.names + ('auto',)}, not {name!r} ({self.env})")
-        if name not in ("auto", "numpy") and name not in self._available():  # numpy is always there: asking
-            raise ValueError(self._missing(name))  # ``available()`` about it would load the others (torch: seconds)
+        if name not in ("auto", "numpy") and name not in self._available():  # numpy: always, nothing to load
+            raise ValueError(self._missing(name))
 
     def set(self, name):
         self.check(name)
@@ -176,6 +191,7 @@ class Choice:
 
     def _current(self):
         self.check(self.choice)
-        choice = self.choice if self.choice != "auto" else cached_choice(self.key) or self._fallback()
-        # numpy needs no look at the others (which may import torch: seconds per rank, 16 ranks on 2 cores)
-        return choice if choice == "numpy" or choice in self._available() else "numpy"
+        if self.choice != "auto":
+            return self.choice
+        cached = cached_choice(self.key) if self.key else None
+        return cached if cached and cached in self._available() else self._fallback()

@@ -9,7 +9,7 @@ threads as NumPy's BLAS has now (one per rank under ``mpiexec``).
 What the ops do not take, this module does not pass them (``supports``: the
 NumPy kernel does those blocks): head dims of V other than of Q and K, empty
 blocks (the op divides by zero there), scores too large for the fast path
-(``kernels._EXACT_ABOVE``: the NumPy kernel takes them in float64), non-finite
+(``kernels.EXACT_ABOVE``: the NumPy kernel takes them in float64), non-finite
 inputs, and in the backward an lse beyond ``kernels.LSE_LIMIT`` (refused there).
 
 A klo/khi mask is cut into calls the op computes exactly: per chunk of query
@@ -36,11 +36,12 @@ measurable but kept RSS/model at 1.40 / 1.55 / 1.46 / 1.34 (docs/performance.md 
 """
 
 import functools
+import importlib.util
 import warnings
 
 import numpy as np
 
-from .kernels import _EXACT_ABOVE, LOG2E, LSE_LIMIT, merge
+from .kernels import EXACT_ABOVE, LOG2E, LSE_LIMIT, merge
 from .machine import trim_heap
 from .threads import blas_threads
 from .tiles import (
@@ -55,7 +56,7 @@ from .tiles import (
     tile_max_norm_t,
 )
 
-__all__ = ["available", "supports", "delta_matches", "forward", "backward", "CALL_SCORES"]
+__all__ = ["installed", "available", "supports", "delta_matches", "forward", "backward", "CALL_SCORES"]
 
 # Score entries (heads x rows x keys) per call of the op. A helper thread polls the rank's messages
 # while a call runs (``tiles.Progress.during``), so calls can be long: 2^28 entries, about 1 s of one
@@ -78,6 +79,14 @@ def _torch():
             and hasattr(ops, "_scaled_dot_product_flash_attention_for_cpu_backward")):
         return None
     return torch
+
+
+def installed():
+    """Whether torch is installed here, answered without importing it (``available`` imports it)."""
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except ValueError:  # a module "torch" without a spec (sys.modules["torch"] = None hides it)
+        return False
 
 
 def available():
@@ -105,7 +114,7 @@ def _fits(sh, scale):
     kn = tile_max_norm(k, max(1, sh.sk)) if k is not None else tile_max_norm_t(sh.kt[:, :sh.d], max(1, sh.sk))
     qn = tile_max_norm(sh.q, max(1, sh.sq))
     v = sh.v if k is not None else sh.vt[:, :sh.dv]
-    return bool(qn.max() * kn.max() * abs(scale) * LOG2E <= _EXACT_ABOVE[sh.dtype]) and bool(np.isfinite(v).all())
+    return bool(qn.max() * kn.max() * abs(scale) * LOG2E <= EXACT_ABOVE[sh.dtype]) and bool(np.isfinite(v).all())
 
 
 def supports(q, k, v, scale=None, *, padded=False, lse=None):

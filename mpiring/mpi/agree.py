@@ -36,7 +36,8 @@ from .checks import (
     verdict,
 )
 from .collectives import allgather
-from .waits import abandon, completed, wait_entry, wait_until
+from .rollcall import RollCall
+from .waits import abandon, wait_entry
 
 __all__ = ["agreed", "agree", "gather_entry", "setup", "agree_root", "setup_ring", "check_call", "check_comm",
            "comm_problem", "contiguous", "Hosts"]
@@ -259,9 +260,6 @@ class Hosts(list):
         return sum(getattr(h, "nonce", 0) for h in self) % (1 << 63)
 
 
-ENTRY_TAG = 7  # a Ring call's entry notices; the ring's own messages use tags 0-3 and, homeward, 4 per chunk and up
-
-
 def check_call(comm, problem, values, peaks, timeout):
     """The per-call agreement of a ``Ring`` handle: one small all-reduce, the same verdict on every rank.
 
@@ -272,28 +270,22 @@ def check_call(comm, problem, values, peaks, timeout):
     ``setup``'s does. Returns the largest peaks over all ranks. Every rank has
     arrived when it returns, as after a barrier.
 
-    ``comm`` is the handle's private communicator, so each rank also sends an
-    empty notice to every other one: while they have not all arrived, the wait
-    (``waits.wait_entry``: without limit for "auto", logged) can say which
-    ranks have not entered the call. Once all have, the all-reduce's wait is
-    bounded (``checks.agreement_timeout``). If this rank gives up, its pending
-    requests are abandoned (``waits.abandon``), never freed.
+    ``comm`` is the handle's private communicator. The all-reduce is all a call
+    sends (O(log P) messages per rank) unless its wait lasts: then a roll call
+    (``rollcall.RollCall``) finds which ranks have not entered, for the wait's
+    log and its CommTimeout (``waits.wait_entry``: without limit for "auto").
+    If this rank gives up, its pending all-reduce is abandoned
+    (``waits.abandon``), never freed.
     """
-    rank, size = comm.Get_rank(), comm.Get_size()
     digest = values_digest(values)
     mine = np.array([1.0 if problem else 0.0, digest, -digest, *peaks])
     every = np.empty_like(mine)
-    peers = [r for r in range(size) if r != rank]
-    notices = np.empty((size, 0), np.uint8)
-    heard = [comm.Irecv(notices[r], source=r, tag=ENTRY_TAG) for r in peers]
-    told = [comm.Isend(notices[rank], dest=r, tag=ENTRY_TAG) for r in peers]
+    roll = RollCall(comm)
     reduce = comm.Iallreduce(mine, every, op=MPI.MAX)
     try:
-        wait_entry(heard, entry_timeout(timeout), rank, "agreement",
-                   absent=lambda: [r for r, request in zip(peers, heard) if not completed([request])])
-        wait_until([reduce, *told], agreement_timeout(timeout), rank, "agreement", sync=True)
+        wait_entry([reduce], entry_timeout(timeout), comm.Get_rank(), "agreement", roll=roll)
     except BaseException:
-        abandon((comm, [*heard, *told, reduce], notices, mine, every))  # MPI may still use them: kept for good
+        abandon((comm, [reduce], mine, every))  # MPI may still use them: kept for good
         raise
     if every[0] or every[1] != -every[2]:
         agreed(comm, problem, values, timeout)

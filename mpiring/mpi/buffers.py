@@ -120,8 +120,9 @@ class CodedBuffers(Buffers):
 
 def kernel_form(arrays, max_len, name=None):
     """Slots for K/V blocks in the form the kernel backend in use takes: ``KVBuffers`` for the NumPy kernel,
-    ``PlainBuffers`` for torch's (its op takes (..., n, d) blocks; [x | 1]^T would cost it a copy per block)."""
-    return (KVBuffers if backends.takes_padded() else PlainBuffers)(arrays, max_len, name)
+    ``PlainBuffers`` for torch's (its op takes (..., n, d) blocks; [x | 1]^T would cost it a copy per block).
+    The blocks' query rows are taken to be about ``max_len``, the longest K/V shard."""
+    return (KVBuffers if backends.takes_padded(arrays[0].dtype, max_len) else PlainBuffers)(arrays, max_len, name)
 
 
 def kv_slots(wire, arrays, max_len, name=None):
@@ -132,7 +133,7 @@ def kv_slots(wire, arrays, max_len, name=None):
     if not wire.coded:
         return kernel_form(arrays, max_len, name)
     slots = CodedBuffers(wire, arrays, max_len, name)
-    slots.padded = backends.takes_padded()
+    slots.padded = backends.takes_padded(arrays[0].dtype, max_len)
     return slots
 
 

@@ -23,19 +23,21 @@ __all__ = ["local_problem", "backend_problem", "is_real", "timeout_problem", "AU
            "peaks", "pairs_problem", "length_problem", "dlse_problem"]
 
 
-def backend_problem():
+def backend_problem(q=None):
     """Why the chosen kernel or GEMM backend cannot run here, or None.
 
-    Resolving the choice loads its library (torch's import: seconds, more with many ranks on few cores): done
-    here, before the agreement, a rank spends that before the ring starts rather than inside its first block
-    while the others wait on it, and a bad ``MPIRING_KERNEL`` or ``MPIRING_GEMM`` is every rank's error.
-    Cached after the first call.
+    Resolving the choice loads its library (torch's import: seconds, more with many ranks on few cores), for a
+    call on queries like ``q`` the backend its blocks take (``backends.prepare``): done here, before the
+    agreement, a rank spends that before the ring starts rather than inside its first block while the others
+    wait on it, and a bad ``MPIRING_KERNEL`` or ``MPIRING_GEMM`` is every rank's error. Cached after the first call.
     """
     try:
         backends.backend()
         gemm.backend()
     except ValueError as exc:
         return str(exc)
+    if q is not None:
+        backends.prepare(q.dtype, q.shape[-2])
     return None
 
 
@@ -69,7 +71,7 @@ def local_problem(q, k, v, scale, check_finite=False, same_rows=True):
         return f"batch and head axes must not be empty, got q {q.shape}, k {k.shape}"
     if scale_problem(scale):
         return scale_problem(scale)
-    if backend_problem():
+    if backend_problem(q):
         return backend_problem()
     if check_finite:  # one pass over the inputs: off by default
         for name, a in (("q", q), ("k", k), ("v", v)):
@@ -207,7 +209,8 @@ def differing_parts(values, ref):
     """``[(rank, name, leaf index)]``: the values with content that differ from rank ``ref``'s under the same
     text, and the first leaf that differs (the same list on every rank, from the gathered values)."""
     return [(r, name, first_difference(val.content, theirs.content)) for r, name, val, theirs in _differing(values, ref)
-            if val.content is not None and theirs.content is not None and val.text == theirs.text]
+            if isinstance(val, Shown) and isinstance(theirs, Shown)  # plain values are named by their text alone
+            and val.content is not None and theirs.content is not None and val.text == theirs.text]
 
 
 def part_values(mine, wanted, rank, ref):

@@ -267,33 +267,40 @@ def _drained(requests):
         time.sleep(1e-4)
 
 
-def wait_entry(requests, timeout, rank, what, absent=None):
-    """Wait for every rank to enter a call (``requests``: its first collective, or every rank's notice).
+def wait_entry(requests, timeout, rank, what, roll=None):
+    """Wait for every rank to enter a call (``requests``: its first collective).
 
     ``timeout`` None waits without limit (``timeout="auto"``: a rank busy before the call, with an
     evaluation or a checkpoint, is not a failed one); every ENTRY_REPORT_SECONDS, doubling, the wait
     is logged as a warning on the ``mpiring`` logger. A number raises CommTimeout past it. Both say
-    for how long this rank has waited and, when ``absent()`` can tell (a ``Ring``'s notices), which
-    ranks have not entered the call.
+    for how long this rank has waited and, when a ``roll`` (``rollcall.RollCall``: a ``Ring``'s call)
+    can tell, which ranks have not entered the call: it is polled while the wait lasts and calls the
+    roll half way to the first warning or the timeout, so a short wait sends nothing more.
     """
-    start = time.perf_counter()
+    start = looked = time.perf_counter()
     report = ENTRY_REPORT_SECONDS
+    ask = min(report, report if timeout is None else timeout) / 2
     for now in _polls(requests, rank, what, sync=True, patient=True):
         waited = now - start
+        if roll is not None and now - looked > WATCH_SECONDS:
+            looked = now
+            roll.poll()
+            if waited > ask:
+                roll.ask()  # once per peer: a rank told already is not asked again
         if timeout is not None and waited > timeout:
-            raise CommTimeout(f"rank {rank}: {what} not complete after {timeout:g} s: {_not_entered(absent)} (it may "
+            raise CommTimeout(f"rank {rank}: {what} not complete after {timeout:g} s: {_not_entered(roll)} (it may "
                               f"have failed, or be busy before the call: timeout={timeout:g} bounds that wait too; "
                               f"timeout='auto' waits without limit)")
         if waited > report:
             LOG.warning("rank %d: %s waiting for %.0f s: %s (with timeout='auto' a call waits without limit for every "
                         "rank to reach it: a rank busy with an evaluation or a checkpoint is fine, a failed one is "
-                        "not; docs/training.md)", rank, what, waited, _not_entered(absent))
+                        "not; docs/training.md)", rank, what, waited, _not_entered(roll))
             report *= 2
 
 
-def _not_entered(absent):
+def _not_entered(roll):
     """Who has not entered the call, as far as this rank can tell."""
-    ranks = absent() if absent is not None else None
+    ranks = roll.absent() if roll is not None else None
     if not ranks:
         return "not every rank has entered the call"
     who = f"rank {ranks[0]} has" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))} have"

@@ -128,7 +128,7 @@ def backward_ring_loop(dout, q, k, v, out, lse, delta, call):
     record, timeout, precision = call.record, call.timeout, call.precision
     kv_ring = rings[0]
     rank, wire, chunks = kv_ring.rank, precision.wire, home_chunks(plan)
-    queries = (dout, q, out, lse, delta)
+    queries = block.queries(dout, q, out, lse, delta)
     # the sums are kept buffers (no page faults: docs/performance.md §11) when the caller converts them to a copy;
     # dq and the K/V slots take the forward ring's names, whose buffers are free while a backward runs
     keep = precision.input != GRAD_DTYPE
@@ -181,7 +181,7 @@ def allgather_backward(dout, q, k, v, out, lse, delta, call):
     rank, size, wire = comm.Get_rank(), comm.Get_size(), precision.wire
     lengths = [len(s) for s in plan.kv_shards]
     sums = [flat_blocks(a, lengths, precision.grad) for a in (k, v)]  # this rank's share of every block's dK, dV
-    queries = (dout, q, out, lse, delta)
+    queries = block.queries(dout, q, out, lse, delta)
     dq = np.zeros(q.shape, GRAD_DTYPE)
     mine = wire.own((k, v))
     for step, task, kv, progress in allgathered(wire.encode(k), wire.encode(v), plan, comm, record, timeout):

@@ -153,7 +153,7 @@ def double_ring_backward(dout, q, k, v, out, lse, delta, call):
     try:
         rank = kv_inner.rank
         n, m = plan.node_size, plan.nodes
-        queries = (dout, q, out, lse, delta)
+        queries = block.queries(dout, q, out, lse, delta)
         dq = np.zeros(q.shape, GRAD_DTYPE)
         own_grads = (np.zeros(k.shape, GRAD_DTYPE), np.zeros(v.shape, GRAD_DTYPE))
         own_block = wire.own((k, v))  # this rank's own block, computed on exactly

@@ -122,7 +122,7 @@ def sparse_backward(dout, q, k, v, out, lse, delta, call):
     plan, comm, score = call.plan, call.comm, call.score
     record, timeout, precision = call.record, call.timeout, call.precision
     rank, wire = comm.Get_rank(), precision.wire
-    queries = (dout, q, out, lse, delta)
+    queries = block.queries(dout, q, out, lse, delta)
     dq = np.zeros(q.shape, GRAD_DTYPE)
     own = [np.zeros(a.shape, GRAD_DTYPE) for a in (k, v)]  # this rank's block: its own share, then what came home
     mine = wire.own((k, v))

@@ -177,7 +177,7 @@ class UlyssesPlan(Plan):
         a, b, c, d, full = span
         block = self.key_block(source)
         where = Where(self._sorted()[0], self._sorted(kv=True)[0][block],
-                      None if self.exact else combined(**self._mask_options()))
+                      None if self.exact else combined(**self.mask_options()))
         if full and self.block_tasks()[source].kind == "full":
             return [Piece(a, b, c, d, where=where._replace(mask=None))]
         if full:
@@ -208,7 +208,7 @@ class UlyssesPlan(Plan):
         """Per rank: (query, key) pairs its kernel is given the mask of, for its heads: the whole sequence's."""
         klo, khi = self._intervals()
         if not self.exact:
-            total = int(count_visible(self._sorted()[0], self._sorted(kv=True)[0], self._mask_options(), klo, khi)[0]
+            total = int(count_visible(self._sorted()[0], self._sorted(kv=True)[0], self.mask_options(), klo, khi)[0]
                         .sum())
         else:
             total = len(self._sorted()[0]) * len(self._sorted(kv=True)[0]) if klo is None else int(np.sum(khi - klo))
@@ -241,7 +241,7 @@ class UlyssesPlan(Plan):
         """Each sorted query's visible keys ``[klo, khi)`` in the sorted keys, or (None, None): nothing masked.
         Both never decrease from row to row (every mask's interval of positions does: ``plans.rows``)."""
         if getattr(self, "_klo_khi", None) is None:
-            self._klo_khi = visible_keys(self._sorted()[0], self._sorted(kv=True)[0], **self._mask_options())
+            self._klo_khi = visible_keys(self._sorted()[0], self._sorted(kv=True)[0], **self.mask_options())
         return self._klo_khi
 
     def _seen(self):
@@ -276,7 +276,7 @@ class UlyssesPlan(Plan):
             block = self.key_block(source)
             klo, khi = self._intervals()
             s = block.start
-            return counted_kind(self._sorted()[0], self._sorted(kv=True)[0][block], self._mask_options(),
+            return counted_kind(self._sorted()[0], self._sorted(kv=True)[0][block], self.mask_options(),
                                 np.clip(klo - s, 0, block.stop - s), np.clip(khi - s, 0, block.stop - s))[0]
         a, b, c, d, full = span
         return "full" if full and (a, b, c, d) == (0, len(self._sorted()[0]), 0, len(self.kv_shards[source])) \

@@ -197,21 +197,22 @@ class Plan:
         """``(kind, visible pairs)`` of rank's queries against source's keys."""
         klo, khi = self.mask(rank, source)
         if not self.exact:  # holes: counted from the mask's definition (``masks.count_visible``)
-            return counted_kind(self.shards[rank], self.kv_shards[source], self._mask_options(), klo, khi)
+            return counted_kind(self.shards[rank], self.kv_shards[source], self.mask_options(), klo, khi)
         kind, pairs = block_kind(klo, khi, len(self.kv_shards[source]))
         return kind, len(self.shards[rank]) * len(self.kv_shards[source]) if pairs is None else pairs
 
     @property
     def exact(self):
         """Whether each query's visible keys are exactly its interval (``visible_keys``), for every batch entry."""
-        return is_exact(self._mask_options())
+        return is_exact(self.mask_options())
 
     def where(self, rank, source):
         """``Where`` of rank's queries against source's keys: their positions, and the mask if it has holes."""
         return Where(self.shards[rank], self.kv_shards[source],
-                     None if self.exact else combined(**self._mask_options()))
+                     None if self.exact else combined(**self.mask_options()))
 
-    def _mask_options(self):
+    def mask_options(self):
+        """The plan's mask as ``visible_keys``' keyword arguments."""
         return dict(causal=self.causal, window=self.window, cu_seqlens=self.cu_seqlens,
                     causal_block=self.causal_block, mask=self.mask_pieces)
 
@@ -239,11 +240,10 @@ class Plan:
     def pieces(self, rank, source, rows=None):
         """Sub-blocks worth computing, as ``Piece(q0, q1, k0, k1, klo, khi)``: query rows q0:q1 against keys k0:k1.
 
-        A rank's positions fall into runs (zigzag: two chunks). For each run the
-        visible keys form one index range; only that range is computed, which is
-        what makes zigzag's causal work half a block per step. ``klo, khi`` are
-        relative to c, or None when the whole sub-block is visible. ``rows``: only
-        these (sorted) key rows of source's block, indexed as they are taken.
+        A rank's positions fall into runs (zigzag: two chunks). For each run the visible keys form one index
+        range; only that range is computed, which is what makes zigzag's causal work half a block per step.
+        ``klo, khi`` are relative to c, or None when the whole sub-block is visible. ``rows``: only these
+        (sorted) key rows of source's block, indexed as they are taken.
         """
         if self.kinds[rank][source] == "skip":
             return []
@@ -253,8 +253,8 @@ class Plan:
         n_q, n_k = len(self.shards[rank]), len(where.k_pos)
         if self.kinds[rank][source] == "full":
             return [Piece(0, n_q, 0, n_k, where=where._replace(mask=None))]
-        klo, khi = self.mask(rank, source) if rows is None else visible_keys(where.q_pos, where.k_pos,
-                                                                             **self._mask_options())
+        klo, khi = (self.mask(rank, source) if rows is None
+                    else visible_keys(where.q_pos, where.k_pos, **self.mask_options()))
         out = []
         for a, b in self.runs[rank]:
             lo, hi = klo[a:b], khi[a:b]
@@ -272,7 +272,7 @@ class Plan:
 
     def visible_pairs(self):
         """Per rank: (query, key) pairs that the mask lets through (from the whole sequence at once: O(S))."""
-        return visible_per_rank(self.seq_len, self.size, self.q_owner, self._mask_options())
+        return visible_per_rank(self.seq_len, self.size, self.q_owner, self.mask_options())
 
     @property
     def q_owner(self):
@@ -399,7 +399,7 @@ def reach(plan):
     """The plan's ``rows.Reach``: which ring offsets some rank needs (made once); for a mask with holes, the
     offsets at which some rank's block is not empty (``CountedReach``)."""
     if getattr(plan, "_reach", None) is None:
-        plan._reach = (Reach(plan.seq_len, plan.size, plan.q_owner, plan.k_owner, plan._mask_options())
+        plan._reach = (Reach(plan.seq_len, plan.size, plan.q_owner, plan.k_owner, plan.mask_options())
                        if plan.exact else CountedReach(plan))
     return plan._reach
 

@@ -140,5 +140,5 @@ class _Schedule(PlannedSchedule):
     @property
     def n_steps(self):
         if self._n_steps is None:
-            self._n_steps = max(self._plan.steps_of(r) for r in range(self._size))
+            self._n_steps = max(self._plan.steps_of(r) for r in range(self._plan.size))
         return self._n_steps

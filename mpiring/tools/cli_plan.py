@@ -80,7 +80,7 @@ CELL = {"full": "#", "masked": "+", "skip": "."}
 def sparsity_text(plan, cells=16):
     """The mask's block sparsity in text: the sequence cut into ``cells`` runs of positions (queries down, keys
     across; # every pair visible, + some, . none), then the plan's blocks (query rank down, key rank across)."""
-    seq_len, mask = plan.seq_len, plan._mask_options()
+    seq_len, mask = plan.seq_len, plan.mask_options()
     edges = np.linspace(0, seq_len, min(cells, seq_len) + 1).astype(np.int64)
     runs = [np.arange(a, b, dtype=np.int64) for a, b in zip(edges, edges[1:])]
     lines = [f"block sparsity: the sequence in {len(runs)} runs of ~{seq_len // len(runs)} positions "

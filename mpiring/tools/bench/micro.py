@@ -100,7 +100,7 @@ def percore(comm=None, args=None):
         out, lse = np.zeros((h, seq, d)), np.full((h, seq), -np.inf)
         for name in [b for b in backends.available() if not (args.no_torch and b == "torch")]:
             with backends.using(name):
-                padded = backends.takes_padded()  # K/V in the form the ring keeps for this backend
+                padded = backends.takes_padded(dt, seq)  # K/V in the form the ring keeps for this backend
                 kv = (kt, vt) if padded else (k, v)
                 rows[f"the kernel (attention_block), {name}"] = best_seconds(
                     lambda: backends.attention_block(q, *kv, scale, padded=padded, into=(out, lse)),  # noqa: B023

@@ -26,7 +26,7 @@ from mpiring import (
     ring_attention,
     ring_attention_backward,
 )
-from mpiring.core import backends, gemm, tune
+from mpiring.core import backends, gemm
 from mpiring.core.precision import Precision, named_dtype
 from mpiring.cost.costmodel import format_wire_model
 
@@ -326,21 +326,18 @@ def _configs(args):
             for dtype, wire in ([("float32", None)] if plain else []) + ([] if b or not c else extra)]
 
 
-def _tune():
-    """Rank 0's tuning before the first row, when nothing is cached for this CPU."""
-    print("no tuning cache for this CPU: running `python -m mpiring bench tune` first ...", flush=True)
-    start = time.perf_counter()
-    entry = tune.tune(log=lambda *a: None)
-    print(f"tuned in {time.perf_counter() - start:.0f} s: kernel backend {entry['kernel']} (CPU s: "
-          + ", ".join(f"{k} {v:.2f}" for k, v in entry["kernel_seconds"].items()) + f"), GEMMs {entry['gemm']}",
-          flush=True)
+def _row_kernel(cfg, size):
+    """The kernel backend of a row's blocks (S/P query rows): "torch", or "numpy+torch" for forward and backward."""
+    dtype = named_dtype(cfg.dtype)
+    names = dict.fromkeys(backends.for_block(dtype, cfg.S // size, backward=b) for b in (False, cfg.backward))
+    return "+".join(names)
 
 
 def _machine(comm, configs, quick):
     """What rank 0 measures before the first row, the others asleep: the machine (CPU, kernel backend, FMA
     peak), the BLAS report, and one core's limits (these on every rank)."""
     def measure():
-        machine = {"cpu": cpu_text(), "kernel": backends.backend(), "fma_peak": fma_peak_flops()}
+        machine = {"cpu": cpu_text(), "kernel": backends.describe(), "fma_peak": fma_peak_flops()}
         limits = measure_limits(sorted({c.D for c in configs}), n=256 if quick else 1024, repeats=3 if quick else 5)
         return machine, blas_report(), limits
     machine, report, limits = on_rank0(comm, measure, (None, None, None))
@@ -361,13 +358,12 @@ def table(comm, args):
     quick = args.quick and not args.sizes
     clock = _clock(comm)
     use_torch = not args.no_torch and not args.long and torch_available()
-    # no tuning cache for this CPU: "auto" would time an unmeasured default (under a minute, once)
-    if not (quick or args.long) and broadcast(comm, tune.untuned() if rank == 0 else None):
-        on_rank0(comm, _tune)
-        tune.reread()  # every rank reads the new cache
     gemm.product()  # the kernels' GEMM library (MKL, when used) loaded: its code is baseline, not data
     tiny = np.ones((1, 16, 64), np.float32)
-    backends.attention_block(tiny, tiny, tiny)  # so is the kernel backend's (torch: ~190 MB resident)
+    for name in dict.fromkeys(n for cfg in configs for n in _row_kernel(cfg, size).split("+")
+                              if n == "numpy" or n in backends.available()):  # torch imported only if a row uses it
+        with backends.using(name):  # so is each kernel backend's the rows use (torch: ~190 MB resident)
+            backends.attention_block(tiny, tiny, tiny)
     baseline_mb = max(objects(comm, rss_mb()))  # interpreter + libraries, before any array
     machine, report, limits = _machine(comm, configs, quick)
     guard = broadcast(comm, available_mb() if rank == 0 else None)
@@ -385,7 +381,8 @@ def table(comm, args):
             _peers(comm, cfg, row, args, use_torch, baseline_mb, guard)
         if rank == 0:
             row.update(blas=report["blas"], blas_arch=report["blas_arch"], blas_threads=args.threads,
-                       background_cores="" if load is None else load, kernel=machine["kernel"], cpu=machine["cpu"])
+                       background_cores="" if load is None else load, kernel=_row_kernel(cfg, size),
+                       cpu=machine["cpu"])
             for key, name, cores in (("gflops", "of_peak", size * args.threads),
                                      ("torch_gflops", "torch_of_peak", size * args.threads),
                                      ("torch1_gflops", "torch1_of_peak", 1)):

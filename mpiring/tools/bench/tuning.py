@@ -1,4 +1,4 @@
-"""``bench tune``: which kernel backend, GEMM backend and tile sizes run a block fastest on this CPU, cached.
+"""``bench tune``: which GEMM backend and tile sizes run the NumPy kernel fastest on this CPU, cached.
 
     python -m mpiring bench tune                   # D 64 and 128, float32 (under a minute)
     python -m mpiring bench tune --dims 64 --dtypes float32 --repeats 3
@@ -10,7 +10,6 @@ process on this machine reads the cache (``mpiring.core.machine``).
 
 import json
 
-from mpiring.core import backends as kernel_backends
 from mpiring.core import gemm
 from mpiring.core.machine import cache_path, cached, machine_key
 from mpiring.core.tune import tune as run_tune
@@ -30,21 +29,17 @@ def tune_parser():
     p.add_argument("--repeats", type=int, default=2, help="timed runs per candidate (the fastest counts)")
     p.add_argument("--backends", nargs="+", choices=gemm.BACKENDS, help="GEMM backends to try "
                    "(default: every one installed here)")
-    p.add_argument("--kernels", nargs="+", choices=kernel_backends.BACKENDS, help="kernel backends to try "
-                   "(default: every one installed here)")
     p.add_argument("--show", action="store_true", help="print the cached choice for this machine and stop")
     p.add_argument("--no-write", action="store_true", help="time and print, but leave the cache alone")
     p.checks.append(at_least(1, **{"--seq": "seq", "--heads": "heads", "--repeats": "repeats"}))
     p.checks.append(lambda a: next((f"--dims {d}: must be at least 1" for d in a.dims if d < 1), None))
     p.checks.append(lambda a: next((f"--backends {b}: not installed here (pip install mpiring[mkl])"
                                     for b in a.backends or [] if b not in gemm.available()), None))
-    p.checks.append(lambda a: next((f"--kernels {b}: not installed here (pip install torch)"
-                                    for b in a.kernels or [] if b not in kernel_backends.available()), None))
     return p
 
 
 def tune(comm=None, args=None):
-    """Time kernel backends, GEMM backends and tile sizes on one core of this CPU; cache the fastest here."""
+    """Time GEMM backends and tile sizes on one core of this CPU; cache the fastest here."""
     args = tune_parser().parse_args(args)
     path = cache_path()
     print(f"machine: {machine_key()}")
@@ -54,11 +49,9 @@ def tune(comm=None, args=None):
         print(json.dumps(entry, indent=1, sort_keys=True) if entry else "nothing cached for this machine")
         return 0
     entry = run_tune(dims=args.dims, dtypes=args.dtypes, seq=args.seq, heads=args.heads, repeats=args.repeats,
-                     backends=args.backends, kernels=args.kernels, write=not args.no_write)
+                     backends=args.backends, write=not args.no_write)
     print(f"\nfastest backend: {entry['gemm']} (total s: "
           + ", ".join(f"{k} {v:.3f}" for k, v in entry["backend_seconds"].items()) + ")")
-    print(f"fastest kernel backend: {entry['kernel']} (total s: "
-          + ", ".join(f"{k} {v:.3f}" for k, v in entry["kernel_seconds"].items()) + ")")
     for kind, table in entry["tiles"].items():
         for dtype, dims in table.items():
             print(f"  {kind} {dtype}: " + ", ".join(f"D={d} tiles {tq} x {tk}" for d, (tq, tk) in dims.items()))
