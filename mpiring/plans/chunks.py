@@ -19,19 +19,11 @@ from typing import NamedTuple
 import numpy as np
 
 from .layouts import check_layout, layout_positions, positions_problem
+from .spec import count, integers
 
 __all__ = ["MixerSpec", "MixerPlan", "Chain", "Halo", "PASSING"]
 
 PASSING = ("ring", "allgather", "scan")  # how states pass: LASP's ring, LASP-2's all-gather, a prefix scan
-
-
-def _integers(name, value):
-    if value is None:
-        return None
-    a = np.asarray(value)
-    if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
-        raise ValueError(f"{name} must be a 1-D integer array, got {a.dtype} of shape {a.shape}")
-    return a.astype(np.int64)
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,12 +49,9 @@ class MixerSpec:
         if spec.passing not in PASSING:
             raise ValueError(f"passing must be one of {', '.join(PASSING)}; got {spec.passing!r}")
         for name in ("seq_len", "block"):
-            value = getattr(spec, name)
-            if value is not None and (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer))
-                                      or value < 1):
-                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-        return dataclasses.replace(spec, positions=_integers("positions", spec.positions),
-                                   cu_seqlens=_integers("cu_seqlens", spec.cu_seqlens))
+            count(name, getattr(spec, name))  # checked, kept as given
+        return dataclasses.replace(spec, positions=integers("positions", spec.positions, ""),
+                                   cu_seqlens=integers("cu_seqlens", spec.cu_seqlens, ""))
 
     def shown(self):
         """What every rank must pass alike, by name (positions are each rank's own: only whether given)."""

@@ -40,7 +40,8 @@ from .make import make_plan
 from .masks import MaskPiece, check_causal_block, check_mask, check_window
 from .plan import ALL_MODES, MODES
 
-__all__ = ["Spec", "ROTATE", "FIELDS", "SCORE_FIELDS", "spec_problem", "digest", "is_real", "scale_problem"]
+__all__ = ["Spec", "ROTATE", "FIELDS", "SCORE_FIELDS", "spec_problem", "digest", "is_real", "scale_problem", "count",
+           "integers"]
 
 ROTATE = ("kv", "q", "auto")
 ROW_OPTIONS = ("positions", "kv_positions")  # this rank's own: gathered from every rank, not compared
@@ -48,7 +49,7 @@ PRECISION = ("wire_dtype", "grad_wire_dtype", "accumulate")
 SCORE_FIELDS = ("softcap", "bias", "sinks", "dropout", "seed", "return_max_logit")  # the score modifiers
 
 
-def _count(name, value, what):
+def count(name, value, what=""):
     """``value`` as an int, None kept; ValueError unless a positive integer."""
     if value is None:
         return None
@@ -57,13 +58,13 @@ def _count(name, value, what):
     return int(value)
 
 
-def _positions(name, positions):
-    """This rank's positions as int64 (or None); ValueError unless a 1-D integer array."""
-    if positions is None:
+def integers(name, values, what=" of global positions"):
+    """``values`` as int64 (or None); ValueError unless a 1-D integer array."""
+    if values is None:
         return None
-    p = np.asarray(positions)
+    p = np.asarray(values)
     if p.ndim != 1 or not np.issubdtype(p.dtype, np.integer):
-        raise ValueError(f"{name} must be a 1-D integer array of global positions, got {p.dtype} of shape {p.shape}")
+        raise ValueError(f"{name} must be a 1-D integer array{what}, got {p.dtype} of shape {p.shape}")
     return p.astype(np.int64)
 
 
@@ -165,7 +166,7 @@ class Spec:
             cu = cu.astype(np.int64)
         if not isinstance(given["causal"], (bool, np.bool_)):
             raise ValueError(f"causal must be True or False, got {given['causal']!r}")
-        rows = {name: _positions(name, given[name]) for name in ROW_OPTIONS}
+        rows = {name: integers(name, given[name]) for name in ROW_OPTIONS}
         if rows["kv_positions"] is not None and rows["positions"] is None:
             raise ValueError("kv_positions needs positions: the query rows' own positions")
         seq_len = given["seq_len"]
@@ -182,8 +183,8 @@ class Spec:
                    causal_block=check_causal_block(given["causal_block"], given["causal"]),
                    mask=check_mask(given["mask"]),
                    scale=None if scale is None else float(scale), **canonical_precision(given), mode=mode,
-                   rotate=given["rotate"], node_size=_count("node_size", given["node_size"], " (ranks per node)"),
-                   ulysses_size=_count("ulysses_size", given["ulysses_size"], ""))
+                   rotate=given["rotate"], node_size=count("node_size", given["node_size"], " (ranks per node)"),
+                   ulysses_size=count("ulysses_size", given["ulysses_size"], ""))
         for name in ("mask", "bias"):  # what the functions read, once: Unreadable (a ValueError) names what is not
             spec.field_content(name)
         return spec
