@@ -16,6 +16,7 @@ Rank 0 prints ``{"case", "outcomes": [per rank], "seconds": [per rank]}`` per ca
 
 import argparse
 import functools
+import importlib.util
 import json
 import sys
 import time
@@ -410,6 +411,16 @@ def _attend_global(c):
         GLOBAL_FLAGS[617] = False
 
 
+def runnable():
+    """The cases this machine can run: those of torch tensors, mpiring.torch and mpiring.hf need torch (and hf
+    transformers), which run/test without --with-torch does not install."""
+    def can(entry, what):
+        needs = (["torch"] if "torch" in entry + what or entry.startswith("mpiring.hf") else []) + (
+            ["transformers"] if entry.startswith("mpiring.hf") else [])
+        return all(importlib.util.find_spec(name) is not None for name in needs)
+    return [i for i, (entry, what, _, _) in enumerate(CASES) if can(entry, what)]
+
+
 def expected(index, P):
     return CASES[index][2].format(b=P - 1, P=P, S=4 * P)
 
@@ -454,11 +465,13 @@ def main():
     problem = backend_problem()  # the kernel backend loaded before the first case's clock starts
     if problem:
         raise SystemExit(problem)
-    import mpiring.hf  # torch's and transformers' imports (seconds under load) before it too
+    cases = runnable() if args.cases is None else args.cases
+    if importlib.util.find_spec("transformers") is not None:
+        import mpiring.hf  # torch's and transformers' imports (seconds under load) before it too
 
-    mpiring.hf.register()
+        mpiring.hf.register()
     c = Case(comm)
-    for index in range(len(CASES)) if args.cases is None else args.cases:
+    for index in cases:
         seconds, outcome = run_case(c, index)
         said = comm.gather((seconds, outcome), root=0)  # blocking: every rank has returned by now
         if c.rank == 0:

@@ -41,7 +41,7 @@ def test_every_entry_point_at_P(P):  # quick suite: P = 3 (rank 0, a rank betwee
     code, out, err = run_limited(cmd, 120 + 30 * P)
     assert code == 0, f"{' '.join(cmd)}\n{out}\n{err[-3000:]}"
     results = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    assert [r["case"] for r in results] == list(range(len(agreement_job.CASES)))
+    assert [r["case"] for r in results] == agreement_job.runnable()  # every case where torch and transformers are
     for r in results:
         entry, what = agreement_job.CASES[r["case"]][:2]
         outcomes, want = r["outcomes"], agreement_job.expected(r["case"], P)
