@@ -30,13 +30,13 @@ import numpy as np
 from mpi4py import MPI
 
 from .core.kernels import attention_block, merge_commutative
+from .core.record import Record
 from .core.scores import Score, attend_general, with_sinks
 from .mpi.agree import check_comm
-from .mpi.checks import Shown
 from .mpi.comm import RingComm
 from .mpi.decoding import EXCHANGES, MERGES, decode_agreement, decode_timeout, parents_problem
-from .mpi.record import Record
 from .mpi.waits import exclusive, wait_until
+from .plans.checks import Shown
 from .plans.content import described
 from .plans.masks import combined
 from .plans.plan import Piece, Where

@@ -22,6 +22,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from .core.kvstore import ERROR_BOUND, QUANTIZE, TILE, KVStore, quantize
+from .core.record import Record
 from .decode import (
     computing,
     decode_agreement,
@@ -38,13 +40,11 @@ from .decode import (
     unpacked,
 )
 from .handle import ring_attention
-from .kvstore import ERROR_BOUND, QUANTIZE, TILE, KVStore, quantize
 from .mpi.agree import agree, agreed, check_comm, gather_entry
-from .mpi.checks import Shown, describe, timeout_problem
 from .mpi.comm import RingComm
 from .mpi.decoding import by_content, path_problem
-from .mpi.record import Record
 from .mpi.waits import exclusive, wait_until
+from .plans.checks import Shown, describe, timeout_problem
 from .plans.layouts import layout_positions
 from .plans.spec import digest
 

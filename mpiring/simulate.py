@@ -5,8 +5,8 @@ import numpy as np
 from .core.block import GRAD_DTYPE, accumulators, add_grads, attend, grads_of
 from .core.kernels import default_scale
 from .core.precision import INPUT_DTYPES, Precision
+from .core.record import Record
 from .core.scores import Score, with_sinks
-from .mpi.record import Record
 from .plans.spec import spec_problem
 
 __all__ = ["ring_attention_simulate", "simulate", "simulate_backward"]

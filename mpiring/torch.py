@@ -23,9 +23,6 @@ from .core.precision import named_dtype
 from .handle import caller_found
 from .handle import ring_attention as _ring_attention
 from .handle import ring_attention_backward as _ring_attention_backward
-from .mpi.axes import seq_index
-from .mpi.checks import Shown
-from .options import RING_OPTIONS, foreign_problem
 from .parallel.mixing.entry import Refused
 from .parallel.mixing.entry import causal_conv as _conv
 from .parallel.mixing.entry import causal_conv_backward as _conv_backward
@@ -35,6 +32,9 @@ from .parallel.mixing.statespace import selective_scan as _scan
 from .parallel.mixing.statespace import selective_scan_backward as _scan_backward
 from .parallel.mixing.statespace import ssd as _ssd
 from .parallel.mixing.statespace import ssd_backward as _ssd_backward
+from .plans.axes import seq_index
+from .plans.call_options import RING_OPTIONS, foreign_problem
+from .plans.checks import Shown
 from .plans.content import content
 
 __all__ = ["ring_attention", "DTYPES", "causal_conv1d", "linear_attention", "chunk_gated_delta_rule",

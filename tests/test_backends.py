@@ -228,9 +228,9 @@ def test_auto_gives_torch_the_blocks_of_many_rows(rng, monkeypatch, vectorized):
 
 def test_auto_imports_torch_only_for_a_call_it_gives_torch():
     """In a fresh process with torch installed: choosing numpy, resolving "auto" and a call of few rows import nothing;
-    preparing a call of many float32 rows imports torch, before any block (``mpi.checks.backend_problem``)."""
+    preparing a call of many float32 rows imports torch, before any block (``plans.checks.backend_problem``)."""
     code = ("import sys, numpy as np; from mpiring.core import backends, torch_kernel; "
-            "from mpiring.mpi.checks import backend_problem; "
+            "from mpiring.plans.checks import backend_problem; "
             "backends.set_backend('numpy'); backends.set_backend('auto'); "
             "print(backends.backend(), backend_problem(np.zeros((4, 16, 8), np.float32)), 'torch' in sys.modules); "
             "backend_problem(np.zeros((1, 4096, 8), np.float32)); print('torch' in sys.modules)")
@@ -423,7 +423,7 @@ def test_no_helper_polls_after_they_are_stopped(monkeypatch):
 @needs_torch
 def test_blocks_are_kept_in_the_form_of_the_backend(rng):
     """The ring keeps K/V as [x | 1]^T for the NumPy kernel and as given for torch's op (no copy per block)."""
-    from mpiring.mpi.buffers import KVBuffers, PlainBuffers, kernel_form
+    from mpiring.core.buffers import KVBuffers, PlainBuffers, kernel_form
 
     k, v = rng.standard_normal((2, 2, 5, 4)), rng.standard_normal((2, 2, 5, 3))
     with backends.using("numpy"):

@@ -145,7 +145,7 @@ def test_asking_what_is_available_loads_no_mkl():
 
 @needs_mkl
 def test_resolving_the_backend_on_intel_loads_no_mkl_until_a_kernel_asks():
-    """Every call's checks resolve the backend (``mpi.checks.backend_problem``): on an Intel CPU that names MKL
+    """Every call's checks resolve the backend (``plans.checks.backend_problem``): on an Intel CPU that names MKL
     without loading it; the first ``product()`` with one BLAS thread loads it."""
     got = _untuned_process("GenuineIntel", ["print(g.backend(), mkl())", "with threadpool_limits(1, user_api='blas'):",
                                             "    print(g.product().__name__, mkl())"])

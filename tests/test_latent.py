@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from mpiring.core import latent
+from mpiring.core.kvstore import KVStore
 from mpiring.core.latent import Expanded, Latent, absorbed, expand, latent_keys, unabsorbed
-from mpiring.kvstore import KVStore
 from mpiring.testing import latent_reference, latent_reference_backward, reference
 
 H, DN, DR, DV, R = 3, 8, 4, 6, 16

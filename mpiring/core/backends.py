@@ -66,7 +66,7 @@ _choice = Choice("kernel", "MPIRING_KERNEL", BACKENDS, available,
 set_backend = _choice.set  # "numpy", "torch" or "auto" (``AUTO_ROWS``) for this process
 using = _choice.using  # ``set_backend(name)`` inside a ``with`` block, the choice before it restored after
 # what runs: "numpy", "torch", or "auto" (each block by ``AUTO_ROWS``, torch installed); resolving it imports nothing
-# (a bad MPIRING_KERNEL: every rank's error, mpi.checks.backend_problem)
+# (a bad MPIRING_KERNEL: every rank's error, plans.checks.backend_problem)
 backend = _choice.current
 
 

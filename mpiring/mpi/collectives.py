@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from .buffers import flat_blocks, mpi_view
+from ..core.buffers import flat_blocks, mpi_view
 from .waits import test_all, wait_until
 
 __all__ = ["together", "allgather", "gather", "start_allgather", "allgathered", "wait_allgather"]

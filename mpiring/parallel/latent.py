@@ -24,14 +24,14 @@ from mpi4py import MPI
 from ..core.block import GRAD_DTYPE
 from ..core.latent import Latent, LatentWire, expand, latent_problem
 from ..core.precision import Precision, compute_dtype
+from ..core.record import Record
 from ..core.scores import Score
 from ..core.threads import limited, threads_for
 from ..core.tiles import release_workspace
 from ..mpi.agree import agreed, check_comm, setup
-from ..mpi.checks import Shown, agreement_timeout, describe, resolve_timeout
 from ..mpi.collectives import allreduced
-from ..mpi.record import Record
 from ..mpi.waits import exclusive, wait_until
+from ..plans.checks import Shown, agreement_timeout, describe, resolve_timeout
 from ..plans.spec import digest, spec_problem
 from .strategies import Call, private_rings, run_backward, run_forward, strategy_of
 

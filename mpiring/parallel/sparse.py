@@ -21,7 +21,7 @@ import numpy as np
 
 from ..core import block
 from ..core.block import GRAD_DTYPE, add_grads, count_pairs
-from ..mpi.buffers import flat_blocks, mpi_view
+from ..core.buffers import flat_blocks, mpi_view
 from ..mpi.waits import abandon, completed, test_all, wait_until
 
 __all__ = ["delivered", "sparse_backward"]

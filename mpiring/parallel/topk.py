@@ -21,11 +21,11 @@ import time
 
 import numpy as np
 
+from ..core.buffers import flat_blocks, mpi_view
+from ..core.record import Record
 from ..mpi.agree import check_comm, setup_ring
-from ..mpi.buffers import flat_blocks, mpi_view
-from ..mpi.checks import AUTO_BASE, AUTO_RATE, describe
-from ..mpi.record import Record
 from ..mpi.waits import exclusive, wait_until
+from ..plans.checks import AUTO_BASE, AUTO_RATE, describe
 from ..plans.layouts import take_rows
 from ..plans.spec import Spec
 from ..plans.topk import Selected, select, topk_problem

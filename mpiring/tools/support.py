@@ -29,8 +29,8 @@ from typing import NamedTuple
 import numpy as np
 
 from mpiring.core.precision import INPUT_DTYPES, WIRE_DTYPES, named_dtype
-from mpiring.mpi.checks import verdict
-from mpiring.mpi.record import Record
+from mpiring.core.record import Record
+from mpiring.plans.checks import verdict
 from mpiring.plans.layouts import LAYOUTS
 from mpiring.plans.plan import ALL_MODES, MODES
 from mpiring.testing import attention_error, tolerance

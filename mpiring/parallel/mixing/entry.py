@@ -25,7 +25,7 @@ from ...core.mixers.conv import conv_rows, conv_rows_backward
 from ...core.mixers.runs import corrected, reverse_element, run_backward, run_forward
 from ...core.precision import compute_dtype, dtype_problem
 from ...core.threads import limited, node_threads
-from ...mpi.checks import describe, is_real
+from ...plans.checks import describe, is_real
 from ...plans.chunks import MixerSpec
 from ...plans.layouts import put_rows, sort_order, take_rows
 from .call import open_call

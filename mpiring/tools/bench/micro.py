@@ -250,7 +250,7 @@ def transfer_time(k, v, comm, repeat):
     """Seconds one ring step's K/V transfer takes with nothing computed (median over ``repeat``; all ranks)."""
     from mpi4py import MPI
 
-    from mpiring.mpi.buffers import KVBuffers
+    from mpiring.core.buffers import KVBuffers
     from mpiring.mpi.comm import RingComm
 
     with RingComm(comm) as ring:

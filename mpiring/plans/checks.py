@@ -13,8 +13,8 @@ from ..core.kernels import LSE_LIMIT
 from ..core.precision import compute_dtype, dtype_problem
 from ..core.ranks import ranks_text
 from ..core.scores import FunctionFailed, bias_probe
-from ..plans.content import described, difference, first_difference, leaf_value
-from ..plans.spec import FIELDS, digest, is_real, scale_problem
+from .content import described, difference, first_difference, leaf_value
+from .spec import FIELDS, digest, is_real, scale_problem
 
 __all__ = ["local_problem", "backend_problem", "is_real", "timeout_problem", "AUTO_AGREE", "AUTO_BASE", "AUTO_RATE",
            "AUTO_ENTRY", "agreement_timeout", "entry_timeout", "resolve_timeout", "size_problem", "Shown", "shape_text",
