@@ -27,8 +27,8 @@ from .core.lse import Lse, mismatch
 from .core.precision import Precision
 from .core.record import Record
 from .core.scores import FunctionFailed, Score
-from .core.threads import limited, threads_for, threads_problem
 from .core.tiles import release_workspace
+from .core.tuning.threads import limited, threads_for, threads_problem
 from .mpi.agree import check_call, check_comm, contiguous, setup_ring
 from .mpi.waits import Announced, CommTimeout, Watch, exclusive, watching
 from .parallel.strategies import (
@@ -92,7 +92,7 @@ class Ring:
             -3: flash-attn's ``(B, S, H, D)``), or the axes named, "bshd" or "bhsd"
             (``mpiring.plans.axes``). lse is always ``(..., H, S)``.
         threads: BLAS threads per rank inside every call: "auto" (the node's
-            cores shared among its ranks; ``mpiring.core.threads``), an int, or None
+            cores shared among its ranks; ``mpiring.core.tuning.threads``), an int, or None
             (leave BLAS alone).
         check_finite: also reject NaN/Inf in q, k, v (one extra pass), and NaN/+Inf values from a ``bias``.
         expected_size: raise unless the communicator has this many ranks.

@@ -9,7 +9,7 @@ exactly (its ``supports``). Backends (``MPIRING_KERNEL`` or ``set_backend``):
 
 - ``numpy``: ``mpiring.core.kernels``, the tiled FlashAttention-2 in NumPy.
   The reference, always there, and what runs unless another is chosen.
-- ``torch``: PyTorch's CPU flash-attention ops (``mpiring.core.torch_kernel``),
+- ``torch``: PyTorch's CPU flash-attention ops (``mpiring.core.tuning.torch_kernel``),
   when torch is installed; the blocks they cannot do exactly (V's head dim
   other than K's, scores too large for float tiles, non-finite inputs, an lse
   the backward refuses) go to the NumPy kernel.
@@ -30,9 +30,10 @@ from collections import Counter
 
 import numpy as np
 
-from . import kernels, torch_kernel
-from .machine import Choice, numpy_exp2_vectorized
+from . import kernels
 from .tiles import kernel_dtype
+from .tuning import torch_kernel
+from .tuning.machine import Choice, numpy_exp2_vectorized
 
 __all__ = ["BACKENDS", "AUTO_ROWS", "available", "set_backend", "using", "backend", "choice", "for_block", "describe",
            "prepare", "takes_padded", "calls", "attention_block", "delta_is_rowsum", "attention_block_backward"]

@@ -32,7 +32,6 @@ import math
 
 import numpy as np
 
-from . import gemm
 from .tiles import (
     Progress,
     Shapes,
@@ -47,6 +46,7 @@ from .tiles import (
     tile_max_norm_t,
     with_ones,
 )
+from .tuning import gemm
 
 __all__ = ["attention_block", "attention_block_backward", "merge", "merge_weight", "merge_commutative",
            "default_scale", "pad_ones", "LSE_LIMIT", "EXACT_ABOVE", "empty_or_nan"]

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from .machine import cached_tiles  # the tuning cache, read once per process
+from .tuning.machine import cached_tiles  # the tuning cache, read once per process
 
 __all__ = ["TILE_BYTES", "TILE_K", "PROGRESS_INTERVAL", "default_tiles", "default_scale", "kernel_dtype", "Shapes",
            "mask_arrays", "scratch", "filled", "release_workspace", "pad_ones", "transpose_into", "as_view",

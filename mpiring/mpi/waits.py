@@ -15,7 +15,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ..core.threads import cores, launcher_local_ranks
+from ..core.tuning.threads import cores, launcher_local_ranks
 
 __all__ = ["CommTimeout", "CAUSES", "wait_until", "wait_entry", "test_all", "completed", "exclusive", "abandon",
            "ABANDONED", "shares_cores", "Watch", "watching", "Announced", "cut_short"]

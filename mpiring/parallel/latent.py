@@ -26,8 +26,8 @@ from ..core.latent import Latent, LatentWire, expand, latent_problem
 from ..core.precision import Precision, compute_dtype
 from ..core.record import Record
 from ..core.scores import Score
-from ..core.threads import limited, threads_for
 from ..core.tiles import release_workspace
+from ..core.tuning.threads import limited, threads_for
 from ..mpi.agree import agreed, check_comm, setup
 from ..mpi.collectives import allreduced
 from ..mpi.waits import exclusive, wait_until

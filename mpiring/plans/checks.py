@@ -8,11 +8,12 @@ same ValueError on every rank.
 
 import numpy as np
 
-from ..core import backends, gemm
+from ..core import backends
 from ..core.kernels import LSE_LIMIT
 from ..core.precision import compute_dtype, dtype_problem
 from ..core.ranks import ranks_text
 from ..core.scores import FunctionFailed, bias_probe
+from ..core.tuning import gemm
 from .content import described, difference, first_difference, leaf_value
 from .spec import FIELDS, digest, is_real, scale_problem
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..core.latent import expand
 from ..core.reference import definition_mask, dense_attention, dense_attention_backward, scored_attention
-from ..core.threads import limited, node_threads
+from ..core.tuning.threads import limited, node_threads
 from ..plans.spec import spec_problem
 
 __all__ = ["TOLERANCE", "dense_mask", "latent_reference", "latent_reference_backward", "reference",

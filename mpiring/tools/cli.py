@@ -64,7 +64,7 @@ def command_parser(command, func):
 def with_threads(parser, user_api=None):
     """A command ``(comm, args=None)`` whose body runs with ``--threads`` BLAS threads, the caller's restored
     after: a command called as a function (as tests do) leaves the process as it found it (the BLAS thread
-    count picks the kernels' GEMM library, ``core.gemm.product``, so it changes results' last bits)."""
+    count picks the kernels' GEMM library, ``core.tuning.gemm.product``, so it changes results' last bits)."""
     def wrap(body):
         @functools.wraps(body)
         def command(comm, args=None):

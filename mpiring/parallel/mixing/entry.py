@@ -24,7 +24,7 @@ import numpy as np
 from ...core.mixers.conv import conv_rows, conv_rows_backward
 from ...core.mixers.runs import corrected, reverse_element, run_backward, run_forward
 from ...core.precision import compute_dtype, dtype_problem
-from ...core.threads import limited, node_threads
+from ...core.tuning.threads import limited, node_threads
 from ...plans.checks import describe, is_real
 from ...plans.chunks import MixerSpec
 from ...plans.layouts import put_rows, sort_order, take_rows

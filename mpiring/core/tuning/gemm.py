@@ -18,7 +18,7 @@ installed and the CPU is Intel's, else NumPy's):
   (``pip install mpiring[mkl]``), called through ctypes, sequential: one
   thread per rank. On the Xeon this was measured on, its GEMMs with the head
   dim as inner size run 1.2-1.35x OpenBLAS's (docs/performance.md §10).
-  Used only while BLAS runs one thread per process (``mpiring.core.threads``);
+  Used only while BLAS runs one thread per process (``mpiring.core.tuning.threads``);
   other thread counts take NumPy's path.
 
 The untuned rule, measured on both CPU families: MKL's kernel was 1.2-1.35x
@@ -45,9 +45,9 @@ import functools
 
 import numpy as np
 
+from ..tiles import scratch
 from .machine import Choice, cpu_vendor, mkl_library
 from .threads import blas_threads
-from .tiles import scratch
 
 __all__ = ["gemm", "product", "backend", "set_backend", "using", "available", "mkl_library", "BACKENDS"]
 

@@ -41,10 +41,8 @@ import warnings
 
 import numpy as np
 
-from .kernels import EXACT_ABOVE, LOG2E, LSE_LIMIT, merge
-from .machine import trim_heap
-from .threads import blas_threads
-from .tiles import (
+from ..kernels import EXACT_ABOVE, LOG2E, LSE_LIMIT, merge
+from ..tiles import (
     Progress,
     Shapes,
     as_view,
@@ -55,6 +53,8 @@ from .tiles import (
     tile_max_norm,
     tile_max_norm_t,
 )
+from .machine import trim_heap
+from .threads import blas_threads
 
 __all__ = ["installed", "available", "supports", "delta_matches", "forward", "backward", "CALL_SCORES"]
 
