@@ -21,9 +21,9 @@ from .plans.balancers import balance
 from .plans.chunks import MixerSpec
 from .plans.layouts import LAYOUTS, shard, shard_indices, unshard
 from .plans.make import make_plan
-from .plans.masks import visible_keys
 from .plans.plan import MODES, Schedule, Task
 from .plans.spec import Spec
+from .plans.visibility import visible_keys
 from .simulate import ring_attention_simulate, simulate
 
 # MPI-backed names: module that defines each, imported on first use (PEP 562)

@@ -38,9 +38,9 @@ from .mpi.decoding import EXCHANGES, MERGES, decode_agreement, decode_timeout, p
 from .mpi.waits import exclusive, wait_until
 from .plans.checks import Shown
 from .plans.content import described
-from .plans.masks import combined
 from .plans.plan import Piece, Where
 from .plans.spec import Spec, spec_problem
+from .plans.visibility import combined
 
 __all__ = ["decode_attention", "decode_many", "EXCHANGES", "MERGES", "renamed", "lse_merge", "merge_partials",
            "local_partial", "decode_agreement", "decode_timeout", "draft_mask", "draft_partial", "parents_problem",

@@ -74,7 +74,7 @@ class KVCache:
         interleave: with "interleave", tokens per run: token t lives on rank (t // interleave) % P
             (vLLM's decode context parallelism); "round_robin" is interleave=1.
         shared_values: the values are the keys' last ``value_dim`` values, stored once (MLA's latent:
-            keys [k_rope | c], values c; ``core.latent``); the calls then take v=None.
+            keys [k_rope | c], values c; ``core.mla``); the calls then take v=None.
         timeout: as ``ring_attention``, for every call.
 
     Bad arguments on any rank raise the same ValueError on every rank.

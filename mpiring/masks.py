@@ -5,7 +5,7 @@
     m = masks.window(128, 0) | masks.function(lambda q, k: k < 4)   # a sliding window and 4 global tokens
     out, lse = mpiring.ring_attention(q, k, v, mask=m, layout="zigzag")
 
-Each constructor gives a ``MaskPiece`` (``mpiring.plans.masks``); ``a & b``
+Each constructor gives a ``MaskPiece`` (``mpiring.plans.visibility``); ``a & b``
 keeps the keys both allow, ``a | b`` those either allows. The options
 ``causal=``, ``window=``, ``cu_seqlens=`` and ``causal_block=`` are the pieces
 ``causal()``, ``window()``, ``documents()`` and ``frames()``, and a call's mask
@@ -17,7 +17,8 @@ is all of its pieces together (``&``). ``parse`` reads the command line's
 import numpy as np
 
 from .core.scores import alibi, alibi_slopes
-from .plans.masks import (
+from .plans.indexer import Selected
+from .plans.visibility import (
     And,
     Causal,
     Documents,
@@ -30,7 +31,6 @@ from .plans.masks import (
     check_cu_seqlens,
     check_window,
 )
-from .plans.topk import Selected
 
 __all__ = ["causal", "window", "documents", "frames", "prefix", "padding", "function", "selected", "parse", "alibi",
            "alibi_slopes", "MaskPiece", "And", "Or"]

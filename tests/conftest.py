@@ -52,7 +52,7 @@ def qkv(rng, shape_q, shape_kv=None, dtype=np.float64, scale=1.0):
 def dense_mask(seq_len, causal=False, window=None, cu_seqlens=None):
     """The one reference mask of the suite: boolean (S, S) from the definitions (``mpiring.core.reference``).
 
-    It shares no code with mpiring.plans.masks or the plan, which it checks.
+    It shares no code with mpiring.plans.visibility or the plan, which it checks.
     """
     pos = np.arange(seq_len)
     return definition_mask(pos, pos, causal=causal, window=window, cu_seqlens=cu_seqlens)

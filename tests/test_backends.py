@@ -22,7 +22,7 @@ from mpiring import Ring, ring_attention, ring_attention_backward, shard_indices
 from mpiring.core import backends, kernels
 from mpiring.core.reference import reference_attention, reference_attention_backward
 from mpiring.core.tuning import machine, torch_kernel
-from mpiring.plans.masks import visible_keys
+from mpiring.plans.visibility import visible_keys
 from mpiring.testing import assert_attention_close
 
 from conftest import GRAD_TOL, needs_torch, qkv, tol

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .backends import attention_block, attention_block_backward, delta_is_rowsum
-from .latent import Expanded
+from .mla import Expanded
 from .scores import attend_general, count_allowed, grads_general
 from .tiles import filled, kernel_dtype, scratch
 

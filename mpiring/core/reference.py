@@ -18,7 +18,7 @@ def definition_mask(q_pos, k_pos, *, causal=False, window=None, cu_seqlens=None,
     window (left, right), -1 or None unbounded: i - left <= j <= i + right
     (j - i is compared with the window as a Python integer: nothing wraps around).
     cu_seqlens [0, e1, ..., S]: i and j in the same document, document d holding
-    positions cu[d] <= p < cu[d + 1]. ``mask``: more pieces (``plans.masks.MaskPiece``), each by its own
+    positions cu[d] <= p < cu[d + 1]. ``mask``: more pieces (``plans.visibility.MaskPiece``), each by its own
     definition (``allows``).
     """
     gap = np.asarray(k_pos, np.int64)[None, :] - np.asarray(q_pos, np.int64)[:, None]  # j - i

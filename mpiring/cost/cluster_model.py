@@ -25,7 +25,7 @@ tbf links) with this machine's measured FLOP rate.
 
 from dataclasses import dataclass
 
-from .strategies import compared_plan, strategy_of
+from .by_strategy import compared_plan, strategy_of
 
 __all__ = ["Cluster", "CLUSTERS", "emulated", "cluster_time", "compare_modes", "format_comparison", "COMPARED"]
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.precision import compute_itemsize
-from .strategies import (
+from .by_strategy import (
     TIME_NOTES,
     TIME_VARIANTS,
     analytic,

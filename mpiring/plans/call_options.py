@@ -13,8 +13,8 @@ import numpy as np
 from ..core.kernels import default_scale
 from .axes import seq_index
 from .checks import scale_problem
-from .masks import check_window
 from .spec import FIELDS, SCORE_FIELDS, Spec
+from .visibility import check_window
 
 __all__ = ["CALL_OPTIONS", "RUN", "RING_OPTIONS", "options_problem", "foreign_problem", "split"]
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .layouts import block_range
-from .masks import count_visible, is_exact, visible_keys
+from .visibility import count_visible, is_exact, visible_keys
 
 __all__ = ["Rows", "PairTable", "owners", "layout_owners", "run_unit", "runs_of", "visible_per_rank", "Reach"]
 

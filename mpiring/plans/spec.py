@@ -15,7 +15,7 @@ ranks' specs field by field (``shown``) and gathers their positions
 The problem: which tokens each rank holds (``seq_len`` and ``layout``, or
 ``positions`` / ``kv_positions``), the mask (``causal``, ``window``,
 ``cu_seqlens``, ``causal_block``, and ``mask``: more pieces of any kind,
-``plans.masks.MaskPiece``), the softmax ``scale``, the score modifiers
+``plans.visibility.MaskPiece``), the softmax ``scale``, the score modifiers
 (``softcap``, ``bias``, ``sinks``, ``dropout`` keyed by ``seed``, and
 ``return_max_logit``; docs/masks.md) and the precision
 options (``wire_dtype``, ``grad_wire_dtype``, ``accumulate``). The strategy:
@@ -37,8 +37,8 @@ from .content import content
 from .heads import heads_problem
 from .layouts import check_layout, sort_order
 from .make import make_plan
-from .masks import MaskPiece, check_causal_block, check_mask, check_window
 from .plan import ALL_MODES, MODES
+from .visibility import MaskPiece, check_causal_block, check_mask, check_window
 
 __all__ = ["Spec", "ROTATE", "FIELDS", "SCORE_FIELDS", "spec_problem", "digest", "is_real", "scale_problem", "count",
            "integers"]
@@ -126,7 +126,7 @@ class Spec:
     window: tuple = (-1, -1)
     cu_seqlens: np.ndarray | None = None
     causal_block: int | None = None
-    mask: tuple = ()  # more mask pieces (plans.masks.MaskPiece), all of which must allow a key
+    mask: tuple = ()  # more mask pieces (plans.visibility.MaskPiece), all of which must allow a key
     scale: float | None = None  # None: 1/sqrt(head dim)
     wire_dtype: str | None = None
     grad_wire_dtype: str | None = None

@@ -5,7 +5,7 @@ rows; ``reference`` is the dense float64 result over the whole sequence. The
 heads axis' "MLA" runs ``mla_attention`` on a latent (``LATENT``: r values and
 a rope key per token, per-head d_nope and dv) against
 ``testing.latent_reference``; the mask axis' "top-k" is an indexer's choice
-of 2 blocks of 2 tokens per query (``plans.topk.select`` in one process: the
+of 2 blocks of 2 tokens per query (``plans.indexer.select`` in one process: the
 choice ``select_topk`` gives every rank).
 """
 
@@ -17,8 +17,8 @@ import numpy as np
 from mpiring.core.precision import named_dtype
 from mpiring.core.reference import definition_mask, dense_attention, dense_attention_backward, scored_attention
 from mpiring.core.scores import alibi
+from mpiring.plans.indexer import Selected, select
 from mpiring.plans.layouts import LAYOUTS, shard_indices
-from mpiring.plans.topk import Selected, select
 from mpiring.testing import latent_reference, latent_reference_backward
 
 __all__ = ["SEED", "LATENT", "sizes", "head_counts", "mask_options", "placement", "inputs", "score_options",

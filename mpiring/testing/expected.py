@@ -3,13 +3,13 @@
 ``reference`` / ``reference_backward``: attention and its gradients with the mask written directly
 from the definitions (causal, sliding window, packed documents), grouped-query heads and arbitrary
 query/key positions (a rank's shard against the whole sequence): the package's one plain reference
-(``mpiring.core.reference``), independent of ``mpiring.plans.masks``, the plan and the tiled
+(``mpiring.core.reference``), independent of ``mpiring.plans.visibility``, the plan and the tiled
 kernels, so it can check them.
 """
 
 import numpy as np
 
-from ..core.latent import expand
+from ..core.mla import expand
 from ..core.reference import definition_mask, dense_attention, dense_attention_backward, scored_attention
 from ..core.tuning.threads import limited, node_threads
 from ..plans.spec import spec_problem
@@ -150,7 +150,7 @@ def _options(spec, options):
 
 
 def latent_reference(q, c_kv, k_rope, w_uk, w_uv, **options):
-    """MLA in float64 (``mpiring.mla_attention``): the latent expanded per head (``core.latent.expand``), then
+    """MLA in float64 (``mpiring.mla_attention``): the latent expanded per head (``core.mla.expand``), then
     ``reference`` with its options."""
     k, v = expand(c_kv, k_rope, w_uk, w_uv, np.float64)
     return reference(np.asarray(q, np.float64), k, v, **options)

@@ -16,7 +16,7 @@ its dK/dV partial of a block straight home as soon as that block is done; the
 owner adds them up in the order of the users' ranks.
 
 Under a mask that asks for it (a piece with ``sparse_keys``: the top-k
-selection, ``plans.topk``), only the keys of a block that some query of the
+selection, ``plans.indexer``), only the keys of a block that some query of the
 receiving rank sees travel (``kept``), and only their dK/dV partial comes home.
 
 Each rank receives exactly the blocks it needs, once: the minimum. Never more
