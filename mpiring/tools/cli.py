@@ -2,6 +2,7 @@
 
 import argparse
 import functools
+import math
 import os
 import pickle
 import time
@@ -229,12 +230,12 @@ def poll(requests, timeout=None, what="the other ranks", spin=False):
     """
     from mpi4py import MPI
 
+    from mpiring.mpi.waits import polls
+
     start = time.perf_counter()
-    while not MPI.Request.Testall(requests):
-        if timeout is not None and time.perf_counter() - start > timeout:
+    for now in polls(lambda: MPI.Request.Testall(requests), naps=(1e-3, 1e-3), spin=math.inf if spin else 0.0):
+        if timeout is not None and now - start > timeout:
             raise TimeoutError(f"waited {timeout:g} s for {what}")
-        if not spin:
-            time.sleep(0.001)
 
 
 def barrier(comm, spin=False):
