@@ -93,7 +93,7 @@ class Queries(NamedTuple):
 
 def queries(dout, q, out, lse, delta):
     """``Queries`` of a backward call, delta checked once for all its blocks where torch's op may take them
-    (the op computes rowsum(dout * out) itself; checked per block it was 2-3 % of a P = 2 backward)."""
+    (the op computes rowsum(dout * out) itself; a check per block costs more, docs/performance.md §21)."""
     return Queries(dout, q, out, lse, delta, delta_is_rowsum(dout, q, out, delta))
 
 

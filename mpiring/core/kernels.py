@@ -109,7 +109,7 @@ def attention_block(
     dq_tile, dk_tile = default_tiles(d, dt)
     tq, tk = tile_q or dq_tile, tile_k or dk_tile
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    c2 = scale * LOG2E                        # scores in log2 units: exp2 is ~2x faster
+    c2 = scale * LOG2E                        # scores in log2 units: exp2 is cheaper than exp
     limit_log2 = _LIMIT_LOG2[dt]
     limit = 2.0 ** limit_log2
     mm = gemm.product()

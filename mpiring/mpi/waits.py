@@ -26,11 +26,11 @@ CAUSES = "another rank may have failed or stalled, or its compute step outlasted
 # How a rank waits (docs/performance.md §10). It polls MPI without pause for SPIN_SECONDS, as
 # MPI_Waitall would: a large transfer moves only while someone polls, and in a balanced ring the
 # others finish about when this rank did. Past that they are still computing, and a rank that kept
-# spinning took a core from the slower rank it waited for on a shared machine (the backward under
-# one busy process: 11.3 s against 5.4 s): the wait sleeps between polls, 50 us doubling to 1 ms,
-# and after each nap polls for BURST_SECONDS, so data that starts to move keeps moving (naps alone
-# slowed the idle backward by 10-20 %). A wait that carries no data (a barrier, an agreement, the
-# end-of-ring check: ``sync=True``) spins SYNC_SPIN_SECONDS and needs no bursts.
+# spinning took a core from the slower rank it waited for on a shared machine: the wait sleeps
+# between polls, 50 us doubling to 1 ms, and after each nap polls for BURST_SECONDS, so data that
+# starts to move keeps moving (naps alone slowed the idle backward). A wait that carries no data
+# (a barrier, an agreement, the end-of-ring check: ``sync=True``) spins SYNC_SPIN_SECONDS and needs
+# no bursts.
 SPIN_SECONDS = 0.1
 BURST_SECONDS = 1e-3
 SYNC_SPIN_SECONDS = 0.02

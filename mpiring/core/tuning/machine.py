@@ -92,7 +92,7 @@ def vector_extensions():
 @functools.cache
 def numpy_exp2_vectorized():
     """Whether NumPy runs float32 ``exp2`` with a SIMD loop here, not its baseline one (NumPy 2's x86 wheels
-    have one for AVX-512 only: on an AVX2 CPU its exp2 runs ~10x slower). NumPy's own report
+    have one for AVX-512 only; docs/performance.md §19). NumPy's own report
     (``numpy.lib.introspect``), else whether the CPU has AVX-512 (NumPy before 2.0)."""
     try:
         from numpy.lib.introspect import opt_func_info

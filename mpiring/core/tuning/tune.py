@@ -46,7 +46,7 @@ def candidates(dtype):
 
 def _time(fn, repeats):
     """Fastest of ``repeats`` calls, in this process's CPU seconds (one thread: a machine shared with other jobs
-    stretches the wall clock 2-5x, the CPU time much less), after one untimed call."""
+    stretches the wall clock, the CPU time much less), after one untimed call."""
     fn()
     best = float("inf")
     for _ in range(repeats):
