@@ -10,7 +10,8 @@ edge of the graph. Layers, lowest first::
 
 A module may import its own layer or lower ones, never a higher one, and the
 graph has no cycle. No loop calls the public API: the grid runs the ring
-across its groups with the loop ``parallel.strategies`` hands it.
+across its groups with the loop ``parallel.strategies`` hands it. Every
+module of mpi/ uses MPI, and no two modules share a file name.
 """
 
 import ast
