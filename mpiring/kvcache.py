@@ -46,7 +46,6 @@ from .mpi.decoding import by_content, path_problem
 from .mpi.waits import exclusive, wait_until
 from .plans.checks import Shown, describe, timeout_problem
 from .plans.layouts import layout_positions
-from .plans.spec import digest
 
 __all__ = ["KVCache", "attend_many", "PLACEMENTS", "QUANTIZE", "TILE", "ERROR_BOUND", "quantize"]
 
@@ -483,7 +482,3 @@ def attend_many(caches, qs, *, exchange="tree", scale=None, record=None, comm=No
                             dtype=first.dtype)
         rec.wall_time = time.perf_counter() - start
         return result
-
-
-def _bytes_digest(a):
-    return digest(np.ascontiguousarray(a).view(np.uint8))

@@ -165,9 +165,10 @@ class Shown:
         return self.text
 
 
-def shape_text(a):
-    """A shape with the sequence axis, which may differ between ranks, shown as *."""
-    return "(" + ", ".join("*" if i == a.ndim - 2 else str(n) for i, n in enumerate(a.shape)) + ")"
+def shape_text(a, axis=-2):
+    """A shape with the sequence axis (``axis``), which may differ between ranks, shown as *."""
+    axis = axis % a.ndim
+    return "(" + ", ".join("*" if i == axis else str(n) for i, n in enumerate(a.shape)) + ")"
 
 
 def verdict(problems, prefix="rank"):

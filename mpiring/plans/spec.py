@@ -229,12 +229,6 @@ class Spec:
         split = self.head_split(size)
         return None if split is None else heads_problem(q, k, *split)
 
-    @property
-    def scored(self):
-        """Whether the scores have a modifier (softcap, bias, sinks, dropout) or the max logit is asked for."""
-        return (self.softcap is not None or self.bias is not None or self.sinks is not None or bool(self.dropout)
-                or self.return_max_logit)
-
     def scores_problem(self, q):
         """Why this rank's q does not fit the score and mask options (sinks per head, padding per batch entry),
         or None (never raises)."""

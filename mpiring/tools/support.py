@@ -35,7 +35,7 @@ from mpiring.plans.layouts import LAYOUTS
 from mpiring.plans.plan import ALL_MODES, MODES
 from mpiring.testing import attention_error, tolerance
 
-from .cli import Agreed, command_parser
+from .cli import Agreed, command_parser, table_text
 from .support_cases import (
     call,
     grad_names,
@@ -50,7 +50,7 @@ from .support_cases import (
 from .verify import run_tolerance
 
 __all__ = ["AXES", "DEFAULTS", "Cell", "strategies", "cells", "changed", "label", "covering", "matrix", "sample",
-           "run_cell", "run_cells", "run_case", "render", "doc_section", "write_section", "support",
+           "run_cells", "run_case", "render", "doc_section", "write_section", "support",
            "support_parser"]
 
 AXES = {"assignment": LAYOUTS + ("positions", "kv_positions"),
@@ -271,11 +271,6 @@ def run_cells(comm, chosen, keep_going=False):
     return {cell: verdicts[cell] for cell in chosen}
 
 
-def run_cell(comm, cell):
-    """The verdict of one cell: "works", "raises: <message>", "skipped: <why>" or "WRONG: <what>"."""
-    return run_case(comm, cell[:-1], backward=cell.pass_ == "backward")[cell.pass_]
-
-
 def matrix(comm, keep_going=False):
     """``{cell: verdict}`` of the matrix at this communicator's size (the module's docstring), in run order."""
     verdicts = {}
@@ -301,14 +296,6 @@ def matrix(comm, keep_going=False):
 
 
 # ---------------------------------------------------------------- the tables
-
-
-def _table(header, rows, markdown):
-    if markdown:
-        lines = [header, ["---"] * len(header)] + rows
-        return "\n".join("| " + " | ".join(line) + " |" for line in lines)
-    widths = [max(len(line[i]) for line in [header] + rows) for i in range(len(header))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in [header] + rows)
 
 
 def _failing_alone(verdicts, cell):
@@ -352,13 +339,13 @@ def render(verdicts, P, markdown=False):
            f"a cell is forward / backward where they differ:"]
     for axis, values in AXES.items():
         rows = [[s] + [both(s, ((axis, value),)) for value in values] for s in names]
-        out += ["", f"{bold}{axis}{bold}", "", _table(["strategy"] + list(values), rows, markdown)]
+        out += ["", f"{bold}{axis}{bold}", "", table_text(["strategy"] + list(values), rows, markdown, left=True)]
     minimal = [cell for cell in verdicts if _failing_alone(verdicts, cell)]
     together = {(cell.strategy, changed(cell)): None for cell in minimal if len(changed(cell)) > 1}
     out += ["", f"{bold}options that fail together{bold} (each works alone, or with fewer of them):", ""]
     rows = [[s, label(_cell(s, options, "forward")), *(key(verdicts.get(_cell(s, options, p), "-")) for p in PASSES)]
             for s, options in together]
-    out.append(_table(["strategy", "options", *PASSES], rows, markdown) if rows else "none")
+    out.append(table_text(["strategy", "options", *PASSES], rows, markdown, left=True) if rows else "none")
     if errors:
         out += ["", f"{bold}errors{bold}", ""] + [f"- {number}: `{message}`" if markdown else f"{number}: {message}"
                                                   for message, number in errors.items()]

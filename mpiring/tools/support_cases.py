@@ -1,10 +1,10 @@
 """The support matrix's problems: each cell's tokens, mask, scores and inputs, its float64 reference, and its call.
 
 Every rank builds the whole problem from one seed (``SEED``) and takes its
-rows; ``reference`` is the dense float64 result over the whole sequence. The
-heads axis' "MLA" runs ``mla_attention`` on a latent (``LATENT``: r values and
-a rope key per token, per-head d_nope and dv) against
-``testing.latent_reference``; the mask axis' "top-k" is an indexer's choice
+rows; ``reference`` is the dense float64 result over the whole sequence
+(``mpiring.testing``'s). The heads axis' "MLA" runs ``mla_attention`` on a
+latent (``LATENT``: r values and a rope key per token, per-head d_nope and
+dv) against ``testing.latent_reference``; the mask axis' "top-k" is an indexer's choice
 of 2 blocks of 2 tokens per query (``plans.indexer.select`` in one process: the
 choice ``select_topk`` gives every rank).
 """
@@ -14,8 +14,8 @@ import math
 
 import numpy as np
 
+from mpiring import testing
 from mpiring.core.precision import named_dtype
-from mpiring.core.reference import definition_mask, dense_attention, dense_attention_backward, scored_attention
 from mpiring.core.scores import alibi
 from mpiring.plans.indexer import Selected, select
 from mpiring.plans.layouts import LAYOUTS, shard_indices
@@ -120,13 +120,8 @@ def reference(P, heads, dtype, mask, prefill, score="none"):
         return latent_reference(q, c, kr, wk, wv, **options) + latent_reference_backward(dout, q, c, kr, wk, wv,
                                                                                          **options)
     q, k, v, _ = arrays
-    allowed = definition_mask(pos, pos, **mask_options(mask, S))
-    rows = lambda a, b: allowed[a:b]  # noqa: E731
-    if score != "none":  # the scored reference, from the definitions (core.reference.scored_attention)
-        extra = score_options(score, P, heads)
-        grads = scored_attention(q, k, v, allowed, dout=dout, **extra)
-        return scored_attention(q, k, v, allowed, **extra)[:2] + grads[:3] + grads[3:] * ("sinks" in extra)
-    return dense_attention(q, k, v, None, rows) + dense_attention_backward(dout, q, k, v, None, rows)
+    options = dict(mask_options(mask, S), **score_options(score, P, heads))
+    return testing.reference(q, k, v, **options) + testing.reference_backward(dout, q, k, v, **options)
 
 
 def call(heads, backward=False):

@@ -265,6 +265,18 @@ def child_env(**extra):
     return env
 
 
+def child_json(script, job, threads, timeout, *argv):
+    """What the file ``script`` prints last (a JSON line), run by this Python outside MPI with ``threads`` threads
+    and ``job`` as JSON on its stdin; None if it failed or printed none."""
+    env = child_env(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    try:
+        done = subprocess.run([sys.executable, os.path.abspath(script), *argv], input=json.dumps(job), env=env,
+                              capture_output=True, text=True, timeout=timeout)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, OSError, ValueError, IndexError):
+        return None
+
+
 # ---------------------------------------------------------------- a controlled background load
 
 MARKER = "mpiring-bench-load"  # in every spinner's command line, so that a test or a person finds them in /proc
