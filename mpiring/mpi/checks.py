@@ -229,7 +229,7 @@ def compared(spec, timeout):
     """
     values = dict({name: getattr(spec, name) for name in FIELDS}, timeout=timeout)
     rows = ("positions", "kv_positions")
-    by_content = ("mask", "bias", "sinks")  # by what they are and read (``Spec.field_content``), not pickled
+    by_content = ("mask", "bias", "score_mod", "score_mod_grad", "sinks")  # by what they are and read, not pickled
     return {name: Shown(val is not None, "given" if val is not None else "None") if name in rows
             else Shown(None, " & ".join(map(repr, val)) or "()" if name == "mask" else described(val),
                        spec.field_content(name)) if name in by_content
