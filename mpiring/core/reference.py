@@ -125,7 +125,8 @@ def scored_attention(q, k, v, allowed, *, scale=None, softcap=None, bias=None, s
 
     ``allowed``: bool, broadcastable to (..., Hq, Sq, Sk) (a batched mask: (B, 1, Sq, Sk)). The logit
     r = scale q.k becomes softcap * tanh(r / softcap), plus ``bias(heads, q_pos, k_pos)``, then
-    ``score_mod(s, batch, head, q_pos, k_pos)`` (its derivative ``score_mod_grad``); hidden keys drop out; ``sinks`` (one logit per query head) join each row's denominator; dropout keeps the entries
+    ``score_mod(s, batch, head, q_pos, k_pos)`` (its derivative ``score_mod_grad``); hidden keys drop out;
+    ``sinks`` (one logit per query head) join each row's denominator; dropout keeps the entries
     ``core.scores.dropout_keep`` draws (the one definition of which entries drop) and scales them by
     1 / (1 - dropout). Returns ``(out, lse, max_logit)`` (max_logit: the largest visible r per batch entry
     and head), and with ``dout`` also ``(dq, dk, dv, dsinks)`` of the loss sum(dout * out), by the chain rule,
