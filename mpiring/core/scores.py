@@ -35,7 +35,7 @@ from .modifiers import TableBias, mod_values, tile_indices
 from .tiles import kernel_dtype
 
 __all__ = ["Score", "attend_general", "grads_general", "alibi_slopes", "alibi", "with_sinks", "sink_grads",
-           "dropout_keep", "count_allowed", "FunctionFailed", "evaluated", "bias_probe", "finite_bias"]
+           "dropout_keep", "count_allowed", "FunctionFailed", "evaluated", "bias_probe", "mod_probe", "finite_bias"]
 
 TILE_Q, TILE_K = 128, 512
 
@@ -113,6 +113,14 @@ def bias_probe(bias, heads, q_pos, seq_len, finite=False):
         if finite:
             evaluated(f"the bias function {getattr(bias, '__qualname__', type(bias).__qualname__)}", qp, kp,
                       finite_bias, np.asarray(values))
+
+
+def mod_probe(fn, what, heads, q_pos, seq_len, finite=False):
+    """``bias_probe`` for a score_mod (``what``: "score_mod" or "score_mod_grad") on zero scores of one batch entry."""
+    q_pos, every = np.asarray(q_pos, np.int64), np.arange(seq_len, dtype=np.int64)
+    for qp, kp in ((q_pos, every[[0, -1]]), (q_pos[[0, -1]], every)):
+        evaluated(f"the {what} {getattr(fn, '__qualname__', type(fn).__qualname__)}", qp, kp, mod_values, fn,
+                  np.zeros((1, heads, len(qp), len(kp))), tile_indices(1, np.arange(heads), qp, kp), finite)
 
 
 def _span(pos):

@@ -12,7 +12,7 @@ from ..core import backends, gemm
 from ..core.kernels import LSE_LIMIT
 from ..core.precision import compute_dtype, dtype_problem
 from ..core.ranks import ranks_text
-from ..core.scores import FunctionFailed, bias_probe
+from ..core.scores import FunctionFailed, bias_probe, mod_probe
 from ..plans.content import described, difference, first_difference, leaf_value
 from ..plans.spec import FIELDS, digest, is_real, scale_problem
 
@@ -338,6 +338,9 @@ def pairs_problem(plan, spec, rank, heads, finite=False):
                 row[source]
         if spec.bias is not None:
             bias_probe(spec.bias, heads, plan.shards[rank], plan.seq_len, finite)
+        for name in ("score_mod", "score_mod_grad"):
+            if getattr(spec, name) is not None:
+                mod_probe(getattr(spec, name), name, heads, plan.shards[rank], plan.seq_len, finite)
     except FunctionFailed as exc:
         return str(exc)
     return None
