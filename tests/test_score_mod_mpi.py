@@ -50,7 +50,7 @@ def log_gelu_grad(s, b, h, qi, ki):
 
 
 def checker_half(s, b, h, qi, ki):
-    return np.where((qi + ki) % 2 == 0, s * 0.5, s) + 0.1 * h - 0.2 * b
+    return np.where((qi + ki) % 2 == 0, s * 0.5, s) + 0.25 * h - 0.5 * b
 
 
 def checker_half_grad(s, b, h, qi, ki):
