@@ -150,3 +150,35 @@ def test_a_failing_score_mod_is_named_on_every_rank():
         return s + hits[ki]
     with pytest.raises(ValueError, match="the score_mod .*looked_up.* fails on"):
         mpiring.ring_attention(q[..., i, :], k[..., i, :], v[..., i, :], comm, score_mod=looked_up)
+
+
+def test_the_torch_adapter_trains_a_table_and_derives_the_derivative():
+    """mpiring.torch: a score_mod in torch ops (derivative by autograd), a T5 table as an nn.Parameter whose
+    gradient comes back summed over the ranks."""
+    torch = pytest.importorskip("torch")
+    import mpiring.torch
+    comm = _comm()
+    P, r = comm.Get_size(), comm.Get_rank()
+    q, k, v, dout, table = _arrays(4)
+
+    def tmod(s, b, h, qi, ki):
+        return torch.where((qi + ki) % 2 == 0, 0.5 * s, torch.nn.functional.gelu(s)) + 0.25 * h
+
+    def fn(s, b, h, qi, ki):
+        return np.where((qi + ki) % 2 == 0, 0.5 * s, s * _cdf(s)) + 0.25 * h
+
+    def dfn(s, b, h, qi, ki):
+        return np.where((qi + ki) % 2 == 0, 0.5, _cdf(s) + s * np.exp(-s * s / 2) / math.sqrt(2 * math.pi))
+    kw = dict(causal=True, window=(9, 0), bias=mpiring.masks.t5_bias(table, max_distance=20))
+    want_out, _ = mpiring.testing.reference(q, k, v, score_mod=fn, **kw)
+    want = mpiring.testing.reference_backward(dout, q, k, v, score_mod=fn, score_mod_grad=dfn, **kw)
+    i = mpiring.shard_indices(S, P, r, "zigzag")
+    param = torch.nn.Parameter(torch.tensor(table))
+    t = [torch.tensor(x[..., i, :], requires_grad=True) for x in (q, k, v)]
+    out = mpiring.torch.ring_attention(*t, comm=comm, layout="zigzag", score_mod=tmod,
+                                       **dict(kw, bias=mpiring.masks.t5_bias(param, max_distance=20)))
+    (out * torch.tensor(dout[..., i, :])).sum().backward()
+    np.testing.assert_allclose(out.detach().numpy(), want_out[..., i, :], atol=1e-11, rtol=0)
+    for x, ref in zip(t, want):
+        np.testing.assert_allclose(x.grad.numpy(), ref[..., i, :], atol=1e-11, rtol=0)
+    np.testing.assert_allclose(param.grad.numpy(), want[3], atol=1e-11, rtol=0)
