@@ -165,3 +165,18 @@ def test_bad_tables_and_score_mods_are_refused():
         mpiring.ring_attention(q, k, v, MPI.COMM_SELF, score_mod=lambda s, b, h, qi, ki: np.zeros(3))
     with pytest.raises(ValueError, match="has no derivative"):
         mpiring.testing.reference_backward(dout, q, k, v, score_mod=MODS["log(gelu(s) + 1)"][0])
+
+
+def test_the_simulator_returns_the_table_gradient():
+    from mpiring.simulate import simulate_backward
+    q, k, v, dout, table = _arrays(5)
+    kw = dict(causal=True, bias=masks.t5_bias(table, max_distance=24), score_mod=MODS["checkerboard s * 0.5"][0],
+              score_mod_grad=MODS["checkerboard s * 0.5"][1])
+    out, lse, _ = mpiring.simulate(q, k, v, 3, layout="zigzag", **kw)
+    grads = simulate_backward(dout, q, k, v, out, lse, 3, layout="zigzag", **kw)
+    want = mpiring.testing.reference_backward(dout, q, k, v, **kw)
+    assert len(grads) == 4
+    for got, ref in zip(grads, want):
+        np.testing.assert_allclose(got, ref, atol=1e-12, rtol=0)
+    with pytest.raises(ValueError, match="has no derivative"):
+        simulate_backward(dout, q, k, v, out, lse, 3, causal=True, score_mod=MODS["checkerboard s * 0.5"][0])
