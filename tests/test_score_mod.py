@@ -180,3 +180,15 @@ def test_the_simulator_returns_the_table_gradient():
         np.testing.assert_allclose(got, ref, atol=1e-12, rtol=0)
     with pytest.raises(ValueError, match="has no derivative"):
         simulate_backward(dout, q, k, v, out, lse, 3, causal=True, score_mod=MODS["checkerboard s * 0.5"][0])
+
+
+def test_the_derivative_may_come_with_the_backward_alone():
+    """score_mod_grad does not change the forward: an lse made without it is taken by a backward with it."""
+    fn, dfn, _ = MODS["checkerboard s * 0.5"]
+    q, k, v, dout, _ = _arrays(6)
+    out, lse = mpiring.ring_attention(q, k, v, MPI.COMM_SELF, causal=True, score_mod=fn)
+    grads = mpiring.ring_attention_backward(dout, q, k, v, out, lse, MPI.COMM_SELF, causal=True, score_mod=fn,
+                                            score_mod_grad=dfn)
+    for got, want in zip(grads, mpiring.testing.reference_backward(dout, q, k, v, causal=True, score_mod=fn,
+                                                                   score_mod_grad=dfn)):
+        np.testing.assert_allclose(got, want, atol=1e-12, rtol=0)

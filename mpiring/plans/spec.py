@@ -375,7 +375,7 @@ class Spec:
                "mask": tuple(f"{piece!r} ({digest(repr(piece.key()).encode())[:8]})" for piece in self.mask),
                "ranks": size, "scale": float(scale),
                "wire_dtype": self.wire_dtype}
-        for name in ("softcap", "bias", "score_mod", "score_mod_grad", "sinks", "dropout", "seed"):  # when given
+        for name in ("softcap", "bias", "score_mod", "sinks", "dropout", "seed"):  # the scores, when given
             if _key(getattr(self, name)) != _key(DEFAULTS[name]):
                 tag[name] = f"{_key(getattr(self, name))!r}"
                 tag[name] = tag[name] if len(tag[name]) < 80 else digest(tag[name].encode())[:12]
