@@ -124,12 +124,12 @@ def test_a_backward_without_the_derivative_is_refused_on_every_rank():
         mpiring.ring_attention_backward(*a, out, lse, comm, layout="zigzag", causal=True, score_mod=log_gelu)
 
 
-def test_a_score_mod_that_differs_between_ranks_is_every_ranks_error():
+def test_a_score_mod_or_table_that_differs_between_ranks_is_every_ranks_error():
     comm = _comm()
     P, r = comm.Get_size(), comm.Get_rank()
     if P == 1:
         pytest.skip("needs two ranks")
-    q, k, v, _, _ = _arrays()
+    q, k, v, _, table = _arrays()
     i = mpiring.shard_indices(S, P, r)
     factor = 0.5 if r == P - 1 else 0.25
 
@@ -137,6 +137,9 @@ def test_a_score_mod_that_differs_between_ranks_is_every_ranks_error():
         return s * factor
     with pytest.raises(ValueError, match="score_mod differs from rank"):
         mpiring.ring_attention(q[..., i, :], k[..., i, :], v[..., i, :], comm, score_mod=scaled)
+    table[1, 3] += r == P - 1
+    with pytest.raises(ValueError, match="bias differs from rank"):
+        mpiring.ring_attention(q[..., i, :], k[..., i, :], v[..., i, :], comm, bias=mpiring.masks.t5_bias(table))
 
 
 def test_a_failing_score_mod_is_named_on_every_rank():
@@ -150,6 +153,10 @@ def test_a_failing_score_mod_is_named_on_every_rank():
         return s + hits[ki]
     with pytest.raises(ValueError, match="the score_mod .*looked_up.* fails on"):
         mpiring.ring_attention(q[..., i, :], k[..., i, :], v[..., i, :], comm, score_mod=looked_up)
+    out, lse = mpiring.ring_attention(q[..., i, :], k[..., i, :], v[..., i, :], comm, score_mod=checker_half)
+    with pytest.raises(ValueError, match="the score_mod_grad .*looked_up.* fails on"):
+        mpiring.ring_attention_backward(out, q[..., i, :], k[..., i, :], v[..., i, :], out, lse, comm,
+                                        score_mod=checker_half, score_mod_grad=looked_up)
 
 
 def test_the_torch_adapter_trains_a_table_and_derives_the_derivative():
