@@ -188,7 +188,8 @@ def draft_partial(q, k, v, parents, scale):
 
 
 DECODE_FIELDS = ("scale", "causal", "positions", "kv_positions")
-SCORE_FIELDS = ("mask", "softcap", "bias", "sinks")  # decoding's masks and scores (no dropout, no max logit)
+SCORE_FIELDS = ("mask", "softcap", "bias", "score_mod", "sinks")  # decoding's masks and scores (no dropout, no max
+# logit; no backward, so no score_mod_grad)
 
 
 def spec_of(spec, *values, who="decode_attention", scores=None):
@@ -217,7 +218,8 @@ class Scores:
 
     @classmethod
     def of(cls, spec):
-        plain = not spec.mask and spec.softcap is None and spec.bias is None and spec.sinks is None
+        plain = (not spec.mask and spec.softcap is None and spec.bias is None and spec.sinks is None
+                 and spec.score_mod is None)
         return None if plain else cls(spec)
 
     def problem(self, q, positions, kv_positions):
@@ -276,7 +278,7 @@ def decode_attention(
             iff kv_positions[j] <= positions[i]. Off: every new token sees every key.
         timeout: as ``ring_attention``: seconds any wait may take, "auto" or None.
         record: a ``Record`` to fill ("compute" and "merge" events, bytes sent).
-        options: ``scale`` (default 1/sqrt(dim)), and ``mask``, ``softcap``, ``bias``, ``sinks`` as
+        options: ``scale`` (default 1/sqrt(dim)), and ``mask``, ``softcap``, ``bias``, ``score_mod``, ``sinks`` as
             ``ring_attention`` takes them (docs/masks.md), with ``positions`` and ``kv_positions`` (the pieces and
             the bias see global positions); no dropout, no max logit.
         spec: a ``Spec`` giving these options instead (``spec_of``).

@@ -40,6 +40,7 @@ from .parallel.strategies import (
     run_forward,
     scored_forward,
     sink_gradients,
+    table_gradients,
 )
 from .plans.axes import axis_problem, seq_index
 from .plans.call_options import CALL_OPTIONS, options_problem
@@ -294,7 +295,7 @@ class Ring:
                            or length_problem(self.plan, self.rank, q, k) or self.spec.heads_problem(q, k, self.size)
                            or self.spec.scores_problem(q))
                 if problem is None and lse is not None:
-                    problem = (grad_problem(names["dout"], q, k, v, names["out"], lse)
+                    problem = (self.spec.backward_problem() or grad_problem(names["dout"], q, k, v, names["out"], lse)
                                or dlse_problem(dlse, lse)
                                or mismatch(lse, self.spec.made_by(self.size, self._resolved_scale(q),
                                                                   self.plan.seq_len)))
@@ -363,15 +364,16 @@ class Ring:
         if len(lses) > 1:  # d lse / d score = p: the dlse term joins delta (ds = p * (dp - delta + dlse))
             delta -= lses[1]
         record = Record(self.rank) if record is None else record
-        call = Call(self.plan, self._rings, Score.of(self.spec, scale, finite=self.check_finite), record, timeout,
-                    precision)
+        score = Score.of(self.spec, scale, finite=self.check_finite, backward=True)
+        call = Call(self.plan, self._rings, score, record, timeout, precision)
         with self._running():
             grads = run_backward((dout, q, k, v, out, lses[0], delta.astype(q.dtype)), call)
             dsinks = sink_gradients(self.spec, lses[0], delta, self._rings[0].comm, timeout)
+            dtable = table_gradients(score, self._rings[0].comm, timeout)
         grads = [self.plan.in_caller_order(self.rank, g.astype(precision.input, copy=False), kv=i > 0)
                  for i, g in enumerate(grads)]
         grads = tuple(np.moveaxis(g, -2, seq_index(self.seq_axis, g.ndim)) for g in grads)
-        return grads if dsinks is None else grads + (dsinks,)
+        return grads + tuple(g for g in (dsinks, dtable) if g is not None)
 
 
 # ---------------------------------------------------------------------- the plain functions

@@ -11,11 +11,13 @@ keeps the keys both allow, ``a | b`` those either allows. The options
 ``causal()``, ``window()``, ``documents()`` and ``frames()``, and a call's mask
 is all of its pieces together (``&``). ``parse`` reads the command line's
 ``--mask`` text. Score modifiers are options of their own (``softcap=``,
-``bias=``, ``sinks=``, ``dropout=``); ``alibi(H)`` is ALiBi's bias.
+``bias=``, ``score_mod=``, ``sinks=``, ``dropout=``); ``alibi(H)`` is ALiBi's bias, ``TableBias`` a learnable
+bias table (``t5_bias``: T5's relative position buckets).
 """
 
 import numpy as np
 
+from .core.modifiers import TableBias, relative_buckets, t5_bias
 from .core.scores import alibi, alibi_slopes
 from .plans.indexer import Selected
 from .plans.visibility import (
@@ -33,7 +35,7 @@ from .plans.visibility import (
 )
 
 __all__ = ["causal", "window", "documents", "frames", "prefix", "padding", "function", "selected", "parse", "alibi",
-           "alibi_slopes", "MaskPiece", "And", "Or"]
+           "alibi_slopes", "TableBias", "t5_bias", "relative_buckets", "MaskPiece", "And", "Or"]
 
 
 def causal():

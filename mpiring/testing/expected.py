@@ -127,13 +127,16 @@ def reference_backward(dout, q, k, v, *, spec=None, causal=False, q_positions=No
 
     dP = dout v^T, dS = P * (dP - rowsum(dout * out)), dq = scale dS k, dk = scale dS^T q, dv = P^T dout;
     grouped-query K/V gradients are summed over the query heads that share them
-    (``mpiring.core.reference.dense_attention_backward``). With ``sinks``: ``(dq, dk, dv, dsinks)``.
+    (``mpiring.core.reference.dense_attention_backward``). With ``sinks``: ``(dq, dk, dv, dsinks)``; with a
+    ``TableBias`` bias, d table follows (``(dq, dk, dv[, dsinks], dtable)``, as ``Ring.backward``).
     Options as ``reference``'s.
     """
     spec, masks, scores = _options(spec, dict(options, causal=causal))
+    if spec.backward_problem():
+        raise ValueError(spec.backward_problem())
     if _scored(masks, scores):
         grads = _scored_call(q, k, v, q_positions, k_positions, masks, scores, spec.scale, dout)
-        return grads if spec.sinks is not None else grads[:3]
+        return grads[:3] + grads[3:4] * (spec.sinks is not None) + grads[4:]
     rows = _prepare(q, k, v, q_positions, k_positions, masks)
     with limited(node_threads()):
         return dense_attention_backward(dout, q, k, v, spec.scale, rows)
@@ -146,7 +149,8 @@ def _options(spec, options):
         raise ValueError(problem)
     masks = dict(causal=spec.causal, window=spec.window, cu_seqlens=spec.cu_seqlens, causal_block=spec.causal_block,
                  mask=spec.mask)
-    return spec, masks, {name: getattr(spec, name) for name in ("softcap", "bias", "sinks", "dropout", "seed")}
+    return spec, masks, {name: getattr(spec, name)
+                         for name in ("softcap", "bias", "score_mod", "score_mod_grad", "sinks", "dropout", "seed")}
 
 
 def latent_reference(q, c_kv, k_rope, w_uk, w_uv, **options):
@@ -171,7 +175,8 @@ def latent_reference_backward(dout, q, c_kv, k_rope, w_uk, w_uv, **options):
 
 def _scored(options, scores):
     """Whether the dense scored reference is needed: a score modifier, or a mask that differs per batch entry."""
-    modified = any(scores[name] is not None for name in ("softcap", "bias", "sinks")) or bool(scores["dropout"])
+    modified = any(scores[name] is not None for name in ("softcap", "bias", "score_mod", "sinks"))
+    modified = modified or bool(scores["dropout"])
     return modified or any(p.batched for p in options["mask"])
 
 

@@ -38,6 +38,7 @@ from mpiring.testing import attention_error, tolerance
 from .cli import Agreed, command_parser, table_text
 from .support_cases import (
     call,
+    extra_grads,
     grad_names,
     head_counts,
     inputs,
@@ -58,7 +59,7 @@ AXES = {"assignment": LAYOUTS + ("positions", "kv_positions"),
         "heads": ("MHA", "GQA", "MQA", "MLA", "uneven", "uneven GQA"),  # ``support_cases.head_counts``
         "dtype": INPUT_DTYPES,
         "wire": ("none",) + WIRE_DTYPES,
-        "score": ("none", "softcap", "alibi", "sinks", "dropout")}  # docs/masks.md's score modifiers
+        "score": ("none", "softcap", "alibi", "sinks", "dropout", "score_mod", "table")}  # docs/masks.md's
 DEFAULTS = {"assignment": "contiguous", "mask": "none", "heads": "MHA", "dtype": "float32", "wire": "none",
             "score": "none"}
 PASSES = ("forward", "backward")
@@ -250,8 +251,12 @@ def run_case(comm, case, backward=True, records=None, keep_going=False):
                 weights = rows == "all"
                 found.append((name, g, r[at[rows]], run_tolerance(kind, wire, codings * (1 + weights)),
                               np.float64 if weights else kind))
-            if heads != "MLA" and (len(ref) > 5 or len(grads) > 3):  # sinks: their gradient, over every rank's rows
-                found.append(("dsinks", grads[3], ref[5], run_tolerance(kind, wire, codings), np.float64))
+            if heads != "MLA":  # sinks, a bias table: their gradients, summed over every rank's rows
+                extra = extra_grads(score)
+                if len(grads) != 3 + len(extra):
+                    raise ValueError(f"the backward returned {len(grads)} gradients; {3 + len(extra)} expected")
+                for j, name in enumerate(extra):
+                    found.append((name, grads[3 + j], ref[5 + j], run_tolerance(kind, wire, codings), np.float64))
             return found
 
         verdicts["backward"] = _verdict(comm, lambda: call(heads, True)(arrays, comm, options, bwd, result), bwd,

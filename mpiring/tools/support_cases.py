@@ -15,6 +15,7 @@ import math
 import numpy as np
 
 from mpiring import testing
+from mpiring.core.modifiers import t5_bias
 from mpiring.core.precision import named_dtype
 from mpiring.core.scores import alibi
 from mpiring.plans.indexer import Selected, select
@@ -22,7 +23,7 @@ from mpiring.plans.layouts import LAYOUTS, shard_indices
 from mpiring.testing import latent_reference, latent_reference_backward
 
 __all__ = ["SEED", "LATENT", "sizes", "head_counts", "mask_options", "placement", "inputs", "score_options",
-           "reference", "call", "grad_names"]
+           "extra_grads", "reference", "call", "grad_names"]
 
 SEED = 20240611
 LATENT = dict(r=8, dr=2, d_nope=6, dv=8)  # the MLA cells' widths (q's head dim: d_nope + dr = the cells' 8)
@@ -97,19 +98,36 @@ def inputs(P, heads, dtype):
     return arrays, [a.astype(np.float64) for a in arrays]
 
 
+def checkerboard(s, batch, head, q_pos, k_pos):
+    """The "score_mod" cells' modifier: half the score on a checkerboard of (query, key), plus a head offset."""
+    return np.where((q_pos + k_pos) % 2 == 0, 0.5 * s, s) + 0.25 * head
+
+
+def checkerboard_grad(s, batch, head, q_pos, k_pos):
+    return np.where((q_pos + k_pos) % 2 == 0, 0.5, 1.0) + 0.0 * s
+
+
 def score_options(name, P, heads="MHA"):
     """The ``ring_attention`` options of score modifier ``name`` at P ranks with the heads of ``heads``
     (docs/masks.md)."""
     hq = head_counts(P, heads)[0]
+    if name == "table":  # T5's relative position buckets, a table drawn from the cells' seed
+        return {"bias": t5_bias(np.random.default_rng([SEED, hq]).standard_normal((hq, 8)), max_distance=16)}
     return {"none": {}, "softcap": {"softcap": 2.0}, "alibi": {"bias": alibi(hq)},
-            "sinks": {"sinks": np.linspace(-1.0, 1.0, hq)}, "dropout": {"dropout": 0.25, "seed": 3}}[name]
+            "sinks": {"sinks": np.linspace(-1.0, 1.0, hq)}, "dropout": {"dropout": 0.25, "seed": 3},
+            "score_mod": {"score_mod": checkerboard, "score_mod_grad": checkerboard_grad}}[name]
+
+
+def extra_grads(score):
+    """The names of the gradients a backward returns after dq, dk, dv with score modifier ``score``."""
+    return {"sinks": ("dsinks",), "table": ("dtable",)}.get(score, ())
 
 
 @functools.lru_cache(maxsize=None)
 def reference(P, heads, dtype, mask, prefill, score="none"):
-    """float64 ``(out, lse, dq, dk, dv[, dsinks])`` (MLA: ``(out, lse, dq, dc_kv, dk_rope, dw_uk, dw_uv)``) over
-    the whole sequence; ``prefill``: only the queries of ``placement``'s kv_positions (the last S - S//2) count
-    in the key gradients (dout is zero for the others)."""
+    """float64 ``(out, lse, dq, dk, dv[, dsinks or dtable])`` (MLA: ``(out, lse, dq, dc_kv, dk_rope, dw_uk,
+    dw_uv)``) over the whole sequence; ``prefill``: only the queries of ``placement``'s kv_positions (the last
+    S - S//2) count in the key gradients (dout is zero for the others)."""
     S = sizes(P)[0]
     arrays = inputs(P, heads, dtype)[1]
     pos = np.arange(S)
