@@ -24,6 +24,7 @@ from .core.precision import named_dtype
 from .handle import caller_found
 from .handle import ring_attention as _ring_attention
 from .handle import ring_attention_backward as _ring_attention_backward
+from .mpi.agree import check_comm
 from .parallel.mixing.entry import Refused
 from .parallel.mixing.entry import causal_conv as _conv
 from .parallel.mixing.entry import causal_conv_backward as _conv_backward
@@ -135,9 +136,10 @@ class _RingAttention(torch.autograd.Function):
                 grads = ctx.ring.backward(*arrays, ctx.lse, dlse=dlse)
             else:
                 grads = _ring_attention_backward(*arrays, ctx.lse, dlse=dlse, **ctx.options)
-        dtable = None  # a trainable TableBias: d table, summed over the ranks, last
+        dtable = None  # a trainable TableBias: this rank's share of d table (last), as for the sinks
         if ctx.needs_input_grad[7]:
-            dtable = torch.from_numpy(np.asarray(grads[-1])).to(ctx.table_dtype)
+            size = ctx.ring.size if ctx.ring is not None else check_comm(ctx.options.get("comm")).Get_size()
+            dtable = torch.from_numpy(np.asarray(grads[-1]) / size).to(ctx.table_dtype)
         return (*(_tensor(g) for g in grads[:3]), None, None, None, None, dtable)  # the Ring's own sinks: no tensor
 
 
@@ -172,7 +174,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring=None,
     ``score_mod``: flex_attention's, in torch ops; without ``score_mod_grad`` its derivative comes from autograd
     (``score_mod(fn)`` gives both, for a Ring). ``bias=mpiring.masks.TableBias(table, index_fn)`` (the call's or
     the Ring's) with ``table`` a tensor that requires grad (an ``nn.Parameter``): its gradient flows back to it,
-    already summed over the ranks (the same on every rank: leave it out of a gradient all-reduce).
+    each rank's a 1/P share of the whole (all-reduce it with the other replicated parameters' gradients, as for
+    the sinks).
     """
     unknown = [name for name in options if name not in FUNCTION_OPTIONS]
     problem = foreign_problem(unknown[0], "the options of a Ring go to mpiring.Ring(...)" if ring is not None else

@@ -161,7 +161,7 @@ def test_a_failing_score_mod_is_named_on_every_rank():
 
 def test_the_torch_adapter_trains_a_table_and_derives_the_derivative():
     """mpiring.torch: a score_mod in torch ops (derivative by autograd), a T5 table as an nn.Parameter whose
-    gradient comes back summed over the ranks."""
+    gradients summed over the ranks (as replicated parameters' are) give d table."""
     torch = pytest.importorskip("torch")
     import mpiring.torch
     comm = _comm()
@@ -188,4 +188,5 @@ def test_the_torch_adapter_trains_a_table_and_derives_the_derivative():
     np.testing.assert_allclose(out.detach().numpy(), want_out[..., i, :], atol=1e-11, rtol=0)
     for x, ref in zip(t, want):
         np.testing.assert_allclose(x.grad.numpy(), ref[..., i, :], atol=1e-11, rtol=0)
-    np.testing.assert_allclose(param.grad.numpy(), want[3], atol=1e-11, rtol=0)
+    share = param.grad.numpy()  # each rank's 1/P share: summed over the ranks as replicated parameters are
+    np.testing.assert_allclose(comm.allreduce(share), want[3], atol=1e-11, rtol=0)
