@@ -261,16 +261,16 @@ class _Block:
             ok = (j >= self.klo[i0:i1, None]) & (j < self.khi[i0:i1, None])
         if self.mask is not None:
             qp, kp = self.q_pos[i0:i1], self.k_pos[j0:j1]
-            holes = evaluated(f"the mask {self.mask!r}", qp, kp, self.mask.allows, qp[:, None], kp[None, :])
+            holes = evaluated(f"the mask {self.mask!r}", qp, kp, self.mask.allows_at, self.batch, self.heads,
+                              qp[:, None], kp[None, :])
             ok = holes if ok is None else holes & ok
-        if ok is None:
-            return None
-        if ok.ndim > 2:  # batched (padding): the batch axes first, as q's leading axes
-            if ok.shape[:-2] != self.lead:
-                raise ValueError(f"the mask is per batch entry with batch shape {ok.shape[:-2]}, but q's batch "
-                                 f"shape is {self.lead}")
-            return ok.reshape((self.batch, 1, 1) + ok.shape[-2:])
-        return ok
+        if ok is None or ok.ndim == 2:
+            return ok
+        b, h = ok.shape[:2]  # (batch entries, heads, rows, keys), each 1 where the mask does not depend on it
+        if b not in (1, self.batch) or h not in (1, self.hq):
+            raise ValueError(f"the mask is per batch entry and head over {ok.shape[:2]}, but q holds {self.batch} "
+                             f"batch entries (shape {self.lead}) and {self.hq} heads")
+        return ok.reshape((b,) + ((self.hk, self.g) if h > 1 else (1, 1)) + ok.shape[-2:])
 
     def _note_max(self, r, allowed):
         shown = r if allowed is None else np.where(allowed, r, -np.inf)

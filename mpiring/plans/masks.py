@@ -27,6 +27,7 @@ evaluates ``allows`` on each tile of the envelope (``core.scores``).
 """
 
 import functools
+import inspect
 
 import numpy as np
 
@@ -99,12 +100,15 @@ class MaskPiece:
 
     ``exact = False``: ``bounds`` is an envelope only, ``allows`` says which keys inside it are visible.
     ``batched = True``: ``allows`` depends on the batch entry too, and returns the batch axes first.
+    ``headed = True``: it depends on the head too: ``allows`` returns (batch, heads, q, k) over every batch entry
+    and head (the plan's union), ``allows_at`` those the kernel holds.
     ``sparse_keys = True``: the sparse movement sends only the keys a rank's queries see, not whole blocks.
     ``a & b``: keys both allow; ``a | b``: keys either allows.
     """
 
     exact = True
     batched = False
+    headed = False
     sparse_keys = False  # under mode="sparse", send only the keys some query of the receiving rank sees
 
     def bounds(self, q_pos):
@@ -114,6 +118,17 @@ class MaskPiece:
     def allows(self, q_pos, k_pos):
         """Whether query position q may see key position k, from the mask's definition (broadcasting)."""
         raise NotImplementedError
+
+    def allows_at(self, batch, heads, q_pos, k_pos):
+        """``allows`` for ``batch`` (flattened) batch entries and the global query heads ``heads`` (int64): a bool
+        array that broadcasts to (batch, len(heads), q, k), its batch and head axes 1 where it does not depend
+        on them."""
+        ok = np.asarray(self.allows(q_pos, k_pos))
+        return ok.reshape((-1, 1) + ok.shape[-2:]) if ok.ndim > 2 else ok[None, None]
+
+    def counts(self):
+        """``(batch, heads)``: the batch entries and heads a headed piece is defined over (None: not headed)."""
+        return None
 
     def problem(self, seq_len):
         """Why this piece cannot mask a sequence of ``seq_len`` tokens, or None (documents: their ends)."""
@@ -259,19 +274,49 @@ class Padding(MaskPiece):
 
 
 class Function(MaskPiece):
-    """Any rule: ``fn(q_pos, k_pos) -> bool array``, NumPy on broadcast blocks of global positions (the idea of
-    flex-attention's ``mask_mod``, vectorized). Must be the same function on every rank."""
+    """Any rule, NumPy on broadcast blocks of global positions (flex-attention's ``mask_mod``, vectorized):
+    ``fn(q_pos, k_pos)``, or ``fn(batch, head, q_pos, k_pos)`` over ``batch`` (flattened) batch entries and
+    ``heads`` query heads (``headed``). Must be the same function on every rank."""
 
     exact = False
 
-    def __init__(self, fn):
+    def __init__(self, fn, batch=None, heads=None):
         if not callable(fn):
-            raise ValueError(f"function() takes a callable fn(q_pos, k_pos) -> bool array, got {fn!r}")
-        self.fn = fn
+            raise ValueError(f"function() takes a callable fn(q_pos, k_pos) or fn(batch, head, q_pos, k_pos) -> "
+                             f"bool array, got {fn!r}")
+        self.fn, self.arity = fn, _arity(fn)
+        if self.arity == 4:
+            for name, n in (("batch", batch), ("heads", heads)):
+                if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+                    raise ValueError(f"function(fn, batch=, heads=): fn {_name(fn)} takes (batch, head, q_pos, "
+                                     f"k_pos), so {name}= must give how many (a positive int, as "
+                                     f"create_block_mask's B and H), got {n!r}")
+            self.batch, self.heads = int(batch), int(heads)
+        elif batch is not None or heads is not None:
+            raise ValueError(f"function(fn, batch=, heads=) is for fn(batch, head, q_pos, k_pos); "
+                             f"{_name(fn)} takes (q_pos, k_pos)")
+
+    headed = batched = property(lambda self: self.arity == 4)
+
+    def counts(self):
+        return (self.batch, self.heads) if self.headed else None
 
     def allows(self, q_pos, k_pos):
-        ok = np.asarray(self.fn(q_pos, k_pos))
-        shape = np.broadcast_shapes(np.shape(q_pos), np.shape(k_pos))
+        if self.headed:
+            return self.allows_at(self.batch, np.arange(self.heads), q_pos, k_pos)
+        return self._checked(self.fn(q_pos, k_pos), np.broadcast_shapes(np.shape(q_pos), np.shape(k_pos)))
+
+    def allows_at(self, batch, heads, q_pos, k_pos):
+        if not self.headed:
+            return super().allows_at(batch, heads, q_pos, k_pos)
+        b = np.arange(batch, dtype=np.int64).reshape(-1, 1, 1, 1)
+        h = np.asarray(heads, np.int64).reshape(1, -1, 1, 1)
+        qp, kp = np.asarray(q_pos)[None, None], np.asarray(k_pos)[None, None]
+        shape = (batch, h.size) + np.broadcast_shapes(np.shape(q_pos), np.shape(k_pos))
+        return self._checked(self.fn(b, h, qp, kp), shape)
+
+    def _checked(self, ok, shape):
+        ok = np.asarray(ok)
         if ok.dtype != bool:
             raise ValueError(f"the mask function {_name(self.fn)} must return a bool array, got {ok.dtype}")
         try:
@@ -282,6 +327,21 @@ class Function(MaskPiece):
 
     def __repr__(self):
         return f"Function({_name(self.fn)})"
+
+
+def _arity(fn):
+    """2 or 4: the positional arguments a mask function takes (flex's mask_mod takes 4)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return 2
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return 2
+    n = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty for p in params)
+    if n not in (2, 4):
+        raise ValueError(f"a mask function takes (q_pos, k_pos) or (batch, head, q_pos, k_pos); "
+                         f"{_name(fn)} takes {n} arguments")
+    return n
 
 
 def _name(fn):
@@ -299,6 +359,7 @@ class _Combination(MaskPiece):
         self.parts = tuple(q for p in parts for q in (p.parts if type(p) is type(self) else (p,)))
 
     batched = property(lambda self: any(p.batched for p in self.parts))
+    headed = property(lambda self: any(p.headed for p in self.parts))
     sparse_keys = property(lambda self: any(p.sparse_keys for p in self.parts))
 
     def problem(self, seq_len):
@@ -314,8 +375,20 @@ class _Combination(MaskPiece):
             lo, hi = self.LO(lo, first), self.HI(hi, last)
         return lo, hi
 
+    def counts(self):
+        found = {c for c in (p.counts() for p in self.leaves()) if c is not None}
+        if len(found) > 1:
+            raise ValueError(f"the mask functions of {self!r} are over different (batch, heads): {sorted(found)}")
+        return found.pop() if found else None
+
     def allows(self, q_pos, k_pos):
+        counts = self.counts()
+        if counts is not None:  # every part over the same batch entries and heads
+            return self.allows_at(counts[0], np.arange(counts[1]), q_pos, k_pos)
         return functools.reduce(self.JOIN, (p.allows(q_pos, k_pos) for p in self.parts))
+
+    def allows_at(self, batch, heads, q_pos, k_pos):
+        return functools.reduce(self.JOIN, (p.allows_at(batch, heads, q_pos, k_pos) for p in self.parts))
 
     def __repr__(self):
         return f" {self.SYMBOL} ".join(f"({p!r})" if isinstance(p, _Combination) else repr(p) for p in self.parts)

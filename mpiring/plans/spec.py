@@ -257,7 +257,12 @@ class Spec:
             except Exception as exc:  # noqa: BLE001
                 return (f"bias(heads, q_pos, k_pos) must return an array broadcastable to (heads, queries, keys); "
                         f"on {heads} heads and 2 x 2 positions it gave {type(exc).__name__}: {exc}")
+        batch = int(np.prod(q.shape[:-3], dtype=np.int64)) if q.ndim > 2 else 1
         for piece in (leaf for part in self.mask for leaf in part.leaves()):
+            if piece.counts() is not None and piece.counts() != (batch, heads):
+                return (f"{piece!r} is over {piece.counts()[0]} batch entries and {piece.counts()[1]} heads "
+                        f"(function(fn, batch=, heads=)), but q holds {batch} batch entries (shape "
+                        f"{q.shape[:-3]}) and {heads} heads")
             lengths = getattr(piece, "lengths", None)
             if lengths is not None and lengths.ndim and lengths.shape != q.shape[:-3]:
                 return (f"{piece!r} gives lengths of shape {lengths.shape}, one per batch entry, but q's batch "
