@@ -17,11 +17,11 @@ is all of its pieces together (``&``). ``parse`` reads the command line's
 import numpy as np
 
 from .core.scores import alibi, alibi_slopes
+from .plans.functions import Function
 from .plans.masks import (
     And,
     Causal,
     Documents,
-    Function,
     MaskPiece,
     Or,
     Padding,

@@ -398,7 +398,8 @@ def hybrid_plan(base, ulysses_size, mode, rounds):
     grid.ring_plan = ring = ring_plan(
         base.seq_len, P // u, mode=mode, causal=base.causal, window=base.window, cu_seqlens=base.cu_seqlens,
         causal_block=base.causal_block, mask=base.mask_pieces, positions=[grid.group_positions(g) for g in groups],
-        kv_positions=[grid.group_positions(g, kv=True) for g in groups] if separate_kv else None, rounds=rounds)
+        kv_positions=[grid.group_positions(g, kv=True) for g in groups] if separate_kv else None, rounds=rounds,
+        q_len=base.q_len)
     grid.kinds = [ring.kinds[r // u] for r in range(P)]
     grid.pairs = [ring.pairs[r // u] for r in range(P)]
     grid.rounds = ring.rounds
