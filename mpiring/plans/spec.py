@@ -13,7 +13,8 @@ ranks' specs field by field (``shown``) and gathers their positions
 (``made_by``), which the backward compares with its own.
 
 The problem: which tokens each rank holds (``seq_len`` and ``layout``, or
-``positions`` / ``kv_positions``), the mask (``causal``, ``window``,
+``positions`` / ``kv_positions``; cross-attention: ``kv_seq_len`` keys of
+their own laid out by ``kv_layout``, ``plans.cross``), the mask (``causal``, ``window``,
 ``cu_seqlens``, ``causal_block``, and ``mask``: more pieces of any kind,
 ``plans.masks.MaskPiece``), the softmax ``scale``, the score modifiers
 (``softcap``, ``bias``, ``sinks``, ``dropout`` keyed by ``seed``, and
