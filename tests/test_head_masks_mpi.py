@@ -108,3 +108,18 @@ def test_a_mask_over_other_heads_raises_on_every_rank():
     bad = masks.function(lambda b, h, q, k: q >= k, batch=B, heads=H + 1)
     with pytest.raises(ValueError, match=f"q holds {B} batch entries .* and {H} heads"):
         mpiring.ring_attention(Q[..., i, :], K[..., i, :], V[..., i, :], comm, mask=bad)
+
+
+def test_decoding_takes_a_mask_per_batch_entry_and_head():
+    """New tokens over a cache striped over the ranks: each (batch entry, head) its own mask, as the reference."""
+    comm = _comm()
+    P, r = comm.Get_size(), comm.Get_rank()
+    S, T = 5 * P + 2, 3
+    Q, K, V, _ = arrays(T, S, seed=5)
+    mask = masks.function(lambda b, h, qp, kp: (kp * (h + 1) % 5 != b) | (kp == 0), batch=B, heads=H)
+    positions, rows = np.arange(S - T, S), shard_indices(S, P, r, "striped")
+    out, lse = mpiring.decode_attention(Q, K[..., rows, :], V[..., rows, :], comm, causal=True, positions=positions,
+                                        kv_positions=rows, mask=mask)
+    want, want_lse = reference(Q, K, V, causal=True, mask=mask, q_positions=positions)
+    np.testing.assert_allclose(out, want, atol=1e-12, rtol=0)
+    np.testing.assert_allclose(lse, want_lse, atol=1e-12, rtol=0)
