@@ -123,3 +123,28 @@ def test_decoding_takes_a_mask_per_batch_entry_and_head():
     want, want_lse = reference(Q, K, V, causal=True, mask=mask, q_positions=positions)
     np.testing.assert_allclose(out, want, atol=1e-12, rtol=0)
     np.testing.assert_allclose(lse, want_lse, atol=1e-12, rtol=0)
+
+
+def test_the_torch_adapter_takes_cross_attention_and_a_mask_per_head():
+    """mpiring.torch under autograd: queries over another sequence's keys, each head its own mask, as SDPA."""
+    torch = pytest.importorskip("torch")
+    import mpiring.torch
+
+    comm = _comm()
+    P, r = comm.Get_size(), comm.Get_rank()
+    sq, sk = 3 * P + 1, 2 * P + 3
+    Q, K, V, dO = (torch.from_numpy(a) for a in arrays(sq, sk, seed=7))
+    mask = masks.function(lambda b, h, qp, kp: (kp <= qp + h) | (kp == b), batch=B, heads=H)
+    allowed = torch.from_numpy(np.array(mask.allows(np.arange(sq)[:, None], np.arange(sk)[None, :])))
+    leaves = [t.clone().requires_grad_() for t in (Q, K, V)]
+    want = torch.nn.functional.scaled_dot_product_attention(*leaves, attn_mask=allowed, enable_gqa=True)
+    (want * dO).sum().backward()
+    i = torch.from_numpy(shard_indices(sq, P, r, "zigzag"))
+    j = torch.from_numpy(shard_indices(sk, P, r, "contiguous"))
+    q, k, v = (t[..., rows, :].clone().requires_grad_() for t, rows in ((Q, i), (K, j), (V, j)))
+    out = mpiring.torch.ring_attention(q, k, v, comm=comm, mask=mask, layout="zigzag", kv_layout="contiguous",
+                                       kv_seq_len=sk)
+    (out * dO[..., i, :]).sum().backward()
+    torch.testing.assert_close(out, want[..., i, :].detach(), atol=1e-12, rtol=0)
+    for got, leaf, rows in zip((q.grad, k.grad, v.grad), leaves, (i, j, j)):
+        torch.testing.assert_close(got, leaf.grad[..., rows, :], atol=1e-12, rtol=0)
