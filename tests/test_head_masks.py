@@ -1,6 +1,6 @@
 """Masks per batch entry and head (``masks.function(fn(batch, head, q_pos, k_pos), batch=, heads=)``), and
 cross-attention, without MPI: the reference against flex_attention and autograd, the plan's and the sparse
-movement's union over heads against the definition, and the refusals.
+movement's union over heads against the definition, the simulator, and the refusals.
 
     python -m pytest -q tests/test_head_masks.py
 """
@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from flex_cases import B, H, arrays, expected, numpy_fn, rules
 
-import mpiring
 from mpiring import Spec, make_plan, masks, shard_indices
 from mpiring.cost.nodes import predicted_bytes
 from mpiring.testing import reference, reference_backward
@@ -114,6 +113,20 @@ def test_cross_attention_takes_its_own_layouts_and_refuses_by_name():
     assert lse_tag["kv_seq_len"] == 8 and lse_tag["digest"] != Spec.of(kv_seq_len=9).made_by(2, 1.0)["digest"]
 
 
-def test_the_simulator_keeps_its_contract():
-    """The seeds' entry points are unchanged: a per-head mask is refused or run, never silently dropped."""
-    assert "kv_seq_len" not in mpiring.ring_attention_simulate.__code__.co_varnames
+@pytest.mark.parametrize("P", [1, 2, 3, 4])
+def test_the_simulator_runs_cross_attention_with_a_mask_per_head(P):
+    """One process plays P devices: queries (zigzag) over another sequence's keys (contiguous), as the reference."""
+    from mpiring.simulate import simulate, simulate_backward
+
+    sq, sk = 4 * P + 1, 3 * P + 2
+    rule, options = rules(sq, sk)["per batch and head"]
+    Q, K, V, dO = arrays(sq, sk, seed=P)
+    kw = dict(options, mask=_mask(rule), kv_seq_len=sk, layout="zigzag", kv_layout="contiguous")
+    out, lse, _ = simulate(Q, K, V, P, **kw)
+    grads = simulate_backward(dO, Q, K, V, out, lse, P, **kw)
+    want = (*reference(Q, K, V, mask=_mask(rule), **options), *reference_backward(dO, Q, K, V, mask=_mask(rule),
+                                                                                  **options))
+    for got, ref in zip((out, lse, *grads), want):
+        np.testing.assert_allclose(got, ref, atol=1e-12, rtol=0)
+    with pytest.raises(ValueError, match=f"mismatched shapes.*kv_seq_len={sk}"):
+        simulate(Q, K[..., :-1, :], V[..., :-1, :], P, **kw)

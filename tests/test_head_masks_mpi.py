@@ -148,3 +148,10 @@ def test_the_torch_adapter_takes_cross_attention_and_a_mask_per_head():
     torch.testing.assert_close(out, want[..., i, :].detach(), atol=1e-12, rtol=0)
     for got, leaf, rows in zip((q.grad, k.grad, v.grad), leaves, (i, j, j)):
         torch.testing.assert_close(got, leaf.grad[..., rows, :], atol=1e-12, rtol=0)
+
+
+def test_root_scatter_refuses_cross_attention_by_name():
+    comm = _comm()
+    Q = np.zeros((2, 4 * comm.Get_size(), 8)) if comm.Get_rank() == 0 else None
+    with pytest.raises(ValueError, match="cross-attention \\(kv_seq_len\\) is ring_attention's"):
+        mpiring.distributed_attention(Q, Q, Q, comm, kv_seq_len=4)
