@@ -121,7 +121,7 @@ def count_allowed(mask, q_pos, k_pos, klo, khi):
     c, d = (int(klo.min()), int(khi.max())) if len(q_pos) else (0, 0)
     if d <= c:  # no query's envelope holds a key
         return counts, len(k_pos) == 0 or len(q_pos) == 0
-    step = max(1, _CHUNK // max(1, d - c))
+    step = max(1, _CHUNK // max(1, (d - c) * math.prod(mask.counts() or (1,))))  # per batch entry and head
     for a in range(0, len(q_pos), step):
         b = min(a + step, len(q_pos))
         ok = evaluated(f"the mask {mask!r}", q_pos[a:b], k_pos[c:d], mask.allows, q_pos[a:b, None], k_pos[None, c:d])
