@@ -52,7 +52,8 @@ import numpy as np
 from ..core.precision import compute_itemsize, row_bytes
 from .layouts import sort_order
 from .masks import combined, count_visible, visible_keys
-from .plan import Piece, Plan, PlannedSchedule, Task, Where, counted_kind, problem_fields, ring_plan
+from .plan import Piece, Plan, PlannedSchedule, Task, Where, problem_fields, ring_plan
+from .rows import counted_kind
 
 __all__ = ["HEAD_MODES", "UlyssesPlan", "ulysses_plan", "heads_problem", "HeadDeal", "deal_heads",
            "ulysses_pair_bytes", "predicted_ulysses_bytes", "HybridPlan", "hybrid_plan",
