@@ -106,6 +106,8 @@ def test_cross_attention_takes_its_own_layouts_and_refuses_by_name():
         Spec.of(kv_seq_len=8, cu_seqlens=[0, 4, 8])
     with pytest.raises(ValueError, match="need at least one query per rank"):
         make_plan(8, 4, q_len=3)
+    with pytest.raises(ValueError, match="need at least one token per rank: kv_seq_len=3, ranks=4"):
+        Spec.of(kv_seq_len=3).plan(4, 8)
     with pytest.raises(ValueError, match="kv_seq_len must be a positive integer"):
         Spec.of(kv_seq_len=0)
     assert not Spec.of(kv_seq_len=8).same_rows and Spec.of().same_rows

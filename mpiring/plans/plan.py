@@ -382,7 +382,8 @@ def ring_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str 
     if positions is None:
         check_layout(layout)
     if size < 1 or seq_len < size:
-        raise ValueError(f"need at least one token per rank: seq_len={seq_len}, ranks={size}")
+        raise ValueError(f"need at least one token per rank: {'seq_len' if q_len is None else 'kv_seq_len'}="
+                         f"{seq_len}, ranks={size}")
     check_cross(q_len, size, positions, kv_positions, cu_seqlens, kv_layout)
     if kv_positions is not None and positions is None:
         raise ValueError("kv_positions needs positions: the query rows' own positions")
