@@ -62,6 +62,9 @@ def _spec(options, spec, causal, layout, who):
     spec, problem = spec_problem(dict(keywords, causal=causal, layout=layout), spec)
     if problem is None and (spec.positions is not None or spec.kv_positions is not None):
         problem = f"{who} deals the tokens out by layout: positions are ring_attention's (each rank's own rows)"
+    if problem is None and spec.kv_seq_len is not None:
+        problem = (f"{who} deals one sequence out by layout: cross-attention (kv_seq_len) is ring_attention's "
+                   f"(each rank's own rows of each sequence)")
     if problem is None and "seq_axis" in run:
         problem = f"{who} takes root's arrays as (..., S, D): it has no seq_axis"
     return spec, problem, run

@@ -145,7 +145,7 @@ class Ring:
                     if problem is None:
                         q, k, v = (np.moveaxis(tensors[n], seq_index(self.seq_axis, tensors[n].ndim), -2)
                                    for n in "qkv")
-                        problem = local_problem(q, k, v, None, False, self.spec.kv_positions is None)
+                        problem = local_problem(q, k, v, None, False, self.spec.same_rows)
                         length = q.shape[-2]
                 except Exception as exc:  # reported collectively, never raised alone
                     problem = describe(exc)
@@ -282,7 +282,7 @@ class Ring:
         timeout of every wait. An adapter's problem and shared values (``caller_found``) come first."""
         moved, lses, values, peak, timeout = [], [], None, [0.0, 0.0], None
         problem, shared = _CALLER.get()
-        same_rows = self.spec.kv_positions is None
+        same_rows = self.spec.same_rows
         try:
             tokens = {"q": len(self.plan.shards[self.rank]), "k": len(self.plan.kv_shards[self.rank])}
             problem = problem or axis_problem(tensors, self.seq_axis, tokens, same_rows, lse)

@@ -19,12 +19,12 @@ import numpy as np
 
 from .core.modifiers import TableBias, relative_buckets, t5_bias
 from .core.scores import alibi, alibi_slopes
+from .plans.functions import Function
 from .plans.indexer import Selected
 from .plans.visibility import (
     And,
     Causal,
     Documents,
-    Function,
     MaskPiece,
     Or,
     Padding,
@@ -77,10 +77,13 @@ def padding(lengths):
     return Padding(a.astype(np.int64))
 
 
-def function(fn):
+def function(fn, batch=None, heads=None):
     """Any mask: ``fn(q_pos, k_pos) -> bool array``, evaluated with NumPy on broadcast blocks of global positions
-    (flex-attention's ``mask_mod``, vectorized). The same function on every rank."""
-    return Function(fn)
+    (flex-attention's ``mask_mod``, vectorized). The same function on every rank.
+
+    ``fn(batch, head, q_pos, k_pos)`` (flex's signature) masks per batch entry and per query head; ``batch=``
+    (q's batch entries, flattened) and ``heads=`` (q's heads) say how many, as create_block_mask's B and H."""
+    return Function(fn, batch, heads)
 
 
 def selected(chosen, block=1, causal=True):

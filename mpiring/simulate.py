@@ -34,8 +34,10 @@ def _prepared(Q, K, V, num_devices, options, spec, positions, backward=False):
     if Q.ndim < 2 or Q.ndim != K.ndim or K.ndim != V.ndim:
         raise ValueError(f"Q, K, V must have shape (..., seq_len, d) with equal ranks, "
                          f"got {Q.shape}, {K.shape}, {V.shape}")
-    if Q.shape[-2] != K.shape[-2] or K.shape[:-1] != V.shape[:-1] or Q.shape[-1] != K.shape[-1]:
-        raise ValueError(f"mismatched shapes: Q {Q.shape}, K {K.shape}, V {V.shape}")
+    keys = Q.shape[-2] if spec.kv_seq_len is None else spec.kv_seq_len  # cross-attention: keys of their own
+    if K.shape[-2] != keys or K.shape[:-1] != V.shape[:-1] or Q.shape[-1] != K.shape[-1]:
+        raise ValueError(f"mismatched shapes: Q {Q.shape}, K {K.shape}, V {V.shape}"
+                         + (f" (kv_seq_len={keys})" if spec.kv_seq_len is not None else ""))
     if Q.ndim >= 3 and (Q.shape[:-3] != K.shape[:-3] or Q.shape[-3] % K.shape[-3]):
         raise ValueError(f"Q heads must be a multiple of K/V heads: Q {Q.shape}, K {K.shape}")
     if Q.shape[-1] < 1 or Q.shape[-2] < 1:

@@ -226,6 +226,7 @@ WIDE = {  # public functions with more parameters, and why
     "mpiring.core.backends.attention_block_backward": "the kernel's backend choice, the kernel's own signature",
     "mpiring.core.reference.scored_attention": "the dense reference: one keyword per modifier, from the definitions",
     "mpiring.plans.make.make_plan": "the plan builder: one keyword per planning field of the spec (Spec.plan)",
+    "mpiring.plans.plan.ring_plan": "the ring modes' plan builder: make_plan's planning fields and the rule of streams",
     "mpiring.mpi.decoding.decode_agreement": "decoding's agreement: its callers' arrays and checks, positionally",
     "mpiring.torch.mamba_chunk_scan": "transformers' mamba2_chunk_scan, taken with its own signature",
     "mpiring.hf.mixers.mamba2_chunk_scan": "what Falcon-H1's mixer calls, with transformers' signature",

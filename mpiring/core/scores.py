@@ -141,7 +141,7 @@ def count_allowed(mask, q_pos, k_pos, klo, khi):
     c, d = (int(klo.min()), int(khi.max())) if len(q_pos) else (0, 0)
     if d <= c:  # no query's envelope holds a key
         return counts, len(k_pos) == 0 or len(q_pos) == 0
-    step = max(1, _CHUNK // max(1, d - c))
+    step = max(1, _CHUNK // max(1, (d - c) * math.prod(mask.counts() or (1,))))  # per batch entry and head
     for a in range(0, len(q_pos), step):
         b = min(a + step, len(q_pos))
         ok = evaluated(f"the mask {mask!r}", q_pos[a:b], k_pos[c:d], mask.allows, q_pos[a:b, None], k_pos[None, c:d])
@@ -303,16 +303,16 @@ class _Block:
             ok = (j >= self.klo[i0:i1, None]) & (j < self.khi[i0:i1, None])
         if self.mask is not None:
             qp, kp = self.q_pos[i0:i1], self.k_pos[j0:j1]
-            holes = evaluated(f"the mask {self.mask!r}", qp, kp, self.mask.allows, qp[:, None], kp[None, :])
+            holes = evaluated(f"the mask {self.mask!r}", qp, kp, self.mask.allows_at, self.batch, self.heads,
+                              qp[:, None], kp[None, :])
             ok = holes if ok is None else holes & ok
-        if ok is None:
-            return None
-        if ok.ndim > 2:  # batched (padding): the batch axes first, as q's leading axes
-            if ok.shape[:-2] != self.lead:
-                raise ValueError(f"the mask is per batch entry with batch shape {ok.shape[:-2]}, but q's batch "
-                                 f"shape is {self.lead}")
-            return ok.reshape((self.batch, 1, 1) + ok.shape[-2:])
-        return ok
+        if ok is None or ok.ndim == 2:
+            return ok
+        b, h = ok.shape[:2]  # (batch entries, heads, rows, keys), each 1 where the mask does not depend on it
+        if b not in (1, self.batch) or h not in (1, self.hq):
+            raise ValueError(f"the mask is per batch entry and head over {ok.shape[:2]}, but q holds {self.batch} "
+                             f"batch entries (shape {self.lead}) and {self.hq} heads")
+        return ok.reshape((b,) + ((self.hk, self.g) if h > 1 else (1, 1)) + ok.shape[-2:])
 
     def _note_max(self, r, allowed):
         shown = r if allowed is None else np.where(allowed, r, -np.inf)

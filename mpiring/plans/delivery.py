@@ -26,6 +26,7 @@ fewer; the price is memory (a rank holds every block it needs at once, as the
 all-gather holds all of them) and more, smaller messages at once.
 """
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -116,7 +117,7 @@ def _seen(plan, rank, source, chunk=1 << 22):
     seen = np.zeros(len(where.k_pos), bool)
     if plan.kinds[rank][source] == "skip":
         return np.flatnonzero(seen)
-    step = max(1, chunk // max(1, len(where.k_pos)))
+    step = max(1, chunk // max(1, len(where.k_pos) * math.prod(where.mask.counts() or (1,))))
     for a in range(0, len(where.q_pos), step):
         ok = where.mask.allows(where.q_pos[a:a + step, None], where.k_pos[None, :])
         seen |= ok.reshape(-1, len(where.k_pos)).any(axis=0)

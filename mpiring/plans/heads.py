@@ -51,7 +51,8 @@ import numpy as np
 
 from ..core.precision import compute_itemsize, row_bytes
 from .layouts import sort_order
-from .plan import Piece, Plan, PlannedSchedule, Task, Where, counted_kind, problem_fields, ring_plan
+from .plan import Piece, Plan, PlannedSchedule, Task, Where, problem_fields, ring_plan
+from .rows import counted_kind
 from .visibility import combined, count_visible, visible_keys
 
 __all__ = ["HEAD_MODES", "UlyssesPlan", "ulysses_plan", "heads_problem", "HeadDeal", "deal_heads",
@@ -393,7 +394,8 @@ def hybrid_plan(base, ulysses_size, mode, rounds):
     grid.ring_plan = ring = ring_plan(
         base.seq_len, P // u, mode=mode, causal=base.causal, window=base.window, cu_seqlens=base.cu_seqlens,
         causal_block=base.causal_block, mask=base.mask_pieces, positions=[grid.group_positions(g) for g in groups],
-        kv_positions=[grid.group_positions(g, kv=True) for g in groups] if separate_kv else None, rounds=rounds)
+        kv_positions=[grid.group_positions(g, kv=True) for g in groups] if separate_kv else None, rounds=rounds,
+        q_len=base.q_len)
     grid.kinds = [ring.kinds[r // u] for r in range(P)]
     grid.pairs = [ring.pairs[r // u] for r in range(P)]
     grid.rounds = ring.rounds

@@ -26,7 +26,7 @@ PLANS = {"ulysses": lambda base, node_size: ulysses_plan(base),
 def make_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str = "ring", causal: bool = False,
               window: tuple[int, int] | None = None, cu_seqlens=None, causal_block: int | None = None,
               positions=None, kv_positions=None, node_size: int | None = None,
-              ulysses_size: int | None = None, mask=()) -> Plan:
+              ulysses_size: int | None = None, mask=(), q_len=None, kv_layout=None) -> Plan:
     """Build the plan for ``size`` ranks over a sequence of ``seq_len`` tokens (keys), in any mode.
 
     ``layout``, ``positions``, ``kv_positions`` and the mask: as ``plans.plan.ring_plan``
@@ -34,6 +34,7 @@ def make_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str 
     ``node_size``: ranks per node of the double ring (None: all ranks on one node); other modes ignore it.
     ``ulysses_size``: Ulysses inside groups of that many ranks, the ring mode across them (mpiring.plans.heads).
     ``mask``: more mask pieces (``masks.MaskPiece``), all of which must allow a key.
+    ``q_len``, ``kv_layout``: cross-attention, queries of their own sequence of ``q_len`` tokens (``ring_plan``).
     """
     if mode not in ALL_MODES:
         raise ValueError(f"mode must be one of {', '.join(ALL_MODES)}; got {mode!r}")
@@ -45,7 +46,7 @@ def make_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str 
         if size % ulysses_size:
             raise ValueError(f"ulysses_size {ulysses_size} does not divide the {size} ranks")
     problem = dict(layout=layout, causal=causal, window=window, cu_seqlens=cu_seqlens, causal_block=causal_block,
-                   mask=mask, positions=positions, kv_positions=kv_positions)
+                   mask=mask, positions=positions, kv_positions=kv_positions, q_len=q_len, kv_layout=kv_layout)
     if mode in RING_MODES and ulysses_size is None:
         return ring_plan(seq_len, size, mode=mode, rounds=RING_MODES[mode], **problem)
     # the tokens every rank holds and their masks, as the flat ring's; visited in the strategy's own order

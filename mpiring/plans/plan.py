@@ -31,8 +31,20 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .cross import check_cross, cross_rows
 from .layouts import check_layout, positions_problem, put_rows, shard_indices, sort_order
-from .rows import PairTable, Reach, Rows, layout_owners, owners, run_unit, runs_of, visible_per_rank
+from .rows import (
+    CountedReach,
+    PairTable,
+    Reach,
+    Rows,
+    counted_kind,
+    layout_owners,
+    owners,
+    run_unit,
+    runs_of,
+    visible_per_rank,
+)
 from .visibility import (
     block_kind,
     check_causal_block,
@@ -40,7 +52,6 @@ from .visibility import (
     check_mask,
     check_window,
     combined,
-    count_visible,
     is_exact,
     visible_keys,
 )
@@ -166,6 +177,8 @@ class Plan:
     cu_seqlens: np.ndarray | None = None
     causal_block: int | None = None  # frame size of a block-causal mask (None: token-causal)
     mask_pieces: tuple = ()  # more mask pieces (masks.MaskPiece), all of which must allow a key
+    q_len: int | None = None  # cross-attention: the queries' own sequence length (None: queries among the keys)
+    kv_layout: str | None = None  # cross-attention: the keys' layout
     shards: list = field(default_factory=list)  # sorted global positions of each rank's queries
     kv_shards: list = field(default_factory=list)  # ... and of its keys/values (the same list unless kv_positions)
     orders: list = field(default_factory=list)  # per rank: the sort of its query rows as passed (None: sorted)
@@ -278,8 +291,8 @@ class Plan:
     def q_owner(self):
         """``q_owner[p]``: the rank holding query position p (-1: none), made once."""
         if getattr(self, "_q_owner", None) is None:
-            self._q_owner = (layout_owners(self.seq_len, self.size, self.layout) if self.layout != "positions"
-                             else owners(self.seq_len, self.shards))
+            self._q_owner = (layout_owners(self.q_len or self.seq_len, self.size, self.layout)
+                             if self.layout != "positions" else owners(self.q_len or self.seq_len, self.shards))
         return self._q_owner
 
     @property
@@ -321,7 +334,8 @@ class Plan:
 
 
 PROBLEM_FIELDS = ("seq_len", "size", "layout", "causal", "window", "cu_seqlens", "causal_block", "mask_pieces",
-                  "shards", "kv_shards", "orders", "kv_orders", "runs", "kinds", "pairs")  # what a call computes
+                  "q_len", "kv_layout", "shards", "kv_shards", "orders", "kv_orders", "runs", "kinds",
+                  "pairs")  # what a call computes
 
 
 def problem_fields(plan):
@@ -347,7 +361,7 @@ def _held(parts, seq_len, size, name, partition):
 
 def ring_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str = "ring", causal: bool = False,
               window: tuple[int, int] | None = None, cu_seqlens=None, causal_block: int | None = None,
-              positions=None, kv_positions=None, rounds=None, mask=()) -> Plan:
+              positions=None, kv_positions=None, rounds=None, mask=(), q_len=None, kv_layout=None) -> Plan:
     """The plan of a ring mode (``MODES``: K/V blocks travel) for ``size`` ranks over ``seq_len`` tokens (keys).
 
     ``mpiring.plans.make.make_plan`` takes every mode and calls this one for the
@@ -361,13 +375,16 @@ def ring_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str 
     visible to query i iff j // F <= i // F. ``rounds(plan) -> {stream:
     transfers}``: how the blocks move (``one_way``, ``both_ways`` or
     ``gathered``; ``make.RING_MODES`` gives each mode's); ``mode`` names it.
+    ``q_len``, ``kv_layout``: cross-attention, queries of a sequence of their own (``plans.cross``).
     """
     if rounds is None:
         raise ValueError(f"a ring plan needs the rule of its streams (make.RING_MODES: {', '.join(MODES)})")
     if positions is None:
         check_layout(layout)
     if size < 1 or seq_len < size:
-        raise ValueError(f"need at least one token per rank: seq_len={seq_len}, ranks={size}")
+        raise ValueError(f"need at least one token per rank: {'seq_len' if q_len is None else 'kv_seq_len'}="
+                         f"{seq_len}, ranks={size}")
+    check_cross(q_len, size, positions, kv_positions, cu_seqlens, kv_layout)
     if kv_positions is not None and positions is None:
         raise ValueError("kv_positions needs positions: the query rows' own positions")
     plan = Plan(seq_len, size, "positions" if positions is not None else layout, mode, bool(causal),
@@ -376,8 +393,11 @@ def ring_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str 
     if positions is None:
         plan.shards, plan.orders = Rows(size, lambda r: shard_indices(seq_len, size, r, layout)), [None] * size
     else:
-        plan.shards, plan.orders = _held(positions, seq_len, size, "positions", kv_positions is None)
+        plan.shards, plan.orders = _held(positions, seq_len if q_len is None else q_len, size, "positions",
+                                         kv_positions is None or q_len is not None)
     plan.kv_shards, plan.kv_orders = plan.shards, plan.orders
+    if q_len is not None:
+        cross_rows(plan, q_len, kv_layout, positions is None)
     if kv_positions is not None:
         plan.kv_shards, plan.kv_orders = _held(kv_positions, seq_len, size, "kv_positions", True)
     plan.runs = Rows(size, lambda r: runs_of(plan.shards[r], _run_unit(plan)))
@@ -402,26 +422,6 @@ def reach(plan):
         plan._reach = (Reach(plan.seq_len, plan.size, plan.q_owner, plan.k_owner, plan.mask_options())
                        if plan.exact else CountedReach(plan))
     return plan._reach
-
-
-class CountedReach:
-    """``Reach`` counted from the plan's block kinds (every rank's against every source: P x P counted blocks)."""
-
-    def __init__(self, plan):
-        size = plan.size
-        self._needed = [any(plan.kinds[r][(r - s) % size] != "skip" for r in range(size)) for s in range(size)]
-
-    def needed(self, offset):
-        return self._needed[offset % len(self._needed)]
-
-    last, first = Reach.last, Reach.first
-
-
-def counted_kind(q_pos, k_pos, mask, klo, khi):
-    """``(kind, visible pairs)`` of a block under a mask with holes, from ``masks.count_visible``."""
-    counts, full = count_visible(q_pos, k_pos, mask, klo, khi)
-    pairs = int(counts.sum())
-    return ("skip" if pairs == 0 else "full" if full else "masked"), pairs
 
 
 def one_way(plan):

@@ -23,7 +23,8 @@ import numpy as np
 from .layouts import block_range
 from .visibility import count_visible, is_exact, visible_keys
 
-__all__ = ["Rows", "PairTable", "owners", "layout_owners", "run_unit", "runs_of", "visible_per_rank", "Reach"]
+__all__ = ["Rows", "PairTable", "owners", "layout_owners", "run_unit", "runs_of", "visible_per_rank", "Reach",
+           "CountedReach", "counted_kind"]
 
 _UNSET = object()
 
@@ -206,3 +207,23 @@ class Reach:
     def first(self, lo, hi):
         """The smallest offset in lo .. hi that some rank needs, or None."""
         return next((s for s in range(lo, hi + 1) if self.needed(s)), None)
+
+
+class CountedReach:
+    """``Reach`` counted from the plan's block kinds (every rank's against every source: P x P counted blocks)."""
+
+    def __init__(self, plan):
+        size = plan.size
+        self._needed = [any(plan.kinds[r][(r - s) % size] != "skip" for r in range(size)) for s in range(size)]
+
+    def needed(self, offset):
+        return self._needed[offset % len(self._needed)]
+
+    last, first = Reach.last, Reach.first
+
+
+def counted_kind(q_pos, k_pos, mask, klo, khi):
+    """``(kind, visible pairs)`` of a block under a mask with holes, from ``masks.count_visible``."""
+    counts, full = count_visible(q_pos, k_pos, mask, klo, khi)
+    pairs = int(counts.sum())
+    return ("skip" if pairs == 0 else "full" if full else "masked"), pairs

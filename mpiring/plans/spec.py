@@ -13,7 +13,8 @@ ranks' specs field by field (``shown``) and gathers their positions
 (``made_by``), which the backward compares with its own.
 
 The problem: which tokens each rank holds (``seq_len`` and ``layout``, or
-``positions`` / ``kv_positions``), the mask (``causal``, ``window``,
+``positions`` / ``kv_positions``; cross-attention: ``kv_seq_len`` keys of
+their own laid out by ``kv_layout``, ``plans.cross``), the mask (``causal``, ``window``,
 ``cu_seqlens``, ``causal_block``, and ``mask``: more pieces of any kind,
 ``plans.visibility.MaskPiece``), the softmax ``scale``, the score modifiers
 (``softcap``, ``bias``, ``score_mod`` with ``score_mod_grad``, ``sinks``,
@@ -132,6 +133,8 @@ class Spec:
     layout: str = "contiguous"
     positions: object = None  # this rank's query positions (int64), or once agreed every rank's (a list)
     kv_positions: object = None  # ... of its key/value rows when they are not the queries'
+    kv_seq_len: int | None = None  # cross-attention: keys/values of a sequence of their own, this long
+    kv_layout: str | None = None  # ... laid out over the ranks this way (None: as the queries, ``layout``)
     causal: bool = False
     window: tuple = (-1, -1)
     cu_seqlens: np.ndarray | None = None
@@ -190,12 +193,21 @@ class Spec:
         if problem:
             raise ValueError(problem)
         scores = _scores(given)
+        kv_seq_len = count("kv_seq_len", given["kv_seq_len"], " (the keys' own sequence: cross-attention)")
+        if given["kv_layout"] is not None:
+            check_layout(given["kv_layout"])
+            if kv_seq_len is None:
+                raise ValueError("kv_layout is cross-attention's: it needs kv_seq_len")
+        if kv_seq_len is not None and (rows["positions"] is not None or cu is not None):
+            raise ValueError("cross-attention (kv_seq_len) takes its rows from layout and kv_layout and its "
+                             "masks as functions of (q_pos, k_pos): not positions= or cu_seqlens=")
         spec = cls(seq_len=None if seq_len is None else int(seq_len), layout=given["layout"], **rows, **scores,
                    causal=bool(given["causal"]), window=check_window(given["window"]), cu_seqlens=cu,
                    causal_block=check_causal_block(given["causal_block"], given["causal"]),
                    mask=check_mask(given["mask"]),
                    scale=None if scale is None else float(scale), **canonical_precision(given), mode=mode,
-                   rotate=given["rotate"], node_size=count("node_size", given["node_size"], " (ranks per node)"),
+                   rotate=given["rotate"], kv_seq_len=kv_seq_len, kv_layout=given["kv_layout"],
+                   node_size=count("node_size", given["node_size"], " (ranks per node)"),
                    ulysses_size=count("ulysses_size", given["ulysses_size"], ""))
         for name in FUNCTIONS:  # what the functions read, once: Unreadable (a ValueError) names what is not
             spec.field_content(name)
@@ -283,7 +295,12 @@ class Spec:
             except Exception as exc:  # noqa: BLE001
                 return (f"bias(heads, q_pos, k_pos) must return an array broadcastable to (heads, queries, keys); "
                         f"on {heads} heads and 2 x 2 positions it gave {type(exc).__name__}: {exc}")
+        batch = int(np.prod(q.shape[:-3], dtype=np.int64)) if q.ndim > 2 else 1
         for piece in (leaf for part in self.mask for leaf in part.leaves()):
+            if piece.counts() is not None and piece.counts() != (batch, heads):
+                return (f"{piece!r} is over {piece.counts()[0]} batch entries and {piece.counts()[1]} heads "
+                        f"(function(fn, batch=, heads=)), but q holds {batch} batch entries (shape "
+                        f"{q.shape[:-3]}) and {heads} heads")
             lengths = getattr(piece, "lengths", None)
             if lengths is not None and lengths.ndim and lengths.shape != q.shape[:-3]:
                 return (f"{piece!r} gives lengths of shape {lengths.shape}, one per batch entry, but q's batch "
@@ -309,8 +326,8 @@ class Spec:
         """What ``plans.make.make_plan`` takes besides the length and the ranks."""
         return dict(layout=self.layout, mode=self.mode, causal=self.causal, window=self.window,
                     cu_seqlens=self.cu_seqlens, causal_block=self.causal_block, mask=self.mask,
-                    positions=self.positions,
-                    kv_positions=self.kv_positions, node_size=self.node_size, ulysses_size=self.ulysses_size)
+                    positions=self.positions, kv_positions=self.kv_positions, kv_layout=self.kv_layout,
+                    node_size=self.node_size, ulysses_size=self.ulysses_size)
 
     def plan(self, size, seq_len=None):
         """The plan of ``size`` ranks; ``seq_len``: the length the ranks' shards imply (the spec's, if it has one,
@@ -318,7 +335,15 @@ class Spec:
         partition the sequence, cu_seqlens against its length, too few tokens)."""
         if seq_len is not None and self.seq_len is not None and seq_len != self.seq_len:
             raise ValueError(f"the spec says seq_len={self.seq_len}, but the ranks hold {seq_len} tokens")
-        return make_plan(self.seq_len if seq_len is None else seq_len, size, **self.plan_options())
+        seq_len = self.seq_len if seq_len is None else seq_len
+        if self.kv_seq_len is not None:  # cross-attention: the plan's seq_len is the keys'
+            return make_plan(self.kv_seq_len, size, q_len=seq_len, **self.plan_options())
+        return make_plan(seq_len, size, **self.plan_options())
+
+    @property
+    def same_rows(self):
+        """Whether a rank's k and v hold the tokens of its q (no ``kv_positions``, no cross-attention)."""
+        return self.kv_positions is None and self.kv_seq_len is None
 
     def row_order(self, kind):
         """The sort of this rank's rows of one kind ("q", "l": queries; "k": keys) by position (None: sorted)."""
@@ -374,6 +399,8 @@ class Spec:
                 tag[name] = tag[name] if len(tag[name]) < 80 else digest(tag[name].encode())[:12]
         if seq_len is not None:
             tag["seq_len"] = seq_len
+        if self.kv_seq_len is not None:
+            tag.update(kv_seq_len=self.kv_seq_len, kv_layout=self.kv_layout or layout)
         tag["digest"] = digest(repr(sorted(tag.items())).encode())[:16]  # the whole record, compared first
         return tag
 

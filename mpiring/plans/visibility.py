@@ -34,7 +34,7 @@ from ..core.scores import count_allowed
 from .content import content, described
 
 __all__ = ["visible_keys", "block_kind", "doc_ids", "check_window", "check_cu_seqlens", "check_causal_block",
-           "row_work", "MaskPiece", "Causal", "Window", "Documents", "Prefix", "Padding", "Function", "And", "Or",
+           "row_work", "MaskPiece", "Causal", "Window", "Documents", "Prefix", "Padding", "And", "Or",
            "pieces", "check_mask", "combined", "is_exact", "count_visible"]
 
 _INT64_MAX = int(np.iinfo(np.int64).max)
@@ -99,12 +99,15 @@ class MaskPiece:
 
     ``exact = False``: ``bounds`` is an envelope only, ``allows`` says which keys inside it are visible.
     ``batched = True``: ``allows`` depends on the batch entry too, and returns the batch axes first.
+    ``headed = True``: it depends on the head too: ``allows`` returns (batch, heads, q, k) over every batch entry
+    and head (the plan's union), ``allows_at`` those the kernel holds.
     ``sparse_keys = True``: the sparse movement sends only the keys a rank's queries see, not whole blocks.
     ``a & b``: keys both allow; ``a | b``: keys either allows.
     """
 
     exact = True
     batched = False
+    headed = False
     sparse_keys = False  # under mode="sparse", send only the keys some query of the receiving rank sees
 
     def bounds(self, q_pos):
@@ -114,6 +117,17 @@ class MaskPiece:
     def allows(self, q_pos, k_pos):
         """Whether query position q may see key position k, from the mask's definition (broadcasting)."""
         raise NotImplementedError
+
+    def allows_at(self, batch, heads, q_pos, k_pos):
+        """``allows`` for ``batch`` (flattened) batch entries and the global query heads ``heads`` (int64): a bool
+        array that broadcasts to (batch, len(heads), q, k), its batch and head axes 1 where it does not depend
+        on them."""
+        ok = np.asarray(self.allows(q_pos, k_pos))
+        return ok.reshape((-1, 1) + ok.shape[-2:]) if ok.ndim > 2 else ok[None, None]
+
+    def counts(self):
+        """``(batch, heads)``: the batch entries and heads a headed piece is defined over (None: not headed)."""
+        return None
 
     def problem(self, seq_len):
         """Why this piece cannot mask a sequence of ``seq_len`` tokens, or None (documents: their ends)."""
@@ -258,32 +272,6 @@ class Padding(MaskPiece):
         return f"Padding({items if self.lengths.size <= 8 else f'{self.lengths.size} lengths'})"
 
 
-class Function(MaskPiece):
-    """Any rule: ``fn(q_pos, k_pos) -> bool array``, NumPy on broadcast blocks of global positions (the idea of
-    flex-attention's ``mask_mod``, vectorized). Must be the same function on every rank."""
-
-    exact = False
-
-    def __init__(self, fn):
-        if not callable(fn):
-            raise ValueError(f"function() takes a callable fn(q_pos, k_pos) -> bool array, got {fn!r}")
-        self.fn = fn
-
-    def allows(self, q_pos, k_pos):
-        ok = np.asarray(self.fn(q_pos, k_pos))
-        shape = np.broadcast_shapes(np.shape(q_pos), np.shape(k_pos))
-        if ok.dtype != bool:
-            raise ValueError(f"the mask function {_name(self.fn)} must return a bool array, got {ok.dtype}")
-        try:
-            return np.broadcast_to(ok, shape)
-        except ValueError:
-            raise ValueError(f"the mask function {_name(self.fn)} returned shape {ok.shape} for positions "
-                             f"broadcasting to {shape}") from None
-
-    def __repr__(self):
-        return f"Function({_name(self.fn)})"
-
-
 def _name(fn):
     return described(fn)  # no address: the same text on every rank
 
@@ -299,6 +287,7 @@ class _Combination(MaskPiece):
         self.parts = tuple(q for p in parts for q in (p.parts if type(p) is type(self) else (p,)))
 
     batched = property(lambda self: any(p.batched for p in self.parts))
+    headed = property(lambda self: any(p.headed for p in self.parts))
     sparse_keys = property(lambda self: any(p.sparse_keys for p in self.parts))
 
     def problem(self, seq_len):
@@ -314,8 +303,20 @@ class _Combination(MaskPiece):
             lo, hi = self.LO(lo, first), self.HI(hi, last)
         return lo, hi
 
+    def counts(self):
+        found = {c for c in (p.counts() for p in self.leaves()) if c is not None}
+        if len(found) > 1:
+            raise ValueError(f"the mask functions of {self!r} are over different (batch, heads): {sorted(found)}")
+        return found.pop() if found else None
+
     def allows(self, q_pos, k_pos):
+        counts = self.counts()
+        if counts is not None:  # every part over the same batch entries and heads
+            return self.allows_at(counts[0], np.arange(counts[1]), q_pos, k_pos)
         return functools.reduce(self.JOIN, (p.allows(q_pos, k_pos) for p in self.parts))
+
+    def allows_at(self, batch, heads, q_pos, k_pos):
+        return functools.reduce(self.JOIN, (p.allows_at(batch, heads, q_pos, k_pos) for p in self.parts))
 
     def __repr__(self):
         return f" {self.SYMBOL} ".join(f"({p!r})" if isinstance(p, _Combination) else repr(p) for p in self.parts)

@@ -187,7 +187,10 @@ def _scored_call(q, k, v, q_positions, k_positions, options, scores, scale, dout
     flat = dict(options, mask=tuple(p for p in options["mask"] if not p.batched))
     allowed = dense_mask(qp, kp, **flat)
     for piece in options["mask"]:
-        if piece.batched:  # (batch..., Sq, Sk): a head axis before the rows
+        if piece.headed:  # (batch entries, heads, Sq, Sk) over q's flattened batch axes
+            allowed = allowed & piece.allows(qp[:, None], kp[None, :]).reshape(
+                np.shape(q)[:-3] + (-1, len(qp), len(kp)))
+        elif piece.batched:  # (batch..., Sq, Sk): a head axis before the rows
             allowed = allowed & piece.allows(qp[:, None], kp[None, :])[..., None, :, :]
     with limited(node_threads()):
         return scored_attention(q, k, v, allowed, scale=scale, q_pos=qp, k_pos=kp, dout=dout, **scores)

@@ -13,7 +13,7 @@ gives both). A cell works when every rank's result is within
 rounded to the dtype, or raises the same ValueError on every rank before any
 data moved (its ``Record`` stays empty); anything else is WRONG (exit code 1).
 
-The full product is 21,600 runs per strategy. The matrix (``matrix``) runs,
+The full product is 30,240 runs per strategy. The matrix (``matrix``) runs,
 per strategy, every option alone (the other axes at their ``DEFAULTS``);
 then the options that work alone, 5 at a time, in the rows of an orthogonal
 array of strength 2 (``covering``: every pair of them meets in a row); then
@@ -54,8 +54,9 @@ __all__ = ["AXES", "DEFAULTS", "Cell", "strategies", "cells", "changed", "label"
            "run_cells", "run_case", "render", "doc_section", "write_section", "support",
            "support_parser"]
 
-AXES = {"assignment": LAYOUTS + ("positions", "kv_positions"),
-        "mask": ("none", "causal", "window", "documents", "block-causal", "top-k"),  # top-k: an indexer's choice
+AXES = {"assignment": LAYOUTS + ("positions", "kv_positions", "cross"),  # cross: queries over another sequence
+        "mask": ("none", "causal", "window", "documents", "block-causal", "top-k", "per-head"),  # top-k: an
+        # indexer's choice; per-head: a function of (batch, head, q_pos, k_pos)
         "heads": ("MHA", "GQA", "MQA", "MLA", "uneven", "uneven GQA"),  # ``support_cases.head_counts``
         "dtype": INPUT_DTYPES,
         "wire": ("none",) + WIRE_DTYPES,
@@ -223,11 +224,12 @@ def run_case(comm, case, backward=True, records=None, keep_going=False):
     P, rank = comm.Get_size(), comm.Get_rank()
     mine, kv, held = placement(P, rank, assignment)
     wire = None if wire == "none" else wire
-    options = dict(strategies(P)[strategy], **mask_options(mask, sizes(P)[0]), **held, wire_dtype=wire,
+    options = dict(strategies(P)[strategy], **mask_options(mask, sizes(P)[0], head_counts(P, heads)[0]), **held,
+                   wire_dtype=wire,
                    **score_options(score, P, heads))
     whole = inputs(P, heads, dtype)[0]  # q, k, v, dout (MLA: q, c_kv, k_rope, dout, w_uk, w_uv)
     arrays = [np.ascontiguousarray(a[..., rows, :]) for a, rows in zip(whole, (mine, kv, kv, mine))] + whole[4:]
-    ref = reference(P, heads, dtype, mask, assignment == "kv_positions", score)
+    ref = reference(P, heads, dtype, mask, assignment == "kv_positions", score, assignment == "cross")
     kind = named_dtype(dtype)
     lse_kind = np.float32 if kind.itemsize == 2 else kind  # half inputs: lse in float32
     fwd, bwd = records or (Record(rank), Record(rank))

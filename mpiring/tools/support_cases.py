@@ -6,7 +6,9 @@ rows; ``reference`` is the dense float64 result over the whole sequence
 latent (``LATENT``: r values and a rope key per token, per-head d_nope and
 dv) against ``testing.latent_reference``; the mask axis' "top-k" is an indexer's choice
 of 2 blocks of 2 tokens per query (``plans.indexer.select`` in one process: the
-choice ``select_topk`` gives every rank).
+choice ``select_topk`` gives every rank); "per-head" a ``function`` mask of (batch, head, q_pos, k_pos) that
+differs per head. The assignment axis' "cross" is cross-attention: the S queries (zigzag) over the first
+``cross_keys(S)`` keys of another sequence (contiguous).
 """
 
 import functools
@@ -18,12 +20,13 @@ from mpiring import testing
 from mpiring.core.modifiers import t5_bias
 from mpiring.core.precision import named_dtype
 from mpiring.core.scores import alibi
+from mpiring.plans.functions import Function
 from mpiring.plans.indexer import Selected, select
 from mpiring.plans.layouts import LAYOUTS, shard_indices
 from mpiring.testing import latent_reference, latent_reference_backward
 
 __all__ = ["SEED", "LATENT", "sizes", "head_counts", "mask_options", "placement", "inputs", "score_options",
-           "extra_grads", "reference", "call", "grad_names"]
+           "extra_grads", "reference", "call", "grad_names", "cross_keys"]
 
 SEED = 20240611
 LATENT = dict(r=8, dr=2, d_nope=6, dv=8)  # the MLA cells' widths (q's head dim: d_nope + dr = the cells' 8)
@@ -51,10 +54,23 @@ def _chosen(S):
     return Selected(select(q, k, np.arange(S), topk=2, block=2, weights=w), 2)
 
 
-def mask_options(name, S):
-    """The ``ring_attention`` (and ``definition_mask``) options of mask ``name`` over S tokens."""
+def cross_keys(S):
+    """The keys of the "cross" assignment's other sequence: fewer than the S queries, uneven over the ranks."""
+    return S - 2
+
+
+def _per_head(b, h, q, k):
+    """The "per-head" mask: head h sees the keys within 1 + h of the query and every (h + 2)-th one before it."""
+    return (abs(q - k) <= 1 + h) | ((k <= q) & ((q - k) % (h + 2) == 0))
+
+
+def mask_options(name, S, heads=1):
+    """The ``ring_attention`` (and ``definition_mask``) options of mask ``name`` over S tokens, q holding
+    ``heads`` query heads (and one batch entry)."""
     if name == "top-k":
         return {"mask": (_chosen(S),)}
+    if name == "per-head":
+        return {"mask": (Function(_per_head, 1, heads),)}
     return {"none": {}, "causal": {"causal": True}, "window": {"window": (3, 1)},
             "documents": {"causal": True, "cu_seqlens": np.array([0, S // 3, S // 2 + 1, S])},
             "block-causal": {"causal": True, "causal_block": 3}}[name]
@@ -69,6 +85,9 @@ def _partition(rng, items, P):
 def placement(P, rank, assignment):
     """``(query positions, k/v positions, options)`` of ``rank``: a layout's shard, or positions from a seed."""
     S = sizes(P)[0]
+    if assignment == "cross":
+        return (shard_indices(S, P, rank, "zigzag"), shard_indices(cross_keys(S), P, rank, "contiguous"),
+                {"layout": "zigzag", "kv_layout": "contiguous", "kv_seq_len": cross_keys(S)})
     if assignment in LAYOUTS:
         mine = shard_indices(S, P, rank, assignment)
         return mine, mine, {"layout": assignment}
@@ -124,21 +143,23 @@ def extra_grads(score):
 
 
 @functools.lru_cache(maxsize=None)
-def reference(P, heads, dtype, mask, prefill, score="none"):
+def reference(P, heads, dtype, mask, prefill, score="none", cross=False):
     """float64 ``(out, lse, dq, dk, dv[, dsinks or dtable])`` (MLA: ``(out, lse, dq, dc_kv, dk_rope, dw_uk,
     dw_uv)``) over the whole sequence; ``prefill``: only the queries of ``placement``'s kv_positions (the last
-    S - S//2) count in the key gradients (dout is zero for the others)."""
+    S - S//2) count in the key gradients (dout is zero for the others); ``cross``: the keys are the first
+    ``cross_keys(S)``."""
     S = sizes(P)[0]
-    arrays = inputs(P, heads, dtype)[1]
-    pos = np.arange(S)
+    arrays = list(inputs(P, heads, dtype)[1])
+    pos, keys = np.arange(S), np.arange(cross_keys(S) if cross else S)
+    arrays[1:3] = [a[..., :len(keys), :] for a in arrays[1:3]]  # k, v (MLA: c_kv, k_rope)
+    options = mask_options(mask, S, head_counts(P, heads)[0])
     dout = np.where(pos[:, None] >= S // 2, arrays[3], 0.0) if prefill else arrays[3]
     if heads == "MLA":  # MLA takes no score modifier: those cells raise
         q, c, kr, _, wk, wv = arrays
-        options = mask_options(mask, S)
         return latent_reference(q, c, kr, wk, wv, **options) + latent_reference_backward(dout, q, c, kr, wk, wv,
                                                                                          **options)
     q, k, v, _ = arrays
-    options = dict(mask_options(mask, S), **score_options(score, P, heads))
+    options = dict(options, **score_options(score, P, heads))
     return testing.reference(q, k, v, **options) + testing.reference_backward(dout, q, k, v, **options)
 
 
