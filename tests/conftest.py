@@ -1,3 +1,4 @@
+import ast
 import collections
 import contextlib
 import itertools
@@ -223,6 +224,35 @@ def spread(items, size):
             need -= _factors(best)
         left += [item for item in group if id(item) not in chosen]
     return left
+
+
+def module_sizes(path):
+    """The world sizes a test module runs at in the quick suite, read from its source without importing it: those
+    of its ``ranks`` markers (all of them, the module's ``pytestmark`` and any test's), or None where its
+    ``pytestmark`` has none (it may run anywhere)."""
+    tree = ast.parse(path.read_text())
+    marks = [node.value for node in tree.body if isinstance(node, ast.Assign)
+             and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets)]
+
+    def ranks(node):
+        return [call for call in ast.walk(node) if isinstance(call, ast.Call)
+                and isinstance(call.func, ast.Attribute) and call.func.attr == "ranks"]
+    if not any(ranks(mark) for mark in marks):
+        return None
+    try:
+        return {ast.literal_eval(arg) for call in ranks(tree) for arg in call.args}
+    except ValueError:  # sizes computed at import: the module may run anywhere
+        return None
+
+
+def pytest_ignore_collect(collection_path, config):
+    """The quick suite does not import a test module at a world size none of its tests runs at (the Hugging Face
+    modules' imports cost seconds per rank). Test files named on the command line are collected as ever."""
+    if (config.getoption("--full") or collection_path.suffix != ".py"
+            or not collection_path.name.startswith("test_")):
+        return None
+    sizes = module_sizes(collection_path)
+    return True if sizes is not None and _world_size(config) not in sizes else None
 
 
 def pytest_collection_modifyitems(config, items):
