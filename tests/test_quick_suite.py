@@ -8,6 +8,7 @@ import types
 
 import pytest
 
+import conftest
 from conftest import all_pairs, module_sizes, quick_skip, sweep
 
 
@@ -87,3 +88,17 @@ def test_module_sizes_read_from_the_source(tmp_path):
     assert sizes("pytestmark = pytest.mark.ranks(1, 2)\n\n@pytest.mark.ranks(4)\ndef test_a(): pass\n") == {1, 2, 4}
     assert sizes("pytestmark = pytest.mark.mpi\n\n@pytest.mark.ranks(1, 2)\ndef test_a(): pass\n") is None
     assert sizes("SIZES = (1, 2)\npytestmark = pytest.mark.ranks(*SIZES)\n") is None
+
+
+def test_an_mpi_test_in_a_module_that_never_says_so_is_refused(tmp_path):
+    """The MPI stages skip importing modules whose source never says pytest.mark.mpi; a module that marks its MPI
+    tests otherwise (a marker imported under another name) is refused at collection, not silently left out."""
+    hidden, plain = tmp_path / "test_hidden.py", tmp_path / "test_plain.py"
+    hidden.write_text("from helpers import mpi_only\n")
+    plain.write_text("import pytest\n\n@pytest.mark.mpi\ndef test_a(): pass\n")
+    config = types.SimpleNamespace(getoption=lambda name, default=None: True)  # --full: no deselection follows
+    items = [types.SimpleNamespace(path=plain, get_closest_marker={"mpi": True}.get)]
+    conftest.pytest_collection_modifyitems(config, items)
+    items.append(types.SimpleNamespace(path=hidden, get_closest_marker={"mpi": True}.get))
+    with pytest.raises(pytest.UsageError, match="test_hidden.py"):
+        conftest.pytest_collection_modifyitems(config, items)
