@@ -1,3 +1,4 @@
+import ast
 import collections
 import contextlib
 import itertools
@@ -225,7 +226,48 @@ def spread(items, size):
     return left
 
 
+def module_sizes(path):
+    """The world sizes a test module runs at in the quick suite, read from its source without importing it: those
+    of its ``ranks`` markers (all of them, the module's ``pytestmark`` and any test's), or None where its
+    ``pytestmark`` has none (it may run anywhere)."""
+    tree = ast.parse(path.read_text())
+    marks = [node.value for node in tree.body if isinstance(node, ast.Assign)
+             and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets)]
+
+    def ranks(node):
+        return [call for call in ast.walk(node) if isinstance(call, ast.Call)
+                and isinstance(call.func, ast.Attribute) and call.func.attr == "ranks"]
+    if not any(ranks(mark) for mark in marks):
+        return None
+    try:
+        return {ast.literal_eval(arg) for call in ranks(tree) for arg in call.args}
+    except ValueError:  # sizes computed at import: the module may run anywhere
+        return None
+
+
+MPI_MARK = "mark.mpi"  # in the source of every module with MPI tests (checked in the serial stage)
+
+
+def pytest_ignore_collect(collection_path, config):
+    """A module none of whose tests would run is not imported: in the MPI stages (``-m mpi``), a module whose
+    source never says ``pytest.mark.mpi`` (its imports and collection cost every rank seconds); in the quick
+    suite, a module at a world size none of its tests runs at (the Hugging Face modules' imports). Test files
+    named on the command line are collected as ever."""
+    if collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    if config.getoption("markexpr", "") == "mpi" and MPI_MARK not in collection_path.read_text():
+        return True
+    if config.getoption("--full"):
+        return None
+    sizes = module_sizes(collection_path)
+    return True if sizes is not None and _world_size(config) not in sizes else None
+
+
 def pytest_collection_modifyitems(config, items):
+    unseen = sorted({str(path) for path in {item.path for item in items if item.get_closest_marker("mpi")}
+                     if MPI_MARK not in path.read_text()})
+    if unseen:  # the MPI stages would never import these modules (pytest_ignore_collect)
+        raise pytest.UsageError(f"MPI tests in modules whose source does not say pytest.{MPI_MARK}: {unseen}")
     if config.getoption("--full"):
         return
     size = _world_size(config)

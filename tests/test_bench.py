@@ -119,10 +119,11 @@ def test_quick_bench_under_load_leaves_no_spinner(tmp_path):
 @pytest.mark.skipif(MPIEXEC is None or not os.path.isdir("/proc"), reason="no mpiexec on PATH, or no /proc")
 def test_interrupted_under_load_leaves_no_spinner():
     """Ctrl-C passed on by mpiexec while a row runs loaded: the ranks exit 130 (C's exit(): no finally, no
-    Python atexit), and the spinner, orphaned, leaves by itself."""
+    Python atexit), and the spinner, orphaned, leaves by itself. ``--budget 2``: each of the row's two timings
+    (idle, then loaded) lasts about 2 s, long enough to be interrupted, however slow the machine."""
     before = set(spinner_pids())
     cmd = mpiexec_argv(2, sys.executable, "-m", "mpiring", "bench", "--sizes", "2048", "--dims", "64", "--mask",
-                       "full", "--passes", "fwd", "--precisions", "fp32", "--repeats", "20", "--budget", "60",
+                       "full", "--passes", "fwd", "--precisions", "fp32", "--repeats", "20", "--budget", "2",
                        "--load", "1", "--no-torch", "--inference", "off")
     job = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=clean_env(),
                            start_new_session=True)

@@ -139,5 +139,6 @@ def test_commands_leave_the_thread_counts_as_they_found_them():
     assert run(MPI.COMM_SELF, ["--seq-len", "32", "--heads", "2", "--dim", "8", "--threads", "1"]) == 0
     assert generate(MPI.COMM_SELF, ["--prompt-len", "16", "--new-tokens", "1", "--heads", "2", "--dim", "8",
                                     "--threads", "1"]) == 0
-    assert bench(MPI.COMM_SELF, ["--quick", "--no-torch", "--threads", "1", "--csv", os.devnull]) == 0
+    assert bench(MPI.COMM_SELF, ["--quick", "--sizes", "256", "--dims", "16", "--heads", "2", "--repeats", "1",
+                                 "--precisions", "fp32", "--no-torch", "--threads", "1", "--csv", os.devnull]) == 0
     assert counts() == before

@@ -18,7 +18,8 @@ from hf_models import DOCUMENTS, S, batch_ids, build  # noqa: E402
 import mpiring.hf  # noqa: E402
 from mpiring.hf import edge  # noqa: E402
 
-pytestmark = pytest.mark.mpi
+# P = 1, 2 and 3 (uneven shards) in the quick suite, as tests/test_hf_mpi.py; run/test --full adds P = 4
+pytestmark = [pytest.mark.mpi, pytest.mark.ranks(1, 2, 3)]
 GENERATION = "generation under context parallelism is not supported by mpiring.hf"
 
 

@@ -8,7 +8,8 @@ import types
 
 import pytest
 
-from conftest import all_pairs, quick_skip, sweep
+import conftest
+from conftest import all_pairs, module_sizes, quick_skip, sweep
 
 
 @pytest.mark.parametrize("sizes", [(2, 2), (3, 3, 2, 2), (2, 2, 5, 4, 2, 2), (3, 3, 2, 4, 2), (4, 1, 3)])
@@ -74,3 +75,30 @@ def test_spread_runs_every_case_at_2_and_each_value_at_the_other_sizes():
         assert len([c for c in kept[size] if c.originalname == "t"]) == 4  # of 12: the most values of one
         assert spread(cases, size) == spread(cases, size)  # the same on every rank
     assert len({tuple(map(id, kept[size])) for size in kept}) == 3  # each size runs other cases
+
+
+def test_module_sizes_read_from_the_source(tmp_path):
+    """The sizes a module runs at, from its ranks markers (the module's and its tests'), without importing it: the
+    quick suite does not import a module elsewhere. No module marker, or sizes not written out: it may run anywhere."""
+    def sizes(source):
+        path = tmp_path / "test_x.py"
+        path.write_text("import pytest\n" + source)
+        return module_sizes(path)
+    assert sizes("pytestmark = [pytest.mark.mpi, pytest.mark.ranks(1, 2, 3)]\nraise ImportError\n") == {1, 2, 3}
+    assert sizes("pytestmark = pytest.mark.ranks(1, 2)\n\n@pytest.mark.ranks(4)\ndef test_a(): pass\n") == {1, 2, 4}
+    assert sizes("pytestmark = pytest.mark.mpi\n\n@pytest.mark.ranks(1, 2)\ndef test_a(): pass\n") is None
+    assert sizes("SIZES = (1, 2)\npytestmark = pytest.mark.ranks(*SIZES)\n") is None
+
+
+def test_an_mpi_test_in_a_module_that_never_says_so_is_refused(tmp_path):
+    """The MPI stages skip importing modules whose source never says pytest.mark.mpi; a module that marks its MPI
+    tests otherwise (a marker imported under another name) is refused at collection, not silently left out."""
+    hidden, plain = tmp_path / "test_hidden.py", tmp_path / "test_plain.py"
+    hidden.write_text("from helpers import mpi_only\n")
+    plain.write_text("import pytest\n\n@pytest.mark.mpi\ndef test_a(): pass\n")
+    config = types.SimpleNamespace(getoption=lambda name, default=None: True)  # --full: no deselection follows
+    items = [types.SimpleNamespace(path=plain, get_closest_marker={"mpi": True}.get)]
+    conftest.pytest_collection_modifyitems(config, items)
+    items.append(types.SimpleNamespace(path=hidden, get_closest_marker={"mpi": True}.get))
+    with pytest.raises(pytest.UsageError, match="test_hidden.py"):
+        conftest.pytest_collection_modifyitems(config, items)

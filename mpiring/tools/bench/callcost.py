@@ -8,6 +8,8 @@ the whole ``Ring.forward``; its per-call agreement alone (``agree.check_call``, 
 the handle's); and, in the same run, a bare ``Iallreduce`` of the agreement's five float64 (waited by
 ``MPI.Request.Wait``); and the point-to-point requests (sends and receives) the agreement posts on one rank
 per call, beside its all-reduce. With more ranks than cores (oversubscribed), the figures measure the scheduler too.
+Sampling stops after ``--repeats`` samples of each kind or ``--budget`` seconds (at least 3 samples), so a row
+at P = 64 on a small machine takes seconds, not minutes; the header gives the samples taken.
 """
 
 import time
@@ -26,9 +28,12 @@ __all__ = ["callcost", "callcost_parser", "call_seconds", "agreement_requests", 
 
 def callcost_parser():
     p = command_parser("bench callcost", callcost)
-    p.add_argument("--repeats", type=int, default=200, help="timed calls of each kind")
+    p.add_argument("--repeats", type=int, default=200, help="timed calls of each kind, at most")
+    p.add_argument("--budget", type=float, default=10.0,
+                   help="seconds of sampling after which the repeats stop (at least 3 samples of each kind)")
     p.add_argument("--dim", type=int, default=8, help="head dim")
     p.checks.append(at_least(1, **{"--repeats": "repeats", "--dim": "dim"}))
+    p.checks.append(at_least(0, **{"--budget": "budget"}))
     return p
 
 
@@ -62,9 +67,14 @@ def agreement_requests(comm, calls=3):
     return comm.allreduce(counted.requests, op=MPI.MAX) / calls
 
 
-def call_seconds(comm, repeats, dim=8):
-    """``{kind: median over samples of the slowest rank's seconds}`` for the tiny call, its agreement and a bare
-    Iallreduce, samples of the three kinds interleaved (the machine's drift falls on all three alike)."""
+MIN_SAMPLES = 3  # of each kind, whatever the budget (fewer only if --repeats asks for fewer)
+
+
+def call_seconds(comm, repeats, dim=8, budget=None):
+    """``({kind: median over samples of the slowest rank's seconds}, samples)`` for the tiny call, its agreement
+    and a bare Iallreduce, samples of the three kinds interleaved (the machine's drift falls on all three alike);
+    ``repeats`` samples of each, or fewer (at least ``MIN_SAMPLES``) once the slowest rank has spent ``budget``
+    seconds sampling (None: no limit)."""
     from mpi4py import MPI
 
     rng = np.random.default_rng(0)
@@ -79,29 +89,33 @@ def call_seconds(comm, repeats, dim=8):
     with mpiring.Ring(comm, size) as ring:
         for fn in kinds.values():  # warm up
             fn()
-        for _ in range(repeats):
+        began = time.perf_counter()
+        for sample in range(repeats):
             for name, fn in kinds.items():
                 comm.Barrier()
                 start = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - start)
+            if (budget is not None and sample + 1 >= MIN_SAMPLES
+                    and comm.allreduce(time.perf_counter() - began, op=MPI.MAX) > budget):
+                break  # the same decision on every rank: the all-reduced time
     private.Free()
     mine = np.array(list(times.values()))
     slowest = np.empty_like(mine)
     comm.Allreduce(mine, slowest, op=MPI.MAX)
-    return {name: float(np.median(t)) for name, t in zip(times, slowest)}
+    return {name: float(np.median(t)) for name, t in zip(times, slowest)}, slowest.shape[1]
 
 
 def callcost(comm, args=None):
     """Time a tiny Ring call (S = P tokens, H = 1, D = 8), its agreement and a bare Iallreduce on P ranks."""
     args = callcost_parser().parse_args(args)
-    seconds = call_seconds(comm, args.repeats, args.dim)
+    seconds, samples = call_seconds(comm, args.repeats, args.dim, args.budget)
     requests = agreement_requests(comm)
     if comm.Get_rank() == 0:
         size, here = comm.Get_size(), launcher_local_ranks()
         print(f"CPU: {cpu_text()}; P={size} ({here} ranks on {cores()} cores here"
               f"{', oversubscribed' if here > cores() else ''}); S=P, H=1, D={args.dim}, float64; "
-              f"median of {args.repeats} of the slowest rank, microseconds")
+              f"median of {samples} samples of the slowest rank, microseconds")
         print(table_text(["P", *seconds, "its point-to-point requests"],
                          [[size, *(f"{s * 1e6:.0f}" for s in seconds.values()), f"{requests:g}"]], markdown=True))
     return 0
