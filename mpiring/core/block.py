@@ -15,8 +15,8 @@ from .latent import Expanded
 from .scores import attend_general, count_allowed, grads_general
 from .tiles import filled, kernel_dtype, scratch
 
-__all__ = ["GRAD_DTYPE", "KEPT_OUT", "Rowsum", "Queries", "queries", "accumulators", "count_pairs", "attend", "block_grads",
-           "add_grads", "grads_of"]
+__all__ = ["GRAD_DTYPE", "KEPT_OUT", "Rowsum", "Queries", "queries", "accumulators", "count_pairs", "attend",
+           "block_grads", "add_grads", "grads_of"]
 
 GRAD_DTYPE = np.dtype(np.float64)  # each rank's own gradients (dq, its block's dk, dv) are summed in this
 KEPT_OUT = "ring.out"  # the kept buffer of the forward's running out; the backward sums dq in it
