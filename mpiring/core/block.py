@@ -104,8 +104,9 @@ def queries(dout, q, out, lse, delta):
     """``Queries`` of a backward call, delta checked once for all its blocks where torch's op may take them
     (the op computes rowsum(dout * out) itself; checked per block it was 2-3 % of a P = 2 backward; a ``Rowsum``
     is not checked: the check was another 2-3 % of a causal P = 2 forward+backward)."""
-    rowsum = True if isinstance(delta, Rowsum) else delta_is_rowsum(dout, q, out, delta)
-    return Queries(dout, q, out, lse, delta, rowsum)
+    if isinstance(delta, Rowsum):
+        return Queries(dout, q, out, lse, delta.view(np.ndarray), True)
+    return Queries(dout, q, out, lse, delta, delta_is_rowsum(dout, q, out, delta))
 
 
 def block_grads(queries, kv, pieces, score, dq, progress):
