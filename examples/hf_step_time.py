@@ -19,7 +19,7 @@ from mpi4py import MPI
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import mpiring.hf
-from mpiring.core.machine import cpu_model
+from mpiring.core.tuning.machine import cpu_model
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--seq-len", type=int, nargs="+", default=[2048, 8192])

@@ -13,22 +13,22 @@ import importlib
 
 from .core.backends import attention_block, attention_block_backward
 from .core.kernels import merge
+from .core.record import Record
 from .core.reference import reference_attention, reference_attention_backward
 from .core.tiles import release_workspace
 from .cost.costmodel import predicted_backward_bytes, predicted_bytes_sent, ring_attention_context_parallel
-from .mpi.record import Record
 from .plans.balancers import balance
 from .plans.chunks import MixerSpec
 from .plans.layouts import LAYOUTS, shard, shard_indices, unshard
 from .plans.make import make_plan
-from .plans.masks import visible_keys
 from .plans.plan import MODES, Schedule, Task
 from .plans.spec import Spec
+from .plans.visibility import visible_keys
 from .simulate import ring_attention_simulate, simulate
 
 # MPI-backed names: module that defines each, imported on first use (PEP 562)
 _LAZY = {
-    "ring_attention": "handle", "ring_attention_backward": "handle", "Ring": "handle", "Lse": "lse",
+    "ring_attention": "handle", "ring_attention_backward": "handle", "Ring": "handle", "Lse": "core.lse",
     "distributed_attention": "distributed", "distributed_attention_backward": "distributed",
     "CommTimeout": "mpi.waits", "decode_attention": "decode", "KVCache": "kvcache",
     "decode_many": "decode", "attend_many": "kvcache", "HelixGrid": "helix", "helix_attention": "helix",

@@ -30,17 +30,17 @@ import numpy as np
 from mpi4py import MPI
 
 from .core.kernels import attention_block, merge_commutative
+from .core.record import Record
 from .core.scores import Score, attend_general, with_sinks
 from .mpi.agree import check_comm
-from .mpi.checks import Shown
 from .mpi.comm import RingComm
 from .mpi.decoding import EXCHANGES, MERGES, decode_agreement, decode_timeout, parents_problem
-from .mpi.record import Record
 from .mpi.waits import exclusive, wait_until
+from .plans.checks import Shown
 from .plans.content import described
-from .plans.masks import combined
 from .plans.plan import Piece, Where
 from .plans.spec import Spec, spec_problem
+from .plans.visibility import combined
 
 __all__ = ["decode_attention", "decode_many", "EXCHANGES", "MERGES", "renamed", "lse_merge", "merge_partials",
            "local_partial", "decode_agreement", "decode_timeout", "draft_mask", "draft_partial", "parents_problem",
@@ -188,7 +188,8 @@ def draft_partial(q, k, v, parents, scale):
 
 
 DECODE_FIELDS = ("scale", "causal", "positions", "kv_positions")
-SCORE_FIELDS = ("mask", "softcap", "bias", "sinks")  # decoding's masks and scores (no dropout, no max logit)
+SCORE_FIELDS = ("mask", "softcap", "bias", "score_mod", "sinks")  # decoding's masks and scores (no dropout, no max
+# logit; no backward, so no score_mod_grad)
 
 
 def spec_of(spec, *values, who="decode_attention", scores=None):
@@ -217,7 +218,8 @@ class Scores:
 
     @classmethod
     def of(cls, spec):
-        plain = not spec.mask and spec.softcap is None and spec.bias is None and spec.sinks is None
+        plain = (not spec.mask and spec.softcap is None and spec.bias is None and spec.sinks is None
+                 and spec.score_mod is None)
         return None if plain else cls(spec)
 
     def problem(self, q, positions, kv_positions):
@@ -276,7 +278,7 @@ def decode_attention(
             iff kv_positions[j] <= positions[i]. Off: every new token sees every key.
         timeout: as ``ring_attention``: seconds any wait may take, "auto" or None.
         record: a ``Record`` to fill ("compute" and "merge" events, bytes sent).
-        options: ``scale`` (default 1/sqrt(dim)), and ``mask``, ``softcap``, ``bias``, ``sinks`` as
+        options: ``scale`` (default 1/sqrt(dim)), and ``mask``, ``softcap``, ``bias``, ``score_mod``, ``sinks`` as
             ``ring_attention`` takes them (docs/masks.md), with ``positions`` and ``kv_positions`` (the pieces and
             the bias see global positions); no dropout, no max logit.
         spec: a ``Spec`` giving these options instead (``spec_of``).

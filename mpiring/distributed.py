@@ -8,14 +8,14 @@ spec; the forward and the backward call then run that spec.
 
 import numpy as np
 
+from .core.buffers import mpi_view
+from .core.record import Record
 from .handle import ring_attention, ring_attention_backward
 from .mpi.agree import agree, agree_root, check_comm
-from .mpi.buffers import mpi_view
-from .mpi.checks import describe, local_problem, resolve_timeout, root_grad_problem, root_problem
 from .mpi.collectives import gather
-from .mpi.record import Record
 from .mpi.waits import CommTimeout, wait_until
-from .options import split
+from .plans.call_options import split
+from .plans.checks import describe, local_problem, resolve_timeout, root_grad_problem, root_problem
 from .plans.layouts import shard, unshard
 from .plans.plan import Schedule
 from .plans.spec import Spec, spec_problem

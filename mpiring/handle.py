@@ -23,14 +23,28 @@ import numpy as np
 
 from .core.block import GRAD_DTYPE, Rowsum
 from .core.kernels import default_scale
+from .core.lse import Lse, mismatch
 from .core.precision import Precision
+from .core.record import Record
 from .core.scores import FunctionFailed, Score
-from .core.threads import limited, threads_for, threads_problem
 from .core.tiles import release_workspace
-from .lse import Lse, mismatch
+from .core.tuning.threads import limited, threads_for, threads_problem
 from .mpi.agree import check_call, check_comm, contiguous, setup_ring
-from .mpi.axes import axis_problem, seq_index
-from .mpi.checks import (
+from .mpi.waits import Announced, CommTimeout, Watch, exclusive, watching
+from .parallel.strategies import (
+    Call,
+    grad_rings,
+    private_rings,
+    rotation,
+    run_backward,
+    run_forward,
+    scored_forward,
+    sink_gradients,
+    table_gradients,
+)
+from .plans.axes import axis_problem, seq_index
+from .plans.call_options import CALL_OPTIONS, options_problem
+from .plans.checks import (
     agreement_timeout,
     call_values,
     describe,
@@ -42,19 +56,6 @@ from .mpi.checks import (
     pairs_problem,
     peaks,
     resolve_timeout,
-)
-from .mpi.record import Record
-from .mpi.waits import Announced, CommTimeout, Watch, exclusive, watching
-from .options import CALL_OPTIONS, options_problem
-from .parallel.strategies import (
-    Call,
-    grad_rings,
-    private_rings,
-    rotation,
-    run_backward,
-    run_forward,
-    scored_forward,
-    sink_gradients,
 )
 from .plans.layouts import LAYOUTS, shard, take_rows
 from .plans.spec import FIELDS, Spec, spec_problem
@@ -90,9 +91,9 @@ class Ring:
         timeout: seconds a rank may wait for the others ("auto", a number or None; ``checks.resolve_timeout``).
         seq_axis: the sequence axis of q, k, v, out and dout (-2: ``(..., S, D)``;
             -3: flash-attn's ``(B, S, H, D)``), or the axes named, "bshd" or "bhsd"
-            (``mpiring.mpi.axes``). lse is always ``(..., H, S)``.
+            (``mpiring.plans.axes``). lse is always ``(..., H, S)``.
         threads: BLAS threads per rank inside every call: "auto" (the node's
-            cores shared among its ranks; ``mpiring.core.threads``), an int, or None
+            cores shared among its ranks; ``mpiring.core.tuning.threads``), an int, or None
             (leave BLAS alone).
         check_finite: also reject NaN/Inf in q, k, v (one extra pass), and NaN/+Inf values from a ``bias``.
         expected_size: raise unless the communicator has this many ranks.
@@ -174,7 +175,7 @@ class Ring:
 
     @property
     def options(self):
-        """The options a call may repeat (``mpiring.options.CALL_OPTIONS``), as this Ring holds them."""
+        """The options a call may repeat (``mpiring.plans.call_options.CALL_OPTIONS``), as this Ring holds them."""
         held = {name: getattr(self.spec, name) for name in CALL_OPTIONS if name in FIELDS}
         return dict(held, layout=self.layout, window=tuple(self.spec.window), timeout=self._timeout,
                     seq_axis=self.seq_axis, check_finite=self.check_finite)
@@ -254,7 +255,7 @@ class Ring:
     def forward(self, q, k, v, *, record: Record | None = None, **options):
         """This rank's ``(out, lse)``: out shaped as q with v's head dim, lse ``(..., Hq, n)`` (an ``Lse``).
 
-        ``options``: any of the Ring's own (``scale=``, ``causal=``, ...; ``mpiring.options``), as a
+        ``options``: any of the Ring's own (``scale=``, ``causal=``, ...; ``mpiring.plans.call_options``), as a
         model passes them at every call: equal to the Ring's or refused. ``record``: a ``Record`` to fill
         with tasks, events and traffic counters.
         """
@@ -294,7 +295,7 @@ class Ring:
                            or length_problem(self.plan, self.rank, q, k) or self.spec.heads_problem(q, k, self.size)
                            or self.spec.scores_problem(q))
                 if problem is None and lse is not None:
-                    problem = (grad_problem(names["dout"], q, k, v, names["out"], lse)
+                    problem = (self.spec.backward_problem() or grad_problem(names["dout"], q, k, v, names["out"], lse)
                                or dlse_problem(dlse, lse)
                                or mismatch(lse, self.spec.made_by(self.size, self._resolved_scale(q),
                                                                   self.plan.seq_len)))
@@ -366,15 +367,16 @@ class Ring:
         if len(lses) == 1 and np.isfinite(delta).all():  # the rowsum of finite dout, out: no block checks it again
             computed = computed.view(Rowsum)
         record = Record(self.rank) if record is None else record
-        call = Call(self.plan, self._rings, Score.of(self.spec, scale, finite=self.check_finite), record, timeout,
-                    precision)
+        score = Score.of(self.spec, scale, finite=self.check_finite, backward=True)
+        call = Call(self.plan, self._rings, score, record, timeout, precision)
         with self._running():
             grads = run_backward((dout, q, k, v, out, lses[0], computed), call)
             dsinks = sink_gradients(self.spec, lses[0], delta, self._rings[0].comm, timeout)
+            dtable = table_gradients(score, self._rings[0].comm, timeout)
         grads = [self.plan.in_caller_order(self.rank, g.astype(precision.input, copy=False), kv=i > 0)
                  for i, g in enumerate(grads)]
         grads = tuple(np.moveaxis(g, -2, seq_index(self.seq_axis, g.ndim)) for g in grads)
-        return grads if dsinks is None else grads + (dsinks,)
+        return grads + tuple(g for g in (dsinks, dtable) if g is not None)
 
 
 # ---------------------------------------------------------------------- the plain functions

@@ -27,11 +27,11 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from .core.record import Record
 from .decode import decode_agreement, decode_timeout, local_partial, lse_merge
 from .mpi.agree import agreed, check_comm
-from .mpi.checks import Shown, describe
-from .mpi.record import Record
 from .mpi.waits import exclusive, wait_until
+from .plans.checks import Shown, describe
 
 __all__ = ["HelixGrid", "helix_attention"]
 

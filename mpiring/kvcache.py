@@ -22,6 +22,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from .core.kvstore import ERROR_BOUND, QUANTIZE, TILE, KVStore, quantize
+from .core.record import Record
 from .decode import (
     computing,
     decode_agreement,
@@ -38,15 +40,12 @@ from .decode import (
     unpacked,
 )
 from .handle import ring_attention
-from .kvstore import ERROR_BOUND, QUANTIZE, TILE, KVStore, quantize
 from .mpi.agree import agree, agreed, check_comm, gather_entry
-from .mpi.checks import Shown, describe, timeout_problem
 from .mpi.comm import RingComm
 from .mpi.decoding import by_content, path_problem
-from .mpi.record import Record
 from .mpi.waits import exclusive, wait_until
+from .plans.checks import Shown, describe, timeout_problem
 from .plans.layouts import layout_positions
-from .plans.spec import digest
 
 __all__ = ["KVCache", "attend_many", "PLACEMENTS", "QUANTIZE", "TILE", "ERROR_BOUND", "quantize"]
 
@@ -74,7 +73,7 @@ class KVCache:
         interleave: with "interleave", tokens per run: token t lives on rank (t // interleave) % P
             (vLLM's decode context parallelism); "round_robin" is interleave=1.
         shared_values: the values are the keys' last ``value_dim`` values, stored once (MLA's latent:
-            keys [k_rope | c], values c; ``core.latent``); the calls then take v=None.
+            keys [k_rope | c], values c; ``core.mla``); the calls then take v=None.
         timeout: as ``ring_attention``, for every call.
 
     Bad arguments on any rank raise the same ValueError on every rank.
@@ -483,7 +482,3 @@ def attend_many(caches, qs, *, exchange="tree", scale=None, record=None, comm=No
                             dtype=first.dtype)
         rec.wall_time = time.perf_counter() - start
         return result
-
-
-def _bytes_digest(a):
-    return digest(np.ascontiguousarray(a).view(np.uint8))

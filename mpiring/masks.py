@@ -5,19 +5,22 @@
     m = masks.window(128, 0) | masks.function(lambda q, k: k < 4)   # a sliding window and 4 global tokens
     out, lse = mpiring.ring_attention(q, k, v, mask=m, layout="zigzag")
 
-Each constructor gives a ``MaskPiece`` (``mpiring.plans.masks``); ``a & b``
+Each constructor gives a ``MaskPiece`` (``mpiring.plans.visibility``); ``a & b``
 keeps the keys both allow, ``a | b`` those either allows. The options
 ``causal=``, ``window=``, ``cu_seqlens=`` and ``causal_block=`` are the pieces
 ``causal()``, ``window()``, ``documents()`` and ``frames()``, and a call's mask
 is all of its pieces together (``&``). ``parse`` reads the command line's
 ``--mask`` text. Score modifiers are options of their own (``softcap=``,
-``bias=``, ``sinks=``, ``dropout=``); ``alibi(H)`` is ALiBi's bias.
+``bias=``, ``score_mod=``, ``sinks=``, ``dropout=``); ``alibi(H)`` is ALiBi's bias, ``TableBias`` a learnable
+bias table (``t5_bias``: T5's relative position buckets).
 """
 
 import numpy as np
 
+from .core.modifiers import TableBias, relative_buckets, t5_bias
 from .core.scores import alibi, alibi_slopes
-from .plans.masks import (
+from .plans.indexer import Selected
+from .plans.visibility import (
     And,
     Causal,
     Documents,
@@ -30,10 +33,9 @@ from .plans.masks import (
     check_cu_seqlens,
     check_window,
 )
-from .plans.topk import Selected
 
 __all__ = ["causal", "window", "documents", "frames", "prefix", "padding", "function", "selected", "parse", "alibi",
-           "alibi_slopes", "MaskPiece", "And", "Or"]
+           "alibi_slopes", "TableBias", "t5_bias", "relative_buckets", "MaskPiece", "And", "Or"]
 
 
 def causal():

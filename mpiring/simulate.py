@@ -5,8 +5,8 @@ import numpy as np
 from .core.block import GRAD_DTYPE, accumulators, add_grads, attend, grads_of
 from .core.kernels import default_scale
 from .core.precision import INPUT_DTYPES, Precision
+from .core.record import Record
 from .core.scores import Score, with_sinks
-from .mpi.record import Record
 from .plans.spec import spec_problem
 
 __all__ = ["ring_attention_simulate", "simulate", "simulate_backward"]
@@ -21,7 +21,7 @@ def _as_float(name, a):
     return a
 
 
-def _prepared(Q, K, V, num_devices, options, spec, positions):
+def _prepared(Q, K, V, num_devices, options, spec, positions, backward=False):
     """The checked problem of ``simulate`` (and its backward): ``(spec, pr, plan, score, Q, K, V)``."""
     spec, problem = spec_problem(options, spec)
     if problem:
@@ -45,10 +45,10 @@ def _prepared(Q, K, V, num_devices, options, spec, positions):
     pr = Precision.of(dtype, spec.precision)
     plan = spec.plan(int(num_devices), Q.shape[-2])
     scale = default_scale(Q.shape[-1]) if spec.scale is None else spec.scale
-    problem = spec.scores_problem(Q)
+    problem = spec.scores_problem(Q) or (backward and spec.backward_problem())
     if problem:
         raise ValueError(problem)
-    return spec, pr, plan, Score.of(spec, scale), Q, K, V
+    return spec, pr, plan, Score.of(spec, scale, backward=backward), Q, K, V
 
 
 def _blocks(plan, pr, K, V):
@@ -99,7 +99,8 @@ def simulate(Q, K, V, num_devices, *, spec=None, causal=False, layout="contiguou
 
 
 def simulate_backward(dO, Q, K, V, out, lse, num_devices, *, positions=None, spec=None, **options):
-    """The ring's backward pass simulated in one process: ``(dq, dk, dv)`` for ``simulate``'s ``(out, lse)``.
+    """The ring's backward pass simulated in one process: ``(dq, dk, dv)`` for ``simulate``'s ``(out, lse)``
+    (with a ``TableBias`` bias, d table follows: ``(dq, dk, dv, dtable)``).
 
     Options as ``simulate`` takes them (the ring modes), and ``grad_wire_dtype``. Every device recomputes
     its rows against each block it visits, a block from another device coded and decoded as the wire
@@ -107,7 +108,7 @@ def simulate_backward(dO, Q, K, V, out, lse, num_devices, *, positions=None, spe
     inputs) by its visitors in the order they see it, as it travels, and added to its owner's own share in
     float64 at home.
     """
-    spec, pr, plan, score, Q, K, V = _prepared(Q, K, V, num_devices, options, spec, positions)
+    spec, pr, plan, score, Q, K, V = _prepared(Q, K, V, num_devices, options, spec, positions, backward=True)
     dO, out, lse = (np.asarray(a) for a in (dO, out, lse))
     if dO.shape != out.shape or out.shape != Q.shape[:-1] + V.shape[-1:] or lse.shape != Q.shape[:-1]:
         raise ValueError(f"dO and out must have shape {Q.shape[:-1] + V.shape[-1:]} and lse {Q.shape[:-1]}; got "
@@ -136,7 +137,7 @@ def simulate_backward(dO, Q, K, V, out, lse, num_devices, *, positions=None, spe
     for d in range(plan.size):
         grads[0][..., plan.shards[d], :] = dq[d]
         grads[1][..., plan.kv_shards[d], :], grads[2][..., plan.kv_shards[d], :] = home[d]
-    return tuple(grads)
+    return tuple(grads) + (() if score.dtable is None else (score.dtable,))
 
 
 def ring_attention_simulate(Q, K, V, num_devices):

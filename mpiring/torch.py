@@ -19,13 +19,12 @@ import numpy as np
 import torch
 
 from .core.kernels import merge_weight
+from .core.modifiers import TableBias
 from .core.precision import named_dtype
 from .handle import caller_found
 from .handle import ring_attention as _ring_attention
 from .handle import ring_attention_backward as _ring_attention_backward
-from .mpi.axes import seq_index
-from .mpi.checks import Shown
-from .options import RING_OPTIONS, foreign_problem
+from .mpi.agree import check_comm
 from .parallel.mixing.entry import Refused
 from .parallel.mixing.entry import causal_conv as _conv
 from .parallel.mixing.entry import causal_conv_backward as _conv_backward
@@ -35,9 +34,12 @@ from .parallel.mixing.statespace import selective_scan as _scan
 from .parallel.mixing.statespace import selective_scan_backward as _scan_backward
 from .parallel.mixing.statespace import ssd as _ssd
 from .parallel.mixing.statespace import ssd_backward as _ssd_backward
+from .plans.axes import seq_index
+from .plans.call_options import RING_OPTIONS, foreign_problem
+from .plans.checks import Shown
 from .plans.content import content
 
-__all__ = ["ring_attention", "DTYPES", "causal_conv1d", "linear_attention", "chunk_gated_delta_rule",
+__all__ = ["ring_attention", "score_mod", "DTYPES", "causal_conv1d", "linear_attention", "chunk_gated_delta_rule",
            "mamba_chunk_scan", "selective_scan"]
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # bfloat16 through ml_dtypes
@@ -76,9 +78,38 @@ def _arrays(tensors, names):
     return [None if problem else a for a, _ in found], problem
 
 
+class ScoreMod:
+    """A flex_attention ``score_mod`` written in torch ops, as mpiring's NumPy ``score_mod`` (``__call__``) and its
+    derivative (``grad``: torch autograd of the function, elementwise in the score)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def _args(self, s, b, h, qi, ki):
+        return [torch.from_numpy(np.ascontiguousarray(a)) for a in (s, b, h, qi, ki)]
+
+    def __call__(self, s, b, h, qi, ki):
+        with torch.no_grad():
+            return self.fn(*self._args(s, b, h, qi, ki)).numpy()
+
+    def grad(self, s, b, h, qi, ki):
+        args = self._args(s, b, h, qi, ki)
+        with torch.enable_grad():
+            score = args[0].requires_grad_(True)
+            (got,) = torch.autograd.grad(self.fn(score, *args[1:]).sum(), score, allow_unused=True)
+        return np.zeros(s.shape) if got is None else got.numpy()
+
+
+def score_mod(fn):
+    """``{score_mod, score_mod_grad}`` of a flex_attention score_mod written in torch ops (``fn(score, batch, head,
+    q_pos, k_pos)`` on broadcast tensors), its derivative by autograd: options for ``mpiring.Ring`` or a call."""
+    mod = fn if isinstance(fn, ScoreMod) else ScoreMod(fn)
+    return dict(score_mod=mod, score_mod_grad=mod.grad)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring, options, problem, shared):
+    def forward(ctx, q, k, v, ring, options, problem, shared, table):
         arrays, found = _arrays((q, k, v), "qkv")
         with caller_found(problem or found, shared):  # reported by every rank, through the call's agreement
             if ring is not None:
@@ -88,6 +119,7 @@ class _RingAttention(torch.autograd.Function):
         out_t = _tensor(out)
         ctx.save_for_backward(q, k, v, out_t)
         ctx.ring, ctx.options, ctx.lse = ring, options, lse  # lse as returned: it carries the forward's options
+        ctx.table_dtype = None if table is None else table.dtype
         ctx.set_materialize_grads(False)
         top = torch.from_numpy(top[0]) if top else torch.empty(0)  # the max logit, when asked for
         ctx.mark_non_differentiable(top)
@@ -104,7 +136,11 @@ class _RingAttention(torch.autograd.Function):
                 grads = ctx.ring.backward(*arrays, ctx.lse, dlse=dlse)
             else:
                 grads = _ring_attention_backward(*arrays, ctx.lse, dlse=dlse, **ctx.options)
-        return (*(_tensor(g) for g in grads[:3]), None, None, None, None)  # the Ring's own sinks: no tensor
+        dtable = None  # a trainable TableBias: this rank's share of d table (last), as for the sinks
+        if ctx.needs_input_grad[7]:
+            size = ctx.ring.size if ctx.ring is not None else check_comm(ctx.options.get("comm")).Get_size()
+            dtable = torch.from_numpy(np.asarray(grads[-1]) / size).to(ctx.table_dtype)
+        return (*(_tensor(g) for g in grads[:3]), None, None, None, None, dtable)  # the Ring's own sinks: no tensor
 
 
 def _with_sinks(out, lse, sinks, ring, options):
@@ -135,6 +171,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring=None,
     ``sinks``: a tensor of one logit per query head, trainable (gpt-oss): its gradient flows back to it,
     each rank's the share of its own rows (all-reduce it with the other replicated parameters' gradients,
     as ``mpiring.hf.all_reduce_gradients`` does); fixed sinks can be a Ring's option instead (docs/masks.md).
+    ``score_mod``: flex_attention's, in torch ops; without ``score_mod_grad`` its derivative comes from autograd
+    (``score_mod(fn)`` gives both, for a Ring). ``bias=mpiring.masks.TableBias(table, index_fn)`` (the call's or
+    the Ring's) with ``table`` a tensor that requires grad (an ``nn.Parameter``): its gradient flows back to it,
+    each rank's a 1/P share of the whole (all-reduce it with the other replicated parameters' gradients, as for
+    the sinks).
     """
     unknown = [name for name in options if name not in FUNCTION_OPTIONS]
     problem = foreign_problem(unknown[0], "the options of a Ring go to mpiring.Ring(...)" if ring is not None else
@@ -142,7 +183,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring=None,
     options = {name: value for name, value in options.items() if name not in unknown}
     if sinks is not None and problem is None:
         problem = _sinks_problem(sinks, q, ring, options)
-    out, lse, top = _RingAttention.apply(q, k, v, ring, options, problem, _shared(q, k, v, sinks, problem))
+    if options.get("score_mod") is not None and options.get("score_mod_grad") is None:
+        options.update(score_mod(options["score_mod"]))  # torch ops: the derivative by autograd
+    bias = ring.spec.bias if ring is not None else options.get("bias")
+    table = bias.table if isinstance(bias, TableBias) and isinstance(bias.table, torch.Tensor) else None
+    out, lse, top = _RingAttention.apply(q, k, v, ring, options, problem, _shared(q, k, v, sinks, problem), table)
     if sinks is not None:
         out, lse = _with_sinks(out, lse, sinks, ring, options)
     results = (out, lse) if return_lse else (out,)

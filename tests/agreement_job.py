@@ -459,7 +459,7 @@ def main():
         return
     from mpi4py import MPI
 
-    from mpiring.mpi.checks import backend_problem
+    from mpiring.plans.checks import backend_problem
 
     comm = MPI.COMM_WORLD
     problem = backend_problem()  # the kernel backend loaded before the first case's clock starts

@@ -6,13 +6,13 @@ import os
 import numpy as np
 import pytest
 
-# tiles and GEMM backend from the code's defaults, not from a tuning cache on this machine (mpiring.core.tune)
+# tiles and GEMM backend from the code's defaults, not from a tuning cache on this machine (mpiring.core.tuning.tune)
 os.environ.setdefault("MPIRING_TUNE_CACHE", "off")
 
 from mpiring.core.backends import BACKENDS as _KERNELS
 from mpiring.core.backends import available as _kernels_available
-from mpiring.core.gemm import available as _gemm_available
 from mpiring.core.reference import definition_mask, dense_attention, dense_attention_backward
+from mpiring.core.tuning.gemm import available as _gemm_available
 from mpiring.testing import TOLERANCE
 
 # agreement with the float64 single-process reference, per input dtype: outputs (mpiring.testing's
@@ -52,7 +52,7 @@ def qkv(rng, shape_q, shape_kv=None, dtype=np.float64, scale=1.0):
 def dense_mask(seq_len, causal=False, window=None, cu_seqlens=None):
     """The one reference mask of the suite: boolean (S, S) from the definitions (``mpiring.core.reference``).
 
-    It shares no code with mpiring.plans.masks or the plan, which it checks.
+    It shares no code with mpiring.plans.visibility or the plan, which it checks.
     """
     pos = np.arange(seq_len)
     return definition_mask(pos, pos, causal=causal, window=window, cu_seqlens=cu_seqlens)
@@ -102,7 +102,7 @@ needs_torch = pytest.mark.skipif("torch" not in _kernels_available(), reason="to
                                                                             "not installed here")
 
 
-# The kernels' GEMM backends (mpiring.core.gemm): kernel test modules that say
+# The kernels' GEMM backends (mpiring.core.tuning.gemm): kernel test modules that say
 # ``pytestmark = pytest.mark.usefixtures("each_gemm")`` run once per backend installed here.
 # MKL's path is taken only while BLAS runs one thread per process, as under mpiexec: it gets that.
 GEMM_BACKENDS = _gemm_available()
@@ -112,7 +112,7 @@ GEMM_BACKENDS = _gemm_available()
 def gemm_backend(name):
     from threadpoolctl import threadpool_limits
 
-    from mpiring.core import gemm
+    from mpiring.core.tuning import gemm
 
     gemm.set_backend(name)
     try:

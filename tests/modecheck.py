@@ -16,7 +16,7 @@ import numpy as np
 from mpiring import Record, ring_attention, ring_attention_backward, shard_indices
 from mpiring.core.reference import definition_mask, dense_attention
 from mpiring.cost.nodes import predicted_bytes
-from mpiring.plans.masks import MaskPiece
+from mpiring.plans.visibility import MaskPiece
 
 from conftest import GRAD_TOL, naive_attention_backward
 

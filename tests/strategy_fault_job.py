@@ -30,7 +30,7 @@ import mpiring.handle
 import mpiring.parallel.grid
 import mpiring.parallel.strategies
 from mpiring.core import block
-from mpiring.mpi.checks import backend_problem
+from mpiring.plans.checks import backend_problem
 
 STRATEGIES = {"ring": {}, "bidirectional": dict(mode="bidirectional"), "allgather": dict(mode="allgather"),
               "pass-q": dict(rotate="q"), "ulysses": dict(mode="ulysses"),

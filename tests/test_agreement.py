@@ -164,7 +164,7 @@ def test_a_cycle_is_seen_once():
 
 def test_numpy_kernel_loads_no_torch():
     """MPIRING_KERNEL=numpy: checking the choice (every call's checks do) imports nothing of torch."""
-    code = ("import sys, numpy as np, mpiring; from mpiring.mpi.checks import backend_problem; "
+    code = ("import sys, numpy as np, mpiring; from mpiring.plans.checks import backend_problem; "
             "assert backend_problem() is None; "
             "q = np.ones((1, 4, 8)); mpiring.ring_attention(q, q, q); print('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,

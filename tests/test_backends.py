@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 
 from mpiring import Ring, ring_attention, ring_attention_backward, shard_indices
-from mpiring.core import backends, kernels, machine, torch_kernel
+from mpiring.core import backends, kernels
 from mpiring.core.reference import reference_attention, reference_attention_backward
-from mpiring.plans.masks import visible_keys
+from mpiring.core.tuning import machine, torch_kernel
+from mpiring.plans.visibility import visible_keys
 from mpiring.testing import assert_attention_close
 
 from conftest import GRAD_TOL, needs_torch, qkv, tol
@@ -76,7 +77,7 @@ def test_torch_computes_what_it_supports(rng, dtype, kind, sq, sk):
 def test_each_torch_block_gives_freed_heap_back(rng, monkeypatch):
     """Forward and backward blocks on torch's op end with ``malloc_trim``: glibc would keep the op's freed
     outputs (docs/performance.md §17 measures what it was worth); blocks the NumPy kernel takes do not trim."""
-    from mpiring.core import torch_kernel
+    from mpiring.core.tuning import torch_kernel
 
     trims = []
     monkeypatch.setattr(torch_kernel, "trim_heap", lambda: trims.append(1))
@@ -98,7 +99,7 @@ def test_a_call_with_fewer_threads_leaves_no_trace(rng):
     Ending the limit restored OpenMP's count but not the one torch had set in its own MKL; torch reported the old
     count, the backend skipped setting it, and the float64 backward ran on with one MKL thread: other bits than a
     fresh process's (tests/test_history_mpi.py found it with MPIRING_KERNEL=torch)."""
-    from mpiring.core.threads import blas_threads, limited
+    from mpiring.core.tuning.threads import blas_threads, limited
 
     if blas_threads() < 2:
         pytest.skip("BLAS runs one thread here: nothing to restore")
@@ -228,9 +229,9 @@ def test_auto_gives_torch_the_blocks_of_many_rows(rng, monkeypatch, vectorized):
 
 def test_auto_imports_torch_only_for_a_call_it_gives_torch():
     """In a fresh process with torch installed: choosing numpy, resolving "auto" and a call of few rows import nothing;
-    preparing a call of many float32 rows imports torch, before any block (``mpi.checks.backend_problem``)."""
-    code = ("import sys, numpy as np; from mpiring.core import backends, torch_kernel; "
-            "from mpiring.mpi.checks import backend_problem; "
+    preparing a call of many float32 rows imports torch, before any block (``plans.checks.backend_problem``)."""
+    code = ("import sys, numpy as np; from mpiring.core import backends; from mpiring.core.tuning import torch_kernel; "
+            "from mpiring.plans.checks import backend_problem; "
             "backends.set_backend('numpy'); backends.set_backend('auto'); "
             "print(backends.backend(), backend_problem(np.zeros((4, 16, 8), np.float32)), 'torch' in sys.modules); "
             "backend_problem(np.zeros((1, 4096, 8), np.float32)); print('torch' in sys.modules)")
@@ -247,7 +248,7 @@ def test_numpy_exp2_vectorized_follows_numpy():
     introspect = pytest.importorskip("numpy.lib.introspect")
     loops = introspect.opt_func_info(func_name="^exp2$", signature="float32")["exp2"].values()
     assert machine.numpy_exp2_vectorized() == any(not x["current"].startswith("baseline") for x in loops)
-    code = "from mpiring.core import machine; print(machine.numpy_exp2_vectorized())"
+    code = "from mpiring.core.tuning import machine; print(machine.numpy_exp2_vectorized())"
     env = dict(os.environ, NPY_DISABLE_CPU_FEATURES="X86_V4 AVX512_SKX AVX512_ICL AVX512_SPR")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     if done.returncode != 0:  # names NumPy does not know on this CPU (another architecture, an older NumPy)
@@ -436,7 +437,7 @@ def test_no_helper_polls_after_they_are_stopped(monkeypatch):
 @needs_torch
 def test_blocks_are_kept_in_the_form_of_the_backend(rng):
     """The ring keeps K/V as [x | 1]^T for the NumPy kernel and as given for torch's op (no copy per block)."""
-    from mpiring.mpi.buffers import KVBuffers, PlainBuffers, kernel_form
+    from mpiring.core.buffers import KVBuffers, PlainBuffers, kernel_form
 
     k, v = rng.standard_normal((2, 2, 5, 4)), rng.standard_normal((2, 2, 5, 3))
     with backends.using("numpy"):
@@ -461,7 +462,7 @@ def test_torch_in_many_calls_stores_then_merges(rng, monkeypatch, threaded, kind
     row chunk stores its (out, lse) into empty rows, the next ones (a triangle after a chunk's full part)
     merge; and the same block merged into an accumulator that already holds another block. Forward and
     backward against the float64 reference."""
-    from mpiring.core import torch_kernel
+    from mpiring.core.tuning import torch_kernel
 
     monkeypatch.setattr(torch_kernel, "CALL_SCORES", 1)
     monkeypatch.setattr(torch_kernel, "SHORT_CALL_SCORES", 1)

@@ -15,7 +15,7 @@ from mpiring.core import tiles
 from mpiring.core.backends import attention_block, attention_block_backward
 from mpiring.core.reference import reference_attention_backward
 from mpiring.plans import plan as plans
-from mpiring.plans.masks import visible_keys
+from mpiring.plans.visibility import visible_keys
 
 from conftest import GRAD_TOL, SHAPES, dense_mask, naive_attention, qkv
 from launch import MPIEXEC, clean_env, mpiexec_argv

@@ -36,7 +36,7 @@ def test_topk_rows_are_measured_and_documented(comm):
 
 def test_latent_rows_are_measured_and_documented(comm):
     found, ok = frontier.latent_rows(comm, {"small": frontier.LATENT_SHAPES["small"]})
-    assert ok, "bytes per token differ from core.latent's formulas"
+    assert ok, "bytes per token differ from core.mla's formulas"
     if comm.size > 1:
         assert found[0][1]["latent fwd"] == (64 + 16) * 4 and found[0][1]["per-head fwd"] == 8 * 80 * 4
     if comm.size == 4:

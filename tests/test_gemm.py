@@ -1,4 +1,4 @@
-"""The kernels' GEMM backends (mpiring.core.gemm): MKL's strided batches against np.matmul, and the kernels on each.
+"""The kernels' GEMM backends (core.tuning.gemm): MKL's strided batches against np.matmul, and the kernels on each.
 
     python -m pytest -q tests/test_gemm.py
 
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from threadpoolctl import threadpool_limits
 
-from mpiring.core import gemm, machine
 from mpiring.core.kernels import attention_block, attention_block_backward
 from mpiring.core.reference import reference_attention, reference_attention_backward
+from mpiring.core.tuning import gemm, machine
 
 from conftest import GEMM_BACKENDS, gemm_backend, sweep
 
@@ -125,7 +125,7 @@ def test_untuned_auto_takes_mkl_only_on_intel(monkeypatch, vendor, want):
 def _untuned_process(vendor, lines):
     """What ``lines`` print in a new interpreter with mpiring's GEMMs untuned on a CPU of ``vendor``; ``mkl()``
     there says whether MKL's library is loaded."""
-    code = "\n".join(["import mpiring.core.gemm as g, mpiring.core.machine as m",
+    code = "\n".join(["import mpiring.core.tuning.gemm as g, mpiring.core.tuning.machine as m",
                       "from threadpoolctl import threadpool_limits",
                       "m.cached_choice = lambda key: None",
                       f"g.cpu_vendor = lambda: {vendor!r}",
@@ -137,7 +137,7 @@ def _untuned_process(vendor, lines):
 
 def test_asking_what_is_available_loads_no_mkl():
     """``available`` and an untuned "auto" on a CPU that is not Intel's leave MKL's library unloaded: loaded, it
-    would take over the MKL calls of a torch imported later (module docstring of mpiring.core.gemm)."""
+    would take over the MKL calls of a torch imported later (module docstring of mpiring.core.tuning.gemm)."""
     names, loaded = _untuned_process("AuthenticAMD", ["print(g.available(), g.backend(), g.product().__name__)",
                                                       "print(mkl())"])
     assert names == f"{GEMM_BACKENDS} numpy gemm" and loaded == "False", (names, loaded)
@@ -145,7 +145,7 @@ def test_asking_what_is_available_loads_no_mkl():
 
 @needs_mkl
 def test_resolving_the_backend_on_intel_loads_no_mkl_until_a_kernel_asks():
-    """Every call's checks resolve the backend (``mpi.checks.backend_problem``): on an Intel CPU that names MKL
+    """Every call's checks resolve the backend (``plans.checks.backend_problem``): on an Intel CPU that names MKL
     without loading it; the first ``product()`` with one BLAS thread loads it."""
     got = _untuned_process("GenuineIntel", ["print(g.backend(), mkl())", "with threadpool_limits(1, user_api='blas'):",
                                             "    print(g.product().__name__, mkl())"])

@@ -196,7 +196,7 @@ def test_blas_threads_limited_inside_calls_and_restored(comm, monkeypatch):
 
     from mpiring.core import block
 
-    def blas_threads():  # NumPy's BLAS; MKL, when mpiring.core.gemm loaded it, runs sequential whatever the limit
+    def blas_threads():  # NumPy's BLAS; MKL, when core.tuning.gemm loaded it, runs sequential whatever the limit
         return [p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas" and p["internal_api"] != "mkl"]
 
     before = blas_threads()

@@ -8,7 +8,7 @@ import pytest
 from mpiring.core.backends import attention_block
 from mpiring.core.kernels import merge, pad_ones
 from mpiring.core.reference import reference_attention
-from mpiring.plans.masks import visible_keys
+from mpiring.plans.visibility import visible_keys
 
 from conftest import SHAPES, dense_mask, naive_attention, qkv, tol
 

@@ -1,4 +1,4 @@
-"""Multi-head latent attention's pieces (``mpiring.core.latent``) and its float64 reference, in one process.
+"""Multi-head latent attention's pieces (``mpiring.core.mla``) and its float64 reference, in one process.
 
     python -m pytest -q tests/test_latent.py
 
@@ -12,9 +12,9 @@ latent once and serves its values as a view.
 import numpy as np
 import pytest
 
-from mpiring.core import latent
-from mpiring.core.latent import Expanded, Latent, absorbed, expand, latent_keys, unabsorbed
-from mpiring.kvstore import KVStore
+from mpiring.core import mla
+from mpiring.core.kvstore import KVStore
+from mpiring.core.mla import Expanded, Latent, absorbed, expand, latent_keys, unabsorbed
 from mpiring.testing import latent_reference, latent_reference_backward, reference
 
 H, DN, DR, DV, R = 3, 8, 4, 6, 16
@@ -118,5 +118,5 @@ def test_a_store_with_shared_values_keeps_the_latent_once(rng, quantize):
 
 def test_bytes_per_token(rng):
     """DeepSeek-V3: 576 values of the latent against 128 x 320 per-head ones."""
-    assert latent.latent_bytes(512, 64, 2) == 1152
-    assert latent.per_head_bytes(128, 128, 64, 128, 2) == 81920
+    assert mla.latent_bytes(512, 64, 2) == 1152
+    assert mla.per_head_bytes(128, 128, 64, 128, 2) == 81920

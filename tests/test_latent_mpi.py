@@ -26,10 +26,16 @@ from mpiring import (
     ring_attention,
     shard_indices,
 )
-from mpiring.core.latent import absorbed, expand, latent_keys, unabsorbed
+from mpiring.core.mla import absorbed, expand, latent_keys, unabsorbed
 from mpiring.core.precision import named_dtype
 from mpiring.cost.nodes import predicted_bytes
-from mpiring.testing import attention_error, latent_reference, latent_reference_backward, reference, tolerance
+from mpiring.testing import (
+    attention_error,
+    latent_reference,
+    latent_reference_backward,
+    reference,
+    tolerance,
+)
 
 pytestmark = pytest.mark.mpi
 

@@ -10,7 +10,8 @@ edge of the graph. Layers, lowest first::
 
 A module may import its own layer or lower ones, never a higher one, and the
 graph has no cycle. No loop calls the public API: the grid runs the ring
-across its groups with the loop ``parallel.strategies`` hands it.
+across its groups with the loop ``parallel.strategies`` hands it. Every
+module of mpi/ uses MPI, and no two modules share a file name.
 """
 
 import ast
@@ -175,7 +176,7 @@ def test_submodules_are_attributes_loaded_when_used():
 
 PLAN_CLASSES = {"HybridPlan", "UlyssesPlan", "DoubleRingPlan"}
 LOOKS_AT_THE_MODE = {"mpiring.plans.spec", "mpiring.plans.make", "mpiring.parallel.strategies",
-                     "mpiring.cost.strategies"}  # the spec, the plan builder, the strategy table, the cost builder
+                     "mpiring.cost.by_strategy"}  # the spec, the plan builder, the strategy table, the cost builder
 
 
 def _names_the_mode(node):
@@ -319,3 +320,50 @@ def test_the_private_name_check_sees_imports_and_attributes():
                "d": "class D:\n    def __init__(self, other):\n        self._own = other._own\n"}
     assert sorted(private_uses(sources)) == ["b:1 imports _LIMIT", "b:3 uses a._LIMIT", "c:2 uses plan._options",
                                              "c:2 uses plan._own"]  # d's own attribute of another D: its own
+
+
+# ---------------------------------------------------------------- names and contents
+
+def test_no_two_modules_share_a_name():
+    """One file name, one module (``__init__`` and ``__main__`` aside): ``reference`` names one thing."""
+    by_name = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.stem not in ("__init__", "__main__"):
+            by_name.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    shared = {name: paths for name, paths in by_name.items() if len(paths) > 1}
+    assert not shared, f"modules that share a name: {shared}"
+
+
+def imports_mpi4py(name):
+    """Whether module ``name`` imports mpi4py anywhere (at module level or inside a function)."""
+    for node in ast.walk(ast.parse(MODULES[name].read_text())):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "mpi4py" for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "mpi4py":
+            return True
+    return False
+
+
+def using_mpi(graph, direct):
+    """The modules of ``graph`` (``{name: [(imported, line)]}``) that import mpi4py (``direct``) or, through any
+    chain of imports, a module that does."""
+    using = set(direct)
+    grew = True
+    while grew:
+        more = {a for a, targets in graph.items() if a not in using and any(b in using for b, _ in targets)}
+        using |= more
+        grew = bool(more)
+    return using
+
+
+def test_every_module_in_mpi_uses_mpi():
+    """mpi/ holds what uses MPI: each of its modules imports mpi4py or a module that does."""
+    using = using_mpi(GRAPH, {name for name in MODULES if imports_mpi4py(name)})
+    without = sorted(n for n in MODULES if n.startswith("mpiring.mpi.") and n not in using)
+    assert not without, f"modules in mpi/ that use no MPI (move them to the layer they belong to): {without}"
+
+
+def test_the_mpi_use_check_follows_imports():
+    graph = {"a": [("b", 1)], "b": [("c", 3)], "c": [], "d": [("a", 2)], "e": []}
+    assert using_mpi(graph, {"c"}) == {"a", "b", "c", "d"}
+    assert using_mpi(graph, set()) == set()

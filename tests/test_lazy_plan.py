@@ -16,8 +16,8 @@ import pytest
 
 from mpiring import balance, make_plan
 from mpiring.parallel.passq import q_rounds
-from mpiring.plans.masks import block_kind, visible_keys
 from mpiring.plans.plan import MODES, NEXT, PREV, reach
+from mpiring.plans.visibility import block_kind, visible_keys
 
 MAX_RUNS = 32
 

@@ -16,7 +16,7 @@ import pytest
 
 import mpiring
 from mpiring import Spec, shard_indices
-from mpiring.plans.masks import MaskPiece, visible_keys
+from mpiring.plans.visibility import MaskPiece, visible_keys
 from mpiring.testing import reference, reference_backward
 
 

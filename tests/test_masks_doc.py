@@ -10,7 +10,7 @@ import pytest
 
 import mpiring
 from mpiring import masks
-from mpiring.plans.masks import BIG, count_visible
+from mpiring.plans.visibility import BIG, count_visible
 from mpiring.tools.cli_plan import sparsity_text
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "masks.md"

@@ -13,7 +13,7 @@ import pytest
 from mpi4py import MPI
 
 from mpiring import ring_attention, shard_indices
-from mpiring.mpi.record import Record
+from mpiring.core.record import Record
 from mpiring.parallel.passq import plan_bytes
 from mpiring.testing import assert_attention_close, reference
 

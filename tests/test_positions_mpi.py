@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from mpiring import MODES, ring_attention, ring_attention_backward
+from mpiring.core.record import Record
 from mpiring.cost.nodes import predicted_bytes
-from mpiring.mpi.record import Record
 from mpiring.testing import assert_attention_close, reference, reference_backward
 
 from conftest import GRAD_TOL

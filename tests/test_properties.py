@@ -6,7 +6,7 @@
 one process, so hypothesis can try hundreds of cases quickly: shapes, P,
 layouts, modes, windows, GQA, packed documents (empty ones too), one-token
 chunks and huge logits. The reference is conftest's ``naive_attention`` with
-``dense_mask``, written independently of ``mpiring.plans.masks``. Also: run-to-run
+``dense_mask``, written independently of ``mpiring.plans.visibility``. Also: run-to-run
 determinism, and fp32 accuracy that does not degrade as P grows.
 """
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from mpiring.core.ranks import ranks_text
-from mpiring.mpi.checks import verdict
+from mpiring.plans.checks import verdict
 from mpiring.plans.layouts import positions_problem
 
 

@@ -119,7 +119,7 @@ def test_empty_batch_is_a_clear_error(comm, rng):
 
 def test_the_default_timeout_is_auto_and_scales_with_the_work(comm):
     from mpiring import make_plan
-    from mpiring.mpi.checks import AUTO_BASE, AUTO_RATE, resolve_timeout
+    from mpiring.plans.checks import AUTO_BASE, AUTO_RATE, resolve_timeout
 
     plan = make_plan(4096 * comm.size, comm.size, causal=True, layout="zigzag")
     t = resolve_timeout("auto", plan, batch_heads=8, dim=64)

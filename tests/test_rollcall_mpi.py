@@ -11,7 +11,7 @@ import pytest
 
 from mpiring.mpi import waits
 from mpiring.mpi.agree import check_call
-from mpiring.mpi.checks import Shown
+from mpiring.plans.checks import Shown
 from mpiring.tools.bench.callcost import CountedComm
 
 

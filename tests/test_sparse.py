@@ -11,7 +11,7 @@ import pytest
 from mpiring import LAYOUTS, Spec, make_plan, shard_indices
 from mpiring.core.reference import definition_mask
 from mpiring.cost.nodes import predicted_bytes
-from mpiring.plans.masks import Window
+from mpiring.plans.visibility import Window
 from mpiring.tools.cli_plan import moves_text, schedule
 
 MASKS = [{}, dict(causal=True), dict(causal=True, window=(3, 0)), dict(window=(2, 5)),

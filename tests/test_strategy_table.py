@@ -1,4 +1,4 @@
-"""cost/ tells the strategies apart in one module: ``cost.strategies``, a table keyed by ``plan.strategy``.
+"""cost/ tells the strategies apart in one module: ``cost.by_strategy``, a table keyed by ``plan.strategy``.
 
     python -m pytest -q tests/test_strategy_table.py
 """
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from mpiring.cost.by_strategy import STRATEGIES, strategy_of
 from mpiring.cost.costmodel import TIME_VARIANTS
-from mpiring.cost.strategies import STRATEGIES, strategy_of
 from mpiring.plans.make import make_plan
 from mpiring.plans.plan import ALL_MODES, MODES
 

@@ -20,7 +20,7 @@ import os
 import pytest
 from mpi4py import MPI
 
-from mpiring.mpi.record import Record
+from mpiring.core.record import Record
 from mpiring.tools import support
 
 pytestmark = pytest.mark.mpi

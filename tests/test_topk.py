@@ -1,4 +1,4 @@
-"""Top-k blocks chosen by an indexer (``mpiring.plans.topk``), the Selected mask and the sparse movement's chosen keys.
+"""Top-k blocks chosen by an indexer (``plans.indexer``), the Selected mask and the sparse movement's chosen keys.
 
     python -m pytest -q tests/test_topk.py
 
@@ -16,9 +16,8 @@ import pytest
 import mpiring
 from mpiring import masks
 from mpiring.cost.nodes import predicted_bytes
-from mpiring.plans import topk
+from mpiring.plans.indexer import Selected, block_scores, choose, select
 from mpiring.plans.make import make_plan
-from mpiring.plans.topk import Selected, block_scores, choose, select
 from mpiring.testing import reference
 
 
@@ -69,7 +68,7 @@ def test_the_choice_does_not_depend_on_how_many_queries_are_scored_together(rng,
             one = block_scores(q[:, t:t + 1], keys, None if weights is None else weights[:, t:t + 1], np.array([t]),
                                4, indexer, True)
             assert one.tobytes() == scores[t:t + 1].tobytes(), (indexer, t)
-        monkeypatch.setattr(topk, "_CHUNK", 3 * S * 16)  # three rows at a time
+        monkeypatch.setattr("mpiring.plans.indexer._CHUNK", 3 * S * 16)  # three rows at a time
         np.testing.assert_array_equal(select(q, keys, np.arange(S), topk=3, block=4, weights=weights,
                                              indexer=indexer), whole)
         monkeypatch.undo()
@@ -85,7 +84,7 @@ def test_selected_allows_what_the_choice_says(rng, monkeypatch):
     piece = masks.selected(chosen, B)
     pos = np.arange(S)
     np.testing.assert_array_equal(piece.allows(pos[:, None], pos[None, :]), want)
-    monkeypatch.setattr(topk, "_TABLE", 0)  # the sorted codes instead of the table
+    monkeypatch.setattr("mpiring.plans.indexer._TABLE", 0)  # the sorted codes instead of the table
     np.testing.assert_array_equal(Selected(chosen, B).allows(pos[:, None], pos[None, :]), want)
     assert not piece.allows(np.array([S, -1]), np.array([0, 0])).any()  # positions beyond the choice: unseen
 

@@ -3,7 +3,7 @@
     mpiexec -n 4 python -m pytest --with-mpi -m mpi -q tests/test_topk_mpi.py
 
 ``select_topk`` gives every rank the choice the one-process indexer makes
-(``plans.topk.select`` over the whole sequence), for any layout, ties
+(``plans.indexer.select`` over the whole sequence), for any layout, ties
 included; every strategy runs attention under that choice forward and
 backward against the dense float64 reference that uses the same choice
 (``modecheck.check_mode``: also bytes against the cost model, messages,
@@ -19,7 +19,7 @@ from modecheck import check_mode
 from modecheck import problem as _problem
 
 from mpiring import LAYOUTS, Record, ring_attention, ring_attention_backward, select_topk, shard_indices
-from mpiring.plans.topk import Selected, select
+from mpiring.plans.indexer import Selected, select
 from mpiring.testing import reference
 
 pytestmark = pytest.mark.mpi

@@ -16,8 +16,9 @@ import pytest
 
 import mpiring
 from mpiring.core.ranks import ranks_text
-from mpiring.mpi import checks, waits
+from mpiring.mpi import waits
 from mpiring.mpi.waits import CommTimeout
+from mpiring.plans import checks
 
 # a busy rank, a differing option, a mistaken axis: one rank against the others, at P = 1 and 2 in the quick
 # suite (the agreement's verdict at more ranks: test_validation_mpi.py); run/test --full: every P

@@ -1,4 +1,4 @@
-"""The tuning cache (``python -m mpiring bench tune``): written (core.tune), read back (core.machine), used.
+"""The tuning cache (``python -m mpiring bench tune``): written (tuning.tune), read back (tuning.machine), used.
 
     python -m pytest -q tests/test_tune.py
 """
@@ -10,8 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from mpiring.core import backends, gemm, machine, tune
+from mpiring.core import backends
 from mpiring.core.tiles import default_tiles
+from mpiring.core.tuning import gemm, machine, tune
 
 
 @pytest.fixture

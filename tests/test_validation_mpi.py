@@ -141,7 +141,8 @@ def test_ranks_passing_different_arguments(comm, name, change, expected):
 def test_a_backend_one_rank_cannot_run_is_every_ranks_error(comm, monkeypatch, which):
     """A bad MPIRING_KERNEL (or MPIRING_GEMM) on one rank: the agreement reports it on every rank, and the
     backends are resolved there, before the ring, not in its first block where the others would wait."""
-    from mpiring.core import backends, gemm
+    from mpiring.core import backends
+    from mpiring.core.tuning import gemm
 
     choice = {"kernel": backends._choice, "gemm": gemm._choice}[which]
     b = comm.size - 1

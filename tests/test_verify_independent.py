@@ -12,12 +12,12 @@ import pytest
 
 from mpiring.__main__ import main
 from mpiring.core.reference import definition_mask
-from mpiring.plans import masks
 from mpiring.plans import plan as plans
+from mpiring.plans import visibility
 
 
 def _ignore_window(q_pos, k_pos, *, causal=False, window=(-1, -1), cu_seqlens=None, causal_block=None, mask=()):
-    return masks.visible_keys(q_pos, k_pos, causal=causal, cu_seqlens=cu_seqlens, causal_block=causal_block,
+    return visibility.visible_keys(q_pos, k_pos, causal=causal, cu_seqlens=cu_seqlens, causal_block=causal_block,
                               mask=mask)
 
 

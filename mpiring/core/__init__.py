@@ -1,1 +1,4 @@
-"""One rank's compute: the kernels, their tiles and GEMMs, one block into the running result, the references. No MPI."""
+"""One rank's compute: the kernels, their tiles, one block into the running result, the references. No MPI.
+
+CPU tuning (GEMM backends, tiles cache, BLAS threads, the torch kernel) is in ``tuning/``.
+"""

@@ -9,12 +9,12 @@ exactly (its ``supports``). Backends (``MPIRING_KERNEL`` or ``set_backend``):
 
 - ``numpy``: ``mpiring.core.kernels``, the tiled FlashAttention-2 in NumPy.
   The reference, always there, and what runs unless another is chosen.
-- ``torch``: PyTorch's CPU flash-attention ops (``mpiring.core.torch_kernel``),
+- ``torch``: PyTorch's CPU flash-attention ops (``mpiring.core.tuning.torch_kernel``),
   when torch is installed; the blocks they cannot do exactly (V's head dim
   other than K's, scores too large for float tiles, non-finite inputs, an lse
   the backward refuses) go to the NumPy kernel.
-- ``auto`` (the default): each block by ``AUTO_ROWS``, a fixed rule measured
-  on the CPUs at hand: torch's op for blocks of many query rows where torch is
+- ``auto`` (the default): each block by ``AUTO_ROWS``, a fixed rule
+  (docs/performance.md §19): torch's op for blocks of many query rows where torch is
   installed, the NumPy kernel for the rest (few rows, as in decoding, or
   float64 where NumPy's exp2 is vectorized). No tuning step and no timing at
   run time: a machine gives the same results for the same inputs run after
@@ -30,9 +30,10 @@ from collections import Counter
 
 import numpy as np
 
-from . import kernels, torch_kernel
-from .machine import Choice, numpy_exp2_vectorized
+from . import kernels
 from .tiles import kernel_dtype
+from .tuning import torch_kernel
+from .tuning.machine import Choice, numpy_exp2_vectorized
 
 __all__ = ["BACKENDS", "AUTO_ROWS", "available", "set_backend", "using", "backend", "choice", "for_block", "describe",
            "prepare", "takes_padded", "calls", "attention_block", "delta_is_rowsum", "attention_block_backward"]
@@ -41,11 +42,8 @@ BACKENDS = ("numpy", "torch")
 calls = Counter()
 
 # "auto": the fewest query rows of a block that torch's op computes, by whether NumPy's float32 exp2 runs vectorized
-# here (its AVX-512 loop: without it, as on a Zen 3, NumPy's exp2 is ~10x slower and so is the NumPy kernel's
-# softmax), then by (compute dtype, pass); None: never (docs/performance.md §19). Measured one block at a time, one
-# thread, 8 heads, D = 64 and 128: with AVX-512, torch's forward from 512 rows on (1.1-1.17x the NumPy kernel),
-# its backward from 1024 (1.0-1.1x), float64 never (0.7-1.0x); without it, torch's from 256 rows
-# (1.4-1.8x forward, 1.0-1.3x backward), float64 forward 1.1-1.5x, backward 0.6-0.9x.
+# here (its AVX-512 loop: without it NumPy's exp2, and so the NumPy kernel's softmax, is much slower), then by
+# (compute dtype, pass); None: never. The measurements behind each entry: docs/performance.md §19.
 AUTO_ROWS = {
     True: {("float32", "forward"): 512, ("float32", "backward"): 1024,
            ("float64", "forward"): None, ("float64", "backward"): None},
@@ -66,7 +64,7 @@ _choice = Choice("kernel", "MPIRING_KERNEL", BACKENDS, available,
 set_backend = _choice.set  # "numpy", "torch" or "auto" (``AUTO_ROWS``) for this process
 using = _choice.using  # ``set_backend(name)`` inside a ``with`` block, the choice before it restored after
 # what runs: "numpy", "torch", or "auto" (each block by ``AUTO_ROWS``, torch installed); resolving it imports nothing
-# (a bad MPIRING_KERNEL: every rank's error, mpi.checks.backend_problem)
+# (a bad MPIRING_KERNEL: every rank's error, plans.checks.backend_problem)
 backend = _choice.current
 
 

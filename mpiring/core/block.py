@@ -11,7 +11,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .backends import attention_block, attention_block_backward, delta_is_rowsum
-from .latent import Expanded
+from .mla import Expanded
 from .scores import attend_general, count_allowed, grads_general
 from .tiles import filled, kernel_dtype, scratch
 
@@ -102,8 +102,8 @@ class Queries(NamedTuple):
 
 def queries(dout, q, out, lse, delta):
     """``Queries`` of a backward call, delta checked once for all its blocks where torch's op may take them
-    (the op computes rowsum(dout * out) itself; checked per block it was 2-3 % of a P = 2 backward; a ``Rowsum``
-    is not checked: the check was another 2-3 % of a causal P = 2 forward+backward)."""
+    (the op computes rowsum(dout * out) itself; a check per block costs more, docs/performance.md §21). A
+    ``Rowsum`` delta, computed by the call itself, is not checked (§22)."""
     if isinstance(delta, Rowsum):
         return Queries(dout, q, out, lse, delta.view(np.ndarray), True)
     return Queries(dout, q, out, lse, delta, delta_is_rowsum(dout, q, out, delta))

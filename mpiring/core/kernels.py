@@ -32,7 +32,6 @@ import math
 
 import numpy as np
 
-from . import gemm
 from .tiles import (
     Progress,
     Shapes,
@@ -47,6 +46,7 @@ from .tiles import (
     tile_max_norm_t,
     with_ones,
 )
+from .tuning import gemm
 
 __all__ = ["attention_block", "attention_block_backward", "merge", "merge_weight", "merge_commutative",
            "default_scale", "pad_ones", "LSE_LIMIT", "EXACT_ABOVE", "empty_or_nan"]
@@ -109,7 +109,7 @@ def attention_block(
     dq_tile, dk_tile = default_tiles(d, dt)
     tq, tk = tile_q or dq_tile, tile_k or dk_tile
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    c2 = scale * LOG2E                        # scores in log2 units: exp2 is ~2x faster
+    c2 = scale * LOG2E                        # scores in log2 units: exp2 is cheaper than exp
     limit_log2 = _LIMIT_LOG2[dt]
     limit = 2.0 ** limit_log2
     mm = gemm.product()

@@ -30,7 +30,7 @@ import numpy as np
 
 __all__ = ["INPUT_DTYPES", "WIRE_DTYPES", "SCALED", "GRAD_WIRE_DTYPES", "ACCUMULATE", "KEYS", "named_dtype",
            "dtype_problem",
-           "compute_dtype", "compute_itemsize", "canonical_precision", "without_precision", "row_bytes",
+           "compute_dtype", "compute_itemsize", "canonical_precision", "row_bytes",
            "Wire", "Plain", "Precision"]
 
 INPUT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -103,11 +103,6 @@ def compute_itemsize(itemsize):
 
     Also the default ``grad_wire_dtype``'s: gradients travel in the compute dtype unless told otherwise."""
     return 8 if itemsize == 8 else 4
-
-
-def without_precision(options):
-    """``options`` without this module's keys: what ``make_plan`` takes."""
-    return {key: value for key, value in options.items() if key not in KEYS}
 
 
 class Wire:

@@ -18,7 +18,7 @@ def definition_mask(q_pos, k_pos, *, causal=False, window=None, cu_seqlens=None,
     window (left, right), -1 or None unbounded: i - left <= j <= i + right
     (j - i is compared with the window as a Python integer: nothing wraps around).
     cu_seqlens [0, e1, ..., S]: i and j in the same document, document d holding
-    positions cu[d] <= p < cu[d + 1]. ``mask``: more pieces (``plans.masks.MaskPiece``), each by its own
+    positions cu[d] <= p < cu[d + 1]. ``mask``: more pieces (``plans.visibility.MaskPiece``), each by its own
     definition (``allows``).
     """
     gap = np.asarray(k_pos, np.int64)[None, :] - np.asarray(q_pos, np.int64)[:, None]  # j - i
@@ -120,15 +120,17 @@ def reference_attention_backward(dout, q, k, v, scale=None, klo=None, khi=None, 
 
 
 def scored_attention(q, k, v, allowed, *, scale=None, softcap=None, bias=None, sinks=None, dropout=0.0, seed=0,
-                     q_pos=None, k_pos=None, dout=None):
+                     q_pos=None, k_pos=None, dout=None, score_mod=None, score_mod_grad=None):
     """Attention with every score modifier, dense in float64, from the definitions (no tiles, no online softmax).
 
     ``allowed``: bool, broadcastable to (..., Hq, Sq, Sk) (a batched mask: (B, 1, Sq, Sk)). The logit
-    r = scale q.k becomes softcap * tanh(r / softcap), plus ``bias(heads, q_pos, k_pos)``; hidden keys drop
-    out; ``sinks`` (one logit per query head) join each row's denominator; dropout keeps the entries
+    r = scale q.k becomes softcap * tanh(r / softcap), plus ``bias(heads, q_pos, k_pos)``, then
+    ``score_mod(s, batch, head, q_pos, k_pos)`` (its derivative ``score_mod_grad``); hidden keys drop out;
+    ``sinks`` (one logit per query head) join each row's denominator; dropout keeps the entries
     ``core.scores.dropout_keep`` draws (the one definition of which entries drop) and scales them by
     1 / (1 - dropout). Returns ``(out, lse, max_logit)`` (max_logit: the largest visible r per batch entry
-    and head), and with ``dout`` also ``(dq, dk, dv, dsinks)`` of the loss sum(dout * out), by the chain rule.
+    and head), and with ``dout`` also ``(dq, dk, dv, dsinks)`` of the loss sum(dout * out), by the chain rule,
+    and d table after them when ``bias`` is a ``core.modifiers.TableBias``.
     """
     from .scores import dropout_keep  # the generator is the definition of the dropped entries
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
@@ -150,6 +152,12 @@ def scored_attention(q, k, v, allowed, *, scale=None, softcap=None, bias=None, s
     if bias is not None:
         s = s + np.asarray(bias(np.arange(hq)[:, None, None], q_pos[None, :, None], k_pos[None, None, :]),
                            np.float64)
+    u, where = s, None
+    if score_mod is not None:
+        flat_shape = (-1, hq, n, m)
+        where = (np.arange(u.reshape(flat_shape).shape[0])[:, None, None, None], np.arange(hq)[None, :, None, None],
+                 q_pos[None, None, :, None], k_pos[None, None, None, :])
+        s = np.broadcast_to(score_mod(u.reshape(flat_shape), *where), u.reshape(flat_shape).shape).reshape(u.shape)
     s = np.where(ok, s, -np.inf)
     top = s.max(axis=-1, keepdims=True)
     sink = None if sinks is None else np.asarray(sinks, np.float64)[:, None, None] * np.ones((n, 1))
@@ -177,6 +185,12 @@ def scored_attention(q, k, v, allowed, *, scale=None, softcap=None, bias=None, s
     if sinks is not None:
         p_sink = np.where(den > 0, np.exp(sink - lse), 0)
         dsinks = -(p_sink * delta).reshape(-1, hq, n).sum(axis=(0, 2))
+    if score_mod is not None:
+        ds = np.where(p > 0, ds * score_mod_grad(u.reshape(-1, hq, n, m), *where).reshape(u.shape), 0)
+    dtable = None
+    if hasattr(bias, "add_grad"):  # a TableBias: d table[h, bucket] sums d loss / d bias over its entries
+        dtable = np.zeros(bias.shape)
+        bias.add_grad(dtable, ds.reshape(-1, hq, n, m).sum(axis=0), np.arange(hq), q_pos, k_pos)
     if softcap is not None:
         ds = ds * (1 - t * t)
     dq = scale * ds @ kk
@@ -184,4 +198,4 @@ def scored_attention(q, k, v, allowed, *, scale=None, softcap=None, bias=None, s
     dk = dk.reshape(dk.shape[:-3] + (hk, g) + dk.shape[-2:]).sum(axis=-3)
     dv = dv.reshape(dv.shape[:-3] + (hk, g) + dv.shape[-2:]).sum(axis=-3)
     grads = (dq, dk, dv) if not flat else (dq[0], dk[0], dv[0])
-    return grads + (dsinks,)
+    return grads + (dsinks,) + (() if dtable is None else (dtable,))

@@ -5,7 +5,8 @@ a block's keys (``k_pos``), with ``heads`` the query heads' global indices:
 
     r = scale * q @ k.T                     # the logit: max_logit is its largest visible value
     s = softcap * tanh(r / softcap)         # softcap=c (Gemma 2, Grok)
-    s = s + bias(heads, q_pos, k_pos)       # bias=fn: ALiBi (``alibi``), relative positions, ...
+    s = s + bias(heads, q_pos, k_pos)       # bias=fn: ALiBi (``alibi``), relative positions, a ``TableBias``
+    s = score_mod(s, batch, head, q_pos, k_pos)   # any elementwise function (flex_attention's score_mod)
     s = -inf where the mask hides the key   # the piece's interval, and the mask's holes (``Where``)
     p = softmax(s) over the row             # online: a running max per row, merged by log-sum-exp
     out = sum over keys of keep * p / (1 - dropout) * v
@@ -15,7 +16,10 @@ key position): the same entries are dropped whatever the ranks, layout or
 strategy, and the backward finds them again without storing them. Sinks are
 not here: a sink is one more logit per head in each row's denominator, so it
 joins the final lse once, after every block (``with_sinks``), and its
-gradient is a sum over rows (``sink_grads``).
+gradient is a sum over rows (``sink_grads``). The backward multiplies by
+``score_mod_grad`` (d score_mod / d s, the user's) where there is a score_mod,
+and sums a ``TableBias``'s gradient bucket by bucket into ``Score.dtable``
+(``core.modifiers``).
 
 This kernel is plain NumPy, tile by tile, for clarity; the fast kernel
 (``kernels.attention_block``) serves every call with no modifier and an
@@ -27,10 +31,11 @@ import math
 import numpy as np
 
 from .kernels import empty_or_nan, merge
+from .modifiers import TableBias, mod_values, tile_indices
 from .tiles import kernel_dtype
 
 __all__ = ["Score", "attend_general", "grads_general", "alibi_slopes", "alibi", "with_sinks", "sink_grads",
-           "dropout_keep", "count_allowed", "FunctionFailed", "evaluated", "bias_probe", "finite_bias"]
+           "dropout_keep", "count_allowed", "FunctionFailed", "evaluated", "bias_probe", "mod_probe", "finite_bias"]
 
 TILE_Q, TILE_K = 128, 512
 
@@ -38,32 +43,39 @@ TILE_Q, TILE_K = 128, 512
 class Score:
     """A call's scores: ``scale`` and its modifiers; ``heads``: the global indices of the query heads a rank
     holds (None: all, in order; Ulysses holds a slice); ``max_logit``: where the forward keeps its largest
-    visible logit per batch entry and global head (None: not asked)."""
+    visible logit per batch entry and global head (None: not asked); ``mods``: ``(score_mod, score_mod_grad)``;
+    ``dtable``: where a backward sums the gradient of a ``TableBias`` bias (None: not asked)."""
 
     def __init__(self, scale, softcap=None, bias=None, dropout=0.0, seed=0, heads=None, max_logit=None,
-                 finite=False):
+                 finite=False, mods=(None, None), dtable=None):
         self.scale, self.softcap, self.bias, self.finite = float(scale), softcap, bias, finite
         self.dropout, self.seed, self.heads, self.max_logit = float(dropout or 0.0), int(seed or 0), heads, max_logit
+        self.mods, self.dtable = tuple(mods), dtable
 
     @classmethod
-    def of(cls, spec, scale, q=None, finite=False):
+    def of(cls, spec, scale, q=None, finite=False, backward=False):
         """The spec's score at ``scale`` (``plain`` when it has no modifier: the fast kernel's call);
         ``q``: this rank's queries, for the max-logit statistic's shape (batch entries, heads); without it
         (a backward pass) no statistic is kept; ``finite``: a bias value that is NaN or +Inf raises
-        ``FunctionFailed`` (``check_finite=True``; -Inf hides a key, as a mask does)."""
+        ``FunctionFailed`` (``check_finite=True``; -Inf hides a key, as a mask does); ``backward``: a table
+        bias's gradient is summed in ``dtable``."""
         stat = None
         if spec.return_max_logit and q is not None:
             stat = np.full(q.shape[:-2] if q.ndim > 2 else (1,), -np.inf)
-        return cls(scale, spec.softcap, spec.bias, spec.dropout, spec.seed, None, stat, finite)
+        dtable = np.zeros(spec.bias.shape) if backward and isinstance(spec.bias, TableBias) else None
+        return cls(scale, spec.softcap, spec.bias, spec.dropout, spec.seed, None, stat, finite,
+                   (spec.score_mod, spec.score_mod_grad), dtable)
 
     @property
     def plain(self):
         """No modifier and no statistic: the scale alone (the fast kernel's case)."""
-        return self.softcap is None and self.bias is None and not self.dropout and self.max_logit is None
+        return (self.softcap is None and self.bias is None and not self.dropout and self.max_logit is None
+                and self.mods[0] is None)
 
     def for_heads(self, heads):
         """The same score for a rank that holds the query heads ``heads`` (a slice of the global heads)."""
-        return Score(self.scale, self.softcap, self.bias, self.dropout, self.seed, heads, self.max_logit, self.finite)
+        return Score(self.scale, self.softcap, self.bias, self.dropout, self.seed, heads, self.max_logit, self.finite,
+                     self.mods, self.dtable)
 
 
 class FunctionFailed(ValueError):
@@ -101,6 +113,14 @@ def bias_probe(bias, heads, q_pos, seq_len, finite=False):
         if finite:
             evaluated(f"the bias function {getattr(bias, '__qualname__', type(bias).__qualname__)}", qp, kp,
                       finite_bias, np.asarray(values))
+
+
+def mod_probe(fn, what, heads, q_pos, seq_len, finite=False):
+    """``bias_probe`` for a score_mod (``what``: "score_mod" or "score_mod_grad") on zero scores of one batch entry."""
+    q_pos, every = np.asarray(q_pos, np.int64), np.arange(seq_len, dtype=np.int64)
+    for qp, kp in ((q_pos, every[[0, -1]]), (q_pos[[0, -1]], every)):
+        evaluated(f"the {what} {getattr(fn, '__qualname__', type(fn).__qualname__)}", qp, kp, mod_values, fn,
+                  np.zeros((1, heads, len(qp), len(kp))), tile_indices(1, np.arange(heads), qp, kp), finite)
 
 
 def _span(pos):
@@ -219,8 +239,9 @@ class _Block:
             self.heads = np.asarray(heads)
 
     def tile(self, i0, i1, j0, j1):
-        """``(s, t, allowed)`` of rows i0:i1, keys j0:j1: the modified logits (-inf where hidden), tanh(r/c) when
-        softcapped (for the backward), and the visible entries (None: all); None when nothing is visible."""
+        """``(s, t, allowed, u)`` of rows i0:i1, keys j0:j1: the modified logits (-inf where hidden), tanh(r/c)
+        when softcapped (for the backward), the visible entries (None: all) and the score before the score_mod
+        (None without one); None when nothing is visible."""
         allowed = self._allowed(i0, i1, j0, j1)
         if allowed is not None and not allowed.any():
             return None
@@ -240,9 +261,30 @@ class _Block:
             extra = evaluated(f"the bias function {getattr(sc.bias, '__qualname__', type(sc.bias).__qualname__)}",
                               qp, kp, self._bias, heads, qp, kp, sc.finite)
             s = s + extra.reshape(self.hk, self.g, i1 - i0, j1 - j0).astype(self.dt, copy=False)
+        u = None
+        if sc.mods[0] is not None:
+            u, s = s, self.mod(0, s, i0, i1, j0, j1)
         if allowed is not None:
             s = np.where(allowed, s, -np.inf)
-        return s, t, allowed
+        return s, t, allowed, u
+
+    def mod(self, which, s, i0, i1, j0, j1):
+        """The score_mod (``which`` 0) or its derivative (1) on a tile's scores s (batch, hk, g, n, m)."""
+        fn = self.score.mods[which]
+        tile = np.broadcast_to(s, (self.batch, self.hk, self.g, i1 - i0, j1 - j0))
+        tile = tile.reshape(self.batch, self.hq, i1 - i0, j1 - j0)
+        indices = tile_indices(self.batch, self.heads, self.q_pos[i0:i1], self.k_pos[j0:j1])
+        what = "score_mod" if which == 0 else "score_mod_grad"
+        got = evaluated(f"the {what} {getattr(fn, '__qualname__', type(fn).__qualname__)}", indices[2], indices[3],
+                        mod_values, fn, tile, indices, self.score.finite)
+        return got.reshape(tile.shape[:1] + (self.hk, self.g) + tile.shape[2:]).astype(self.dt, copy=False)
+
+    def add_table_grad(self, ds, i0, i1, j0, j1):
+        """Sum d loss / d bias of a tile (ds: batch, hk, g, n, m) into the score's ``dtable``."""
+        dbias = ds.sum(axis=0).reshape(self.hq, i1 - i0, j1 - j0)
+        qp, kp = self.q_pos[i0:i1], self.k_pos[j0:j1]
+        evaluated(f"the bias {self.score.bias!r}", qp, kp, self.score.bias.add_grad, self.score.dtable, dbias,
+                  self.heads, qp, kp)
 
     def _bias(self, heads, q_pos, k_pos, finite=False):
         extra = np.asarray(self.score.bias(heads, q_pos[None, :, None], k_pos[None, None, :]))
@@ -349,7 +391,7 @@ def grads_general(dout, q, k, v, out, lse, delta, piece, score):
             found = blk.tile(i0, i1, j0, j1)
             if found is None:
                 continue
-            s, t, _ = found
+            s, t, _, u = found
             p = np.exp(s - ls[..., i0:i1, None]).astype(blk.dt, copy=False)
             vt = blk.v[..., j0:j1, :].astype(blk.dt, copy=False)
             kept = blk.keep(p, i0, i1, j0, j1)
@@ -358,6 +400,10 @@ def grads_general(dout, q, k, v, out, lse, delta, piece, score):
             if sc.dropout:
                 dp = blk.keep(dp, i0, i1, j0, j1)
             ds = p * (dp - dl[..., i0:i1, None])
+            if u is not None:  # through the score_mod: its derivative, where a key is seen (p > 0)
+                ds = np.where(p > 0, ds * blk.mod(1, u, i0, i1, j0, j1), 0)
+            if sc.dtable is not None:
+                blk.add_table_grad(ds, i0, i1, j0, j1)
             if t is not None:
                 ds *= 1.0 - t * t
             ds *= sc.scale

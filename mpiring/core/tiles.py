@@ -12,17 +12,16 @@ import time
 
 import numpy as np
 
-from .machine import cached_tiles  # the tuning cache, read once per process
+from .tuning.machine import cached_tiles  # the tuning cache, read once per process
 
 __all__ = ["TILE_BYTES", "TILE_K", "PROGRESS_INTERVAL", "default_tiles", "default_scale", "kernel_dtype", "Shapes",
            "mask_arrays", "scratch", "filled", "release_workspace", "pad_ones", "transpose_into", "as_view",
            "with_ones", "tile_max_norm", "tile_max_norm_t", "Tiles", "Progress", "polls_from_a_thread",
            "stop_helper_polls"]
 
-# Default tiles, measured on a 2-core AMD EPYC (Zen 4), 1 BLAS thread, H=8,
-# S=4096: 512 x 256 for float32, 256 x 256 for float64, i.e. the
-# score tile of one head is 512 KiB.  Larger query tiles make better GEMMs;
-# larger key tiles spill the per-call scratch (H * tile_q * tile_k) from cache.
+# Default tiles: 512 x 256 for float32, 256 x 256 for float64, i.e. the score tile of one head is
+# 512 KiB (docs/performance.md §21). Larger query tiles make better GEMMs; larger key tiles spill the
+# per-call scratch (H * tile_q * tile_k) from cache. ``python -m mpiring bench tune`` finds this CPU's.
 TILE_BYTES = 512 * 1024
 TILE_K = 256
 # Seconds of compute between two calls of the progress callback.
@@ -103,7 +102,7 @@ def mask_arrays(klo, khi, sq, sk):
 
 # Scratch buffers are kept between calls (per thread): the ring calls the
 # kernels P times with the same shapes, and fresh multi-MiB buffers cost page
-# faults (~10 % of a call at S=1024).  Results are always new arrays.
+# faults (docs/performance.md §11).  Results are always new arrays.
 _workspace = threading.local()
 
 
@@ -121,8 +120,8 @@ def filled(name, shape, dtype, value):
     """``scratch(name, shape, dtype)`` set to ``value``: a kept buffer rather than fresh memory.
 
     For the ring's accumulators and receive slots (tens of MiB per call): fresh
-    memory is paid for in page faults at its first touch, 1.4-2.4 ms per MiB on
-    the development VM (docs/performance.md §11), a kept buffer only in the fill.
+    memory is paid for in page faults at its first touch (docs/performance.md §11), a kept buffer
+    only in the fill.
     Whoever returns such a buffer's contents returns a copy. ``name`` None: a
     new array instead (``np.zeros`` for 0: its pages are mapped as they are written).
     """
@@ -165,8 +164,8 @@ TRANSPOSE_KEYS = 64  # tokens per piece of ``transpose_into``
 def transpose_into(x, out):
     """``out[...] = x`` with its last two axes swapped, ``TRANSPOSE_KEYS`` tokens at a time.
 
-    A piece's rows and columns stay in cache while it is written: a K block of
-    8 heads x 8192 tokens x 64 took 3 ms instead of 12 ms as one strided copy.
+    A piece's rows and columns stay in cache while it is written, faster than one strided copy
+    (docs/performance.md §21).
     """
     for c in range(0, x.shape[-2], TRANSPOSE_KEYS):
         out[..., c:c + TRANSPOSE_KEYS] = np.swapaxes(x[..., c:c + TRANSPOSE_KEYS, :], -1, -2)

@@ -25,12 +25,12 @@ tbf links) with this machine's measured FLOP rate.
 
 from dataclasses import dataclass
 
-from .strategies import compared_plan, strategy_of
+from .by_strategy import compared_plan, strategy_of
 
 __all__ = ["Cluster", "CLUSTERS", "emulated", "cluster_time", "compare_modes", "format_comparison", "COMPARED"]
 
 COMPARED = ("ring", "double_ring", "ulysses", "hybrid")  # hybrid: ring x Ulysses, Ulysses inside each node
-WIRE = 0.95  # of a tbf-shaped TCP link's rate that carries payload (measured 16.78 MB as 17.66 MB on the veth)
+WIRE = 0.95  # of a tbf-shaped TCP link's rate that carries payload (measured: docs/cluster.md)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.precision import compute_itemsize
-from .strategies import (
+from .by_strategy import (
     TIME_NOTES,
     TIME_VARIANTS,
     analytic,
@@ -22,7 +22,8 @@ from .strategies import (
 
 __all__ = ["ring_attention_context_parallel", "predicted_bytes_sent", "predicted_backward_bytes", "Machine", "PRESETS",
            "TIME_VARIANTS",
-           "block_flops", "time_model", "predict_plan", "format_time_model", "WIRE_BYTES", "format_wire_model"]
+           "block_flops", "time_model", "predict_plan", "format_time_model", "WIRE_BYTES", "format_wire_model",
+           "time_text"]
 
 
 def _positive_int(name, value):
@@ -245,7 +246,8 @@ def _steady(r):
     return 1 if r["steps"] > 1 and not analytic(r["variant"]).up_front else 0
 
 
-def _fmt_time(seconds):
+def time_text(seconds):
+    """``seconds`` with a unit (s, ms, us, ns) and 3 significant digits."""
     for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
         if seconds >= scale:
             return f"{seconds / scale:.3g} {unit}"
@@ -275,8 +277,8 @@ def format_time_model(total_seq_len, num_devices, *, heads, head_dim, kv_heads=N
                 steady = _steady(r)
                 c, t = r["compute_s"][steady], r["transfer_s"][steady]
                 lines.append(f"{variant:<14}{'backward' if backward else 'forward':<9}{r['steps']:>5}  "
-                             f"{_fmt_time(c):>12}  {_fmt_time(t):>13}  {_fmt_time(r['step_time_s']):>9}  "
-                             f"{_fmt_time(r['total_s']):>9}  {r['efficiency']:>6.0%}  "
+                             f"{time_text(c):>12}  {time_text(t):>13}  {time_text(r['step_time_s']):>9}  "
+                             f"{time_text(r['total_s']):>9}  {r['efficiency']:>6.0%}  "
                              f"{'transfer' if r['comm_bound'] else 'compute':<8}  "
                              f"{r['hide_above_tokens']:,.0f} tokens/device")
     lines.append("")
@@ -312,8 +314,8 @@ def format_wire_model(total_seq_len, num_devices, *, heads, head_dim, kv_heads=N
         for wire, r in rows.items():
             steady = _steady(r)
             lines.append(f"{m.name:<11}{wire:<10}{WIRE_BYTES[wire](head_dim):>8.3g}  "
-                         f"{_fmt_time(r['transfer_s'][steady]):>13}  "
-                         f"{_fmt_time(r['compute_s'][steady]):>12}  {_fmt_time(r['total_s']):>9}  "
+                         f"{time_text(r['transfer_s'][steady]):>13}  "
+                         f"{time_text(r['compute_s'][steady]):>12}  {time_text(r['total_s']):>9}  "
                          f"{rows['bfloat16']['total_s'] / r['total_s']:>6.2f}x  "
                          f"{'transfer' if r['comm_bound'] else 'compute':<8}  {r['hide_above_tokens']:,.0f} tokens")
         fastest = min(r["total_s"] for r in rows.values())

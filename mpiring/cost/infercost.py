@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-from .costmodel import PRESETS
+from .costmodel import PRESETS, time_text
 
 __all__ = ["decode_time", "helix_time", "relayout_bytes", "prefill_time", "choose_rotate", "meta_rule",
            "format_inference_model", "ROTATIONS"]
@@ -133,13 +133,6 @@ def meta_rule(new_tokens, cache_tokens, *, heads, kv_heads):
     return "kv" if new_tokens / (new_tokens + cache_tokens) >= 2 * kv_heads / heads else "q"
 
 
-def _fmt(seconds):
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if seconds >= scale:
-            return f"{seconds / scale:.3g} {unit}"
-    return f"{seconds * 1e9:.3g} ns" if seconds else "0"
-
-
 def format_inference_model(total_seq_len, ranks, *, heads, kv_heads, head_dim, batch=1, bytes_per_element=2,
                            machines=("nvlink", "infiniband"), new_tokens=1,
                            fractions=(1.0, 0.5, 0.25, 0.1, 0.05, 0.01)):
@@ -154,8 +147,8 @@ def format_inference_model(total_seq_len, ranks, *, heads, kv_heads, head_dim, b
         for merge in ("tree", "ring"):
             d = decode_time(total_seq_len, ranks, heads=heads, head_dim=head_dim, new_tokens=new_tokens, batch=batch,
                             machine=m, merge=merge)
-            lines.append(f"  {merge:<5} {d['transfers']:>3} transfers  compute {_fmt(d['compute_s']):>9}  "
-                         f"merge {_fmt(d['merge_s']):>9}  total {_fmt(d['total_s']):>9}")
+            lines.append(f"  {merge:<5} {d['transfers']:>3} transfers  compute {time_text(d['compute_s']):>9}  "
+                         f"merge {time_text(d['merge_s']):>9}  total {time_text(d['total_s']):>9}")
         lines.append(f"prefill of T new tokens after C cached (T + C = {total_seq_len}), causal: pass-KV vs pass-Q")
         lines.append(f"  {'T/(T+C)':>8} {'T':>9} {'KV bytes':>11} {'Q bytes':>11} {'pass-KV':>9} {'pass-Q':>9}  "
                      f"model  Meta")
@@ -166,8 +159,8 @@ def format_inference_model(total_seq_len, ranks, *, heads, kv_heads, head_dim, b
                       bytes_per_element=bytes_per_element, machine=m)
             kv, q = (prefill_time(T, C, ranks, rotate=r, **kw) for r in ROTATIONS)
             lines.append(f"  {T / total_seq_len:>8.3g} {T:>9} {kv['bytes']:>11.4g} {q['bytes']:>11.4g} "
-                         f"{_fmt(kv['total_s']):>9} {_fmt(q['total_s']):>9}  {choose_rotate(T, C, ranks, **kw):>5}"
-                         f"  {meta_rule(T, C, heads=heads, kv_heads=kv_heads):>4}")
+                         f"{time_text(kv['total_s']):>9} {time_text(q['total_s']):>9}  "
+                         f"{choose_rotate(T, C, ranks, **kw):>5}  {meta_rule(T, C, heads=heads, kv_heads=kv_heads):>4}")
     crossover = _crossover(heads, kv_heads, head_dim, bytes_per_element)
     lines += ["", f"crossover T/(T+C): this model (bytes, partials home counted) {crossover:.3g}; "
                   f"Meta's rule 2 Hkv / Hq = {2 * kv_heads / heads:.3g}"]

@@ -8,7 +8,7 @@ sums are ``heads.predicted_bytes``). With the node of every rank
 crosses between nodes: on a cluster, what the slow links carry.
 """
 
-from .strategies import bytes_of, full_shape, traffic_of
+from .by_strategy import bytes_of, full_shape, traffic_of
 
 __all__ = ["traffic", "predicted_bytes", "inter_node_bytes", "node_ids"]
 

@@ -38,7 +38,7 @@ import torch
 from .. import torch as mpiring_torch
 from ..handle import Ring
 from ..mpi.agree import agree, check_comm
-from ..options import RING_OPTIONS, foreign_problem
+from ..plans.call_options import RING_OPTIONS, foreign_problem
 from ..plans.layouts import shard_indices
 from . import edge
 

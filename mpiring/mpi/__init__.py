@@ -1,6 +1,5 @@
-"""The MPI layer, below every strategy: the ring's communicator, waits, collectives, agreement, and the Record.
+"""The MPI layer, below every strategy: the ring's communicator, waits, collectives and agreement.
 
-``checks`` (what each rank checks alone), ``buffers`` (receive slots) and
-``record`` (what a rank did) import no MPI; they live here because the calls
-over MPI are what use them (the simulator fills a Record too).
+Every module here uses MPI. What each rank checks alone is ``plans.checks``;
+receive slots are ``core.buffers``; what a rank did is ``core.record``.
 """

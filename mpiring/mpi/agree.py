@@ -1,6 +1,6 @@
 """Collective agreement: every rank ends a call's checks with the same verdict.
 
-Each rank checks what it can alone (``mpiring.mpi.checks``), then one
+Each rank checks what it can alone (``mpiring.plans.checks``), then one
 all-gather (``agreed``, the one agreement every entry point uses) shares
 every rank's problem and the values it must pass alike; either every rank
 goes on with the same spec and plan, or every rank raises the same
@@ -15,8 +15,7 @@ from mpi4py import MPI
 
 from ..core.kernels import default_scale
 from ..core.precision import compute_dtype
-from ..plans.layouts import take_rows
-from .checks import (
+from ..plans.checks import (
     Shown,
     agreement_timeout,
     compared,
@@ -35,6 +34,7 @@ from .checks import (
     values_digest,
     verdict,
 )
+from ..plans.layouts import take_rows
 from .collectives import allgather
 from .rollcall import RollCall
 from .waits import abandon, wait_entry

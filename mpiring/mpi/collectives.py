@@ -8,10 +8,11 @@ import time
 
 import numpy as np
 
-from .buffers import flat_blocks, mpi_view
+from ..core.buffers import flat_blocks, mpi_view
 from .waits import test_all, wait_until
 
-__all__ = ["together", "allgather", "gather", "start_allgather", "allgathered", "wait_allgather"]
+__all__ = ["together", "allgather", "gather", "start_allgather", "allgathered", "wait_allgather",
+           "pickled", "unpickled"]
 
 
 def together(comm, timeout, what):
@@ -43,7 +44,7 @@ def allgather(comm, obj, timeout=None, enter=None):
     ``timeout`` then bounds the second.
     """
     start, rank = time.perf_counter(), comm.Get_rank()
-    data = _pickled(obj)
+    data = pickled(obj)
     sizes = np.empty(comm.Get_size(), np.int64)
     first = [comm.Iallgather(np.array([data.size], np.int64), sizes)]
     if enter is None:
@@ -53,28 +54,28 @@ def allgather(comm, obj, timeout=None, enter=None):
         start = time.perf_counter()
     flat = np.empty(int(sizes.sum()), np.uint8)
     wait_until([comm.Iallgatherv(data, [flat, sizes])], timeout, rank, "agreement", start, sync=True)
-    return _unpickled(flat, sizes)
+    return unpickled(flat, sizes)
 
 
 def gather(comm, obj, root, timeout=None):
     """``comm.gather(obj, root)`` (a list on root, None elsewhere) that raises CommTimeout past ``timeout``."""
     start, rank = time.perf_counter(), comm.Get_rank()
-    data = _pickled(obj)
+    data = pickled(obj)
     sizes = np.empty(comm.Get_size(), np.int64) if rank == root else None
     wait_until([comm.Igather(np.array([data.size], np.int64), sizes, root=root)], timeout, rank, "gather", start,
                sync=True)
     flat = np.empty(int(sizes.sum()), np.uint8) if rank == root else None
     wait_until([comm.Igatherv(data, [flat, sizes] if rank == root else None, root=root)], timeout, rank, "gather",
                start)
-    return _unpickled(flat, sizes) if rank == root else None
+    return unpickled(flat, sizes) if rank == root else None
 
 
-def _pickled(obj):
+def pickled(obj):
     """``obj`` as a byte array for the v-collectives."""
     return np.frombuffer(pickle.dumps(obj), np.uint8)
 
 
-def _unpickled(flat, sizes):
+def unpickled(flat, sizes):
     """The objects of every rank from the concatenated bytes ``flat`` (``sizes[r]`` bytes of rank r)."""
     offsets = np.cumsum(np.concatenate([[0], sizes]))
     return [pickle.loads(flat[offsets[r]:offsets[r + 1]].tobytes()) for r in range(len(sizes))]

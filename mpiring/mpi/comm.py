@@ -12,8 +12,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from ..core.buffers import mpi_view, payload_bytes
 from ..core.tiles import as_view
-from .buffers import mpi_view, payload_bytes
 from .waits import abandon, completed, cut_short, test_all, wait_until
 
 __all__ = ["RingComm", "HomeRing", "shift"]

@@ -12,9 +12,18 @@ import numpy as np
 
 from ..core.kernels import default_scale
 from ..core.scores import FunctionFailed
+from ..plans.checks import (
+    AUTO_BASE,
+    AUTO_RATE,
+    Shown,
+    describe,
+    logit_problem,
+    scale_problem,
+    shape_text,
+    timeout_problem,
+)
 from ..plans.content import content
 from .agree import agreed
-from .checks import AUTO_BASE, AUTO_RATE, Shown, describe, logit_problem, scale_problem, shape_text, timeout_problem
 
 __all__ = ["EXCHANGES", "MERGES", "decode_problem", "decode_agreement", "decode_timeout", "parents_problem",
            "path_problem", "by_content"]

@@ -15,10 +15,10 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ..core.threads import cores, launcher_local_ranks
+from ..core.tuning.threads import cores, launcher_local_ranks
 
-__all__ = ["CommTimeout", "CAUSES", "wait_until", "wait_entry", "test_all", "completed", "exclusive", "abandon",
-           "ABANDONED", "shares_cores", "Watch", "watching", "Announced", "cut_short"]
+__all__ = ["CommTimeout", "CAUSES", "polls", "wait_until", "wait_entry", "test_all", "completed", "exclusive",
+           "abandon", "ABANDONED", "shares_cores", "Watch", "watching", "Announced", "cut_short"]
 
 
 # what a timed-out wait says when it knows no better
@@ -26,11 +26,11 @@ CAUSES = "another rank may have failed or stalled, or its compute step outlasted
 # How a rank waits (docs/performance.md §10). It polls MPI without pause for SPIN_SECONDS, as
 # MPI_Waitall would: a large transfer moves only while someone polls, and in a balanced ring the
 # others finish about when this rank did. Past that they are still computing, and a rank that kept
-# spinning took a core from the slower rank it waited for on a shared machine (the backward under
-# one busy process: 11.3 s against 5.4 s): the wait sleeps between polls, 50 us doubling to 1 ms,
-# and after each nap polls for BURST_SECONDS, so data that starts to move keeps moving (naps alone
-# slowed the idle backward by 10-20 %). A wait that carries no data (a barrier, an agreement, the
-# end-of-ring check: ``sync=True``) spins SYNC_SPIN_SECONDS and needs no bursts.
+# spinning took a core from the slower rank it waited for on a shared machine: the wait sleeps
+# between polls, 50 us doubling to 1 ms, and after each nap polls for BURST_SECONDS, so data that
+# starts to move keeps moving (naps alone slowed the idle backward). A wait that carries no data
+# (a barrier, an agreement, the end-of-ring check: ``sync=True``) spins SYNC_SPIN_SECONDS and needs
+# no bursts.
 SPIN_SECONDS = 0.1
 BURST_SECONDS = 1e-3
 SYNC_SPIN_SECONDS = 0.02
@@ -223,17 +223,43 @@ def wait_until(requests, timeout, rank, what, start=None, note=None, sync=False)
             raise CommTimeout(f"rank {rank}: {what} not complete after {timeout:g} s ({note or CAUSES})")
 
 
+def polls(test, naps=NAP_SECONDS, spin=0.0, burst=0.0, pause=None):
+    """The one polling loop: call ``test()`` until it is true, yielding the time of each call that found it false.
+
+    The caller raises its own timeout. Between polls: ``pause(now, started)``'s sleep if it gives one,
+    else none for the first ``spin`` seconds, then naps from ``naps[0]`` doubling to ``naps[1]``, each
+    followed by ``burst`` seconds of polls without pause (data that starts to move keeps moving).
+    """
+    started, nap = time.perf_counter(), naps[0]
+    while not test():
+        now = time.perf_counter()
+        yield now
+        sleep = pause(now, started) if pause is not None else None
+        if sleep is not None:
+            time.sleep(sleep)
+        elif now - started > spin:  # the others are still computing: leave the core to them
+            time.sleep(nap)
+            nap = min(2 * nap, naps[1])
+            until = time.perf_counter() + burst
+            while time.perf_counter() < until and not test():
+                pass
+
+
 def _polls(requests, rank, what, sync, patient=False):
-    """Poll ``requests`` until they complete, yielding the time of each poll that found them pending.
+    """Poll ``requests`` until they complete (``polls``), yielding the time of each poll that found them pending.
 
     ``patient``: a wait that may last minutes (a call's entry) naps LONG_NAP_SECONDS once it has
     lasted LONG_WAIT_SECONDS, so a rank waiting for another's evaluation or checkpoint costs no core.
     """
     spin, burst = (SYNC_SPIN_SECONDS, 0.0) if sync else (SPIN_SECONDS, BURST_SECONDS)
-    polled, nap = time.perf_counter(), NAP_SECONDS[0]
     watch, looked = getattr(_WATCHED, "watch", None), 0.0
-    while not test_all(requests, rank, what):
-        now = time.perf_counter()
+
+    def pause(now, started):
+        if patient and now - started > LONG_WAIT_SECONDS:
+            return LONG_NAP_SECONDS
+        return 1e-4 if shares_cores() else None  # more ranks than cores: a spinning rank slows the one computing
+
+    for now in polls(lambda: test_all(requests, rank, what), NAP_SECONDS, spin, burst, pause):
         if watch is not None and now - looked > WATCH_SECONDS:
             looked = now
             try:
@@ -243,16 +269,6 @@ def _polls(requests, rank, what, sync, patient=False):
                 _WATCHED.cut_short = True  # the call's communicators are never freed (``cut_short``)
                 raise
         yield now
-        if patient and now - polled > LONG_WAIT_SECONDS:
-            time.sleep(LONG_NAP_SECONDS)
-        elif shares_cores():  # more ranks than cores here: a spinning rank would slow the one computing
-            time.sleep(1e-4)
-        elif now - polled > spin:  # the others are still computing: leave the core to them
-            time.sleep(nap)
-            nap = min(2 * nap, NAP_SECONDS[1])
-            until = time.perf_counter() + burst  # data: a burst of polls after each nap keeps it moving
-            while time.perf_counter() < until and not test_all(requests, rank, what):
-                pass
 
 
 def _drained(requests):

@@ -18,8 +18,8 @@ import numpy as np
 
 from ..core import block
 from ..core.block import GRAD_DTYPE, KEPT_OUT, add_grads, count_pairs
+from ..core.buffers import Buffers, flat_blocks, next_buffers
 from ..core.tiles import filled
-from ..mpi.buffers import Buffers, flat_blocks, next_buffers
 from ..mpi.collectives import allgathered
 from ..mpi.comm import HomeRing, RingComm, shift
 from ..mpi.waits import wait_until

@@ -18,8 +18,8 @@ from mpi4py import MPI
 
 from ..core import block
 from ..core.block import GRAD_DTYPE, add_grads, count_pairs
+from ..core.buffers import kv_slots, payload_bytes
 from ..cost.nodes import node_ids
-from ..mpi.buffers import kv_slots, payload_bytes
 from ..mpi.collectives import together
 from ..mpi.comm import RingComm
 from ..mpi.waits import wait_until

@@ -28,9 +28,9 @@ Gradients come back in ``grad_wire_dtype``, which the inner ring's partials use 
 import numpy as np
 
 from ..core.precision import Precision
+from ..core.record import Record
 from ..mpi.collectives import together
 from ..mpi.comm import RingComm
-from ..mpi.record import Record
 from ..plans.heads import deal_heads
 from ..plans.layouts import take_rows
 from .backward import gradient_rings

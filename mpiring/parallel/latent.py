@@ -4,7 +4,7 @@
 
 Every rank holds its tokens' queries q (..., H, n, d_nope + dr), latents
 c_kv (..., 1, n, r) and rope keys k_rope (..., 1, n, dr), and the same
-up-projections w_uk (H, r, d_nope) and w_uv (H, r, dv) (``core.latent``). The
+up-projections w_uk (H, r, d_nope) and w_uv (H, r, dv) (``core.mla``). The
 strategy's own loops run unchanged with a ``LatentWire``: a block moves as
 (c_kv, k_rope), coded as ``wire_dtype`` says, and is expanded per head where it
 is used. The backward's dK/dV partials are folded into the latent before they
@@ -22,16 +22,16 @@ import numpy as np
 from mpi4py import MPI
 
 from ..core.block import GRAD_DTYPE
-from ..core.latent import Latent, LatentWire, expand, latent_problem
+from ..core.mla import Latent, LatentWire, expand, latent_problem
 from ..core.precision import Precision, compute_dtype
+from ..core.record import Record
 from ..core.scores import Score
-from ..core.threads import limited, threads_for
 from ..core.tiles import release_workspace
+from ..core.tuning.threads import limited, threads_for
 from ..mpi.agree import agreed, check_comm, setup
-from ..mpi.checks import Shown, agreement_timeout, describe, resolve_timeout
 from ..mpi.collectives import allreduced
-from ..mpi.record import Record
 from ..mpi.waits import exclusive, wait_until
+from ..plans.checks import Shown, agreement_timeout, describe, resolve_timeout
 from ..plans.spec import digest, spec_problem
 from .strategies import Call, private_rings, run_backward, run_forward, strategy_of
 

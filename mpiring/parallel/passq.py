@@ -26,9 +26,9 @@ import time
 import numpy as np
 
 from ..core import block
+from ..core.buffers import Buffers, kernel_form
 from ..core.kernels import merge
 from ..core.precision import compute_dtype, row_bytes
-from ..mpi.buffers import Buffers, kernel_form
 from ..mpi.comm import shift
 from ..mpi.waits import wait_until
 from ..plans.plan import NEXT, Task, reach

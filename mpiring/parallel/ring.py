@@ -15,7 +15,7 @@ import time
 from typing import NamedTuple
 
 from ..core import block
-from ..mpi.buffers import kv_slots, next_buffers
+from ..core.buffers import kv_slots, next_buffers
 from ..mpi.collectives import allgathered
 from ..mpi.comm import shift
 

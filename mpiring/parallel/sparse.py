@@ -2,7 +2,7 @@
 
     mpiexec -n 4 python -m mpiring run --mode sparse --causal --window 64 0 --backward
 
-``mpiring.plans.sparse`` has the plan: the graph of needed blocks, from the
+``mpiring.plans.delivery`` has the plan: the graph of needed blocks, from the
 plan's pieces alone. Every transfer is posted at the start, non-blocking and
 point to point: the receives of the blocks this rank needs, the sends of its
 own block to each rank that needs it. The forward pass is the all-gather's
@@ -21,7 +21,7 @@ import numpy as np
 
 from ..core import block
 from ..core.block import GRAD_DTYPE, add_grads, count_pairs
-from ..mpi.buffers import flat_blocks, mpi_view
+from ..core.buffers import flat_blocks, mpi_view
 from ..mpi.waits import abandon, completed, test_all, wait_until
 
 __all__ = ["delivered", "sparse_backward"]

@@ -36,7 +36,7 @@ from .sparse import delivered, sparse_backward
 from .ulysses import ulysses_backward, ulysses_forward
 
 __all__ = ["Call", "Strategy", "STRATEGIES", "counted", "strategy_of", "private_rings", "grad_rings", "rotation",
-           "run_forward", "run_backward", "agree_outcome", "scored_forward", "sink_gradients"]
+           "run_forward", "run_backward", "agree_outcome", "scored_forward", "sink_gradients", "table_gradients"]
 
 
 @dataclass(frozen=True)
@@ -162,6 +162,14 @@ def sink_gradients(spec, lse, delta, comm, timeout):
     if spec.sinks is None:
         return None
     return allreduced(comm, sink_grads(lse, delta, spec.sinks), MPI.SUM, timeout, "sink gradients")
+
+
+def table_gradients(score, comm, timeout):
+    """d loss / d table of a ``TableBias`` bias: each rank's pairs' share summed over the ranks (every pair once),
+    or None without one."""
+    if score.dtable is None:
+        return None
+    return allreduced(comm, score.dtable, MPI.SUM, timeout, "bias table gradients")
 
 
 def run_backward(arrays, call):

@@ -6,7 +6,7 @@
 queries (and DSA's per-head weights) and keys, as it holds q, k and v. The
 indexer keys are small (a few dozen values per token): they are all-gathered
 once, so every rank scores its own queries against every key block of the
-sequence (``plans.topk.select``: the same bits for any number of ranks). Each
+sequence (``plans.indexer.select``: the same bits for any number of ranks). Each
 rank's choice, ``topk`` block indices per query, is all-gathered in turn, and
 every rank returns the same ``Selected`` mask piece. Give it to any entry point
 as ``mask=``; with ``mode="sparse"`` only the chosen keys travel (every rank
@@ -21,14 +21,14 @@ import time
 
 import numpy as np
 
+from ..core.buffers import flat_blocks, mpi_view
+from ..core.record import Record
 from ..mpi.agree import check_comm, setup_ring
-from ..mpi.buffers import flat_blocks, mpi_view
-from ..mpi.checks import AUTO_BASE, AUTO_RATE, describe
-from ..mpi.record import Record
 from ..mpi.waits import exclusive, wait_until
+from ..plans.checks import AUTO_BASE, AUTO_RATE, describe
+from ..plans.indexer import Selected, select, topk_problem
 from ..plans.layouts import take_rows
 from ..plans.spec import Spec
-from ..plans.topk import Selected, select, topk_problem
 
 __all__ = ["select_topk", "gathered_rows"]
 

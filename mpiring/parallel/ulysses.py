@@ -16,8 +16,8 @@ import numpy as np
 
 from ..core import block
 from ..core.block import GRAD_DTYPE, add_grads, count_pairs
+from ..core.buffers import mpi_view
 from ..core.precision import Plain, Wire, compute_dtype
-from ..mpi.buffers import mpi_view
 from ..mpi.waits import wait_until
 from ..plans.heads import deal_heads
 from ..plans.layouts import put_rows, take_rows

@@ -21,7 +21,7 @@ import numpy as np
 
 from .layouts import LAYOUTS, block_range, layout_positions
 from .make import make_plan
-from .masks import check_causal_block, check_cu_seqlens, check_mask, check_window, row_work
+from .visibility import check_causal_block, check_cu_seqlens, check_mask, check_window, row_work
 
 __all__ = ["METHODS", "balance", "work", "imbalance", "GREEDY_CHUNKS", "WORKLOADS", "markdown_table"]
 

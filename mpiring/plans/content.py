@@ -245,7 +245,8 @@ class _Walk:
 
     def builtin(self, fn, path, depth):  # C functions and methods: by name, and the object a method is bound to
         owner = getattr(fn, "__self__", None)
-        name = f"{getattr(fn, '__module__', None) or type(owner).__qualname__}.{fn.__qualname__}"
+        own = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", type(fn).__qualname__)  # ufuncs: __name__
+        name = f"{getattr(fn, '__module__', None) or type(owner).__qualname__}.{own}"
         self.leaf(path, f"builtin {name}", name.encode())
         if owner is not None and not isinstance(owner, types.ModuleType):
             self.visit(owner, f"{path}: its object", depth)

@@ -51,11 +51,11 @@ import numpy as np
 
 from ..core.precision import compute_itemsize, row_bytes
 from .layouts import sort_order
-from .masks import combined, count_visible, visible_keys
 from .plan import Piece, Plan, PlannedSchedule, Task, Where, counted_kind, problem_fields, ring_plan
+from .visibility import combined, count_visible, visible_keys
 
 __all__ = ["HEAD_MODES", "UlyssesPlan", "ulysses_plan", "heads_problem", "HeadDeal", "deal_heads",
-           "ulysses_pair_bytes", "predicted_ulysses_bytes", "HybridPlan", "hybrid_plan",
+           "ulysses_pair_bytes", "HybridPlan", "hybrid_plan",
            "sequence_pairs"]
 
 HEAD_MODES = ("ulysses",)
@@ -323,11 +323,6 @@ def ulysses_pair_bytes(plan, r, d, *, batch, hq, hk, dim, dim_v, itemsize, backw
         return batch * (n_r * q_d * (dim + dim_v + 2) * compute + m_r * kv_d * kv_row
                         + (n_d * q_r * dim + m_d * kv_r * (dim + dim_v)) * grad_itemsize)
     return batch * (n_r * q_d * dim * itemsize + m_r * kv_d * kv_row + n_d * q_r * (dim_v * itemsize + compute))
-
-
-def predicted_ulysses_bytes(plan, **shape):
-    """Bytes each rank sends under a Ulysses plan: ``ulysses_pair_bytes`` to every other rank."""
-    return [sum(ulysses_pair_bytes(plan, r, d, **shape) for d in range(plan.size)) for r in range(plan.size)]
 
 
 # ---------------------------------------------------------------- ring x Ulysses: a u x (P/u) grid

@@ -8,10 +8,10 @@ from the tokens and masks of the all-gather's ring plan and visit them in
 their own order.
 """
 
+from .delivery import sparse_plan
 from .heads import hybrid_plan, ulysses_plan
 from .hierarchy import double_ring_plan
 from .plan import ALL_MODES, Plan, both_ways, gathered, one_way, ring_plan
-from .sparse import sparse_plan
 
 __all__ = ["make_plan", "RING_MODES", "PLANS"]
 

@@ -32,7 +32,8 @@ from typing import NamedTuple
 import numpy as np
 
 from .layouts import check_layout, positions_problem, put_rows, shard_indices, sort_order
-from .masks import (
+from .rows import PairTable, Reach, Rows, layout_owners, owners, run_unit, runs_of, visible_per_rank
+from .visibility import (
     block_kind,
     check_causal_block,
     check_cu_seqlens,
@@ -43,7 +44,6 @@ from .masks import (
     is_exact,
     visible_keys,
 )
-from .rows import PairTable, Reach, Rows, layout_owners, owners, run_unit, runs_of, visible_per_rank
 
 __all__ = ["MODES", "ALL_MODES", "NEXT", "PREV", "HOME_CHUNKS", "Task", "Piece", "Schedule", "PlannedSchedule",
            "Plan", "ring_plan", "reach", "one_way", "both_ways", "gathered",
@@ -51,7 +51,7 @@ __all__ = ["MODES", "ALL_MODES", "NEXT", "PREV", "HOME_CHUNKS", "Task", "Piece",
 
 MODES = ("ring", "bidirectional", "allgather")  # the ring modes: K/V blocks travel (the simulator's too)
 ALL_MODES = MODES + ("ulysses", "double_ring", "sparse")  # and Ulysses (plans.heads), the double ring
-# (plans.hierarchy), each block straight to the ranks that need it (plans.sparse)
+# (plans.hierarchy), each block straight to the ranks that need it (plans.delivery)
 NEXT, PREV = +1, -1  # a stream's direction: NEXT sends to rank + 1 (receives from rank - 1), PREV the reverse
 HOME_CHUNKS = 4  # the backward pass sends a partial home in this many key chunks, each as soon as its keys are done
 

@@ -1,8 +1,7 @@
 """What a plan knows of every rank, made when first read: a rank plans its own steps in O(P). No MPI.
 
-A plan's per-rank data (positions, block kinds, visible pairs) used to be
-built for every rank on every rank: P x P masks, 27.6 s at P = 1024. Here
-they are ``Rows`` and ``PairTable``: the entry of rank r (or of the pair r,
+A plan's per-rank data (positions, block kinds, visible pairs) are ``Rows``
+and ``PairTable``, never P x P masks (docs/performance.md §13): the entry of rank r (or of the pair r,
 j) is computed the first time something reads it and kept, so a rank that
 runs the ring computes its own row only, and a verifier that reads every
 row still gets them all, the same values bit for bit.
@@ -22,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .layouts import block_range
-from .masks import count_visible, is_exact, visible_keys
+from .visibility import count_visible, is_exact, visible_keys
 
 __all__ = ["Rows", "PairTable", "owners", "layout_owners", "run_unit", "runs_of", "visible_per_rank", "Reach"]
 

@@ -15,9 +15,9 @@ ranks' specs field by field (``shown``) and gathers their positions
 The problem: which tokens each rank holds (``seq_len`` and ``layout``, or
 ``positions`` / ``kv_positions``), the mask (``causal``, ``window``,
 ``cu_seqlens``, ``causal_block``, and ``mask``: more pieces of any kind,
-``plans.masks.MaskPiece``), the softmax ``scale``, the score modifiers
-(``softcap``, ``bias``, ``sinks``, ``dropout`` keyed by ``seed``, and
-``return_max_logit``; docs/masks.md) and the precision
+``plans.visibility.MaskPiece``), the softmax ``scale``, the score modifiers
+(``softcap``, ``bias``, ``score_mod`` with ``score_mod_grad``, ``sinks``,
+``dropout`` keyed by ``seed``, and ``return_max_logit``; docs/masks.md) and the precision
 options (``wire_dtype``, ``grad_wire_dtype``, ``accumulate``). The strategy:
 ``mode`` (ring, bidirectional, allgather, ulysses, double_ring, sparse), ``rotate``
 (pass-Q), ``ulysses_size`` (the ring x Ulysses grid) and ``node_size`` (the
@@ -32,13 +32,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..core.modifiers import TableBias, mod_values, tile_indices
 from ..core.precision import canonical_precision
 from .content import content
 from .heads import heads_problem
 from .layouts import check_layout, sort_order
 from .make import make_plan
-from .masks import MaskPiece, check_causal_block, check_mask, check_window
 from .plan import ALL_MODES, MODES
+from .visibility import MaskPiece, check_causal_block, check_mask, check_window
 
 __all__ = ["Spec", "ROTATE", "FIELDS", "SCORE_FIELDS", "spec_problem", "digest", "is_real", "scale_problem", "count",
            "integers"]
@@ -46,7 +47,9 @@ __all__ = ["Spec", "ROTATE", "FIELDS", "SCORE_FIELDS", "spec_problem", "digest",
 ROTATE = ("kv", "q", "auto")
 ROW_OPTIONS = ("positions", "kv_positions")  # this rank's own: gathered from every rank, not compared
 PRECISION = ("wire_dtype", "grad_wire_dtype", "accumulate")
-SCORE_FIELDS = ("softcap", "bias", "sinks", "dropout", "seed", "return_max_logit")  # the score modifiers
+SCORE_FIELDS = ("softcap", "bias", "score_mod", "score_mod_grad", "sinks", "dropout", "seed",
+                "return_max_logit")  # the score modifiers
+FUNCTIONS = ("mask", "bias", "score_mod", "score_mod_grad")  # the user's functions: agreed by what they read
 
 
 def count(name, value, what=""):
@@ -87,6 +90,12 @@ def _scores(given):
                          f"got {softcap!r}")
     if bias is not None and not callable(bias):
         raise ValueError(f"bias must be a function bias(heads, q_pos, k_pos) -> array, got {bias!r}")
+    for name in ("score_mod", "score_mod_grad"):
+        if given[name] is not None and not callable(given[name]):
+            raise ValueError(f"{name} must be a function {name}(score, batch, head, q_pos, k_pos) -> array, got "
+                             f"{given[name]!r}")
+    if given["score_mod_grad"] is not None and given["score_mod"] is None:
+        raise ValueError("score_mod_grad is the derivative of a score_mod: give the score_mod too")
     if sinks is not None:
         sinks = np.asarray(sinks)
         if sinks.ndim != 1 or sinks.dtype.kind not in "fiu" or not np.all(np.isfinite(sinks)):
@@ -100,6 +109,7 @@ def _scores(given):
     if not isinstance(given["return_max_logit"], (bool, np.bool_)):
         raise ValueError(f"return_max_logit must be True or False, got {given['return_max_logit']!r}")
     return dict(softcap=None if softcap is None else float(softcap), bias=bias, sinks=sinks,
+                score_mod=given["score_mod"], score_mod_grad=given["score_mod_grad"],
                 dropout=float(dropout), seed=int(seed), return_max_logit=bool(given["return_max_logit"]))
 
 
@@ -126,7 +136,7 @@ class Spec:
     window: tuple = (-1, -1)
     cu_seqlens: np.ndarray | None = None
     causal_block: int | None = None
-    mask: tuple = ()  # more mask pieces (plans.masks.MaskPiece), all of which must allow a key
+    mask: tuple = ()  # more mask pieces (plans.visibility.MaskPiece), all of which must allow a key
     scale: float | None = None  # None: 1/sqrt(head dim)
     wire_dtype: str | None = None
     grad_wire_dtype: str | None = None
@@ -137,6 +147,8 @@ class Spec:
     node_size: int | None = None
     softcap: float | None = None  # logits become softcap * tanh(logits / softcap)
     bias: object = None  # fn(heads, q_pos, k_pos) -> additive bias broadcastable to (heads, queries, keys)
+    score_mod: object = None  # fn(score, batch, head, q_pos, k_pos) -> the score (core.modifiers), after the bias
+    score_mod_grad: object = None  # its derivative d score_mod / d score, same arguments (needed by a backward)
     sinks: np.ndarray | None = None  # one logit per query head, added once to each row's softmax denominator
     dropout: float = 0.0  # probability of dropping an attention weight (core.scores.dropout_keep, keyed by seed)
     seed: int = 0
@@ -185,7 +197,7 @@ class Spec:
                    scale=None if scale is None else float(scale), **canonical_precision(given), mode=mode,
                    rotate=given["rotate"], node_size=count("node_size", given["node_size"], " (ranks per node)"),
                    ulysses_size=count("ulysses_size", given["ulysses_size"], ""))
-        for name in ("mask", "bias"):  # what the functions read, once: Unreadable (a ValueError) names what is not
+        for name in FUNCTIONS:  # what the functions read, once: Unreadable (a ValueError) names what is not
             spec.field_content(name)
         return spec
 
@@ -229,11 +241,13 @@ class Spec:
         split = self.head_split(size)
         return None if split is None else heads_problem(q, k, *split)
 
-    @property
-    def scored(self):
-        """Whether the scores have a modifier (softcap, bias, sinks, dropout) or the max logit is asked for."""
-        return (self.softcap is not None or self.bias is not None or self.sinks is not None or bool(self.dropout)
-                or self.return_max_logit)
+    def backward_problem(self):
+        """Why a backward pass cannot run this spec (a score_mod without its derivative), or None."""
+        if self.score_mod is not None and self.score_mod_grad is None:
+            return (f"the score_mod {getattr(self.score_mod, '__qualname__', self.score_mod)!r} has no derivative: a "
+                    f"backward pass needs score_mod_grad=fn(score, batch, head, q_pos, k_pos) -> d score_mod / d "
+                    f"score (mpiring.torch derives it with autograd)")
+        return None
 
     def scores_problem(self, q):
         """Why this rank's q does not fit the score and mask options (sinks per head, padding per batch entry),
@@ -247,6 +261,18 @@ class Spec:
                 piece.allows(probe[:, None], probe[None, :])
             except Exception as exc:  # noqa: BLE001 (a user's function: any error is the user's problem)
                 return f"the mask {piece!r} fails on positions 0, 1: {type(exc).__name__}: {exc}"
+        if isinstance(self.bias, TableBias) and self.bias.shape[0] != heads:
+            return (f"the bias table has {self.bias.shape[0]} rows, but q has {heads} query heads: give one per "
+                    f"head")
+        for name in ("score_mod", "score_mod_grad"):
+            fn = getattr(self, name)
+            if fn is not None:
+                tile = np.zeros((1, heads, 2, 2))
+                try:
+                    mod_values(fn, tile, tile_indices(1, np.arange(heads), probe, probe))
+                except Exception as exc:  # noqa: BLE001
+                    return (f"{name}(score, batch, head, q_pos, k_pos) fails on a (1, {heads}, 2, 2) tile of "
+                            f"positions 0, 1: {type(exc).__name__}: {exc}")
         if self.bias is not None:
             try:
                 extra = np.asarray(self.bias(np.arange(heads)[:, None, None], probe[None, :, None],
@@ -342,7 +368,7 @@ class Spec:
                "mask": tuple(f"{piece!r} ({digest(repr(piece.key()).encode())[:8]})" for piece in self.mask),
                "ranks": size, "scale": float(scale),
                "wire_dtype": self.wire_dtype}
-        for name in ("softcap", "bias", "sinks", "dropout", "seed"):  # the scores, when given
+        for name in ("softcap", "bias", "score_mod", "sinks", "dropout", "seed"):  # the scores, when given
             if _key(getattr(self, name)) != _key(DEFAULTS[name]):
                 tag[name] = f"{_key(getattr(self, name))!r}"
                 tag[name] = tag[name] if len(tag[name]) < 80 else digest(tag[name].encode())[:12]

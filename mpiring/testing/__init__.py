@@ -16,6 +16,15 @@ Only NumPy is imported here; mpi4py, pytest and hypothesis are imported when fir
 """
 
 from .compare import assert_attention_close, assert_on_all_ranks, attention_error
+from .expected import (
+    TOLERANCE,
+    dense_mask,
+    latent_reference,
+    latent_reference_backward,
+    reference,
+    reference_backward,
+    tolerance,
+)
 from .fixtures import ring_comm_fixture, strict_comm_fixture
 from .locate import assert_sharded_attention, diagnose_forward
 from .problems import (
@@ -26,15 +35,6 @@ from .problems import (
     local_shards,
     merge_heads,
     split_heads,
-)
-from .reference import (
-    TOLERANCE,
-    dense_mask,
-    latent_reference,
-    latent_reference_backward,
-    reference,
-    reference_backward,
-    tolerance,
 )
 
 # with mpi4py (made on first use): strict, StrictComm, Stuck, Ledger, settle; with pytest: ring_comm, strict_comm

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 
 from ..core.ranks import ranks_text
-from .reference import tolerance
+from .expected import tolerance
 
 __all__ = ["DEFAULT_ASSERT_TIMEOUT", "assert_attention_close", "assert_on_all_ranks", "attention_error",
            "where_text"]

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..plans.layouts import shard_indices
 from .compare import DEFAULT_ASSERT_TIMEOUT, assert_attention_close, assert_on_all_ranks, attention_error
-from .reference import dense_mask, reference, tolerance
+from .expected import dense_mask, reference, tolerance
 
 __all__ = ["STATE_TEXT", "assert_sharded_attention", "diagnose_forward"]
 

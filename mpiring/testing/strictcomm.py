@@ -21,6 +21,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from ..mpi.collectives import pickled, unpickled
 from . import timed
 from .timed import nbytes_of, peer_text, poll, timed_request
 
@@ -63,15 +64,6 @@ class _Watch:
                 sys.stderr.flush()
                 time.sleep(0.2)
                 MPI.COMM_WORLD.Abort(5)
-
-
-def _pickled(obj):
-    return np.frombuffer(pickle.dumps(obj), np.uint8)
-
-
-def _unpickled(flat, sizes):
-    edges = np.concatenate([[0], np.cumsum(sizes)])
-    return [pickle.loads(flat[edges[r]:edges[r + 1]].tobytes()) for r in range(len(sizes))]
 
 
 class StrictComm:
@@ -330,31 +322,31 @@ class StrictComm:
     # lower case: pickled objects, through the non-blocking buffer collectives
 
     def allgather(self, sendobj):
-        data = _pickled(sendobj)
+        data = pickled(sendobj)
         self.ledger.pickled += self.size - 1
         sizes = np.empty(self.size, np.int64)
         self._collective(self._comm.Iallgather(np.array([data.size], np.int64), sizes), "allgather")
         flat = np.empty(int(sizes.sum()), np.uint8)
         self._collective(self._comm.Iallgatherv(data, [flat, sizes]), "allgather", data.nbytes * (self.size - 1))
-        return self._objects(_unpickled(flat, sizes))
+        return self._objects(unpickled(flat, sizes))
 
     def _objects(self, objs):
         hook = self.ledger.on_object
         return [hook(x) for x in objs] if hook else objs
 
     def gather(self, sendobj, root=0):
-        data = _pickled(sendobj)
+        data = pickled(sendobj)
         me = self.rank == root
         sizes = np.empty(self.size, np.int64) if me else None
         self._collective(self._comm.Igather(np.array([data.size], np.int64), sizes, root), "gather")
         flat = np.empty(int(sizes.sum()), np.uint8) if me else None
         self._collective(self._comm.Igatherv(data, [flat, sizes] if me else None, root), "gather",
                          0 if me else data.nbytes)
-        return self._objects(_unpickled(flat, sizes)) if me else None
+        return self._objects(unpickled(flat, sizes)) if me else None
 
     def bcast(self, obj=None, root=0):
         me = self.rank == root
-        data = _pickled(obj) if me else None
+        data = pickled(obj) if me else None
         size = np.array([data.size if me else 0], np.int64)
         self._collective(self._comm.Ibcast(size, root), "bcast")
         buf = data.copy() if me else np.empty(int(size[0]), np.uint8)
@@ -372,7 +364,7 @@ class StrictComm:
         me = self.rank == root
         if me and (sendobj is None or len(sendobj) != self.size):
             raise ValueError(f"scatter needs a sequence of {self.size} objects on the root")
-        pieces = [_pickled(x) for x in sendobj] if me else []
+        pieces = [pickled(x) for x in sendobj] if me else []
         sizes = np.array([p.size for p in pieces], np.int64) if me else None
         mine = np.empty(1, np.int64)
         self._collective(self._comm.Iscatter(sizes, mine, root), "scatter")
@@ -385,14 +377,14 @@ class StrictComm:
     def alltoall(self, sendobj):
         if len(sendobj) != self.size:
             raise ValueError(f"alltoall needs a sequence of {self.size} objects")
-        pieces = [_pickled(x) for x in sendobj]
+        pieces = [pickled(x) for x in sendobj]
         sizes = np.array([p.size for p in pieces], np.int64)
         got = np.empty(self.size, np.int64)
         self._collective(self._comm.Ialltoall(sizes, got), "alltoall")
         flat = np.empty(int(got.sum()), np.uint8)
         sent = int(sizes.sum() - sizes[self.rank])
         self._collective(self._comm.Ialltoallv([np.concatenate(pieces), sizes], [flat, got]), "alltoall", sent)
-        return self._objects(_unpickled(flat, got))
+        return self._objects(unpickled(flat, got))
 
     # -- communicators
 

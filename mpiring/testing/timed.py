@@ -14,6 +14,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from ..mpi.waits import polls
+
 __all__ = ["DEFAULT_TIMEOUT", "Ledger", "Stuck", "TimedRequest", "instrument", "nbytes_of", "peer_text", "poll",
            "request_text", "settle", "size_text", "uninstrument"]
 
@@ -147,40 +149,44 @@ def poll(requests, call, statuses=None, objects=False, any_one=False, ledger=Non
     if ledger is None:
         ledger = next((r.ledger for r in requests if getattr(r, "ledger", None) is not None), None)
     timeout = ledger.timeout if ledger is not None else fallback or DEFAULT_TIMEOUT
-    start, nap = time.perf_counter(), NAP
+    start = time.perf_counter()
     results = [None] * len(requests)
     done = [False] * len(requests)
+    found = []  # the index of the completed request (``any_one``)
     own = ledger is not None and ledger.current is None
     if own:
         ledger.current = call
+
+    def test():
+        for i, req in enumerate(requests):
+            if done[i]:
+                continue
+            status = statuses[i] if statuses is not None and i < len(statuses) else None
+            mine = getattr(req, "ledger", None)
+            if status is None and getattr(req, "kind", None) == "recv":
+                status = MPI.Status()
+            if objects:
+                done[i], results[i] = MPI.Request.test(req, status)
+            else:
+                done[i] = MPI.Request.Test(req, status)
+            if done[i]:
+                if mine is not None:
+                    mine.note("done", request=req.id)
+                _received(mine, req, status, results[i], objects)
+                if any_one:
+                    found.append(i)
+                    return True
+        return all(done)
+
     try:
-        while True:
-            for i, req in enumerate(requests):
-                if done[i]:
-                    continue
-                status = statuses[i] if statuses is not None and i < len(statuses) else None
-                mine = getattr(req, "ledger", None)
-                if status is None and getattr(req, "kind", None) == "recv":
-                    status = MPI.Status()
-                if objects:
-                    done[i], results[i] = MPI.Request.test(req, status)
-                else:
-                    done[i] = MPI.Request.Test(req, status)
-                if done[i]:
-                    if mine is not None:
-                        mine.note("done", request=req.id)
-                    _received(mine, req, status, results[i], objects)
-                    if any_one:
-                        return i
-            if all(done):
-                break
-            waited = time.perf_counter() - start
+        for now in polls(test, naps=(NAP, NAP_MAX)):
+            waited = now - start
             if waited > timeout:
                 left = [requests[i] for i in range(len(requests)) if not done[i]]
                 raise Stuck(call, [(getattr(r, "kind", "?"), getattr(r, "peer", None), request_text(r))
                                    for r in left], waited, timeout, None if ledger is None else ledger.rank)
-            time.sleep(nap)
-            nap = min(2 * nap, NAP_MAX)
+        if found:
+            return found[0]
     finally:
         if own:
             ledger.current = None

@@ -31,12 +31,8 @@ def calibrate(comm=None, *, head_dim=64, dtype="float32", tokens=512, nbytes=32 
     klo, khi = np.zeros(tokens, np.int64), np.arange(1, tokens + 1)  # causal diagonal block
 
     def rate(*mask):
-        attention_block(q, k, v, None, *mask)  # warm up
-        reps, start = 0, time.perf_counter()
-        while reps < 3 or time.perf_counter() - start < seconds / 4:
-            attention_block(q, k, v, None, *mask)
-            reps += 1
-        return block_flops(tokens, tokens, 1, head_dim) * reps / (time.perf_counter() - start)
+        return block_flops(tokens, tokens, 1, head_dim) * _per_second(lambda: attention_block(q, k, v, None, *mask),
+                                                                      seconds / 4)
 
     with threadpool_limits(threads):
         flops, masked = rate(), rate(klo, khi)
@@ -46,7 +42,8 @@ def calibrate(comm=None, *, head_dim=64, dtype="float32", tokens=512, nbytes=32 
         flops, masked = min(comm.allgather(flops)), min(comm.allgather(masked))
         where = f"{comm.Get_size()} ranks"
     else:
-        beta = _copy_rate(big, seconds / 4)
+        copy = np.empty_like(big)
+        beta = big.nbytes * _per_second(lambda: np.copyto(copy, big), seconds / 4)  # a memory copy
         alpha = _self_message(comm, small) if comm is not None else NO_MPI_ALPHA
         where = "one process: memory copy" + ("" if comm is not None else f", {NO_MPI_ALPHA * 1e6:g} us assumed")
     note = (f"measured: attention kernel {flops / 1e9:.2f} GFLOP/s, {masked / 1e9:.2f} masked ({dtype}, "
@@ -73,15 +70,14 @@ def _ring_link(comm, small, big):
     return alpha, big.nbytes / max(ring(big, 4) - alpha, 1e-9)
 
 
-def _copy_rate(big, seconds):
-    """Bytes per second of a memory copy of ``big``, timed for about ``seconds``."""
-    dst = np.empty_like(big)
-    np.copyto(dst, big)
+def _per_second(fn, seconds):
+    """Calls of ``fn`` per second, timed for about ``seconds`` (3 calls at least) after one to warm up."""
+    fn()
     reps, start = 0, time.perf_counter()
     while reps < 3 or time.perf_counter() - start < seconds:
-        np.copyto(dst, big)
+        fn()
         reps += 1
-    return big.nbytes * reps / (time.perf_counter() - start)
+    return reps / (time.perf_counter() - start)
 
 
 def _self_message(comm, small, reps=50):

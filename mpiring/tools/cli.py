@@ -2,6 +2,7 @@
 
 import argparse
 import functools
+import math
 import os
 import pickle
 import time
@@ -64,7 +65,7 @@ def command_parser(command, func):
 def with_threads(parser, user_api=None):
     """A command ``(comm, args=None)`` whose body runs with ``--threads`` BLAS threads, the caller's restored
     after: a command called as a function (as tests do) leaves the process as it found it (the BLAS thread
-    count picks the kernels' GEMM library, ``core.gemm.product``, so it changes results' last bits)."""
+    count picks the kernels' GEMM library, ``core.tuning.gemm.product``, so it changes results' last bits)."""
     def wrap(body):
         @functools.wraps(body)
         def command(comm, args=None):
@@ -229,12 +230,12 @@ def poll(requests, timeout=None, what="the other ranks", spin=False):
     """
     from mpi4py import MPI
 
+    from mpiring.mpi.waits import polls
+
     start = time.perf_counter()
-    while not MPI.Request.Testall(requests):
-        if timeout is not None and time.perf_counter() - start > timeout:
+    for now in polls(lambda: MPI.Request.Testall(requests), naps=(1e-3, 1e-3), spin=math.inf if spin else 0.0):
+        if timeout is not None and now - start > timeout:
             raise TimeoutError(f"waited {timeout:g} s for {what}")
-        if not spin:
-            time.sleep(0.001)
 
 
 def barrier(comm, spin=False):

@@ -20,11 +20,11 @@ from functools import partial
 
 import numpy as np
 
+from mpiring.core.record import Record
 from mpiring.core.reference import dense_attention
 from mpiring.cost.infercost import decode_time
 from mpiring.decode import MERGES
 from mpiring.kvcache import ERROR_BOUND, KVCache
-from mpiring.mpi.record import Record
 from mpiring.testing import TOLERANCE
 
 from . import verify

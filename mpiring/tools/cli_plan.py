@@ -10,6 +10,7 @@ Each is ``(comm, args=None) -> exit code``; they ignore ``comm`` (pass None).
 import numpy as np
 
 from mpiring import make_plan
+from mpiring.cost.by_strategy import predicted_bytes_sent, strategy_of
 from mpiring.cost.cluster_model import CLUSTERS, format_comparison
 from mpiring.cost.costmodel import (
     PRESETS,
@@ -19,8 +20,7 @@ from mpiring.cost.costmodel import (
     ring_attention_context_parallel,
 )
 from mpiring.cost.infercost import format_inference_model
-from mpiring.cost.strategies import predicted_bytes_sent, strategy_of
-from mpiring.plans.masks import count_visible
+from mpiring.plans.visibility import count_visible
 
 from .calibrate import calibrate
 from .cli import add_variant_args, at_least, balance_table, command_parser, held_positions, mode_text, variant
@@ -97,7 +97,7 @@ def sparsity_text(plan, cells=16):
 
 
 def moves_text(plan):
-    """Which K/V block each rank sends where, at which step (``cost.strategies``' point-to-point sends), and per
+    """Which K/V block each rank sends where, at which step (``cost.by_strategy``' point-to-point sends), and per
     rank the K/V tokens it sends and those it needs: the other ranks' blocks its queries see (``plan.pieces``)."""
     sends = strategy_of(plan).sends
     lines = ["K/V sends (step: block -> rank):"]

@@ -28,8 +28,8 @@ from mpiring import (
     ring_attention_context_parallel,
 )
 from mpiring.core.precision import ACCUMULATE, GRAD_WIRE_DTYPES, INPUT_DTYPES, WIRE_DTYPES, Precision, named_dtype
+from mpiring.core.record import Record
 from mpiring.cost.nodes import predicted_bytes
-from mpiring.mpi.record import Record
 from mpiring.plans.heads import HEAD_MODES, HybridPlan, sequence_pairs
 from mpiring.plans.layouts import layout_positions
 from mpiring.plans.plan import Schedule

@@ -29,15 +29,16 @@ from typing import NamedTuple
 import numpy as np
 
 from mpiring.core.precision import INPUT_DTYPES, WIRE_DTYPES, named_dtype
-from mpiring.mpi.checks import verdict
-from mpiring.mpi.record import Record
+from mpiring.core.record import Record
+from mpiring.plans.checks import verdict
 from mpiring.plans.layouts import LAYOUTS
 from mpiring.plans.plan import ALL_MODES, MODES
 from mpiring.testing import attention_error, tolerance
 
-from .cli import Agreed, command_parser
+from .cli import Agreed, command_parser, table_text
 from .support_cases import (
     call,
+    extra_grads,
     grad_names,
     head_counts,
     inputs,
@@ -50,7 +51,7 @@ from .support_cases import (
 from .verify import run_tolerance
 
 __all__ = ["AXES", "DEFAULTS", "Cell", "strategies", "cells", "changed", "label", "covering", "matrix", "sample",
-           "run_cell", "run_cells", "run_case", "render", "doc_section", "write_section", "support",
+           "run_cells", "run_case", "render", "doc_section", "write_section", "support",
            "support_parser"]
 
 AXES = {"assignment": LAYOUTS + ("positions", "kv_positions"),
@@ -58,7 +59,7 @@ AXES = {"assignment": LAYOUTS + ("positions", "kv_positions"),
         "heads": ("MHA", "GQA", "MQA", "MLA", "uneven", "uneven GQA"),  # ``support_cases.head_counts``
         "dtype": INPUT_DTYPES,
         "wire": ("none",) + WIRE_DTYPES,
-        "score": ("none", "softcap", "alibi", "sinks", "dropout")}  # docs/masks.md's score modifiers
+        "score": ("none", "softcap", "alibi", "sinks", "dropout", "score_mod", "table")}  # docs/masks.md's
 DEFAULTS = {"assignment": "contiguous", "mask": "none", "heads": "MHA", "dtype": "float32", "wire": "none",
             "score": "none"}
 PASSES = ("forward", "backward")
@@ -250,8 +251,12 @@ def run_case(comm, case, backward=True, records=None, keep_going=False):
                 weights = rows == "all"
                 found.append((name, g, r[at[rows]], run_tolerance(kind, wire, codings * (1 + weights)),
                               np.float64 if weights else kind))
-            if heads != "MLA" and (len(ref) > 5 or len(grads) > 3):  # sinks: their gradient, over every rank's rows
-                found.append(("dsinks", grads[3], ref[5], run_tolerance(kind, wire, codings), np.float64))
+            if heads != "MLA":  # sinks, a bias table: their gradients, summed over every rank's rows
+                extra = extra_grads(score)
+                if len(grads) != 3 + len(extra):
+                    raise ValueError(f"the backward returned {len(grads)} gradients; {3 + len(extra)} expected")
+                for j, name in enumerate(extra):
+                    found.append((name, grads[3 + j], ref[5 + j], run_tolerance(kind, wire, codings), np.float64))
             return found
 
         verdicts["backward"] = _verdict(comm, lambda: call(heads, True)(arrays, comm, options, bwd, result), bwd,
@@ -269,11 +274,6 @@ def run_cells(comm, chosen, keep_going=False):
         got = run_case(comm, case, backward="backward" in passes, keep_going=keep_going)
         verdicts.update({Cell(*case, p): got[p] for p in passes})
     return {cell: verdicts[cell] for cell in chosen}
-
-
-def run_cell(comm, cell):
-    """The verdict of one cell: "works", "raises: <message>", "skipped: <why>" or "WRONG: <what>"."""
-    return run_case(comm, cell[:-1], backward=cell.pass_ == "backward")[cell.pass_]
 
 
 def matrix(comm, keep_going=False):
@@ -301,14 +301,6 @@ def matrix(comm, keep_going=False):
 
 
 # ---------------------------------------------------------------- the tables
-
-
-def _table(header, rows, markdown):
-    if markdown:
-        lines = [header, ["---"] * len(header)] + rows
-        return "\n".join("| " + " | ".join(line) + " |" for line in lines)
-    widths = [max(len(line[i]) for line in [header] + rows) for i in range(len(header))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in [header] + rows)
 
 
 def _failing_alone(verdicts, cell):
@@ -352,13 +344,13 @@ def render(verdicts, P, markdown=False):
            f"a cell is forward / backward where they differ:"]
     for axis, values in AXES.items():
         rows = [[s] + [both(s, ((axis, value),)) for value in values] for s in names]
-        out += ["", f"{bold}{axis}{bold}", "", _table(["strategy"] + list(values), rows, markdown)]
+        out += ["", f"{bold}{axis}{bold}", "", table_text(["strategy"] + list(values), rows, markdown, left=True)]
     minimal = [cell for cell in verdicts if _failing_alone(verdicts, cell)]
     together = {(cell.strategy, changed(cell)): None for cell in minimal if len(changed(cell)) > 1}
     out += ["", f"{bold}options that fail together{bold} (each works alone, or with fewer of them):", ""]
     rows = [[s, label(_cell(s, options, "forward")), *(key(verdicts.get(_cell(s, options, p), "-")) for p in PASSES)]
             for s, options in together]
-    out.append(_table(["strategy", "options", *PASSES], rows, markdown) if rows else "none")
+    out.append(table_text(["strategy", "options", *PASSES], rows, markdown, left=True) if rows else "none")
     if errors:
         out += ["", f"{bold}errors{bold}", ""] + [f"- {number}: `{message}`" if markdown else f"{number}: {message}"
                                                   for message, number in errors.items()]

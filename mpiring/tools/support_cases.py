@@ -1,11 +1,11 @@
 """The support matrix's problems: each cell's tokens, mask, scores and inputs, its float64 reference, and its call.
 
 Every rank builds the whole problem from one seed (``SEED``) and takes its
-rows; ``reference`` is the dense float64 result over the whole sequence. The
-heads axis' "MLA" runs ``mla_attention`` on a latent (``LATENT``: r values and
-a rope key per token, per-head d_nope and dv) against
-``testing.latent_reference``; the mask axis' "top-k" is an indexer's choice
-of 2 blocks of 2 tokens per query (``plans.topk.select`` in one process: the
+rows; ``reference`` is the dense float64 result over the whole sequence
+(``mpiring.testing``'s). The heads axis' "MLA" runs ``mla_attention`` on a
+latent (``LATENT``: r values and a rope key per token, per-head d_nope and
+dv) against ``testing.latent_reference``; the mask axis' "top-k" is an indexer's choice
+of 2 blocks of 2 tokens per query (``plans.indexer.select`` in one process: the
 choice ``select_topk`` gives every rank).
 """
 
@@ -14,15 +14,16 @@ import math
 
 import numpy as np
 
+from mpiring import testing
+from mpiring.core.modifiers import t5_bias
 from mpiring.core.precision import named_dtype
-from mpiring.core.reference import definition_mask, dense_attention, dense_attention_backward, scored_attention
 from mpiring.core.scores import alibi
+from mpiring.plans.indexer import Selected, select
 from mpiring.plans.layouts import LAYOUTS, shard_indices
-from mpiring.plans.topk import Selected, select
 from mpiring.testing import latent_reference, latent_reference_backward
 
 __all__ = ["SEED", "LATENT", "sizes", "head_counts", "mask_options", "placement", "inputs", "score_options",
-           "reference", "call", "grad_names"]
+           "extra_grads", "reference", "call", "grad_names"]
 
 SEED = 20240611
 LATENT = dict(r=8, dr=2, d_nope=6, dv=8)  # the MLA cells' widths (q's head dim: d_nope + dr = the cells' 8)
@@ -97,19 +98,36 @@ def inputs(P, heads, dtype):
     return arrays, [a.astype(np.float64) for a in arrays]
 
 
+def checkerboard(s, batch, head, q_pos, k_pos):
+    """The "score_mod" cells' modifier: half the score on a checkerboard of (query, key), plus a head offset."""
+    return np.where((q_pos + k_pos) % 2 == 0, 0.5 * s, s) + 0.25 * head
+
+
+def checkerboard_grad(s, batch, head, q_pos, k_pos):
+    return np.where((q_pos + k_pos) % 2 == 0, 0.5, 1.0) + 0.0 * s
+
+
 def score_options(name, P, heads="MHA"):
     """The ``ring_attention`` options of score modifier ``name`` at P ranks with the heads of ``heads``
     (docs/masks.md)."""
     hq = head_counts(P, heads)[0]
+    if name == "table":  # T5's relative position buckets, a table drawn from the cells' seed
+        return {"bias": t5_bias(np.random.default_rng([SEED, hq]).standard_normal((hq, 8)), max_distance=16)}
     return {"none": {}, "softcap": {"softcap": 2.0}, "alibi": {"bias": alibi(hq)},
-            "sinks": {"sinks": np.linspace(-1.0, 1.0, hq)}, "dropout": {"dropout": 0.25, "seed": 3}}[name]
+            "sinks": {"sinks": np.linspace(-1.0, 1.0, hq)}, "dropout": {"dropout": 0.25, "seed": 3},
+            "score_mod": {"score_mod": checkerboard, "score_mod_grad": checkerboard_grad}}[name]
+
+
+def extra_grads(score):
+    """The names of the gradients a backward returns after dq, dk, dv with score modifier ``score``."""
+    return {"sinks": ("dsinks",), "table": ("dtable",)}.get(score, ())
 
 
 @functools.lru_cache(maxsize=None)
 def reference(P, heads, dtype, mask, prefill, score="none"):
-    """float64 ``(out, lse, dq, dk, dv[, dsinks])`` (MLA: ``(out, lse, dq, dc_kv, dk_rope, dw_uk, dw_uv)``) over
-    the whole sequence; ``prefill``: only the queries of ``placement``'s kv_positions (the last S - S//2) count
-    in the key gradients (dout is zero for the others)."""
+    """float64 ``(out, lse, dq, dk, dv[, dsinks or dtable])`` (MLA: ``(out, lse, dq, dc_kv, dk_rope, dw_uk,
+    dw_uv)``) over the whole sequence; ``prefill``: only the queries of ``placement``'s kv_positions (the last
+    S - S//2) count in the key gradients (dout is zero for the others)."""
     S = sizes(P)[0]
     arrays = inputs(P, heads, dtype)[1]
     pos = np.arange(S)
@@ -120,13 +138,8 @@ def reference(P, heads, dtype, mask, prefill, score="none"):
         return latent_reference(q, c, kr, wk, wv, **options) + latent_reference_backward(dout, q, c, kr, wk, wv,
                                                                                          **options)
     q, k, v, _ = arrays
-    allowed = definition_mask(pos, pos, **mask_options(mask, S))
-    rows = lambda a, b: allowed[a:b]  # noqa: E731
-    if score != "none":  # the scored reference, from the definitions (core.reference.scored_attention)
-        extra = score_options(score, P, heads)
-        grads = scored_attention(q, k, v, allowed, dout=dout, **extra)
-        return scored_attention(q, k, v, allowed, **extra)[:2] + grads[:3] + grads[3:] * ("sinks" in extra)
-    return dense_attention(q, k, v, None, rows) + dense_attention_backward(dout, q, k, v, None, rows)
+    options = dict(mask_options(mask, S), **score_options(score, P, heads))
+    return testing.reference(q, k, v, **options) + testing.reference_backward(dout, q, k, v, **options)
 
 
 def call(heads, backward=False):

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["Affine", "compose", "apply", "cut", "transposed", "pack", "unpack", "map_sizes"]
+__all__ = ["Affine", "compose", "apply", "cut", "transposed", "pack", "unpack"]
 
 
 class Affine(NamedTuple):
@@ -46,11 +46,6 @@ def cut(m):
 def transposed(A):
     """A^T, what the backward scan carries (the gradient of S_in is A^T times that of S_out)."""
     return np.swapaxes(A, -1, -2) if A.ndim == 3 else A
-
-
-def map_sizes(Z, dk, dv, kind):
-    """Values in (A, b) of one map: kind "scalar", "diagonal" or "full"."""
-    return {"scalar": Z, "diagonal": Z * dk, "full": Z * dk * dk}[kind], Z * dk * dv
 
 
 def pack(maps, dtype):

@@ -20,7 +20,7 @@ from .affine import Affine, transposed
 from .decay import decay_backward, decay_entry, decay_forward, decay_transition
 from .delta import delta_backward, delta_forward
 
-__all__ = ["Local", "run_forward", "corrected", "reverse_element", "run_backward", "transition_kind"]
+__all__ = ["Local", "run_forward", "corrected", "reverse_element", "run_backward"]
 
 
 class Local(NamedTuple):
@@ -29,13 +29,6 @@ class Local(NamedTuple):
     out: np.ndarray  # (Z, n, dv)
     map: Affine
     entry: np.ndarray  # (Z, n, dk)
-
-
-def transition_kind(g, beta):
-    """The shape of a run's transition: "full" (the delta rule), "diagonal" (a decay per key dim) or "scalar"."""
-    if beta is not None:
-        return "full"
-    return "diagonal" if g is not None and g.ndim == 3 else "scalar"
 
 
 def run_forward(q, k, v, g=None, beta=None, block=None):

@@ -19,11 +19,11 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from ...core.record import Record
 from ...mpi.agree import agreed, check_comm
-from ...mpi.checks import AUTO_BASE, AUTO_RATE, agreement_timeout, describe, timeout_problem
 from ...mpi.collectives import together
-from ...mpi.record import Record
 from ...mpi.waits import abandon, completed, wait_until
+from ...plans.checks import AUTO_BASE, AUTO_RATE, agreement_timeout, describe, timeout_problem
 
 __all__ = ["MixerCall", "open_call"]
 

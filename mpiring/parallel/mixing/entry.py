@@ -24,8 +24,8 @@ import numpy as np
 from ...core.mixers.conv import conv_rows, conv_rows_backward
 from ...core.mixers.runs import corrected, reverse_element, run_backward, run_forward
 from ...core.precision import compute_dtype, dtype_problem
-from ...core.threads import limited, node_threads
-from ...mpi.checks import describe, is_real
+from ...core.tuning.threads import limited, node_threads
+from ...plans.checks import describe, is_real, shape_text
 from ...plans.chunks import MixerSpec
 from ...plans.layouts import put_rows, sort_order, take_rows
 from .call import open_call
@@ -33,7 +33,7 @@ from .halo import exchange, home
 from .passing import PASSING
 
 __all__ = ["Refused", "causal_conv", "causal_conv_backward", "linear_attention", "linear_attention_backward", "Carry",
-           "run_entry", "scan_forward", "scan_backward", "arrays_problem", "shape_text", "carry_problem", "made_by"]
+           "run_entry", "scan_forward", "scan_backward", "arrays_problem", "carry_problem", "made_by"]
 
 
 class Carry(NamedTuple):
@@ -44,12 +44,6 @@ class Carry(NamedTuple):
     transitions: list
     entries: list
     made_by: tuple
-
-
-def shape_text(a, axis):
-    """A shape with the sequence axis (which differs between ranks) shown as *."""
-    axis = axis % a.ndim
-    return "(" + ", ".join("*" if i == axis else str(n) for i, n in enumerate(a.shape)) + ")"
 
 
 class Refused(NamedTuple):

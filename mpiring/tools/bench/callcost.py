@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 import mpiring
-from mpiring.core.threads import cores, launcher_local_ranks
+from mpiring.core.tuning.threads import cores, launcher_local_ranks
 from mpiring.mpi.agree import check_call
 
 from ..cli import at_least, command_parser, table_text

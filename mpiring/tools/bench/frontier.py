@@ -11,7 +11,7 @@ backward. Each rank's recorded bytes must equal the model's: the cost model's
 formula for the indexer. ``latent``: per model shape, the ring moves MLA's
 latent (``mla_attention``) and, under the same plan, the per-head K and V
 (``ring_attention`` on the expanded heads); bytes per token moved, measured,
-against ``core.latent``'s formulas. Both exit 1 if a measurement differs.
+against ``core.mla``'s formulas. Both exit 1 if a measurement differs.
 """
 
 import numpy as np
@@ -25,9 +25,9 @@ from mpiring import (
     select_topk,
     shard_indices,
 )
-from mpiring.core.latent import expand, latent_bytes, per_head_bytes
+from mpiring.core.mla import expand, latent_bytes, per_head_bytes
+from mpiring.cost.by_strategy import kv_tokens_sent
 from mpiring.cost.nodes import predicted_bytes
-from mpiring.cost.strategies import kv_tokens_sent
 
 from ..cli import command_parser, table_text
 
@@ -85,7 +85,7 @@ def topk_rows(comm, rows=None, seed=0):
 
 def latent_rows(comm, shapes=None, seed=0):
     """``[(name, {column: bytes per token moved})]`` of ``shapes`` (default ``LATENT_SHAPES``), the ring's, causal,
-    zigzag, float32; and whether they equal ``core.latent``'s formulas (forward K/V; backward K/V and the
+    zigzag, float32; and whether they equal ``core.mla``'s formulas (forward K/V; backward K/V and the
     partials, in float32)."""
     P, rank = comm.Get_size(), comm.Get_rank()
     shapes = LATENT_SHAPES if shapes is None else shapes
@@ -172,4 +172,4 @@ def latent(comm, args=None):
     return _report(comm, args, latent_parser, latent_rows, latent_table, lambda verdict: (
         f"\nbytes sent per token moved, summed over the ranks; the causal ring, zigzag, {TOKENS} tokens per rank, "
         f"float32; backward: K/V again and the partials (dc_kv, dk_rope or dK, dV), the weights' all-reduce left "
-        f"out. Measured {verdict} core.latent's formulas."))
+        f"out. Measured {verdict} core.mla's formulas."))

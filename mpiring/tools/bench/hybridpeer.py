@@ -10,9 +10,7 @@ Falcon-H1's ``mamba2_chunk_scan`` and Jamba's ``mamba_selective_scan``.
 """
 
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -30,16 +28,11 @@ SHAPES = {
 def mixer_times(rows, threads, repeats=3, budget=30.0, timeout=3600):
     """Per row ``(mixer, S)``: ``(forward s, forward+backward s)`` medians of transformers' function (None where it
     failed), from a child process with ``threads`` threads."""
-    from .probes import child_env  # here, not at the top: this file also runs as a script
+    from .probes import child_json  # here, not at the top: this file also runs as a script
 
     job = {"rows": rows, "threads": threads, "repeats": repeats, "budget": budget}
-    env = child_env(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    try:
-        done = subprocess.run([sys.executable, os.path.abspath(__file__)], input=json.dumps(job), env=env,
-                              capture_output=True, text=True, timeout=timeout)
-        return [tuple(r) if r else None for r in json.loads(done.stdout.strip().splitlines()[-1])]
-    except (subprocess.SubprocessError, OSError, ValueError, IndexError):
-        return [None] * len(rows)
+    found = child_json(__file__, job, threads, timeout)
+    return [tuple(r) if r else None for r in found] if found else [None] * len(rows)
 
 
 def _case(mixer, S, torch):

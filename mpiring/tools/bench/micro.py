@@ -15,9 +15,10 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 import mpiring
-from mpiring.core import backends, gemm
+from mpiring.core import backends
 from mpiring.core.kernels import LOG2E
 from mpiring.core.tiles import default_tiles, pad_ones
+from mpiring.core.tuning import gemm
 from mpiring.plans.make import make_plan
 
 from ..cli import add_variant_args, at_least, command_parser, table_text, variant
@@ -250,7 +251,7 @@ def transfer_time(k, v, comm, repeat):
     """Seconds one ring step's K/V transfer takes with nothing computed (median over ``repeat``; all ranks)."""
     from mpi4py import MPI
 
-    from mpiring.mpi.buffers import KVBuffers
+    from mpiring.core.buffers import KVBuffers
     from mpiring.mpi.comm import RingComm
 
     with RingComm(comm) as ring:

@@ -23,21 +23,15 @@ def torch_available():
 
 
 def _job(configs, **extra):
-    return json.dumps({"configs": [[c.S, c.D, c.H, c.B, c.causal, c.backward, c.dtype] for c in configs], **extra})
+    return {"configs": [[c.S, c.D, c.H, c.B, c.causal, c.backward, c.dtype] for c in configs], **extra}
 
 
 def torch_times(configs, threads, repeats=3, budget=30.0, timeout=3600):
     """Median seconds of torch SDPA per benchmark row in ``configs`` (None where it failed), from a child process."""
-    from .probes import child_env
+    from .probes import child_json
 
-    env = child_env(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    try:
-        done = subprocess.run([sys.executable, os.path.abspath(__file__), "--torch-worker"], env=env, text=True,
-                              input=_job(configs, threads=threads, repeats=repeats, budget=budget),
-                              capture_output=True, timeout=timeout)
-        return json.loads(done.stdout.strip().splitlines()[-1])
-    except (subprocess.SubprocessError, OSError, ValueError, IndexError):
-        return [None] * len(configs)
+    job = _job(configs, threads=threads, repeats=repeats, budget=budget)
+    return child_json(__file__, job, threads, timeout, "--torch-worker") or [None] * len(configs)
 
 
 def context_parallel_times(configs, ranks, timeout=600):
@@ -53,8 +47,8 @@ def context_parallel_times(configs, ranks, timeout=600):
     procs = []
     try:  # the job on the command line: every process has it at once (they meet in gloo's rendezvous)
         procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--cp-worker", str(r), str(ranks),
-                                   str(port), _job(configs)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                  env=env, text=True) for r in range(ranks)]
+                                   str(port), json.dumps(_job(configs))], stdout=subprocess.PIPE,
+                                  stderr=subprocess.DEVNULL, env=env, text=True) for r in range(ranks)]
         per_rank = [json.loads(p.communicate(timeout=timeout)[0].strip().splitlines()[-1]) for p in procs]
     except (subprocess.SubprocessError, OSError, ValueError, IndexError) as e:
         for p in procs:

@@ -21,8 +21,8 @@ import time
 import numpy as np
 from threadpoolctl import threadpool_info, threadpool_limits
 
-from mpiring.core import gemm
-from mpiring.core.machine import cpu_model, trim_heap, vector_extensions
+from mpiring.core.tuning import gemm
+from mpiring.core.tuning.machine import cpu_model, trim_heap, vector_extensions
 
 from ..cli import command_parser
 
@@ -56,7 +56,7 @@ def _blas_pools():
 
 def _tile_gemms(rng, n, d, dtype, mm=None):
     """The two forward GEMMs of one (n x n) attention tile with head dim ``d`` as a function to time;
-    ``mm``: a ``mpiring.core.gemm`` product (None: ``np.matmul``)."""
+    ``mm``: a ``mpiring.core.tuning.gemm`` product (None: ``np.matmul``)."""
     q, k = (rng.standard_normal((n, d), dtype=np.float32).astype(dtype) for _ in range(2))
     s, o = np.empty((n, n), dtype), np.empty((n, d), dtype)
     mm = mm or (lambda a, b, out: np.matmul(a, b, out=out))
@@ -109,7 +109,7 @@ def measure_limits(dims, n=1024, repeats=5, dtype=np.float32):
     """One core's rates on an ``n`` x ``n`` tile: ``{d: {"gemm_flops", "exp_per_s", "exp_fn", "peak_flops",
     "gemm_name"}}``.
 
-    The kernels' GEMM backend (``core.gemm``) on a tile's two forward GEMMs per head dim d; the faster of
+    The kernels' GEMM backend (``core.tuning.gemm``) on a tile's two forward GEMMs per head dim d; the faster of
     ``np.exp`` and ``np.exp2`` per score; ``peak_flops``: a square 2048 x 2048 product, the fastest GEMM
     this BLAS runs (no attention kernel can beat it: every score costs 4 d GEMM FLOPs).
     """
@@ -263,6 +263,18 @@ def child_env(**extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPI_"))}
     env.update(extra)
     return env
+
+
+def child_json(script, job, threads, timeout, *argv):
+    """What the file ``script`` prints last (a JSON line), run by this Python outside MPI with ``threads`` threads
+    and ``job`` as JSON on its stdin; None if it failed or printed none."""
+    env = child_env(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    try:
+        done = subprocess.run([sys.executable, os.path.abspath(script), *argv], input=json.dumps(job), env=env,
+                              capture_output=True, text=True, timeout=timeout)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, OSError, ValueError, IndexError):
+        return None
 
 
 # ---------------------------------------------------------------- a controlled background load

@@ -26,8 +26,9 @@ from mpiring import (
     ring_attention,
     ring_attention_backward,
 )
-from mpiring.core import backends, gemm
+from mpiring.core import backends
 from mpiring.core.precision import Precision, named_dtype
+from mpiring.core.tuning import gemm
 from mpiring.cost.costmodel import format_wire_model
 
 from ..cli import at_least, barrier, broadcast, command_parser, objects, on_rank0, with_threads

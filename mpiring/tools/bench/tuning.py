@@ -5,14 +5,14 @@
     python -m mpiring bench tune --show            # the cached choice for this machine, timing nothing
 
 No MPI. Run it on an idle machine (the timings pick the winner); every later
-process on this machine reads the cache (``mpiring.core.machine``).
+process on this machine reads the cache (``mpiring.core.tuning.machine``).
 """
 
 import json
 
-from mpiring.core import gemm
-from mpiring.core.machine import cache_path, cached, machine_key
-from mpiring.core.tune import tune as run_tune
+from mpiring.core.tuning import gemm
+from mpiring.core.tuning.machine import cache_path, cached, machine_key
+from mpiring.core.tuning.tune import tune as run_tune
 
 from ..cli import at_least, command_parser
 

@@ -16,9 +16,9 @@ not from a plan), then what each movement sent, forward (K/V) and backward
 import numpy as np
 
 from mpiring import ring_attention, ring_attention_backward, shard_indices
+from mpiring.core.record import Record
 from mpiring.core.reference import definition_mask
 from mpiring.cost.nodes import predicted_bytes
-from mpiring.mpi.record import Record
 
 from ..cli import command_parser, table_text
 

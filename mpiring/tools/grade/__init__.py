@@ -17,7 +17,7 @@ exchanges), ``cases`` and ``labs`` (one call of the student's function and its c
 import sys
 
 from ..cli import launch_rank
-from .cli import check_options, parser
+from .arguments import check_options, parser
 from .exercises import EXERCISES
 
 __all__ = ["EXERCISES", "check_options", "grade", "grade_class", "grade_needs_mpi", "grade_parser", "main", "parser"]

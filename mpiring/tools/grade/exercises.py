@@ -93,10 +93,6 @@ class Case:
         return (self.h, self.q_rows or self.n, self.d)
 
     @property
-    def kv_shape(self):
-        return (self.kv_heads, self.n, self.d)
-
-    @property
     def message(self):
         """Bytes of one K (or V) shard: n * Hkv * D * itemsize."""
         return self.kv_heads * self.n * self.d * np.dtype(self.dtype).itemsize

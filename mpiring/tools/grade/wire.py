@@ -11,7 +11,7 @@ from mpi4py import MPI
 from ...testing.strictcomm import StrictComm
 from ...testing.timed import Ledger, MPIProxy, Stuck, TimedRequest, request_text, size_text
 from ...testing.timed import instrument as _instrument
-from .cli import DEFAULT_TIMEOUT
+from .arguments import DEFAULT_TIMEOUT
 
 __all__ = ["ACTIVE", "Ledger", "StrictComm", "Stuck", "TimedRequest", "instrument", "request_text", "size_text"]
 

@@ -15,7 +15,7 @@ keyed by what decides the speed (CPU model, NumPy, BLAS, MKL present or not),
 so one file serves the different nodes of a cluster that share a home
 directory. Where it lives: ``MPIRING_TUNE_CACHE`` (a path, or ``off`` to
 ignore any cache), else ``$XDG_CACHE_HOME/mpiring/tune.json``,
-else ``~/.cache/mpiring/tune.json`` (``mpiring.core.machine`` reads it).
+else ``~/.cache/mpiring/tune.json`` (``mpiring.core.tuning.machine`` reads it).
 
 Tiles and GEMM backend change only the order of the sums: results agree to
 rounding whatever the cache says (``tests/test_tune.py``).
@@ -29,8 +29,8 @@ import time
 
 import numpy as np
 
+from ..kernels import attention_block, attention_block_backward
 from . import gemm
-from .kernels import attention_block, attention_block_backward
 from .machine import cache_path, cached, machine_key
 
 __all__ = ["tune", "candidates", "reread"]
@@ -46,7 +46,7 @@ def candidates(dtype):
 
 def _time(fn, repeats):
     """Fastest of ``repeats`` calls, in this process's CPU seconds (one thread: a machine shared with other jobs
-    stretches the wall clock 2-5x, the CPU time much less), after one untimed call."""
+    stretches the wall clock, the CPU time much less), after one untimed call."""
     fn()
     best = float("inf")
     for _ in range(repeats):

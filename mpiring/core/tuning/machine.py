@@ -1,7 +1,7 @@
 """This machine: where Intel MKL's library is, and what ``python -m mpiring bench tune`` cached for this CPU. No MPI.
 
 The tuning cache is read here, below the kernels and GEMMs that use its
-choices (``tiles.default_tiles``, ``gemm.backend``); ``mpiring.core.tune``
+choices (``tiles.default_tiles``, ``gemm.backend``); ``mpiring.core.tuning.tune``
 measures the candidates and writes it. Where it lives: ``MPIRING_TUNE_CACHE``
 (a path, or ``off`` to ignore any cache), else
 ``$XDG_CACHE_HOME/mpiring/tune.json``, else ``~/.cache/mpiring/tune.json``.
@@ -92,7 +92,7 @@ def vector_extensions():
 @functools.cache
 def numpy_exp2_vectorized():
     """Whether NumPy runs float32 ``exp2`` with a SIMD loop here, not its baseline one (NumPy 2's x86 wheels
-    have one for AVX-512 only: on an AVX2 CPU its exp2 runs ~10x slower). NumPy's own report
+    have one for AVX-512 only; docs/performance.md §19). NumPy's own report
     (``numpy.lib.introspect``), else whether the CPU has AVX-512 (NumPy before 2.0)."""
     try:
         from numpy.lib.introspect import opt_func_info
@@ -107,7 +107,7 @@ def numpy_exp2_vectorized():
 def machine_key():
     """What the fastest choice depends on: CPU model, NumPy's version and BLAS, whether MKL is installed.
 
-    The same whatever this process has loaded so far: the MKL that ``core.gemm`` loads (or not, as the cache
+    The same whatever this process has loaded so far: the MKL that ``core.tuning.gemm`` loads (or not, as the cache
     says) is left out of the BLAS list, so the key that found the cache is the key the cache was written under.
     """
     from threadpoolctl import threadpool_info

@@ -53,7 +53,7 @@ def strategy_of(plan):
     try:
         return STRATEGIES[plan.strategy]
     except KeyError:
-        raise ValueError(f"no cost model for strategy {plan.strategy!r}: add its entry to cost.strategies") from None
+        raise ValueError(f"no cost model for strategy {plan.strategy!r}: add its entry to cost.by_strategy") from None
 
 
 def full_shape(*, batch, hq, hk, dim, dim_v, itemsize, backward=False, grad_itemsize=None, wire_dtype=None):

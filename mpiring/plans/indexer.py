@@ -28,7 +28,7 @@ import hashlib
 
 import numpy as np
 
-from .masks import BIG, MaskPiece
+from .visibility import BIG, MaskPiece
 
 __all__ = ["INDEXERS", "Selected", "select", "block_scores", "choose", "dots", "topk_problem"]
 

@@ -1,8 +1,7 @@
 """BLAS threads inside a library call: shared out among the ranks on a node, restored afterwards.
 
 Ranks that share a node's cores and each let BLAS start a thread per core
-oversubscribe them: four ranks on two cores ran the README example 4-6x
-slower than with one BLAS thread per rank. So every call of ``ring_attention``
+oversubscribe them (docs/performance.md §9). So every call of ``ring_attention``
 (and every ``Ring`` call) limits BLAS, for its own duration only, to the
 node's cores divided among its ranks: one thread each when ranks are at least
 as many as cores. ``threads=`` overrides that (an int), or leaves BLAS alone

@@ -16,7 +16,7 @@ its dK/dV partial of a block straight home as soon as that block is done; the
 owner adds them up in the order of the users' ranks.
 
 Under a mask that asks for it (a piece with ``sparse_keys``: the top-k
-selection, ``plans.topk``), only the keys of a block that some query of the
+selection, ``plans.indexer``), only the keys of a block that some query of the
 receiving rank sees travel (``kept``), and only their dK/dV partial comes home.
 
 Each rank receives exactly the blocks it needs, once: the minimum. Never more
@@ -84,12 +84,6 @@ class SparsePlan(Plan):
         """Per rank: K/V tokens it receives (the sum of its needed blocks' lengths, each once)."""
         return [sum(self.tokens(r, j) for j in self.needs[r]) for r in range(self.size)]
 
-    def format_moves(self):
-        """The graph of needed blocks as text: per rank, the blocks it receives and the ranks its own goes to."""
-        lines = [f"rank {r}: receives {', '.join(map(str, self.needs[r])) or '-'}; "
-                 f"sends its block to {', '.join(map(str, self.users[r])) or '-'}" for r in range(self.size)]
-        return "\n".join(lines + [f"(blocks moved: {sum(map(len, self.needs))}, "
-                                  f"of {self.size * (self.size - 1)} an all-gather moves)"])
 
 
 def sparse_plan(base):

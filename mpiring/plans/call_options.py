@@ -10,11 +10,11 @@ reach every rank through the call's agreement.
 
 import numpy as np
 
-from .core.kernels import default_scale
-from .mpi.axes import seq_index
-from .mpi.checks import scale_problem
-from .plans.masks import check_window
-from .plans.spec import FIELDS, SCORE_FIELDS, Spec
+from ..core.kernels import default_scale
+from .axes import seq_index
+from .checks import scale_problem
+from .spec import FIELDS, SCORE_FIELDS, Spec
+from .visibility import check_window
 
 __all__ = ["CALL_OPTIONS", "RUN", "RING_OPTIONS", "options_problem", "foreign_problem", "split"]
 

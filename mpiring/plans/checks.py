@@ -8,13 +8,14 @@ same ValueError on every rank.
 
 import numpy as np
 
-from ..core import backends, gemm
+from ..core import backends
 from ..core.kernels import LSE_LIMIT
 from ..core.precision import compute_dtype, dtype_problem
 from ..core.ranks import ranks_text
-from ..core.scores import FunctionFailed, bias_probe
-from ..plans.content import described, difference, first_difference, leaf_value
-from ..plans.spec import FIELDS, digest, is_real, scale_problem
+from ..core.scores import FunctionFailed, bias_probe, mod_probe
+from ..core.tuning import gemm
+from .content import described, difference, first_difference, leaf_value
+from .spec import FIELDS, digest, is_real, scale_problem
 
 __all__ = ["local_problem", "backend_problem", "is_real", "timeout_problem", "AUTO_AGREE", "AUTO_BASE", "AUTO_RATE",
            "AUTO_ENTRY", "agreement_timeout", "entry_timeout", "resolve_timeout", "size_problem", "Shown", "shape_text",
@@ -164,9 +165,10 @@ class Shown:
         return self.text
 
 
-def shape_text(a):
-    """A shape with the sequence axis, which may differ between ranks, shown as *."""
-    return "(" + ", ".join("*" if i == a.ndim - 2 else str(n) for i, n in enumerate(a.shape)) + ")"
+def shape_text(a, axis=-2):
+    """A shape with the sequence axis (``axis``), which may differ between ranks, shown as *."""
+    axis = axis % a.ndim
+    return "(" + ", ".join("*" if i == axis else str(n) for i, n in enumerate(a.shape)) + ")"
 
 
 def verdict(problems, prefix="rank"):
@@ -229,7 +231,7 @@ def compared(spec, timeout):
     """
     values = dict({name: getattr(spec, name) for name in FIELDS}, timeout=timeout)
     rows = ("positions", "kv_positions")
-    by_content = ("mask", "bias", "sinks")  # by what they are and read (``Spec.field_content``), not pickled
+    by_content = ("mask", "bias", "score_mod", "score_mod_grad", "sinks")  # by what they are and read, not pickled
     return {name: Shown(val is not None, "given" if val is not None else "None") if name in rows
             else Shown(None, " & ".join(map(repr, val)) or "()" if name == "mask" else described(val),
                        spec.field_content(name)) if name in by_content
@@ -338,6 +340,9 @@ def pairs_problem(plan, spec, rank, heads, finite=False):
                 row[source]
         if spec.bias is not None:
             bias_probe(spec.bias, heads, plan.shards[rank], plan.seq_len, finite)
+        for name in ("score_mod", "score_mod_grad"):
+            if getattr(spec, name) is not None:
+                mod_probe(getattr(spec, name), name, heads, plan.shards[rank], plan.seq_len, finite)
     except FunctionFailed as exc:
         return str(exc)
     return None

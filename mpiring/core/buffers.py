@@ -1,4 +1,4 @@
-"""Where blocks arrive: receive slots kept between calls, and arrays as MPI takes them. No MPI here.
+"""Where blocks arrive: receive slots kept between calls, and arrays as MPI takes them. No MPI.
 
 The ring's K/V slots in the form the kernel backend in use takes (``KVBuffers``:
 the NumPy kernel's [x | 1]^T; ``PlainBuffers``: (..., n, d) as given, torch's;
@@ -9,8 +9,8 @@ the bytes a message carries (``payload_bytes``).
 
 import numpy as np
 
-from ..core import backends
-from ..core.tiles import scratch, transpose_into
+from . import backends
+from .tiles import scratch, transpose_into
 
 __all__ = ["Buffers", "KVBuffers", "PlainBuffers", "CodedBuffers", "kv_slots", "kernel_form", "next_buffers",
            "flat_blocks", "mpi_view", "payload_bytes"]

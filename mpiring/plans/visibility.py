@@ -357,7 +357,7 @@ def check_mask(mask, seq_len=None):
         found = (found,)
     bad = [m for m in found if not isinstance(m, MaskPiece)]
     if bad:
-        raise ValueError(f"mask must be mask pieces (mpiring.plans.masks.MaskPiece: Causal, Window, Documents, "
+        raise ValueError(f"mask must be mask pieces (mpiring.plans.visibility.MaskPiece: Causal, Window, Documents, "
                          f"or a class of your own), got {bad[0]!r}")
     problem = next(filter(None, (piece.problem(seq_len) for piece in found)), None) if seq_len is not None else None
     if problem:

@@ -27,12 +27,8 @@ kernel's [x | 1]^T form costs one contiguous copy (``_tensors``).
 The op allocates its outputs on every call (it has no ``out=``), and glibc
 keeps what torch frees: its mmap threshold rises to the size of the freed
 outputs, so the next calls take their memory from the heap, which grew by
-tens of MB a warm call. Each block ends with ``malloc_trim``: P = 2, S =
-16384, the bench's peak RSS over its memory model went from 1.50 / 1.54 /
-1.59 / 1.36 to 1.30 / 1.39 / 1.17 / 1.19 (forward full / causal,
-forward+backward full / causal), at about 1 ms a trim and 2 % of the causal
-forward+backward in page faults; a trim once a call instead cost nothing
-measurable but kept RSS/model at 1.40 / 1.55 / 1.46 / 1.34 (docs/performance.md §17).
+tens of MB a warm call. Each block ends with ``malloc_trim``, which keeps the
+peak RSS closer to the memory model than one trim per call (docs/performance.md §17).
 """
 
 import functools
@@ -41,10 +37,8 @@ import warnings
 
 import numpy as np
 
-from .kernels import EXACT_ABOVE, LOG2E, LSE_LIMIT, merge
-from .machine import trim_heap
-from .threads import blas_threads
-from .tiles import (
+from ..kernels import EXACT_ABOVE, LOG2E, LSE_LIMIT, merge
+from ..tiles import (
     Progress,
     Shapes,
     as_view,
@@ -55,14 +49,16 @@ from .tiles import (
     tile_max_norm,
     tile_max_norm_t,
 )
+from .machine import trim_heap
+from .threads import blas_threads
 
 __all__ = ["installed", "available", "supports", "delta_matches", "forward", "backward", "CALL_SCORES"]
 
 # Score entries (heads x rows x keys) per call of the op. A helper thread polls the rank's messages
-# while a call runs (``tiles.Progress.during``), so calls can be long: 2^28 entries, about 1 s of one
-# core, 4096 query rows of a 8-head x 8192-key block (whole blocks were 2 % faster than 1024-row calls,
-# 6 % than 512, docs/performance.md §14). A call with an additive mask, or without that helper (an MPI
-# below MPI_THREAD_SERIALIZED), takes 2^25: the mask's memory, and polls between calls.
+# while a call runs (``tiles.Progress.during``), so calls can be long: 2^28 entries, 4096 query rows of a
+# 8-head x 8192-key block (longer calls are faster, docs/performance.md §14). A call with an additive mask,
+# or without that helper (an MPI below MPI_THREAD_SERIALIZED), takes 2^25: the mask's memory, and polls
+# between calls.
 CALL_SCORES = 1 << 28
 SHORT_CALL_SCORES = 1 << 25
 
@@ -191,17 +187,16 @@ def _tensors(torch, sh):
     """q (B, g, Sq, D) and k, v (B, 1, Sk, D) as tensors sharing the arrays' memory (contiguous k, v)."""
     if hasattr(sh, "k"):
         k, v = sh.k, sh.v
-    else:  # [x | 1]^T blocks (``padded=True``): one contiguous copy each (the op is 10x slower on transposed keys)
+    else:  # [x | 1]^T blocks (``padded=True``): one contiguous copy each (the op is slow on transposed keys, §14)
         k, v = scratch("torch.k", (sh.b, sh.sk, sh.d), sh.dtype), scratch("torch.v", (sh.b, sh.sk, sh.dv), sh.dtype)
-        np.copyto(k, np.swapaxes(sh.kt[:, :sh.d], -1, -2))  # in kept buffers: ~0.6 % of a 8 x 8192^2 block
+        np.copyto(k, np.swapaxes(sh.kt[:, :sh.d], -1, -2))  # in kept buffers (docs/performance.md §14)
         np.copyto(v, np.swapaxes(sh.vt[:, :sh.dv], -1, -2))
     return _tensor(torch, sh.q), _tensor(torch, k)[:, None], _tensor(torch, v)[:, None]
 
 
 def _tensor(torch, x):
     """``x`` as a tensor sharing its memory: rows of a larger array (a zigzag half) as they are, strided (the ops
-    take any stride but the last's; a contiguous copy of each piece's q, dout and out was ~1 % of a causal P = 2
-    forward+backward)."""
+    take any stride but the last's; no copy per piece, docs/performance.md §22)."""
     if x.strides[-1] != x.itemsize or min(x.strides) < 0:
         x = np.ascontiguousarray(x)
     with warnings.catch_warnings():  # read-only inputs: the ops only read them

@@ -16,7 +16,7 @@ __all__ = ["KVStore", "QUANTIZE", "TILE", "ERROR_BOUND", "quantize"]
 QUANTIZE = (None, "float16", "int8")
 TILE = 4096  # cached tokens dequantized at a time by ``attend``
 # largest error of a decode step against the float64 reference that the tests and ``generate`` accept, for
-# standard-normal q, k, v (measured at head dim 64: about 2e-4 for float16, 7e-3 for int8; docs/inference.md)
+# standard-normal q, k, v (the errors measured: docs/inference.md)
 ERROR_BOUND = {"float16": 1e-3, "int8": 2.5e-2}
 
 

@@ -16,16 +16,13 @@ installed and the CPU is Intel's, else NumPy's):
 - ``numpy``: ``np.matmul`` (OpenBLAS in NumPy's wheels). Always there.
 - ``mkl``: ``cblas_?gemm_batch_strided`` of Intel MKL's ``libmkl_rt``
   (``pip install mpiring[mkl]``), called through ctypes, sequential: one
-  thread per rank. On the Xeon this was measured on, its GEMMs with the head
-  dim as inner size run 1.2-1.35x OpenBLAS's (docs/performance.md §10).
-  Used only while BLAS runs one thread per process (``mpiring.core.threads``);
+  thread per rank. Faster than OpenBLAS on an Intel Xeon (docs/performance.md §10).
+  Used only while BLAS runs one thread per process (``mpiring.core.tuning.threads``);
   other thread counts take NumPy's path.
 
-The untuned rule, measured on both CPU families: MKL's kernel was 1.2-1.35x
-OpenBLAS's on an Intel Xeon (docs/performance.md §10), and slower on both AMD
-EPYCs measured (Zen 4: 1.397 against 1.317 s in ``tune``, §14; an AVX2 EPYC:
-28.1 against 34.4 GFLOP/s), so on any CPU but Intel's "auto" without a cache
-keeps NumPy's and MKL's library is never loaded.
+The untuned rule: MKL's kernel was faster than OpenBLAS's on an Intel Xeon and
+slower on both AMD EPYCs measured (docs/performance.md §10, §14, §17), so on any
+CPU but Intel's "auto" without a cache keeps NumPy's and MKL's library is never loaded.
 
 Whatever the backend, float32 and float64 give the same results up to the
 order of the sums (rounding); other dtypes and operands MKL cannot take as
@@ -45,9 +42,9 @@ import functools
 
 import numpy as np
 
+from ..tiles import scratch
 from .machine import Choice, cpu_vendor, mkl_library
 from .threads import blas_threads
-from .tiles import scratch
 
 __all__ = ["gemm", "product", "backend", "set_backend", "using", "available", "mkl_library", "BACKENDS"]
 

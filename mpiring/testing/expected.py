@@ -3,15 +3,15 @@
 ``reference`` / ``reference_backward``: attention and its gradients with the mask written directly
 from the definitions (causal, sliding window, packed documents), grouped-query heads and arbitrary
 query/key positions (a rank's shard against the whole sequence): the package's one plain reference
-(``mpiring.core.reference``), independent of ``mpiring.plans.masks``, the plan and the tiled
+(``mpiring.core.reference``), independent of ``mpiring.plans.visibility``, the plan and the tiled
 kernels, so it can check them.
 """
 
 import numpy as np
 
-from ..core.latent import expand
+from ..core.mla import expand
 from ..core.reference import definition_mask, dense_attention, dense_attention_backward, scored_attention
-from ..core.threads import limited, node_threads
+from ..core.tuning.threads import limited, node_threads
 from ..plans.spec import spec_problem
 
 __all__ = ["TOLERANCE", "dense_mask", "latent_reference", "latent_reference_backward", "reference",
@@ -127,13 +127,16 @@ def reference_backward(dout, q, k, v, *, spec=None, causal=False, q_positions=No
 
     dP = dout v^T, dS = P * (dP - rowsum(dout * out)), dq = scale dS k, dk = scale dS^T q, dv = P^T dout;
     grouped-query K/V gradients are summed over the query heads that share them
-    (``mpiring.core.reference.dense_attention_backward``). With ``sinks``: ``(dq, dk, dv, dsinks)``.
+    (``mpiring.core.reference.dense_attention_backward``). With ``sinks``: ``(dq, dk, dv, dsinks)``; with a
+    ``TableBias`` bias, d table follows (``(dq, dk, dv[, dsinks], dtable)``, as ``Ring.backward``).
     Options as ``reference``'s.
     """
     spec, masks, scores = _options(spec, dict(options, causal=causal))
+    if spec.backward_problem():
+        raise ValueError(spec.backward_problem())
     if _scored(masks, scores):
         grads = _scored_call(q, k, v, q_positions, k_positions, masks, scores, spec.scale, dout)
-        return grads if spec.sinks is not None else grads[:3]
+        return grads[:3] + grads[3:4] * (spec.sinks is not None) + grads[4:]
     rows = _prepare(q, k, v, q_positions, k_positions, masks)
     with limited(node_threads()):
         return dense_attention_backward(dout, q, k, v, spec.scale, rows)
@@ -146,11 +149,12 @@ def _options(spec, options):
         raise ValueError(problem)
     masks = dict(causal=spec.causal, window=spec.window, cu_seqlens=spec.cu_seqlens, causal_block=spec.causal_block,
                  mask=spec.mask)
-    return spec, masks, {name: getattr(spec, name) for name in ("softcap", "bias", "sinks", "dropout", "seed")}
+    return spec, masks, {name: getattr(spec, name)
+                         for name in ("softcap", "bias", "score_mod", "score_mod_grad", "sinks", "dropout", "seed")}
 
 
 def latent_reference(q, c_kv, k_rope, w_uk, w_uv, **options):
-    """MLA in float64 (``mpiring.mla_attention``): the latent expanded per head (``core.latent.expand``), then
+    """MLA in float64 (``mpiring.mla_attention``): the latent expanded per head (``core.mla.expand``), then
     ``reference`` with its options."""
     k, v = expand(c_kv, k_rope, w_uk, w_uv, np.float64)
     return reference(np.asarray(q, np.float64), k, v, **options)
@@ -171,7 +175,8 @@ def latent_reference_backward(dout, q, c_kv, k_rope, w_uk, w_uv, **options):
 
 def _scored(options, scores):
     """Whether the dense scored reference is needed: a score modifier, or a mask that differs per batch entry."""
-    modified = any(scores[name] is not None for name in ("softcap", "bias", "sinks")) or bool(scores["dropout"])
+    modified = any(scores[name] is not None for name in ("softcap", "bias", "score_mod", "sinks"))
+    modified = modified or bool(scores["dropout"])
     return modified or any(p.batched for p in options["mask"])
 
 
