@@ -367,6 +367,38 @@ def test_delta_is_checked_once_per_backward_call(comm, monkeypatch):
             np.testing.assert_array_equal(a, b)
 
 
+@needs_torch
+def test_torch_ops_take_row_slices_without_copies():
+    """A piece's rows of a rank's array go to the ops as a view of its memory; an array whose last axis is not
+    contiguous is copied."""
+    torch = torch_kernel._torch()
+    x = np.arange(2 * 3 * 10 * 4, dtype=np.float32).reshape(2, 3, 10, 4)
+    rows = x[:, :, 2:7]
+    t = torch_kernel._tensor(torch, rows)
+    assert t.data_ptr() == rows.__array_interface__["data"][0] and np.array_equal(t.numpy(), rows)
+    cols = x[..., ::2]
+    t = torch_kernel._tensor(torch, cols)
+    assert t.is_contiguous() and np.array_equal(t.numpy(), cols)
+
+
+@needs_torch
+@pytest.mark.parametrize("kind", ["full", "offset causal", "window"])
+def test_torch_backward_overwrites_its_buffers(kind):
+    """The torch backend's backward writes every gradient into the kept buffers it is given, whether one op call
+    or several compute the piece: buffers holding NaN give the bits of a call without buffers."""
+    sq, sk = 24, 40
+    rng = np.random.default_rng(5)
+    q, k, v, dout = (rng.standard_normal((1, 2, n, 8)).astype(np.float32) for n in (sq, sk, sk, sq))
+    klo, khi = _mask(kind, sq, sk)
+    out, lse = torch_kernel.forward(q, k, v, None, klo, khi)
+    plain = torch_kernel.backward(dout, q, k, v, out, lse, None, klo, khi)
+    buffers = [np.full(a.shape, np.nan, np.float32) for a in (q, k, v)]
+    kept = torch_kernel.backward(dout, q, k, v, out, lse, None, klo, khi, buffers=buffers)
+    for got, want, buf in zip(kept, plain, buffers):
+        assert np.shares_memory(got, buf)
+        np.testing.assert_array_equal(got, want)
+
+
 def test_rowsum_mark_survives_views_only():
     """``block.Rowsum``: slices and reshapes of a marked delta keep the mark (``queries`` then skips the check),
     values computed from it do not (delta - dlse is checked again)."""
