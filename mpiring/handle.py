@@ -21,7 +21,7 @@ import contextvars
 
 import numpy as np
 
-from .core.block import GRAD_DTYPE
+from .core.block import GRAD_DTYPE, Rowsum
 from .core.kernels import default_scale
 from .core.lse import Lse, mismatch
 from .core.precision import Precision
@@ -363,11 +363,14 @@ class Ring:
         delta = np.einsum("...d,...d->...", dout, out, dtype=GRAD_DTYPE)  # no float64 copies of dout and out
         if len(lses) > 1:  # d lse / d score = p: the dlse term joins delta (ds = p * (dp - delta + dlse))
             delta -= lses[1]
+        computed = delta.astype(q.dtype)
+        if len(lses) == 1 and np.isfinite(delta).all():  # the rowsum of finite dout, out: no block checks it again
+            computed = computed.view(Rowsum)
         record = Record(self.rank) if record is None else record
         score = Score.of(self.spec, scale, finite=self.check_finite, backward=True)
         call = Call(self.plan, self._rings, score, record, timeout, precision)
         with self._running():
-            grads = run_backward((dout, q, k, v, out, lses[0], delta.astype(q.dtype)), call)
+            grads = run_backward((dout, q, k, v, out, lses[0], computed), call)
             dsinks = sink_gradients(self.spec, lses[0], delta, self._rings[0].comm, timeout)
             dtable = table_gradients(score, self._rings[0].comm, timeout)
         grads = [self.plan.in_caller_order(self.rank, g.astype(precision.input, copy=False), kv=i > 0)

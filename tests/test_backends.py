@@ -341,9 +341,9 @@ def test_auto_ring_gives_torch_the_blocks_of_many_rows(comm, monkeypatch, vector
 @pytest.mark.mpi
 @needs_torch
 def test_delta_is_checked_once_per_backward_call(comm, monkeypatch):
-    """On the torch backend a backward call checks that delta is rowsum(dout * out) once, not once per block or
-    key chunk; with a ``dlse`` (delta - dlse) every block goes to the NumPy kernel: the bits of the NumPy
-    backend's call."""
+    """On the torch backend a backward call whose delta the call computed itself as rowsum(dout * out)
+    (``block.Rowsum``) does not check it; with a ``dlse`` (delta - dlse) it checks once, not once per block or
+    key chunk, and every block goes to the NumPy kernel: the bits of the NumPy backend's call."""
     P, S = comm.size, 12 * comm.size + 1
     rng = np.random.default_rng(3)
     Q, K, V, dOut = (rng.standard_normal((1, 2, S, 8)) for _ in range(4))
@@ -358,13 +358,58 @@ def test_delta_is_checked_once_per_backward_call(comm, monkeypatch):
         out, lse = ring.forward(q, k, v)
         before = backends.calls["torch"]
         ring.backward(dout, q, k, v, out, lse)
-        assert len(checks) == 1 and backends.calls["torch"] - before >= P  # every block (and chunk) on torch
+        assert not checks and backends.calls["torch"] - before >= P  # every block (and chunk) on torch
         before = backends.calls["torch"]
         with_dlse = ring.backward(dout, q, k, v, out, lse, dlse=g)
-        assert backends.calls["torch"] == before
+        assert len(checks) == 1 and backends.calls["torch"] == before
     with Ring(comm, S, causal=True, layout="zigzag") as ring, backends.using("numpy"):
         for a, b in zip(with_dlse, ring.backward(dout, q, k, v, out, lse, dlse=g)):
             np.testing.assert_array_equal(a, b)
+
+
+@needs_torch
+def test_torch_ops_take_row_slices_without_copies():
+    """A piece's rows of a rank's array go to the ops as a view of its memory; an array whose last axis is not
+    contiguous is copied."""
+    torch = torch_kernel._torch()
+    x = np.arange(2 * 3 * 10 * 4, dtype=np.float32).reshape(2, 3, 10, 4)
+    rows = x[:, :, 2:7]
+    t = torch_kernel._tensor(torch, rows)
+    assert t.data_ptr() == rows.__array_interface__["data"][0] and np.array_equal(t.numpy(), rows)
+    cols = x[..., ::2]
+    t = torch_kernel._tensor(torch, cols)
+    assert t.is_contiguous() and np.array_equal(t.numpy(), cols)
+
+
+@needs_torch
+@pytest.mark.parametrize("kind", ["full", "offset causal", "window"])
+def test_torch_backward_overwrites_its_buffers(kind):
+    """The torch backend's backward writes every gradient into the kept buffers it is given, whether one op call
+    or several compute the piece: buffers holding NaN give the bits of a call without buffers."""
+    sq, sk = 24, 40
+    rng = np.random.default_rng(5)
+    q, k, v, dout = (rng.standard_normal((1, 2, n, 8)).astype(np.float32) for n in (sq, sk, sk, sq))
+    klo, khi = _mask(kind, sq, sk)
+    out, lse = torch_kernel.forward(q, k, v, None, klo, khi)
+    plain = torch_kernel.backward(dout, q, k, v, out, lse, None, klo, khi)
+    buffers = [np.full(a.shape, np.nan, np.float32) for a in (q, k, v)]
+    kept = torch_kernel.backward(dout, q, k, v, out, lse, None, klo, khi, buffers=buffers)
+    for got, want, buf in zip(kept, plain, buffers):
+        assert np.shares_memory(got, buf)
+        np.testing.assert_array_equal(got, want)
+
+
+def test_rowsum_mark_survives_views_only():
+    """``block.Rowsum``: slices and reshapes of a marked delta keep the mark (``queries`` then skips the check),
+    values computed from it do not (delta - dlse is checked again)."""
+    from mpiring.core.block import Rowsum, queries
+
+    delta = np.arange(24.0).reshape(2, 12).view(Rowsum)
+    assert isinstance(delta[..., 3:7], Rowsum) and isinstance(delta.reshape(24), Rowsum)
+    assert not isinstance(delta - 1.0, Rowsum) and not isinstance(np.exp(delta), Rowsum)
+    assert not isinstance(delta.sum(), Rowsum)
+    dout = out = np.zeros((2, 12, 4))
+    assert queries(dout, dout, out, delta[:, 0], delta).rowsum is True
 
 
 def test_progress_polls_while_a_long_call_runs():

@@ -15,8 +15,8 @@ from .mla import Expanded
 from .scores import attend_general, count_allowed, grads_general
 from .tiles import filled, kernel_dtype, scratch
 
-__all__ = ["GRAD_DTYPE", "KEPT_OUT", "Queries", "queries", "accumulators", "count_pairs", "attend", "block_grads",
-           "add_grads", "grads_of"]
+__all__ = ["GRAD_DTYPE", "KEPT_OUT", "Rowsum", "Queries", "queries", "accumulators", "count_pairs", "attend",
+           "block_grads", "add_grads", "grads_of"]
 
 GRAD_DTYPE = np.dtype(np.float64)  # each rank's own gradients (dq, its block's dk, dv) are summed in this
 KEPT_OUT = "ring.out"  # the kept buffer of the forward's running out; the backward sums dq in it
@@ -80,6 +80,15 @@ def attend(q, kv, task, pieces, score, acc, record, progress, step=None, padded=
     record.tasks.append((step, task))
 
 
+class Rowsum(np.ndarray):
+    """A backward's delta that its caller computed as rowsum(dout * out) of the call's own dout and out, all
+    finite (``queries`` then skips checking it). Views and slices keep the mark, computed values drop it."""
+
+    def __array_wrap__(self, array, context=None, return_scalar=False):
+        array = array.view(np.ndarray)
+        return array[()] if return_scalar else array
+
+
 class Queries(NamedTuple):
     """A rank's arrays that stay home in a backward pass, and whether ``delta`` is rowsum(dout * out) for them
     (None: not asked, each block's kernel backend checks its rows)."""
@@ -93,7 +102,10 @@ class Queries(NamedTuple):
 
 def queries(dout, q, out, lse, delta):
     """``Queries`` of a backward call, delta checked once for all its blocks where torch's op may take them
-    (the op computes rowsum(dout * out) itself; a check per block costs more, docs/performance.md §21)."""
+    (the op computes rowsum(dout * out) itself; a check per block costs more, docs/performance.md §21). A
+    ``Rowsum`` delta, computed by the call itself, is not checked (§22)."""
+    if isinstance(delta, Rowsum):
+        return Queries(dout, q, out, lse, delta.view(np.ndarray), True)
     return Queries(dout, q, out, lse, delta, delta_is_rowsum(dout, q, out, delta))
 
 

@@ -191,10 +191,17 @@ def _tensors(torch, sh):
         k, v = scratch("torch.k", (sh.b, sh.sk, sh.d), sh.dtype), scratch("torch.v", (sh.b, sh.sk, sh.dv), sh.dtype)
         np.copyto(k, np.swapaxes(sh.kt[:, :sh.d], -1, -2))  # in kept buffers (docs/performance.md §14)
         np.copyto(v, np.swapaxes(sh.vt[:, :sh.dv], -1, -2))
+    return _tensor(torch, sh.q), _tensor(torch, k)[:, None], _tensor(torch, v)[:, None]
+
+
+def _tensor(torch, x):
+    """``x`` as a tensor sharing its memory: rows of a larger array (a zigzag half) as they are, strided (the ops
+    take any stride but the last's; no copy per piece, docs/performance.md §22)."""
+    if x.strides[-1] != x.itemsize or min(x.strides) < 0:
+        x = np.ascontiguousarray(x)
     with warnings.catch_warnings():  # read-only inputs: the ops only read them
         warnings.filterwarnings("ignore", "The given NumPy array is not writable")
-        return (torch.from_numpy(np.ascontiguousarray(sh.q)), torch.from_numpy(k)[:, None],
-                torch.from_numpy(v)[:, None])
+        return torch.from_numpy(x)
 
 
 def _additive(torch, mask, dtype):
@@ -245,13 +252,11 @@ def backward(dout, q, k, v, out, lse, scale=None, klo=None, khi=None, *, progres
     lo, hi = mask_arrays(klo, khi, sq, sk)
     shapes = ((b, g, sq, d), (b, sk, d), (b, sk, dv))
     if buffers is None:
-        grads = tuple(np.zeros(s, dt) for s in shapes)
+        grads = tuple(np.empty(s, dt) for s in shapes)
     else:
         grads = tuple(as_view(x, s) for x, s in zip(buffers, shapes))
         if any(x.dtype != dt for x in grads):
             raise ValueError(f"buffers must be in the compute dtype {dt}")
-        for x in grads:
-            x.fill(0)
     do4 = np.asarray(dout).reshape(b, g, sq, dv).astype(dt, copy=False)
     o4 = np.asarray(out).reshape(b, g, sq, dv).astype(dt, copy=False)
     l3 = np.asarray(lse).reshape(b, g, sq).astype(dt)  # a copy: rows that see no key get +inf (p = 0)
@@ -261,18 +266,26 @@ def backward(dout, q, k, v, out, lse, scale=None, klo=None, khi=None, *, progres
         do4 = np.where(dead[..., None], 0, do4).astype(dt)
         o4 = np.where(dead[..., None], 0, o4).astype(dt)
     tq, tk, tv = _tensors(torch, sh)
-    tdo, to, tl = (torch.from_numpy(np.ascontiguousarray(x)) for x in (do4, o4, l3))
+    tdo, to, tl = (_tensor(torch, x) for x in (do4, o4, l3))
     dq, dk, dvv = grads
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
     tick = Progress(progress)
+    calls = list(_calls(lo, hi, sq, sk, _rows_per_call(sh, lo, hi, tick.threaded)))
+    whole = len(calls) == 1 and calls[0][:4] == (0, sq, 0, sk)  # one call gives every gradient: written once
+    if not whole:
+        for x in grads:
+            x.fill(0)
     with torch.no_grad():
-        for a, e, c, d_, causal, mask, _ in _calls(lo, hi, sq, sk, _rows_per_call(sh, lo, hi, tick.threaded)):
+        for a, e, c, d_, causal, mask, _ in calls:
             attn = None if mask is None else _additive(torch, mask, dt)
             gq, gk, gv = tick.during(lambda: op(tdo[:, :, a:e], tq[:, :, a:e], tk[:, :, c:d_],  # noqa: B023
                                                 tv[:, :, c:d_], to[:, :, a:e], tl[:, :, a:e], 0.0,  # noqa: B023
                                                 causal, attn_mask=attn, scale=scale))  # noqa: B023
-            dq[:, :, a:e] += gq.numpy()
-            dk[:, c:d_] += gk.numpy()[:, 0]
-            dvv[:, c:d_] += gv.numpy()[:, 0]
+            for total, part in ((dq[:, :, a:e], gq.numpy()), (dk[:, c:d_], gk.numpy()[:, 0]),
+                                (dvv[:, c:d_], gv.numpy()[:, 0])):
+                if whole:
+                    np.copyto(total, part)
+                else:
+                    total += part
     trim_heap()
     return dq.reshape(sh.lead + dq.shape[-2:]), dk.reshape(sh.k_shape), dvv.reshape(sh.v_shape)
