@@ -25,7 +25,7 @@ from mpiring.plans.visibility import count_visible
 from .calibrate import calibrate
 from .cli import add_variant_args, at_least, balance_table, command_parser, held_positions, mode_text, variant
 
-__all__ = ["schedule", "schedule_parser", "cost", "cost_parser", "compute_table", "held_text", "sparsity_text",
+__all__ = ["schedule", "schedule_parser", "cost", "cost_parser", "compute_table", "head_table", "held_text", "sparsity_text",
            "moves_text"]
 
 
@@ -42,7 +42,30 @@ def compute_table(plan, records=None):
     for r, blocks in enumerate(blocks_per_rank):
         lines.append(f"{r:>4}  {blocks:>15}  {visible[r]:>13}  {computed[r]:>14}")
     lines.append(f"max/mean visible pairs: {max(visible) / (sum(visible) / plan.size):.3f}")
+    if records is None and plan.head_pairs is not None:
+        lines.append(head_table(plan.head_pairs, plan.visible_pairs()))
     return "\n".join(lines)
+
+
+def head_table(head_pairs, union):
+    """Per rank, the visible pairs of each (batch entry, head) against the union the kernel visits
+    (``plan.head_pairs``, ``plan.visible_pairs()``); used: the share of the visited pairs a head needs."""
+    head_pairs, union = np.asarray(head_pairs), np.asarray(union, np.int64)
+    per = head_pairs.reshape(len(head_pairs), -1)
+    lines = [f"per (batch entry, head): {head_pairs.shape[1]} x {head_pairs.shape[2]}",
+             "rank  union pairs  head pairs min     mean      max  used (mean / union)"]
+    for r, (u, h) in enumerate(zip(union, per)):
+        lines.append(f"{r:>4}  {u:>11}  {h.min():>14}  {h.mean():>7.1f}  {h.max():>7}  {_share(h.mean(), u):>19}")
+    lines.append(f"all   {union.sum():>11}  {'':>14}  {per.sum(0).mean():>7.1f}  {'':>7}  "
+                 f"{_share(per.sum(0).mean(), union.sum()):>19}")
+    lines.append("used by head (over ranks and batch entries): " + " ".join(
+        f"{h}:{_share(head_pairs[:, :, h].sum(), head_pairs.shape[1] * union.sum())}"
+        for h in range(head_pairs.shape[2])))
+    return "\n".join(lines)
+
+
+def _share(part, whole):
+    return f"{part / whole:.3f}" if whole else "-"
 
 
 def schedule_parser():
