@@ -35,7 +35,8 @@ from .modifiers import TableBias, mod_values, tile_indices
 from .tiles import kernel_dtype
 
 __all__ = ["Score", "attend_general", "grads_general", "alibi_slopes", "alibi", "with_sinks", "sink_grads",
-           "dropout_keep", "count_allowed", "allowed_rows", "FunctionFailed", "evaluated", "bias_probe", "mod_probe", "finite_bias"]
+           "dropout_keep", "count_allowed", "allowed_rows", "FunctionFailed", "evaluated", "bias_probe", "mod_probe",
+           "finite_bias"]
 
 TILE_Q, TILE_K = 128, 512
 

@@ -25,8 +25,8 @@ from mpiring.plans.visibility import count_visible
 from .calibrate import calibrate
 from .cli import add_variant_args, at_least, balance_table, command_parser, held_positions, mode_text, variant
 
-__all__ = ["schedule", "schedule_parser", "cost", "cost_parser", "compute_table", "head_table", "held_text", "sparsity_text",
-           "moves_text"]
+__all__ = ["schedule", "schedule_parser", "cost", "cost_parser", "compute_table", "head_table", "held_text",
+           "sparsity_text", "moves_text"]
 
 
 def compute_table(plan, records=None):
