@@ -59,18 +59,22 @@ def test_an_off_by_one_in_the_rule_is_seen():
     assert np.any(plan.head_pairs != per_head)
 
 
-def test_combined_pieces_and_small_chunks(monkeypatch):
-    """A headed piece with padding (batched) and a window, counted a few rows at a time, as in one chunk."""
+@pytest.mark.parametrize("extra", ["padding", "prefix"])
+def test_combined_pieces_and_small_chunks(monkeypatch, extra):
+    """A headed piece with padding (batched) or a prefix (rows that see no key), and a window, counted a few rows
+    at a time and in one chunk."""
     sq = sk = 29
     rule, _ = rules(sq, sk)["per-head tiles, causal"]
     fn = numpy_fn(rule)
+    q, k = np.arange(sq)[:, None], np.arange(sk)[None, :]
     lengths = np.array([21, 29])
-    mask = masks.function(fn, batch=B, heads=H) & masks.padding(lengths)
+    piece, allowed = {"padding": (masks.padding(lengths), k < lengths[:, None, None, None]),
+                      "prefix": (masks.prefix(11), (q < 11) & (k < 11))}[extra]
+    mask = masks.function(fn, batch=B, heads=H) & piece
     whole = make_plan(sk, 3, layout="zigzag", window=(6, 2), mask=mask).head_pairs
     monkeypatch.setattr(scores, "_CHUNK", 3 * B * H)
     chunked = make_plan(sk, 3, layout="zigzag", window=(6, 2), mask=mask).head_pairs
-    q, k = np.arange(sq)[:, None], np.arange(sk)[None, :]
-    allowed = _dense(fn, False, sq, sk) & (k < lengths[:, None, None, None]) & (k >= q - 6) & (k <= q + 2)
+    allowed = _dense(fn, False, sq, sk) & allowed & (k >= q - 6) & (k <= q + 2)
     per_head, _ = _brute(allowed, [shard_indices(sq, 3, r, "zigzag") for r in range(3)])
     np.testing.assert_array_equal(whole, per_head)
     np.testing.assert_array_equal(chunked, per_head)

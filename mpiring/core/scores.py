@@ -150,14 +150,18 @@ def count_allowed(mask, q_pos, k_pos, klo, khi):
 
 def allowed_rows(mask, q_pos, k_pos, klo, khi):
     """Yield ``(a, b, ok)``: whether ``mask.allows`` query rows a:b to see the keys ``c:d`` of the sorted
-    ``k_pos`` that some envelope ``klo:khi`` holds (False outside a row's own), its batch and head axes first
-    (as ``allows`` returns them); a chunk of rows at a time, never the whole (query, key) matrix."""
+    ``k_pos`` that some of their envelopes ``klo:khi`` hold (False outside a row's own), its batch and head axes
+    first (as ``allows`` returns them); a chunk of rows at a time, never the whole (query, key) matrix. Chunks
+    whose envelopes hold no key are left out."""
     c, d = (int(klo.min()), int(khi.max())) if len(q_pos) else (0, 0)
     if d <= c:
         return
     step = max(1, _CHUNK // max(1, (d - c) * math.prod(mask.counts() or (1,))))  # per batch entry and head
     for a in range(0, len(q_pos), step):
         b = min(a + step, len(q_pos))
+        c, d = int(klo[a:b].min()), int(khi[a:b].max())  # the keys these rows' envelopes hold
+        if d <= c:
+            continue
         ok = evaluated(f"the mask {mask!r}", q_pos[a:b], k_pos[c:d], mask.allows, q_pos[a:b, None], k_pos[None, c:d])
         yield a, b, ok & (np.arange(c, d) >= klo[a:b, None]) & (np.arange(c, d) < khi[a:b, None])
 
