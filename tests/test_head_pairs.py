@@ -85,14 +85,16 @@ def test_no_headed_piece_no_head_pairs(mask):
     assert make_plan(30, 3, layout="zigzag", causal=True, mask=mask).head_pairs is None
 
 
-def test_the_schedule_report_shows_each_heads_share():
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_the_schedule_report_shows_each_heads_share(mode):
+    """Per rank's query tokens, as the ring modes work on them (Ulysses' ranks each do the whole sequence)."""
     sq = sk = 37
     rule, options = rules(sq, sk)["per-head tiles, causal"]
     fn = numpy_fn(rule)
-    plan = make_plan(sk, 3, layout="zigzag", mask=masks.function(fn, batch=B, heads=H), **options)
+    plan = make_plan(sk, 3, layout="zigzag", mode=mode, mask=masks.function(fn, batch=B, heads=H), **options)
     per_head, union = _brute(_dense(fn, True, sq, sk), [shard_indices(sq, 3, r, "zigzag") for r in range(3)])
     text = compute_table(plan)
-    assert head_table(plan.head_pairs, plan.visible_pairs()) in text
+    assert head_table(plan.head_pairs, union) in text
     rows = {line.split()[0]: line.split() for line in text.splitlines()[-6:]}
     for r in range(3):
         assert rows[str(r)][1:] == [str(union[r]), str(per_head[r].min()), f"{per_head[r].mean():.1f}",

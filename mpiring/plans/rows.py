@@ -155,9 +155,10 @@ def visible_per_rank(seq_len, size, q_owner, mask):
 
 def head_pairs(plan):
     """``plan.head_pairs``: an int64 array (ranks, batch entries, heads), the (query, key) pairs each batch entry
-    and head sees among the queries a rank holds, where a mask piece is headed (``MaskPiece.headed``); None
-    otherwise. ``plan.pairs`` and ``visible_pairs`` count their union, the work the kernel is given. From the
-    whole sequence at once, a chunk of query rows at a time (``core.scores.allowed_rows``); made once."""
+    and head sees among the query tokens a rank holds, where a mask piece is headed (``MaskPiece.headed``); None
+    otherwise. The ring modes' ``plan.pairs`` and ``visible_pairs`` count their union, the work the kernel is
+    given (Ulysses' ranks each do the whole sequence for their heads). From the whole sequence at once, a chunk
+    of query rows at a time (``core.scores.allowed_rows``); made once."""
     if "_head_pairs" not in vars(plan):
         plan._head_pairs = _head_pairs(plan)
     return plan._head_pairs

@@ -20,6 +20,7 @@ from mpiring.cost.costmodel import (
     ring_attention_context_parallel,
 )
 from mpiring.cost.infercost import format_inference_model
+from mpiring.plans.rows import visible_per_rank
 from mpiring.plans.visibility import count_visible
 
 from .calibrate import calibrate
@@ -42,14 +43,16 @@ def compute_table(plan, records=None):
     for r, blocks in enumerate(blocks_per_rank):
         lines.append(f"{r:>4}  {blocks:>15}  {visible[r]:>13}  {computed[r]:>14}")
     lines.append(f"max/mean visible pairs: {max(visible) / (sum(visible) / plan.size):.3f}")
-    if records is None and plan.head_pairs is not None:
-        lines.append(head_table(plan.head_pairs, plan.visible_pairs()))
+    if records is None and plan.head_pairs is not None:  # over each rank's query tokens (Ulysses: not its work)
+        lines.append(head_table(plan.head_pairs, visible_per_rank(plan.seq_len, plan.size, plan.q_owner,
+                                                                  plan.mask_options())))
     return "\n".join(lines)
 
 
 def head_table(head_pairs, union):
-    """Per rank, the visible pairs of each (batch entry, head) against the union the kernel visits
-    (``plan.head_pairs``, ``plan.visible_pairs()``); used: the share of the visited pairs a head needs."""
+    """Per rank, the visible pairs of each (batch entry, head) of its query tokens against their union, which
+    the ring modes' kernel visits (``plan.head_pairs``, ``rows.visible_per_rank``); used: the share of the
+    visited pairs a head needs."""
     head_pairs, union = np.asarray(head_pairs), np.asarray(union, np.int64)
     per = head_pairs.reshape(len(head_pairs), -1)
     lines = [f"per (batch entry, head): {head_pairs.shape[1]} x {head_pairs.shape[2]}",
