@@ -35,7 +35,8 @@ from .modifiers import TableBias, mod_values, tile_indices
 from .tiles import kernel_dtype
 
 __all__ = ["Score", "attend_general", "grads_general", "alibi_slopes", "alibi", "with_sinks", "sink_grads",
-           "dropout_keep", "count_allowed", "FunctionFailed", "evaluated", "bias_probe", "mod_probe", "finite_bias"]
+           "dropout_keep", "count_allowed", "allowed_rows", "FunctionFailed", "evaluated", "bias_probe", "mod_probe",
+           "finite_bias"]
 
 TILE_Q, TILE_K = 128, 512
 
@@ -136,20 +137,33 @@ _CHUNK = 1 << 22  # (query, key) entries evaluated at once
 def count_allowed(mask, q_pos, k_pos, klo, khi):
     """``(counts, full)``: per query of ``q_pos``, the keys of the sorted ``k_pos`` inside its envelope
     ``klo:khi`` (indices) that ``mask.allows`` (any batch entry: the union), and whether every batch entry sees
-    every key; ``allows`` is evaluated a chunk of rows at a time."""
+    every key; ``allows`` is evaluated a chunk of rows at a time (``allowed_rows``)."""
     counts, full = np.zeros(len(q_pos), np.int64), bool(np.all(khi - klo == len(k_pos)))
-    c, d = (int(klo.min()), int(khi.max())) if len(q_pos) else (0, 0)
-    if d <= c:  # no query's envelope holds a key
+    if len(q_pos) == 0 or int(khi.max()) <= int(klo.min()):  # no query's envelope holds a key
         return counts, len(k_pos) == 0 or len(q_pos) == 0
-    step = max(1, _CHUNK // max(1, (d - c) * math.prod(mask.counts() or (1,))))  # per batch entry and head
-    for a in range(0, len(q_pos), step):
-        b = min(a + step, len(q_pos))
-        ok = evaluated(f"the mask {mask!r}", q_pos[a:b], k_pos[c:d], mask.allows, q_pos[a:b, None], k_pos[None, c:d])
-        ok = ok & (np.arange(c, d) >= klo[a:b, None]) & (np.arange(c, d) < khi[a:b, None])
+    for a, b, ok in allowed_rows(mask, q_pos, k_pos, klo, khi):
         if full:
             full = bool(np.all(ok))
         counts[a:b] = np.sum(ok.reshape((-1,) + ok.shape[-2:]).any(axis=0), axis=-1)
     return counts, full
+
+
+def allowed_rows(mask, q_pos, k_pos, klo, khi):
+    """Yield ``(a, b, ok)``: whether ``mask.allows`` query rows a:b to see the keys ``c:d`` of the sorted
+    ``k_pos`` that some of their envelopes ``klo:khi`` hold (False outside a row's own), its batch and head axes
+    first (as ``allows`` returns them); a chunk of rows at a time, never the whole (query, key) matrix. Chunks
+    whose envelopes hold no key are left out."""
+    c, d = (int(klo.min()), int(khi.max())) if len(q_pos) else (0, 0)
+    if d <= c:
+        return
+    step = max(1, _CHUNK // max(1, (d - c) * math.prod(mask.counts() or (1,))))  # per batch entry and head
+    for a in range(0, len(q_pos), step):
+        b = min(a + step, len(q_pos))
+        c, d = int(klo[a:b].min()), int(khi[a:b].max())  # the keys these rows' envelopes hold
+        if d <= c:
+            continue
+        ok = evaluated(f"the mask {mask!r}", q_pos[a:b], k_pos[c:d], mask.allows, q_pos[a:b, None], k_pos[None, c:d])
+        yield a, b, ok & (np.arange(c, d) >= klo[a:b, None]) & (np.arange(c, d) < khi[a:b, None])
 
 
 # ---------------------------------------------------------------- ALiBi

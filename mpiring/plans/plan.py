@@ -39,6 +39,7 @@ from .rows import (
     Reach,
     Rows,
     counted_kind,
+    head_pairs,
     layout_owners,
     owners,
     run_unit,
@@ -188,6 +189,7 @@ class Plan:
     pairs: list = field(default_factory=list)  # pairs[rank][source]: visible (query, key) pairs
     rounds: dict = field(default_factory=dict)  # transfers made along each stream
     schedule: Schedule | None = None
+    head_pairs = property(head_pairs)  # [rank, batch, head]: visible pairs where the mask is headed (rows.head_pairs)
 
     @property
     def strategy(self):
@@ -231,9 +233,7 @@ class Plan:
 
     def mask(self, rank, source):
         """``(klo, khi)`` for rank's queries against source's keys."""
-        return visible_keys(self.shards[rank], self.kv_shards[source], causal=self.causal,
-                            window=self.window, cu_seqlens=self.cu_seqlens, causal_block=self.causal_block,
-                            mask=self.mask_pieces)
+        return visible_keys(self.shards[rank], self.kv_shards[source], **self.mask_options())
 
     def kept(self, rank, source):
         """The rows of source's block that travel to rank: None, all (the sparse movement may send fewer)."""

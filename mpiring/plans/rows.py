@@ -20,11 +20,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..core.scores import allowed_rows
 from .layouts import block_range
-from .visibility import count_visible, is_exact, visible_keys
+from .visibility import combined, count_visible, is_exact, visible_keys
 
 __all__ = ["Rows", "PairTable", "owners", "layout_owners", "run_unit", "runs_of", "visible_per_rank", "Reach",
-           "CountedReach", "counted_kind"]
+           "CountedReach", "counted_kind", "head_pairs"]
 
 _UNSET = object()
 
@@ -150,6 +151,33 @@ def visible_per_rank(seq_len, size, q_owner, mask):
     else:  # holes inside the intervals: counted from the mask's definition
         seen = count_visible(held, np.arange(seq_len, dtype=np.int64), mask)[0]
     return [int(x) for x in np.bincount(q_owner[held], weights=seen.astype(np.float64), minlength=size).round()]
+
+
+def head_pairs(plan):
+    """``plan.head_pairs``: an int64 array (ranks, batch entries, heads), the (query, key) pairs each batch entry
+    and head sees among the query tokens a rank holds, where a mask piece is headed (``MaskPiece.headed``); None
+    otherwise. The ring modes' ``plan.pairs`` and ``visible_pairs`` count their union, the work the kernel is
+    given (Ulysses' ranks each do the whole sequence for their heads). From the whole sequence at once, a chunk
+    of query rows at a time (``core.scores.allowed_rows``); made once."""
+    if "_head_pairs" not in vars(plan):
+        plan._head_pairs = _head_pairs(plan)
+    return plan._head_pairs
+
+
+def _head_pairs(plan):
+    options = plan.mask_options()
+    mask = combined(**options)
+    if mask is None or not mask.headed:
+        return None
+    counts = mask.counts()
+    held = np.flatnonzero(plan.q_owner >= 0)
+    every = np.arange(plan.seq_len, dtype=np.int64)  # keys: every position (each held by some rank)
+    klo, khi = visible_keys(held, every, **options)
+    found = np.zeros((plan.size, *counts), np.int64)
+    for a, b, ok in allowed_rows(mask, held, every, klo, khi):
+        seen = np.broadcast_to(ok, counts + ok.shape[-2:]).sum(axis=-1, dtype=np.int64)  # (batch, heads, rows)
+        np.add.at(found, plan.q_owner[held[a:b]], np.moveaxis(seen, -1, 0))
+    return found
 
 
 class Reach:

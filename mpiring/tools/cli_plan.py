@@ -20,13 +20,14 @@ from mpiring.cost.costmodel import (
     ring_attention_context_parallel,
 )
 from mpiring.cost.infercost import format_inference_model
+from mpiring.plans.rows import visible_per_rank
 from mpiring.plans.visibility import count_visible
 
 from .calibrate import calibrate
 from .cli import add_variant_args, at_least, balance_table, command_parser, held_positions, mode_text, variant
 
-__all__ = ["schedule", "schedule_parser", "cost", "cost_parser", "compute_table", "held_text", "sparsity_text",
-           "moves_text"]
+__all__ = ["schedule", "schedule_parser", "cost", "cost_parser", "compute_table", "head_table", "held_text",
+           "sparsity_text", "moves_text"]
 
 
 def compute_table(plan, records=None):
@@ -42,7 +43,32 @@ def compute_table(plan, records=None):
     for r, blocks in enumerate(blocks_per_rank):
         lines.append(f"{r:>4}  {blocks:>15}  {visible[r]:>13}  {computed[r]:>14}")
     lines.append(f"max/mean visible pairs: {max(visible) / (sum(visible) / plan.size):.3f}")
+    if records is None and plan.head_pairs is not None:  # over each rank's query tokens (Ulysses: not its work)
+        lines.append(head_table(plan.head_pairs, visible_per_rank(plan.seq_len, plan.size, plan.q_owner,
+                                                                  plan.mask_options())))
     return "\n".join(lines)
+
+
+def head_table(head_pairs, union):
+    """Per rank, the visible pairs of each (batch entry, head) of its query tokens against their union, which
+    the ring modes' kernel visits (``plan.head_pairs``, ``rows.visible_per_rank``); used: the share of the
+    visited pairs a head needs."""
+    head_pairs, union = np.asarray(head_pairs), np.asarray(union, np.int64)
+    per = head_pairs.reshape(len(head_pairs), -1)
+    lines = [f"per (batch entry, head): {head_pairs.shape[1]} x {head_pairs.shape[2]}",
+             "rank  union pairs  head pairs min     mean      max  used (mean / union)"]
+    for r, (u, h) in enumerate(zip(union, per)):
+        lines.append(f"{r:>4}  {u:>11}  {h.min():>14}  {h.mean():>7.1f}  {h.max():>7}  {_share(h.mean(), u):>19}")
+    lines.append(f"all   {union.sum():>11}  {'':>14}  {per.sum(0).mean():>7.1f}  {'':>7}  "
+                 f"{_share(per.sum(0).mean(), union.sum()):>19}")
+    lines.append("used by head (over ranks and batch entries): " + " ".join(
+        f"{h}:{_share(head_pairs[:, :, h].sum(), head_pairs.shape[1] * union.sum())}"
+        for h in range(head_pairs.shape[2])))
+    return "\n".join(lines)
+
+
+def _share(part, whole):
+    return f"{part / whole:.3f}" if whole else "-"
 
 
 def schedule_parser():
