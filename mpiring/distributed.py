@@ -154,13 +154,13 @@ def distributed_attention_backward(
     backward pass, ``schedule.records[rank]`` its counters (bytes, messages,
     times), with the forward pass's under ``"forward"``. With
     ``return_out=True`` root gets ``(out, dQ, dK, dV, schedule)``. ``options``: those of
-    ``ring_attention_backward``.
+    ``ring_attention_backward`` (``check_finite`` checks root's full Q, K, V).
     """
     comm = check_comm(comm)
     rank, size = comm.Get_rank(), comm.Get_size()
 
     def check_root():
-        problem = root_grad_problem(Q, K, V, dOut, None, size)
+        problem = root_grad_problem(Q, K, V, dOut, None, size, run.get("check_finite", False))
         meta = None if problem else [(a.shape[:-2], a.shape[-1], a.dtype) for a in (Q, K, V, dOut)] + [Q.shape[-2]]
         return problem, meta
 

@@ -10,7 +10,7 @@ equal the expected text exactly. The communicator must still work afterwards.
 import numpy as np
 import pytest
 
-from mpiring import distributed_attention, ring_attention
+from mpiring import distributed_attention, distributed_attention_backward, ring_attention
 
 pytestmark = pytest.mark.mpi
 
@@ -231,3 +231,6 @@ def test_distributed_attention_checks_root_arrays_and_every_rank_options(comm):
     assert texts == ["root rank 0: q has 1 NaN/Inf values, the first at index (0, 1, 0)"] * comm.size
     out, _ = distributed_attention(Q, K, V, comm, expected_size=comm.size, check_finite=True, timeout=30)
     assert comm.rank != 0 or out.shape == Q.shape
+    dout = np.ones_like(Q) if comm.rank == 0 else None  # the backward checks root's arrays too
+    texts = _errors(comm, distributed_attention_backward, bad, bad, bad, dout, comm, check_finite=True)
+    assert texts == ["root rank 0: q has 1 NaN/Inf values, the first at index (0, 1, 0)"] * comm.size

@@ -296,9 +296,9 @@ def root_problem(Q, K, V):
     return None
 
 
-def root_grad_problem(Q, K, V, dOut, scale, size):
-    """What is wrong with root's full arrays, or None."""
-    problem = root_problem(Q, K, V) or local_problem(Q, K, V, scale)
+def root_grad_problem(Q, K, V, dOut, scale, size, check_finite=False):
+    """What is wrong with root's full arrays, or None (``check_finite``: NaN/Inf in Q, K, V too)."""
+    problem = root_problem(Q, K, V) or local_problem(Q, K, V, scale, check_finite)
     if problem:
         return problem
     want = Q.shape[:-1] + V.shape[-1:]
