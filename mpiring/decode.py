@@ -197,11 +197,10 @@ def spec_of(spec, *values, who="decode_attention", scores=None):
     ``spec`` its (values given beside it must be its own; the rest of the spec must be at its defaults or a
     mask and score option, ``SCORE_FIELDS``). ``scores``: the mask and score keywords given."""
     scores = scores or {}
-    if spec is None:
-        try:
-            return values, None, Scores.of(Spec.of(**scores))
-        except (TypeError, ValueError) as exc:
-            return values, str(exc), None
+    if spec is None:  # the keywords alone: a field decoding does not take is refused as a spec's would be
+        agreed, problem = spec_problem(scores)
+        problem = problem or agreed.beyond(DECODE_FIELDS + SCORE_FIELDS, who)
+        return values, problem, None if problem else Scores.of(agreed)
     agreed, problem = spec_problem({**dict(zip(DECODE_FIELDS, values)), **scores}, spec)
     problem = problem or agreed.beyond(DECODE_FIELDS + SCORE_FIELDS, who)
     if problem:

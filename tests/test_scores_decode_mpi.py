@@ -83,6 +83,10 @@ def test_what_decoding_does_not_take_is_refused_on_every_rank():
     q = Q[..., 11:, :]
     with pytest.raises(ValueError, match="decode_attention takes only .* this one also sets dropout"):
         mpiring.decode_attention(q, K[..., mine, :], V[..., mine, :], comm, spec=mpiring.Spec.of(dropout=0.1))
+    for given in (dict(dropout=0.1), dict(window=(4, 0))):  # as keywords too: never accepted and left unused
+        name = next(iter(given))
+        with pytest.raises(ValueError, match=f"decode_attention takes only .* this one also sets {name}"):
+            mpiring.decode_attention(q, K[..., mine, :], V[..., mine, :], comm, **given)
     with pytest.raises(ValueError, match="needs positions .of q. and kv_positions"):
         mpiring.decode_attention(q, K[..., mine, :], V[..., mine, :], comm, mask=MASK)
     with pytest.raises(ValueError, match="sinks has 3 logits"):
