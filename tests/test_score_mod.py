@@ -111,6 +111,21 @@ def test_softcap_and_alibi_as_score_mods_equal_the_built_in_ones():
             np.testing.assert_allclose(a, b, atol=1e-13, rtol=0)
 
 
+def test_a_derivative_that_broadcasts_is_taken_as_the_kernel_takes_it():
+    """An additive score_mod's derivative may be the scalar 1: the reference and the ring broadcast it."""
+    q, k, v, dout, _ = _arrays(3)
+    slopes = masks.alibi_slopes(H)
+    as_mod = dict(score_mod=lambda s, b, h, qi, ki: s + slopes[h] * (ki - qi),
+                  score_mod_grad=lambda s, b, h, qi, ki: 1.0)
+    want = mpiring.testing.reference_backward(dout, q, k, v, causal=True, bias=masks.alibi(H))
+    got = mpiring.testing.reference_backward(dout, q, k, v, causal=True, **as_mod)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, atol=1e-13, rtol=0)
+    ring = _ring(q, k, v, dout, causal=True, layout="zigzag", **as_mod)[2]
+    for a, b in zip(ring, want):
+        np.testing.assert_allclose(a, b, atol=1e-13, rtol=0)
+
+
 def test_t5_buckets_are_transformers_buckets():
     t5 = pytest.importorskip("transformers.models.t5.modeling_t5")
     rel = torch.arange(-300, 300)

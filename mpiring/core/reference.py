@@ -153,11 +153,11 @@ def scored_attention(q, k, v, allowed, *, scale=None, softcap=None, bias=None, s
         s = s + np.asarray(bias(np.arange(hq)[:, None, None], q_pos[None, :, None], k_pos[None, None, :]),
                            np.float64)
     u, where = s, None
-    if score_mod is not None:
-        flat_shape = (-1, hq, n, m)
-        where = (np.arange(u.reshape(flat_shape).shape[0])[:, None, None, None], np.arange(hq)[None, :, None, None],
+    if score_mod is not None:  # written here, not taken from the kernel; a result broadcasts as the kernel's
+        tiled = u.reshape(-1, hq, n, m)
+        where = (np.arange(tiled.shape[0])[:, None, None, None], np.arange(hq)[None, :, None, None],
                  q_pos[None, None, :, None], k_pos[None, None, None, :])
-        s = np.broadcast_to(score_mod(u.reshape(flat_shape), *where), u.reshape(flat_shape).shape).reshape(u.shape)
+        s = np.broadcast_to(score_mod(tiled, *where), tiled.shape).reshape(u.shape)
     s = np.where(ok, s, -np.inf)
     top = s.max(axis=-1, keepdims=True)
     sink = None if sinks is None else np.asarray(sinks, np.float64)[:, None, None] * np.ones((n, 1))
@@ -186,7 +186,8 @@ def scored_attention(q, k, v, allowed, *, scale=None, softcap=None, bias=None, s
         p_sink = np.where(den > 0, np.exp(sink - lse), 0)
         dsinks = -(p_sink * delta).reshape(-1, hq, n).sum(axis=(0, 2))
     if score_mod is not None:
-        ds = np.where(p > 0, ds * score_mod_grad(u.reshape(-1, hq, n, m), *where).reshape(u.shape), 0)
+        tiled = u.reshape(-1, hq, n, m)
+        ds = np.where(p > 0, ds * np.broadcast_to(score_mod_grad(tiled, *where), tiled.shape).reshape(u.shape), 0)
     dtable = None
     if hasattr(bias, "add_grad"):  # a TableBias: d table[h, bucket] sums d loss / d bias over its entries
         dtable = np.zeros(bias.shape)
