@@ -185,7 +185,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring=None,
         problem = _sinks_problem(sinks, q, ring, options)
     if options.get("score_mod") is not None and options.get("score_mod_grad") is None:
         options.update(score_mod(options["score_mod"]))  # torch ops: the derivative by autograd
-    bias = ring.spec.bias if ring is not None else options.get("bias")
+    spec = ring.spec if ring is not None else options.get("spec")  # a table given in a spec trains too
+    bias = options.get("bias") if ring is None and options.get("bias") is not None else getattr(spec, "bias", None)
     table = bias.table if isinstance(bias, TableBias) and isinstance(bias.table, torch.Tensor) else None
     out, lse, top = _RingAttention.apply(q, k, v, ring, options, problem, _shared(q, k, v, sinks, problem), table)
     if sinks is not None:

@@ -155,17 +155,20 @@ def test_the_torch_adapter_derives_the_derivative_and_trains_the_table():
     import mpiring.torch
     fn, _, tmod = MODS["log(gelu(s) + 1)"]
     q, k, v, dout, table = _arrays(4)
-    param = torch.nn.Parameter(torch.tensor(table))
-    t = [torch.tensor(a, requires_grad=True) for a in (q, k, v)]
-    out = mpiring.torch.ring_attention(*t, comm=MPI.COMM_SELF, causal=True, score_mod=tmod,
-                                       bias=masks.t5_bias(param, max_distance=24))
-    (out * torch.tensor(dout)).sum().backward()
     table_t = torch.tensor(table, requires_grad=True)
     ids = torch.tensor(masks.relative_buckets(np.arange(S)[:, None], np.arange(S)[None, :], True, 32, 24))
     ref_out, ref = _autograd(q, k, v, dout, tmod, CAUSAL, bias=table_t[:, ids])
-    np.testing.assert_allclose(out.detach().numpy(), ref_out, atol=1e-12, rtol=0)
-    for x, g in zip(t + [param], ref + [table_t.grad.numpy()]):
-        np.testing.assert_allclose(x.grad.numpy(), g, atol=1e-12, rtol=0)
+    for given in ("keyword", "spec"):  # the table as the call's keyword, or inside its spec
+        param = torch.nn.Parameter(torch.tensor(table))
+        t = [torch.tensor(a, requires_grad=True) for a in (q, k, v)]
+        bias = masks.t5_bias(param, max_distance=24)
+        kw = dict(causal=True, bias=bias) if given == "keyword" else dict(spec=mpiring.Spec.of(causal=True, bias=bias))
+        out = mpiring.torch.ring_attention(*t, comm=MPI.COMM_SELF, score_mod=tmod, **kw)
+        (out * torch.tensor(dout)).sum().backward()
+        np.testing.assert_allclose(out.detach().numpy(), ref_out, atol=1e-12, rtol=0)
+        assert param.grad is not None, f"the table given as {given} got no gradient"
+        for x, g in zip(t + [param], ref + [table_t.grad.numpy()]):
+            np.testing.assert_allclose(x.grad.numpy(), g, atol=1e-12, rtol=0)
 
 
 def test_bad_tables_and_score_mods_are_refused():
