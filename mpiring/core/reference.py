@@ -185,8 +185,7 @@ def scored_attention(q, k, v, allowed, *, scale=None, softcap=None, bias=None, s
     if sinks is not None:
         p_sink = np.where(den > 0, np.exp(sink - lse), 0)
         dsinks = -(p_sink * delta).reshape(-1, hq, n).sum(axis=(0, 2))
-    if score_mod is not None:
-        tiled = u.reshape(-1, hq, n, m)
+    if score_mod is not None:  # tiled: u as the score_mod saw it
         ds = np.where(p > 0, ds * np.broadcast_to(score_mod_grad(tiled, *where), tiled.shape).reshape(u.shape), 0)
     dtable = None
     if hasattr(bias, "add_grad"):  # a TableBias: d table[h, bucket] sums d loss / d bias over its entries
