@@ -86,7 +86,6 @@ class SparsePlan(Plan):
         return [sum(self.tokens(r, j) for j in self.needs[r]) for r in range(self.size)]
 
 
-
 def sparse_plan(base):
     """The sparse movement over the shards and masks of ``base`` (a ring plan of the same options).
 

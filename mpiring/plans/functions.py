@@ -14,7 +14,8 @@ import inspect
 
 import numpy as np
 
-from .visibility import MaskPiece, described
+from .content import described
+from .visibility import MaskPiece
 
 __all__ = ["Function"]
 

@@ -31,7 +31,7 @@ import functools
 import numpy as np
 
 from ..core.scores import count_allowed
-from .content import content, described
+from .content import content
 
 __all__ = ["visible_keys", "block_kind", "doc_ids", "check_window", "check_cu_seqlens", "check_causal_block",
            "row_work", "MaskPiece", "Causal", "Window", "Documents", "Prefix", "Padding", "And", "Or",
@@ -270,10 +270,6 @@ class Padding(MaskPiece):
     def __repr__(self):
         items = self.lengths.tolist()
         return f"Padding({items if self.lengths.size <= 8 else f'{self.lengths.size} lengths'})"
-
-
-def _name(fn):
-    return described(fn)  # no address: the same text on every rank
 
 
 class _Combination(MaskPiece):
