@@ -52,6 +52,7 @@ import numpy as np
 from ..core.precision import compute_itemsize, row_bytes
 from .layouts import sort_order
 from .plan import Piece, Plan, PlannedSchedule, Task, Where, problem_fields, ring_plan
+from .problem import Problem
 from .rows import counted_kind
 from .visibility import combined, count_visible, visible_keys
 
@@ -391,11 +392,12 @@ def hybrid_plan(base, ulysses_size, mode, rounds):
     grid = HybridPlan(**problem_fields(base), mode=mode, ulysses_size=u)
     groups = range(P // u)
     separate_kv = base.kv_shards is not base.shards
-    grid.ring_plan = ring = ring_plan(
-        base.seq_len, P // u, mode=mode, causal=base.causal, window=base.window, cu_seqlens=base.cu_seqlens,
-        causal_block=base.causal_block, mask=base.mask_pieces, positions=[grid.group_positions(g) for g in groups],
-        kv_positions=[grid.group_positions(g, kv=True) for g in groups] if separate_kv else None, rounds=rounds,
-        q_len=base.q_len)
+    problem = Problem(causal=base.causal, window=base.window, cu_seqlens=base.cu_seqlens,
+                      causal_block=base.causal_block, mask=base.mask_pieces,
+                      positions=[grid.group_positions(g) for g in groups],
+                      kv_positions=[grid.group_positions(g, kv=True) for g in groups] if separate_kv else None,
+                      q_len=base.q_len)
+    grid.ring_plan = ring = ring_plan(base.seq_len, P // u, problem, mode=mode, rounds=rounds)
     grid.kinds = [ring.kinds[r // u] for r in range(P)]
     grid.pairs = [ring.pairs[r // u] for r in range(P)]
     grid.rounds = ring.rounds

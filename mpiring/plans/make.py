@@ -12,6 +12,7 @@ from .delivery import sparse_plan
 from .heads import hybrid_plan, ulysses_plan
 from .hierarchy import double_ring_plan
 from .plan import ALL_MODES, Plan, both_ways, gathered, one_way, ring_plan
+from .problem import Problem
 
 __all__ = ["make_plan", "RING_MODES", "PLANS"]
 
@@ -24,17 +25,14 @@ PLANS = {"ulysses": lambda base, node_size: ulysses_plan(base),
 
 
 def make_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str = "ring", causal: bool = False,
-              window: tuple[int, int] | None = None, cu_seqlens=None, causal_block: int | None = None,
-              positions=None, kv_positions=None, node_size: int | None = None,
-              ulysses_size: int | None = None, mask=(), q_len=None, kv_layout=None) -> Plan:
+              node_size: int | None = None, ulysses_size: int | None = None, **problem) -> Plan:
     """Build the plan for ``size`` ranks over a sequence of ``seq_len`` tokens (keys), in any mode.
 
-    ``layout``, ``positions``, ``kv_positions`` and the mask: as ``plans.plan.ring_plan``
-    takes them; every mode holds the same tokens under them (``shard_indices``).
+    ``layout``, ``causal`` and ``problem`` (``window``, ``cu_seqlens``, ``causal_block``, ``mask``,
+    ``positions``, ``kv_positions``, ``q_len``, ``kv_layout``): the fields of ``plans.problem.Problem``;
+    every mode holds the same tokens under them (``shard_indices``).
     ``node_size``: ranks per node of the double ring (None: all ranks on one node); other modes ignore it.
     ``ulysses_size``: Ulysses inside groups of that many ranks, the ring mode across them (mpiring.plans.heads).
-    ``mask``: more mask pieces (``masks.MaskPiece``), all of which must allow a key.
-    ``q_len``, ``kv_layout``: cross-attention, queries of their own sequence of ``q_len`` tokens (``ring_plan``).
     """
     if mode not in ALL_MODES:
         raise ValueError(f"mode must be one of {', '.join(ALL_MODES)}; got {mode!r}")
@@ -45,12 +43,11 @@ def make_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str 
             raise ValueError(f"ulysses_size must be a positive integer, got {ulysses_size!r}")
         if size % ulysses_size:
             raise ValueError(f"ulysses_size {ulysses_size} does not divide the {size} ranks")
-    problem = dict(layout=layout, causal=causal, window=window, cu_seqlens=cu_seqlens, causal_block=causal_block,
-                   mask=mask, positions=positions, kv_positions=kv_positions, q_len=q_len, kv_layout=kv_layout)
+    problem = Problem(layout=layout, causal=causal, **problem)
     if mode in RING_MODES and ulysses_size is None:
-        return ring_plan(seq_len, size, mode=mode, rounds=RING_MODES[mode], **problem)
+        return ring_plan(seq_len, size, problem, mode=mode, rounds=RING_MODES[mode])
     # the tokens every rank holds and their masks, as the flat ring's; visited in the strategy's own order
-    base = ring_plan(seq_len, size, mode="allgather", rounds=gathered, **problem)
+    base = ring_plan(seq_len, size, problem, mode="allgather", rounds=gathered)
     if ulysses_size is not None:
         return hybrid_plan(base, ulysses_size, mode, RING_MODES[mode])
     return PLANS[mode](base, node_size)

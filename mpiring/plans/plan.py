@@ -33,6 +33,7 @@ import numpy as np
 
 from .cross import check_cross, cross_rows
 from .layouts import check_layout, positions_problem, put_rows, shard_indices, sort_order
+from .problem import Problem
 from .rows import (
     CountedReach,
     PairTable,
@@ -359,45 +360,36 @@ def _held(parts, seq_len, size, name, partition):
     return [p if o is None else p[o] for p, o in zip(parts, orders)], orders
 
 
-def ring_plan(seq_len: int, size: int, *, layout: str = "contiguous", mode: str = "ring", causal: bool = False,
-              window: tuple[int, int] | None = None, cu_seqlens=None, causal_block: int | None = None,
-              positions=None, kv_positions=None, rounds=None, mask=(), q_len=None, kv_layout=None) -> Plan:
+def ring_plan(seq_len: int, size: int, problem: Problem, *, mode: str = "ring", rounds=None) -> Plan:
     """The plan of a ring mode (``MODES``: K/V blocks travel) for ``size`` ranks over ``seq_len`` tokens (keys).
 
     ``mpiring.plans.make.make_plan`` takes every mode and calls this one for the
     ring modes, and for the tokens and masks the other strategies start from.
-    ``positions``: one integer array per rank, the global positions of its
-    query (and key/value) rows in the order it passes them; together a
-    partition of range(seq_len). Replaces ``layout``. ``kv_positions``: the
-    positions of the key/value rows when they are not the queries' (a
-    partition of range(seq_len)); the query positions are then distinct
-    positions of that range. ``causal_block=F`` (with ``causal``): key j is
-    visible to query i iff j // F <= i // F. ``rounds(plan) -> {stream:
-    transfers}``: how the blocks move (``one_way``, ``both_ways`` or
-    ``gathered``; ``make.RING_MODES`` gives each mode's); ``mode`` names it.
-    ``q_len``, ``kv_layout``: cross-attention, queries of a sequence of their own (``plans.cross``).
+    ``rounds(plan) -> {stream: transfers}``: how the blocks move (``one_way``,
+    ``both_ways`` or ``gathered``; ``make.RING_MODES`` gives each mode's); ``mode`` names it.
     """
     if rounds is None:
         raise ValueError(f"a ring plan needs the rule of its streams (make.RING_MODES: {', '.join(MODES)})")
+    positions, kv_positions, q_len = problem.positions, problem.kv_positions, problem.q_len
     if positions is None:
-        check_layout(layout)
+        check_layout(problem.layout)
     if size < 1 or seq_len < size:
         raise ValueError(f"need at least one token per rank: {'seq_len' if q_len is None else 'kv_seq_len'}="
                          f"{seq_len}, ranks={size}")
-    check_cross(q_len, size, positions, kv_positions, cu_seqlens, kv_layout)
+    check_cross(q_len, size, positions, kv_positions, problem.cu_seqlens, problem.kv_layout)
     if kv_positions is not None and positions is None:
         raise ValueError("kv_positions needs positions: the query rows' own positions")
-    plan = Plan(seq_len, size, "positions" if positions is not None else layout, mode, bool(causal),
-                check_window(window), check_cu_seqlens(cu_seqlens, seq_len), check_causal_block(causal_block, causal),
-                check_mask(mask, seq_len))
+    plan = Plan(seq_len, size, "positions" if positions is not None else problem.layout, mode, bool(problem.causal),
+                check_window(problem.window), check_cu_seqlens(problem.cu_seqlens, seq_len),
+                check_causal_block(problem.causal_block, problem.causal), check_mask(problem.mask, seq_len))
     if positions is None:
-        plan.shards, plan.orders = Rows(size, lambda r: shard_indices(seq_len, size, r, layout)), [None] * size
+        plan.shards, plan.orders = Rows(size, lambda r: shard_indices(seq_len, size, r, problem.layout)), [None] * size
     else:
         plan.shards, plan.orders = _held(positions, seq_len if q_len is None else q_len, size, "positions",
                                          kv_positions is None or q_len is not None)
     plan.kv_shards, plan.kv_orders = plan.shards, plan.orders
     if q_len is not None:
-        cross_rows(plan, q_len, kv_layout, positions is None)
+        cross_rows(plan, q_len, problem.kv_layout, positions is None)
     if kv_positions is not None:
         plan.kv_shards, plan.kv_orders = _held(kv_positions, seq_len, size, "kv_positions", True)
     plan.runs = Rows(size, lambda r: runs_of(plan.shards[r], _run_unit(plan)))
