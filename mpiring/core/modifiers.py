@@ -11,10 +11,24 @@ leading axes flattened), ``head`` (1, H, 1, 1) the global query heads, ``q_pos``
 """
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["TableBias", "relative_buckets", "t5_bias", "tile_indices", "mod_values"]
+__all__ = ["Modifiers", "TableBias", "relative_buckets", "t5_bias", "tile_indices", "mod_values"]
+
+
+@dataclass(frozen=True, eq=False)
+class Modifiers:
+    """The score modifiers of a call, as the spec's fields of the same names (``plans.spec.SCORE_FIELDS``)."""
+
+    softcap: float | None = None
+    bias: object = None  # fn(heads, q_pos, k_pos), or a TableBias
+    score_mod: object = None  # fn(score, batch, head, q_pos, k_pos)
+    score_mod_grad: object = None  # its derivative d score_mod / d score
+    sinks: object = None  # one logit per query head
+    dropout: float = 0.0
+    seed: int = 0
 
 
 class TableBias:

@@ -7,6 +7,8 @@ every (query, key) pair, and attention is the textbook softmax.
 
 import numpy as np
 
+from .modifiers import Modifiers
+
 __all__ = ["definition_mask", "dense_attention", "dense_attention_backward", "reference_attention",
            "reference_attention_backward"]
 
@@ -119,20 +121,19 @@ def reference_attention_backward(dout, q, k, v, scale=None, klo=None, khi=None, 
     return dense_attention_backward(dout, q, k, v, scale, _ranges(klo, khi, np.shape(k)[-2]), row_chunk=row_chunk)
 
 
-def scored_attention(q, k, v, allowed, *, scale=None, softcap=None, bias=None, sinks=None, dropout=0.0, seed=0,
-                     q_pos=None, k_pos=None, dout=None, score_mod=None, score_mod_grad=None):
+def scored_attention(q, k, v, allowed, *, scale=None, q_pos=None, k_pos=None, dout=None, **modifiers):
     """Attention with every score modifier, dense in float64, from the definitions (no tiles, no online softmax).
 
-    ``allowed``: bool, broadcastable to (..., Hq, Sq, Sk) (a batched mask: (B, 1, Sq, Sk)). The logit
-    r = scale q.k becomes softcap * tanh(r / softcap), plus ``bias(heads, q_pos, k_pos)``, then
-    ``score_mod(s, batch, head, q_pos, k_pos)`` (its derivative ``score_mod_grad``); hidden keys drop out;
-    ``sinks`` (one logit per query head) join each row's denominator; dropout keeps the entries
-    ``core.scores.dropout_keep`` draws (the one definition of which entries drop) and scales them by
-    1 / (1 - dropout). Returns ``(out, lse, max_logit)`` (max_logit: the largest visible r per batch entry
-    and head), and with ``dout`` also ``(dq, dk, dv, dsinks)`` of the loss sum(dout * out), by the chain rule,
-    and d table after them when ``bias`` is a ``core.modifiers.TableBias``.
+    ``allowed``: bool, broadcastable to (..., Hq, Sq, Sk) (a batched mask: (B, 1, Sq, Sk)); ``modifiers``: the
+    fields of ``core.modifiers.Modifiers``. The logit r = scale q.k becomes softcap * tanh(r / softcap), plus
+    ``bias(heads, q_pos, k_pos)``, then ``score_mod(s, batch, head, q_pos, k_pos)`` (its derivative
+    ``score_mod_grad``); hidden keys drop out; ``sinks`` (one logit per query head) join each row's denominator;
+    dropout keeps the entries ``core.scores.dropout_keep`` draws and scales them by 1 / (1 - dropout). Returns
+    ``(out, lse, max_logit)`` (max_logit: the largest visible r per batch entry and head), and with ``dout``
+    also ``(dq, dk, dv, dsinks)`` of the loss sum(dout * out), and d table when ``bias`` is a ``TableBias``.
     """
     from .scores import dropout_keep  # the generator is the definition of the dropped entries
+    mods = Modifiers(**modifiers)
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
     flat = q.ndim == 2
     if flat:
@@ -147,20 +148,20 @@ def scored_attention(q, k, v, allowed, *, scale=None, softcap=None, bias=None, s
     r = scale * (q @ np.swapaxes(kk, -1, -2))
     ok = np.ones(r.shape, bool) if allowed is None else np.broadcast_to(allowed, r.shape)
     max_logit = np.where(ok, r, -np.inf).max(axis=(-2, -1))
-    t = np.tanh(r / softcap) if softcap is not None else None
-    s = softcap * t if softcap is not None else r.copy()
-    if bias is not None:
-        s = s + np.asarray(bias(np.arange(hq)[:, None, None], q_pos[None, :, None], k_pos[None, None, :]),
+    t = np.tanh(r / mods.softcap) if mods.softcap is not None else None
+    s = mods.softcap * t if mods.softcap is not None else r.copy()
+    if mods.bias is not None:
+        s = s + np.asarray(mods.bias(np.arange(hq)[:, None, None], q_pos[None, :, None], k_pos[None, None, :]),
                            np.float64)
     u, where = s, None
-    if score_mod is not None:  # written here, not taken from the kernel; a result broadcasts as the kernel's
+    if mods.score_mod is not None:  # written here, not taken from the kernel; a result broadcasts as the kernel's
         tiled = u.reshape(-1, hq, n, m)
         where = (np.arange(tiled.shape[0])[:, None, None, None], np.arange(hq)[None, :, None, None],
                  q_pos[None, None, :, None], k_pos[None, None, None, :])
-        s = np.broadcast_to(score_mod(tiled, *where), tiled.shape).reshape(u.shape)
+        s = np.broadcast_to(mods.score_mod(tiled, *where), tiled.shape).reshape(u.shape)
     s = np.where(ok, s, -np.inf)
     top = s.max(axis=-1, keepdims=True)
-    sink = None if sinks is None else np.asarray(sinks, np.float64)[:, None, None] * np.ones((n, 1))
+    sink = None if mods.sinks is None else np.asarray(mods.sinks, np.float64)[:, None, None] * np.ones((n, 1))
     if sink is not None:
         top = np.maximum(top, sink)
     top = np.where(np.isfinite(top), top, 0)
@@ -169,9 +170,9 @@ def scored_attention(q, k, v, allowed, *, scale=None, softcap=None, bias=None, s
     lse = np.where(den > 0, top + np.log(np.where(den > 0, den, 1)), -np.inf)
     p = np.where(den > 0, e / np.where(den > 0, den, 1), 0)
     z = 1.0
-    if dropout:
-        batch = int(np.prod(q.shape[:-3], dtype=np.int64))
-        z = dropout_keep(seed, dropout, batch, np.arange(hq), q_pos, k_pos).reshape(r.shape) / (1.0 - dropout)
+    if mods.dropout:
+        z = dropout_keep(mods.seed, mods.dropout, int(np.prod(q.shape[:-3], dtype=np.int64)), np.arange(hq), q_pos,
+                         k_pos).reshape(r.shape) / (1.0 - mods.dropout)
     out = (p * z) @ vv
     if dout is None:
         return (out[0], lse[0, ..., 0], max_logit[0]) if flat else (out, lse[..., 0], max_logit)
@@ -182,16 +183,16 @@ def scored_attention(q, k, v, allowed, *, scale=None, softcap=None, bias=None, s
     delta = np.sum(do * out, axis=-1, keepdims=True)
     ds = p * (dp - delta)
     dsinks = None
-    if sinks is not None:
+    if mods.sinks is not None:
         p_sink = np.where(den > 0, np.exp(sink - lse), 0)
         dsinks = -(p_sink * delta).reshape(-1, hq, n).sum(axis=(0, 2))
-    if score_mod is not None:  # tiled: u as the score_mod saw it
-        ds = np.where(p > 0, ds * np.broadcast_to(score_mod_grad(tiled, *where), tiled.shape).reshape(u.shape), 0)
+    if mods.score_mod is not None:  # tiled: u as the mods.score_mod saw it
+        ds = np.where(p > 0, ds * np.broadcast_to(mods.score_mod_grad(tiled, *where), tiled.shape).reshape(u.shape), 0)
     dtable = None
-    if hasattr(bias, "add_grad"):  # a TableBias: d table[h, bucket] sums d loss / d bias over its entries
-        dtable = np.zeros(bias.shape)
-        bias.add_grad(dtable, ds.reshape(-1, hq, n, m).sum(axis=0), np.arange(hq), q_pos, k_pos)
-    if softcap is not None:
+    if hasattr(mods.bias, "add_grad"):  # a TableBias: d table[h, bucket] sums d loss / d mods.bias over its entries
+        dtable = np.zeros(mods.bias.shape)
+        mods.bias.add_grad(dtable, ds.reshape(-1, hq, n, m).sum(axis=0), np.arange(hq), q_pos, k_pos)
+    if mods.softcap is not None:
         ds = ds * (1 - t * t)
     dq = scale * ds @ kk
     dk = scale * np.swapaxes(ds, -1, -2) @ q
