@@ -34,7 +34,7 @@ from .core.record import Record
 from .core.scores import Score, attend_general, with_sinks
 from .mpi.agree import check_comm
 from .mpi.comm import RingComm
-from .mpi.decoding import EXCHANGES, MERGES, decode_agreement, decode_timeout, parents_problem
+from .mpi.decoding import EXCHANGES, Decoding, decode_agreement, decode_timeout, parents_problem
 from .mpi.waits import exclusive, wait_until
 from .plans.checks import Shown
 from .plans.content import described
@@ -42,9 +42,17 @@ from .plans.plan import Piece, Where
 from .plans.spec import Spec, spec_problem
 from .plans.visibility import combined
 
-__all__ = ["decode_attention", "decode_many", "EXCHANGES", "MERGES", "renamed", "lse_merge", "merge_partials",
+__all__ = ["decode_attention", "decode_many", "EXCHANGES", "renamed", "lse_merge", "merge_partials",
            "local_partial", "decode_agreement", "decode_timeout", "draft_mask", "draft_partial", "parents_problem",
            "computing"]
+
+
+def __getattr__(name):
+    if name == "MERGES":  # EXCHANGES' former name
+        warnings.warn("mpiring.decode.MERGES is now EXCHANGES", DeprecationWarning, stacklevel=2)
+        return EXCHANGES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # ---------------------------------------------------------------- the merge as an MPI reduction
 
@@ -303,8 +311,8 @@ def decode_attention(
             contiguous = [tuple(np.ascontiguousarray(a) for a in b[:2]) + b[2:] for b in blocks]
             return local_partial(np.ascontiguousarray(q), contiguous, scale, pos, causal, scores=scores)
 
-        scale, lengths, (out, lse) = decode_agreement(comm, q, k, v, scale, timeout, exchange, causal, positions,
-                                                      kv_positions, problem=problem,
+        call = Decoding(scale, timeout, exchange, causal, positions, kv_positions)
+        scale, lengths, (out, lse) = decode_agreement(comm, q, k, v, call, problem=problem,
                                                       values=scores and scores.values(), work=work)
         timeout = decode_timeout(timeout, q, v, lengths)
         start = time.perf_counter() - work.seconds  # the call's wall time: its compute and its merge
@@ -341,7 +349,7 @@ def decode_many(
             return [local_partial(np.ascontiguousarray(q), [(np.ascontiguousarray(k), np.ascontiguousarray(v), None)],
                                   scale) for q, k, v in zip(qs, ks, vs)]
 
-        scale, lengths, parts = decode_agreement(comm, list(qs), list(ks), list(vs), scale, timeout, exchange,
+        scale, lengths, parts = decode_agreement(comm, list(qs), list(ks), list(vs), Decoding(scale, timeout, exchange),
                                                  problem=problem, work=work)
         timeout = decode_timeout(timeout, max(qs, key=np.size), vs[0], lengths)
         start = time.perf_counter() - work.seconds

@@ -30,6 +30,7 @@ from mpi4py import MPI
 from .core.record import Record
 from .decode import decode_agreement, decode_timeout, local_partial, lse_merge
 from .mpi.agree import agreed, check_comm
+from .mpi.decoding import Decoding
 from .mpi.waits import exclusive, wait_until
 from .plans.checks import Shown, describe
 
@@ -89,7 +90,7 @@ def helix_attention(
             problem = describe(exc)
         message = None
         try:
-            scale, lengths, _ = decode_agreement(kvp, q, k, v, scale, timeout, problem=problem,
+            scale, lengths, _ = decode_agreement(kvp, q, k, v, Decoding(scale, timeout), problem=problem,
                                                  values={"chunks": Shown(chunks)})
         except ValueError as exc:
             message = f"KVP group {grid.tp_rank}: {exc}"

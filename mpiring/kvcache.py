@@ -42,7 +42,7 @@ from .decode import (
 from .handle import ring_attention
 from .mpi.agree import agree, agreed, check_comm, gather_entry
 from .mpi.comm import RingComm
-from .mpi.decoding import by_content, path_problem
+from .mpi.decoding import Decoding, by_content, path_problem
 from .mpi.waits import exclusive, wait_until
 from .plans.checks import Shown, describe, timeout_problem
 from .plans.layouts import layout_positions
@@ -387,8 +387,9 @@ class KVCache:
                                  scores=scores)
 
         scale, lengths, (out, lse) = decode_agreement(
-            self.comm, q, k_like, v_like, scale, self.timeout, exchange, causal, positions, self.store.positions,
-            k_peak=k_peak, problem=problem, values={**(values or {}), **(scores.values() if scores else {})},
+            self.comm, q, k_like, v_like,
+            Decoding(scale, self.timeout, exchange, causal, positions, self.store.positions), k_peak=k_peak,
+            problem=problem, values={**(values or {}), **(scores.values() if scores else {})},
             work=work)
         timeout = decode_timeout(self.timeout, q, v_like, lengths)
         start = time.perf_counter() - work.seconds
@@ -474,8 +475,9 @@ def attend_many(caches, qs, *, exchange="tree", scale=None, record=None, comm=No
                     for cache, q in zip(caches, qs)]
 
         scale, lengths, parts = decode_agreement(
-            comm, list(qs)[:len(likes)], [k for k, _ in likes], [v for _, v in likes], scale, timeout, exchange,
-            k_peak=peaks, problem=problem, values={"timeout": Shown(timeout)}, work=work)
+            comm, list(qs)[:len(likes)], [k for k, _ in likes], [v for _, v in likes],
+            Decoding(scale, timeout, exchange), k_peak=peaks, problem=problem, values={"timeout": Shown(timeout)},
+            work=work)
         timeout = decode_timeout(first.timeout, max(qs, key=np.size), likes[0][1], lengths)
         start = time.perf_counter() - work.seconds
         result = merge_many(parts, comm, exchange, timeout, ring=first._ring_for(exchange, timeout), rec=rec,

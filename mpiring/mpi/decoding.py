@@ -8,6 +8,8 @@ options, the mask and score functions by what they read. Only then does any
 partial move: a failure anywhere before it is every rank's ValueError.
 """
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ..core.kernels import default_scale
@@ -25,11 +27,22 @@ from ..plans.checks import (
 from ..plans.content import content
 from .agree import agreed
 
-__all__ = ["EXCHANGES", "MERGES", "decode_problem", "decode_agreement", "decode_timeout", "parents_problem",
+__all__ = ["EXCHANGES", "Decoding", "decode_problem", "decode_agreement", "decode_timeout", "parents_problem",
            "path_problem", "by_content"]
 
 EXCHANGES = ("tree", "ring")  # how the partials travel: one all-reduce (a tree), or around the ring
-MERGES = EXCHANGES  # its former name
+
+
+@dataclass(frozen=True, eq=False)
+class Decoding:
+    """A decoding call's options, which every rank passes alike (but ``kv_positions``: this rank's k, v rows)."""
+
+    scale: float | None = None  # None: 1/sqrt(head dim)
+    timeout: float | str | None = "auto"
+    exchange: str = "tree"
+    causal: bool = False
+    positions: object = None  # of q's tokens, the same on every rank
+    kv_positions: object = None
 
 
 def by_content(name, value, text=None):
@@ -40,8 +53,8 @@ def by_content(name, value, text=None):
     return Shown(None, text or f"{a.dtype} {a.shape}", content(a, name))
 
 
-def decode_problem(q, k, v, scale, exchange, causal, positions, kv_positions):
-    """What is wrong with this rank's decoding arguments, or None."""
+def decode_problem(q, k, v, call):
+    """What is wrong with this rank's decoding arguments (``call``: a ``Decoding``), or None."""
     for name, a in (("q", q), ("k", k), ("v", v)):
         if not isinstance(a, np.ndarray):
             return f"{name} must be a NumPy array, got {type(a).__name__}"
@@ -61,23 +74,23 @@ def decode_problem(q, k, v, scale, exchange, causal, positions, kv_positions):
         return f"q heads ({q.shape[-3]}) must be a multiple of k/v heads ({k.shape[-3]})"
     if q.shape[-2] < 1 or min(q.shape[-1], v.shape[-1]) < 1 or 0 in q.shape[:-2]:
         return f"q needs at least one token, head and batch entry and a positive head dim, got q {q.shape}, v {v.shape}"
-    if not isinstance(exchange, str) or exchange not in EXCHANGES:
-        return f"exchange must be one of {', '.join(EXCHANGES)}; got {exchange!r}"
-    if not isinstance(causal, (bool, np.bool_)):
-        return f"causal must be True or False, got {causal!r}"
-    if causal:
-        for name, p, n in (("positions", positions, q.shape[-2]), ("kv_positions", kv_positions, k.shape[-2])):
+    if not isinstance(call.exchange, str) or call.exchange not in EXCHANGES:
+        return f"exchange must be one of {', '.join(EXCHANGES)}; got {call.exchange!r}"
+    if not isinstance(call.causal, (bool, np.bool_)):
+        return f"causal must be True or False, got {call.causal!r}"
+    if call.causal:
+        for name, n in (("positions", q.shape[-2]), ("kv_positions", k.shape[-2])):
+            p = getattr(call, name)
             p = None if p is None else np.asarray(p)
             if p is None or p.ndim != 1 or len(p) != n or not (np.issubdtype(p.dtype, np.integer) or n == 0):
                 return f"causal decoding needs {name}: a 1-D integer array of {n} global positions"
-    return scale_problem(scale)
+    return scale_problem(call.scale)
 
 
-def decode_agreement(comm, q, k, v, scale, timeout, exchange="tree", causal=False, positions=None, kv_positions=None,
-                     k_peak=None, problem=None, values=None, work=None):
+def decode_agreement(comm, q, k, v, call, *, k_peak=None, problem=None, values=None, work=None):
     """Check this rank's arguments and agree with every rank (one all-gather): ``(scale, kv lengths, done)``.
 
-    The same ValueError on every rank if any rank has a problem, if q (its
+    ``call``: the ``Decoding`` options. The same ValueError on every rank if any rank has a problem, if q (its
     values), its positions or an option differ from rank 0's, or if the logits
     may overflow. ``q, k, v``: arrays, or lists of arrays, one per sequence
     (``decode_many``; ``k_peak`` then a list too). ``k_peak``: max |k| when k is
@@ -93,9 +106,9 @@ def decode_agreement(comm, q, k, v, scale, timeout, exchange="tree", causal=Fals
     k_peaks = [None] * len(qs) if k_peaks is None else k_peaks
     mine = peaks = done = None
     try:
-        problem = problem or timeout_problem(timeout)
+        problem = problem or timeout_problem(call.timeout)
         for i, (qi, ki, vi) in enumerate(zip(qs, ks, vs)):
-            found = decode_problem(qi, ki, vi, scale, exchange, causal, positions, kv_positions)
+            found = decode_problem(qi, ki, vi, call)
             problem = problem or (found and (f"sequence {i}: {found}" if many else found))
         if problem is None and len({(qi.dtype, vi.shape[-1]) for qi, vi in zip(qs, vs)}) > 1:
             problem = "every sequence must have one dtype and one v head dim"
@@ -105,22 +118,24 @@ def decode_agreement(comm, q, k, v, scale, timeout, exchange="tree", causal=Fals
             for tag, qi, ki, vi in zip(tags, qs, ks, vs):
                 mine.update({f"q shape{tag}": Shown(qi.shape), f"k shape{tag}": Shown(*[shape_text(ki)] * 2),
                              f"v shape{tag}": Shown(*[shape_text(vi)] * 2)})
-            mine.update({"dtype": Shown(" ".join(sorted({str(qi.dtype) for qi in qs}))), "scale": Shown(scale),
-                         "exchange": Shown(exchange), "causal": Shown(bool(causal)), "timeout": Shown(timeout)})
+            mine.update({"dtype": Shown(" ".join(sorted({str(qi.dtype) for qi in qs}))), "scale": Shown(call.scale),
+                         "exchange": Shown(call.exchange), "causal": Shown(bool(call.causal)),
+                         "timeout": Shown(call.timeout)})
             mine.update({f"q{tag}": by_content(f"q{tag}", qi) for tag, qi in zip(tags, qs)})
-            mine["positions"] = by_content("positions", None if positions is None else np.asarray(positions, np.int64))
+            mine["positions"] = by_content("positions", None if call.positions is None else
+                                           np.asarray(call.positions, np.int64))
             mine.update(values or {})
             k_peaks = [(float(np.abs(ki).max()) if ki.size else 0.0) if p is None else p
                        for ki, p in zip(ks, k_peaks)]
             peaks = (max(float(np.abs(qi).max()) for qi in qs), max(k_peaks), sum(ki.shape[-2] for ki in ks))
             if work is not None:
-                done = work(default_scale(qs[0].shape[-1]) if scale is None else float(scale))
+                done = work(default_scale(qs[0].shape[-1]) if call.scale is None else float(call.scale))
     except FunctionFailed as exc:  # a user's function failed on this rank's cache
         problem, mine = str(exc), None
     except Exception as exc:  # reported collectively, never raised alone
         problem, mine = describe(exc), None
-    metas = agreed(comm, problem, mine, timeout, peaks, entry=True)
-    scale = default_scale(qs[0].shape[-1]) if scale is None else float(scale)
+    metas = agreed(comm, problem, mine, call.timeout, peaks, entry=True)
+    scale = default_scale(qs[0].shape[-1]) if call.scale is None else float(call.scale)
     message = logit_problem(scale, qs[0].shape[-1], max(m[0] for m in metas), max(m[1] for m in metas), qs[0].dtype)
     if message:
         raise ValueError(message)

@@ -23,7 +23,7 @@ import numpy as np
 from mpiring.core.record import Record
 from mpiring.core.reference import dense_attention
 from mpiring.cost.infercost import decode_time
-from mpiring.decode import MERGES
+from mpiring.decode import EXCHANGES
 from mpiring.kvcache import ERROR_BOUND, KVCache
 from mpiring.testing import TOLERANCE
 
@@ -45,7 +45,7 @@ def generate_parser():
     p.add_argument("--heads", type=int, default=8, help="query heads")
     p.add_argument("--kv-heads", type=int, help="K/V heads (grouped-query attention); default = heads")
     p.add_argument("--dim", type=int, default=64, help="head dim")
-    p.add_argument("--merge", choices=[*MERGES, "both"], default="both",
+    p.add_argument("--merge", choices=[*EXCHANGES, "both"], default="both",
                    help="how the decode partials are merged (both: each step runs and times both)")
     p.add_argument("--quantize", choices=["float16", "int8"], help="store the cache compressed")
     p.add_argument("--rotate", choices=["kv", "q", "auto"], default="kv",
@@ -106,7 +106,7 @@ def generate(comm, args):
     K, V = inputs.tokens("k", every), inputs.tokens("v", every)
     new_q = inputs.tokens("q", every[N:])
     K64, V64 = K.astype(np.float64), V.astype(np.float64)
-    merges = list(MERGES) if args.merge == "both" else [args.merge]
+    merges = list(EXCHANGES) if args.merge == "both" else [args.merge]
     tol = ERROR_BOUND[args.quantize] if args.quantize else TOLERANCE[dtype]
 
     placement = "interleave" if args.interleave is not None and args.placement == "round_robin" else args.placement
