@@ -21,6 +21,7 @@ import pytest
 from mpiring import Ring, ring_attention, ring_attention_backward, shard_indices
 from mpiring.core import backends, kernels
 from mpiring.core.reference import reference_attention, reference_attention_backward
+from mpiring.core.tiles import BlockRun
 from mpiring.core.tuning import machine, torch_kernel
 from mpiring.plans.visibility import visible_keys
 from mpiring.testing import assert_attention_close
@@ -515,7 +516,8 @@ def test_torch_in_many_calls_stores_then_merges(rng, monkeypatch, threaded, kind
         acc = (np.zeros(q.shape), np.full(q.shape[:-1], -np.inf))
         backends.attention_block(q, k0, v0, None, into=acc)
         backends.attention_block(q, k, v, None, klo, khi, into=acc, progress=progress)
-        grads = backends.attention_block_backward(dout, q, k, v, want, want_lse, None, klo, khi, progress=progress)
+        grads = backends.attention_block_backward(dout, q, k, v, want, want_lse, None, klo, khi,
+                                                  run=BlockRun(progress=progress))
     assert_attention_close(alone, want, np.float64)
     np.testing.assert_allclose(alone_lse, want_lse, atol=1e-12, rtol=0)
     assert_attention_close(acc[0], both, np.float64)

@@ -14,6 +14,7 @@ from mpiring import make_plan, predicted_backward_bytes, predicted_bytes_sent
 from mpiring.core import tiles
 from mpiring.core.backends import attention_block, attention_block_backward
 from mpiring.core.reference import reference_attention_backward
+from mpiring.core.tiles import BlockRun
 from mpiring.plans import plan as plans
 from mpiring.plans.visibility import visible_keys
 
@@ -116,7 +117,7 @@ def test_rows_that_see_nothing_contribute_zero(rng, dtype, monkeypatch):
         warnings.simplefilter("error")
         out, lse = attention_block(q, k, v, None, klo, khi)
         dq, dk, dv = attention_block_backward(dout, q, k, v, out, lse, None, klo, khi,
-                                              progress=lambda: calls.append(1))
+                                              run=BlockRun(progress=lambda: calls.append(1)))
     assert calls and all(np.all(np.isfinite(g)) for g in (dq, dk, dv))
     assert np.all(dq[[1, 3, 4]] == 0)
     for got, want in zip((dq, dk, dv), reference_attention_backward(dout, q, k, v, None, klo, khi)):
@@ -143,9 +144,10 @@ def test_gradients_into_given_buffers(rng, dtype, causal):
     dout = rng.standard_normal(q.shape).astype(dtype)
     lo, hi = (np.zeros(37, int), np.arange(1, 38)) if causal else (None, None)
     out, lse = attention_block(q, k, v, None, lo, hi)
-    want = attention_block_backward(dout, q, k, v, out, lse, None, lo, hi, tile_q=16, tile_k=8)
+    want = attention_block_backward(dout, q, k, v, out, lse, None, lo, hi, run=BlockRun(tile_q=16, tile_k=8))
     buffers = tuple(np.full(a.shape, np.nan, dtype) for a in (q, k, v))
-    got = attention_block_backward(dout, q, k, v, out, lse, None, lo, hi, tile_q=16, tile_k=8, buffers=buffers)
+    got = attention_block_backward(dout, q, k, v, out, lse, None, lo, hi, run=BlockRun(tile_q=16, tile_k=8),
+                                   buffers=buffers)
     for a, b, buf in zip(got, want, buffers):
         assert np.shares_memory(a, buf)
         np.testing.assert_array_equal(a, b)
@@ -260,6 +262,7 @@ def test_backward_small_tiles(rng, dtype, tiles):
     pos = np.arange(33)
     klo, khi = visible_keys(pos, pos, causal=True, window=(11, 0))
     out, lse = attention_block(q, k, v, None, klo, khi)
-    got = attention_block_backward(dout, q, k, v, out, lse, None, klo, khi, tile_q=tiles[0], tile_k=tiles[1])
+    got = attention_block_backward(dout, q, k, v, out, lse, None, klo, khi,
+                                   run=BlockRun(tile_q=tiles[0], tile_k=tiles[1]))
     for g, want in zip(got, reference_attention_backward(dout, q, k, v, None, klo, khi)):
         np.testing.assert_allclose(g, want, atol=GRAD_TOL[dtype], rtol=0)

@@ -15,6 +15,7 @@ from threadpoolctl import threadpool_limits
 
 from mpiring.core.kernels import attention_block, attention_block_backward
 from mpiring.core.reference import reference_attention, reference_attention_backward
+from mpiring.core.tiles import BlockRun
 from mpiring.core.tuning import gemm, machine
 
 from conftest import GEMM_BACKENDS, gemm_backend, sweep
@@ -205,7 +206,8 @@ def _kernels_against_the_reference(dtype, sq, sk, mask, tiles, hq, hk):
     assert np.allclose(out, ref_out, rtol=tol, atol=tol)
     assert np.allclose(lse, ref_lse, rtol=tol, atol=tol)
     dout = rng.standard_normal(out.shape).astype(dtype)
-    grads = attention_block_backward(dout, q, k, v, out, lse, None, klo, khi, tile_q=tiles[0], tile_k=tiles[1])
+    grads = attention_block_backward(dout, q, k, v, out, lse, None, klo, khi,
+                                     run=BlockRun(tile_q=tiles[0], tile_k=tiles[1]))
     want = reference_attention_backward(dout.astype(np.float64), q.astype(np.float64), k.astype(np.float64),
                                         v.astype(np.float64), None, klo, khi)
     gtol = 1e-4 if dtype == np.float32 else 1e-10

@@ -31,7 +31,7 @@ from collections import Counter
 import numpy as np
 
 from . import kernels
-from .tiles import kernel_dtype
+from .tiles import PLAIN_RUN, kernel_dtype
 from .tuning import torch_kernel
 from .tuning.machine import Choice, numpy_exp2_vectorized
 
@@ -124,19 +124,19 @@ def delta_is_rowsum(dout, q, out, delta):
     return torch_kernel.delta_matches(dout, out, delta)
 
 
-def attention_block_backward(dout, q, k, v, out, lse, scale=None, klo=None, khi=None, *, delta=None, rowsum=None,
-                             progress=None, buffers=None, **tiles):
+def attention_block_backward(dout, q, k, v, out, lse, scale=None, klo=None, khi=None, *, delta=None, buffers=None,
+                             run=PLAIN_RUN):
     """``kernels.attention_block_backward`` by the backend in use (the NumPy kernel where it cannot).
 
     The torch ops compute delta = rowsum(dout * out) themselves: a ``delta`` that differs from it by more
     than rounding (a loss that uses lse too: ``dlse`` enters as delta - dlse) takes the NumPy kernel.
-    ``rowsum``: whether it is that rowsum, known for every row of the call (``delta_is_rowsum``); None:
+    ``run.rowsum``: whether it is that rowsum, known for every row of the call (``delta_is_rowsum``); None:
     checked here on these rows."""
     q = np.asarray(q)
     if for_block(q.dtype, q.shape[-2], backward=True) == "torch" and torch_kernel.supports(q, k, v, scale, lse=lse) \
-            and (torch_kernel.delta_matches(dout, out, delta) if rowsum is None else rowsum):
+            and (torch_kernel.delta_matches(dout, out, delta) if run.rowsum is None else run.rowsum):
         calls["torch"] += 1
-        return torch_kernel.backward(dout, q, k, v, out, lse, scale, klo, khi, progress=progress, buffers=buffers)
+        return torch_kernel.backward(dout, q, k, v, out, lse, scale, klo, khi, progress=run.progress, buffers=buffers)
     calls["numpy"] += 1
-    return kernels.attention_block_backward(dout, q, k, v, out, lse, scale, klo, khi, delta=delta,
-                                            progress=progress, buffers=buffers, **tiles)
+    return kernels.attention_block_backward(dout, q, k, v, out, lse, scale, klo, khi, delta=delta, buffers=buffers,
+                                            run=run)

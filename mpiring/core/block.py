@@ -13,7 +13,7 @@ import numpy as np
 from .backends import attention_block, attention_block_backward, delta_is_rowsum
 from .mla import Expanded
 from .scores import attend_general, count_allowed, grads_general
-from .tiles import filled, kernel_dtype, scratch
+from .tiles import BlockRun, filled, kernel_dtype, scratch
 
 __all__ = ["GRAD_DTYPE", "KEPT_OUT", "Rowsum", "Queries", "queries", "accumulators", "count_pairs", "attend",
            "block_grads", "add_grads", "grads_of"]
@@ -133,8 +133,8 @@ def block_grads(queries, kv, pieces, score, dq, progress):
                 scratch(f"grads.v{i}", v[..., c:d, :].shape, dt))
         bq, bk, bv = attention_block_backward(dout[..., a:b, :], q[..., a:b, :], k[..., c:d, :], v[..., c:d, :],
                                               out[..., a:b, :], lse[..., a:b], score.scale, piece.klo, piece.khi,
-                                              delta=delta[..., a:b], rowsum=rowsum, progress=progress,
-                                              buffers=kept)
+                                              delta=delta[..., a:b], buffers=kept,
+                                              run=BlockRun(progress=progress, rowsum=rowsum))
         dq[..., a:b, :] += bq
         grads.append((c, d, bk, bv))
         progress()

@@ -33,6 +33,8 @@ import math
 import numpy as np
 
 from .tiles import (
+    PLAIN_RUN,
+    BlockRun,
     Progress,
     Shapes,
     Tiles,
@@ -352,8 +354,8 @@ def attention_block_backward(
     dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,  # (..., Hq, Sq, Dv), as attention_block
     out: np.ndarray, lse: np.ndarray,  # the final (merged) out (..., Hq, Sq, Dv) and lse (..., Hq, Sq)
     scale: float | None = None, klo: np.ndarray | None = None, khi: np.ndarray | None = None, *,
-    delta: np.ndarray | None = None, tile_q: int | None = None, tile_k: int | None = None, progress=None,
-    buffers: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+    delta: np.ndarray | None = None, buffers: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+    run: BlockRun = PLAIN_RUN,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # dq, dk, dv: the shapes of q, k, v
     """FlashAttention-2 backward of one key block: returns (dq, dk, dv).
 
@@ -365,24 +367,25 @@ def attention_block_backward(
 
     Args:
         dout: (..., Hq, Sq, Dv) gradient of the loss w.r.t. out.
-        q, k, v, scale, klo, khi, tile_q, tile_k, progress: as attention_block.
+        q, k, v, scale, klo, khi: as attention_block.
         out, lse: final attention output and log-sum-exp.
         delta: optional precomputed rowsum(dout * out), shape of lse.
         buffers: optional (dq, dk, dv) arrays, shaped as q, k, v in the compute dtype
             (``tiles.kernel_dtype``), to write the gradients into (overwritten);
             then those are returned, else new arrays.
+        run: the tile sizes and progress callback (``tiles.BlockRun``), as attention_block takes them.
     """
     sh = Shapes(q, k, v)
     dt, b, g, sq, sk, d, dv = sh.dtype, sh.b, sh.g, sh.sq, sh.sk, sh.d, sh.dv
     dq_tile, dk_tile = default_tiles(d, dt, "bwd")
-    tq, tk = tile_q or dq_tile, tile_k or dk_tile
+    tq, tk = run.tile_q or dq_tile, run.tile_k or dk_tile
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     c2 = scale * LOG2E
     floor = _FLOOR_LOG2[dt]
     mm = gemm.product()
     lo, hi = mask_arrays(klo, khi, sq, sk)
     tiles = Tiles(lo, hi, sk, tk, dt)
-    tick = Progress(progress)
+    tick = Progress(run.progress)
 
     do4 = np.asarray(dout).reshape(b, g, sq, dv)
     lse3 = np.asarray(lse).reshape(b, g, sq)

@@ -9,15 +9,16 @@ import functools
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
 from .tuning.machine import cached_tiles  # the tuning cache, read once per process
 
-__all__ = ["TILE_BYTES", "TILE_K", "PROGRESS_INTERVAL", "default_tiles", "default_scale", "kernel_dtype", "Shapes",
-           "mask_arrays", "scratch", "filled", "release_workspace", "pad_ones", "transpose_into", "as_view",
-           "with_ones", "tile_max_norm", "tile_max_norm_t", "Tiles", "Progress", "polls_from_a_thread",
-           "stop_helper_polls"]
+__all__ = ["BlockRun", "PLAIN_RUN", "TILE_BYTES", "TILE_K", "PROGRESS_INTERVAL", "default_tiles", "default_scale",
+           "kernel_dtype", "Shapes", "mask_arrays", "scratch", "filled", "release_workspace", "pad_ones",
+           "transpose_into", "as_view", "with_ones", "tile_max_norm", "tile_max_norm_t", "Tiles", "Progress",
+           "polls_from_a_thread", "stop_helper_polls"]
 
 # Default tiles: 512 x 256 for float32, 256 x 256 for float64, i.e. the score tile of one head is
 # 512 KiB (docs/performance.md §21). Larger query tiles make better GEMMs; larger key tiles spill the
@@ -26,6 +27,21 @@ TILE_BYTES = 512 * 1024
 TILE_K = 256
 # Seconds of compute between two calls of the progress callback.
 PROGRESS_INTERVAL = 0.002
+
+
+@dataclass(frozen=True)
+class BlockRun:
+    """How one block's backward runs: its tiles (None: ``default_tiles``), ``progress`` (called between tiles, at
+    most every PROGRESS_INTERVAL seconds) and ``rowsum``: whether delta is rowsum(dout * out), known for every
+    row of the call (``core.block.queries``; None: the backend checks these rows)."""
+
+    tile_q: int | None = None
+    tile_k: int | None = None
+    progress: object = None
+    rowsum: bool | None = None
+
+
+PLAIN_RUN = BlockRun()
 # Seconds between two polls of ``Progress.during``'s helper thread (each wakes it on the compute core).
 THREAD_POLL_INTERVAL = 0.005
 
