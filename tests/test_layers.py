@@ -222,12 +222,6 @@ def test_the_mode_detector_sees_each_kind_of_look():
 MAX_PARAMETERS = 12  # a public function's; the rest of the options go through the spec (``Spec.of``)
 MAX_FUNCTION_LINES = 80
 WIDE = {  # public functions with more parameters, and why
-    "mpiring.core.kernels.attention_block_backward": "the kernel: arrays, envelope, tiles and buffers, hot path",
-    "mpiring.core.backends.attention_block_backward": "the kernel's backend choice, the kernel's own signature",
-    "mpiring.core.reference.scored_attention": "the dense reference: one keyword per modifier, from the definitions",
-    "mpiring.plans.make.make_plan": "the plan builder: one keyword per planning field of the spec (Spec.plan)",
-    "mpiring.plans.plan.ring_plan": "the ring modes' plan builder: make_plan's planning fields and the rule of streams",
-    "mpiring.mpi.decoding.decode_agreement": "decoding's agreement: its callers' arrays and checks, positionally",
     "mpiring.torch.mamba_chunk_scan": "transformers' mamba2_chunk_scan, taken with its own signature",
     "mpiring.hf.mixers.mamba2_chunk_scan": "what Falcon-H1's mixer calls, with transformers' signature",
     "mpiring.hf.attention": "transformers' attention interface, called by the models with its own signature",

@@ -72,7 +72,6 @@ LSE_LIMIT = {np.dtype(np.float32): 2.0 ** 13, np.dtype(np.float64): 2.0 ** 42}
 _FLOOR_LOG2 = {np.dtype(np.float32): -126.0, np.dtype(np.float64): -1022.0}
 
 
-
 # ---------------------------------------------------------------- forward
 
 def attention_block(
@@ -354,8 +353,7 @@ def attention_block_backward(
     dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,  # (..., Hq, Sq, Dv), as attention_block
     out: np.ndarray, lse: np.ndarray,  # the final (merged) out (..., Hq, Sq, Dv) and lse (..., Hq, Sq)
     scale: float | None = None, klo: np.ndarray | None = None, khi: np.ndarray | None = None, *,
-    delta: np.ndarray | None = None, buffers: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
-    run: BlockRun = PLAIN_RUN,
+    delta: np.ndarray | None = None, buffers: tuple | None = None, run: BlockRun = PLAIN_RUN,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # dq, dk, dv: the shapes of q, k, v
     """FlashAttention-2 backward of one key block: returns (dq, dk, dv).
 
@@ -367,13 +365,12 @@ def attention_block_backward(
 
     Args:
         dout: (..., Hq, Sq, Dv) gradient of the loss w.r.t. out.
-        q, k, v, scale, klo, khi: as attention_block.
+        q, k, v, scale, klo, khi: as attention_block; run: its tiles and progress (``tiles.BlockRun``).
         out, lse: final attention output and log-sum-exp.
         delta: optional precomputed rowsum(dout * out), shape of lse.
         buffers: optional (dq, dk, dv) arrays, shaped as q, k, v in the compute dtype
             (``tiles.kernel_dtype``), to write the gradients into (overwritten);
             then those are returned, else new arrays.
-        run: the tile sizes and progress callback (``tiles.BlockRun``), as attention_block takes them.
     """
     sh = Shapes(q, k, v)
     dt, b, g, sq, sk, d, dv = sh.dtype, sh.b, sh.g, sh.sq, sh.sk, sh.d, sh.dv
