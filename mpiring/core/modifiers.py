@@ -70,10 +70,16 @@ class TableBias:
     def __call__(self, heads, q_pos, k_pos):
         return self.values()[heads, self.buckets(q_pos, k_pos)]
 
-    def add_grad(self, into, dbias, heads, q_pos, k_pos):
+    def read(self):
+        """This bias over its table as read now, float64 NumPy: one call's, which reads the table once."""
+        return TableBias(self.values(), self.index_fn)
+
+    def add_grad(self, into, dbias, heads, q_pos, k_pos, ids=None):
         """Add d loss / d bias ``dbias`` (len(heads), n, m), summed over the batch, into ``into`` (the table's
-        shape), bucket by bucket: row ``heads[i]`` gets dbias[i]'s entries summed per bucket id."""
-        ids = np.broadcast_to(self.buckets(q_pos[:, None], k_pos[None, :]), dbias.shape[-2:]).reshape(-1)
+        shape), bucket by bucket: row ``heads[i]`` gets dbias[i]'s entries summed per bucket id. ``ids``: the
+        bucket ids of these positions when known (``buckets``)."""
+        ids = self.buckets(q_pos[:, None], k_pos[None, :]) if ids is None else ids
+        ids = np.broadcast_to(ids, (1,) + dbias.shape[-2:]).reshape(-1)
         for i, h in enumerate(heads):
             into[h] += np.bincount(ids, weights=dbias[i].reshape(-1), minlength=self.shape[1])
 

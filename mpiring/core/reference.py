@@ -186,10 +186,10 @@ def scored_attention(q, k, v, allowed, *, scale=None, q_pos=None, k_pos=None, do
     if mods.sinks is not None:
         p_sink = np.where(den > 0, np.exp(sink - lse), 0)
         dsinks = -(p_sink * delta).reshape(-1, hq, n).sum(axis=(0, 2))
-    if mods.score_mod is not None:  # tiled: u as the mods.score_mod saw it
+    if mods.score_mod is not None:  # tiled: u as the score_mod saw it
         ds = np.where(p > 0, ds * np.broadcast_to(mods.score_mod_grad(tiled, *where), tiled.shape).reshape(u.shape), 0)
     dtable = None
-    if hasattr(mods.bias, "add_grad"):  # a TableBias: d table[h, bucket] sums d loss / d mods.bias over its entries
+    if hasattr(mods.bias, "add_grad"):  # a TableBias: d table[h, bucket] sums d loss / d bias over its entries
         dtable = np.zeros(mods.bias.shape)
         mods.bias.add_grad(dtable, ds.reshape(-1, hq, n, m).sum(axis=0), np.arange(hq), q_pos, k_pos)
     if mods.softcap is not None:

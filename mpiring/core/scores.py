@@ -64,7 +64,8 @@ class Score:
         if spec.return_max_logit and q is not None:
             stat = np.full(q.shape[:-2] if q.ndim > 2 else (1,), -np.inf)
         dtable = np.zeros(spec.bias.shape) if backward and isinstance(spec.bias, TableBias) else None
-        return cls(scale, spec.softcap, spec.bias, spec.dropout, spec.seed, None, stat, finite,
+        bias = spec.bias.read() if isinstance(spec.bias, TableBias) else spec.bias  # its table read once per call
+        return cls(scale, spec.softcap, bias, spec.dropout, spec.seed, None, stat, finite,
                    (spec.score_mod, spec.score_mod_grad), dtable)
 
     @property
@@ -243,7 +244,8 @@ class _Block:
         if where is None:
             raise ValueError("the general kernel needs the pieces' positions (plan.pieces gives them)")
         self.q_pos, self.k_pos, self.mask = where.q_pos[a:b], where.k_pos[c:d], where.mask
-        self.score = score
+        self.score, self.ids = score, None  # ids: the last tile's bucket ids of a TableBias
+        self.indices = (None, None)  # (tile, the score_mod's index arrays) of the last tile
         heads = self.score.heads
         if heads is None:
             self.heads = np.arange(hq)
@@ -287,7 +289,9 @@ class _Block:
         fn = self.score.mods[which]
         tile = np.broadcast_to(s, (self.batch, self.hk, self.g, i1 - i0, j1 - j0))
         tile = tile.reshape(self.batch, self.hq, i1 - i0, j1 - j0)
-        indices = tile_indices(self.batch, self.heads, self.q_pos[i0:i1], self.k_pos[j0:j1])
+        if self.indices[0] != (i0, i1, j0, j1):  # the backward calls both on one tile: its indices made once
+            self.indices = (i0, i1, j0, j1), tile_indices(self.batch, self.heads, self.q_pos[i0:i1], self.k_pos[j0:j1])
+        indices = self.indices[1]
         what = "score_mod" if which == 0 else "score_mod_grad"
         got = evaluated(f"the {what} {getattr(fn, '__qualname__', type(fn).__qualname__)}", indices[2], indices[3],
                         mod_values, fn, tile, indices, self.score.finite)
@@ -298,17 +302,24 @@ class _Block:
         dbias = ds.sum(axis=0).reshape(self.hq, i1 - i0, j1 - j0)
         qp, kp = self.q_pos[i0:i1], self.k_pos[j0:j1]
         evaluated(f"the bias {self.score.bias!r}", qp, kp, self.score.bias.add_grad, self.score.dtable, dbias,
-                  self.heads, qp, kp)
+                  self.heads, qp, kp, self.ids)
 
     def _bias(self, heads, q_pos, k_pos, finite=False):
-        extra = np.asarray(self.score.bias(heads, q_pos[None, :, None], k_pos[None, None, :]))
+        """The bias of a tile; a ``TableBias``'s bucket ids kept in ``ids`` for the tile's table gradient."""
+        bias, q_pos, k_pos = self.score.bias, q_pos[None, :, None], k_pos[None, None, :]
+        if isinstance(bias, TableBias):
+            self.ids = bias.buckets(q_pos, k_pos)
+            extra = bias.values()[heads, self.ids]
+        else:
+            extra = np.asarray(bias(heads, q_pos, k_pos))
         if finite:
             finite_bias(extra)
+        shape = (self.hq, q_pos.shape[1], k_pos.shape[2])
         try:
-            return np.broadcast_to(extra, (self.hq, len(q_pos), len(k_pos)))
+            return np.broadcast_to(extra, shape)
         except ValueError:
             raise ValueError(f"bias returned shape {extra.shape}, which does not broadcast to (heads, queries, "
-                             f"keys) = {(self.hq, len(q_pos), len(k_pos))}") from None
+                             f"keys) = {shape}") from None
 
     def _allowed(self, i0, i1, j0, j1):
         ok = None
