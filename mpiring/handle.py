@@ -116,8 +116,8 @@ class Ring:
         self._timeout, self._threads, self._expected_size = timeout, threads, expected_size
         self._failed, self._rings, self._watch, self._grad_rings = None, [], None, False
         self.rank, self.size = self._comm.Get_rank(), self._comm.Get_size()
-        if spec is None or spec.seq_len is not None or spec.positions is not None:
-            self._agree(_CALLER.get()[0] or self._problem, None, backward=True)
+        if spec is None or spec.seq_len is not None or spec.positions is not None:  # the backward's comms: lazily
+            self._agree(_CALLER.get()[0] or self._problem, None, backward=False)
 
     def _agree(self, problem, length, backward):
         """The Ring's agreement (one all-gather): its spec, its run options and, without a ``seq_len``, every rank's

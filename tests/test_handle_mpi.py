@@ -75,6 +75,26 @@ def test_handle_equals_functions_and_counts_per_call(comm):
             assert (backward.bytes_sent, backward.messages) == (once_back.bytes_sent, once_back.messages)
             assert forward.tasks == once.tasks
 
+
+@pytest.mark.parametrize("mode", MODES)
+def test_backward_communicators_made_at_the_first_backward(comm, mode):
+    """A Ring given seq_len duplicates only the forward's communicators; the first backward adds its own (on every
+    rank at once), and the gradients are the one-call function's."""
+    S, options = 4 * comm.size + 1, dict(causal=True, layout="zigzag", mode=mode)
+    Q, K, V, dOut = _problem(S)
+    q, k, v, dout = (local(x, comm, "zigzag") for x in (Q, K, V, dOut))
+    with Ring(comm, S, **options) as ring:
+        assert len(ring._rings) == 1
+        out, lse = ring.forward(q, k, v)
+        assert len(ring._rings) == 1
+        grads = ring.backward(dout, q, k, v, out, lse)
+        made = len(ring._rings)
+        assert made > 1 or comm.size == 1 or mode == "allgather"
+        ring.backward(dout, q, k, v, out, lse)
+        assert len(ring._rings) == made
+    for got, want in zip(grads, ring_attention_backward(dout, q, k, v, out, lse, comm, **options)):
+        np.testing.assert_array_equal(got, want)
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_seq_axis_bshd(comm, layout):
     """(B, S, H, D) tensors with seq_axis=-3: the same numbers as (B, H, S, D), results in (B, S, H, D)."""

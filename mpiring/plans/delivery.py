@@ -26,11 +26,11 @@ fewer; the price is memory (a rank holds every block it needs at once, as the
 all-gather holds all of them) and more, smaller messages at once.
 """
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
+from ..core.scores import allowed_rows
 from .plan import Plan, PlannedSchedule, Task, problem_fields
 from .rows import PairTable, Rows
 
@@ -110,16 +110,15 @@ def sparse_plan(base):
     return plan
 
 
-def _seen(plan, rank, source, chunk=1 << 22):
+def _seen(plan, rank, source):
     """The rows of ``source``'s block that some query of ``rank`` sees, from the mask's definition."""
     where = plan.where(rank, source)
     seen = np.zeros(len(where.k_pos), bool)
     if plan.kinds[rank][source] == "skip":
         return np.flatnonzero(seen)
-    step = max(1, chunk // max(1, len(where.k_pos) * math.prod(where.mask.counts() or (1,))))
-    for a in range(0, len(where.q_pos), step):
-        ok = where.mask.allows(where.q_pos[a:a + step, None], where.k_pos[None, :])
-        seen |= ok.reshape(-1, len(where.k_pos)).any(axis=0)
+    n, m = len(where.q_pos), len(where.k_pos)
+    for _, _, ok in allowed_rows(where.mask, where.q_pos, where.k_pos, np.zeros(n, np.int64), np.full(n, m)):
+        seen |= ok.reshape(-1, m).any(axis=0)
     return np.flatnonzero(seen)
 
 
