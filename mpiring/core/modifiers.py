@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Modifiers", "TableBias", "relative_buckets", "t5_bias", "tile_indices", "mod_values"]
+__all__ = ["Modifiers", "NO_MODIFIERS", "TableBias", "relative_buckets", "t5_bias", "tile_indices", "mod_values"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -29,6 +29,9 @@ class Modifiers:
     sinks: object = None  # one logit per query head
     dropout: float = 0.0
     seed: int = 0
+
+
+NO_MODIFIERS = Modifiers()
 
 
 class TableBias:

@@ -31,7 +31,7 @@ import math
 import numpy as np
 
 from .kernels import empty_or_nan, merge
-from .modifiers import TableBias, mod_values, tile_indices
+from .modifiers import NO_MODIFIERS, Modifiers, TableBias, mod_values, tile_indices
 from .tiles import kernel_dtype
 
 __all__ = ["Score", "attend_general", "grads_general", "alibi_slopes", "alibi", "with_sinks", "sink_grads",
@@ -42,16 +42,18 @@ TILE_Q, TILE_K = 128, 512
 
 
 class Score:
-    """A call's scores: ``scale`` and its modifiers; ``heads``: the global indices of the query heads a rank
-    holds (None: all, in order; Ulysses holds a slice); ``max_logit``: where the forward keeps its largest
-    visible logit per batch entry and global head (None: not asked); ``mods``: ``(score_mod, score_mod_grad)``;
-    ``dtable``: where a backward sums the gradient of a ``TableBias`` bias (None: not asked)."""
+    """A call's scores: ``scale`` and its ``modifiers`` (``core.modifiers.Modifiers``; their sinks join after the
+    blocks, ``with_sinks``); ``heads``: the global indices of the query heads a rank holds (None: all, in order;
+    Ulysses holds a slice); ``max_logit``: where the forward keeps its largest visible logit per batch entry and
+    global head (None: not asked); ``dtable``: where a backward sums the gradient of a ``TableBias`` bias (None:
+    not asked). ``mods``: ``(score_mod, score_mod_grad)``."""
 
-    def __init__(self, scale, softcap=None, bias=None, dropout=0.0, seed=0, heads=None, max_logit=None,
-                 finite=False, mods=(None, None), dtable=None):
-        self.scale, self.softcap, self.bias, self.finite = float(scale), softcap, bias, finite
-        self.dropout, self.seed, self.heads, self.max_logit = float(dropout or 0.0), int(seed or 0), heads, max_logit
-        self.mods, self.dtable = tuple(mods), dtable
+    def __init__(self, scale, modifiers=NO_MODIFIERS, heads=None, max_logit=None, finite=False, dtable=None):
+        self.scale, self.modifiers, self.finite = float(scale), modifiers, finite
+        self.softcap, self.bias = modifiers.softcap, modifiers.bias
+        self.mods = (modifiers.score_mod, modifiers.score_mod_grad)
+        self.dropout, self.seed = float(modifiers.dropout or 0.0), int(modifiers.seed or 0)
+        self.heads, self.max_logit, self.dtable = heads, max_logit, dtable
 
     @classmethod
     def of(cls, spec, scale, q=None, finite=False, backward=False):
@@ -65,8 +67,9 @@ class Score:
             stat = np.full(q.shape[:-2] if q.ndim > 2 else (1,), -np.inf)
         dtable = np.zeros(spec.bias.shape) if backward and isinstance(spec.bias, TableBias) else None
         bias = spec.bias.read() if isinstance(spec.bias, TableBias) else spec.bias  # its table read once per call
-        return cls(scale, spec.softcap, bias, spec.dropout, spec.seed, None, stat, finite,
-                   (spec.score_mod, spec.score_mod_grad), dtable)
+        modifiers = Modifiers(softcap=spec.softcap, bias=bias, score_mod=spec.score_mod,
+                              score_mod_grad=spec.score_mod_grad, dropout=spec.dropout, seed=spec.seed)
+        return cls(scale, modifiers, None, stat, finite, dtable)
 
     @property
     def plain(self):
@@ -76,8 +79,7 @@ class Score:
 
     def for_heads(self, heads):
         """The same score for a rank that holds the query heads ``heads`` (a slice of the global heads)."""
-        return Score(self.scale, self.softcap, self.bias, self.dropout, self.seed, heads, self.max_logit, self.finite,
-                     self.mods, self.dtable)
+        return Score(self.scale, self.modifiers, heads, self.max_logit, self.finite, self.dtable)
 
 
 class FunctionFailed(ValueError):
