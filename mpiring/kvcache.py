@@ -295,27 +295,26 @@ class KVCache:
 
     # ---------------------------------------------------------------- decoding
 
-    def attend(self, q, *, causal=False, positions=None, exchange="tree", scale=None, record=None, mask=None,
-               softcap=None, bias=None, sinks=None, spec=None, merge=None):
+    def attend(self, q, *, causal=False, positions=None, exchange="tree", scale=None, record=None, spec=None,
+               merge=None, **options):
         """``decode_attention`` of ``q`` (..., Hq, T, D), the same on every rank, over the whole cache.
 
         Every rank returns the same ``(out, lse)``. With ``causal``, query i sees
         the cached tokens at positions <= positions[i] (default: the last T
-        positions, the tokens just added with ``extend``). ``mask``, ``softcap``,
-        ``bias``, ``sinks``: as ``decode_attention`` (the same default positions).
+        positions, the tokens just added with ``extend``). ``options``: ``mask``, ``softcap``,
+        ``bias``, ``sinks``, ``score_mod`` as ``decode_attention`` takes them (the same default positions).
         ``spec``: a ``Spec`` giving these instead (the cache knows where its keys are). ``exchange``: as
         ``decode_attention`` (``merge=``: its former name, deprecated).
         """
         exchange = renamed({} if merge is None else {"merge": merge}, exchange)
         with exclusive(self.comm):
             (scale, causal, positions, _), problem, scores = spec_of(
-                spec, scale, causal, positions, None, who="KVCache.attend",
-                scores=dict(mask=mask, softcap=softcap, bias=bias, sinks=sinks))
+                spec, scale, causal, positions, None, who="KVCache.attend", scores=options)
             if (causal or scores) and positions is None:
                 positions = np.arange(len(self) - np.shape(q)[-2], len(self)) if np.ndim(q) >= 2 else None
             problem = problem or (scores and scores.problem(q, positions, self.store.positions))
-            return self._attend(q, exchange, scale, record, problem, causal=causal, positions=positions,
-                                scores=scores)
+            call = Decoding(scale, self.timeout, exchange, causal, positions, self.store.positions)
+            return self._attend(q, call, record, problem, scores=scores)
 
     def verify(self, q, k, v, parents=None, *, exchange="tree", scale=None, record=None, merge=None):
         """Speculative verification: T draft tokens' attention in one call, nothing added to the cache yet.
@@ -343,7 +342,8 @@ class KVCache:
             except Exception as exc:  # reported collectively, never raised alone
                 problem, values = describe(exc), None
             self._draft = None
-            result = self._attend(q, exchange, scale, record, problem, values=values, draft=(k, v, parents))
+            call = Decoding(scale, self.timeout, exchange, kv_positions=self.store.positions)
+            result = self._attend(q, call, record, problem, values=values, draft=(k, v, parents))
             self._draft = (k.copy(), v.copy(), parents, len(self))  # T tokens: safe from the caller's later writes
             return result
 
@@ -371,9 +371,9 @@ class KVCache:
         self._draft = None
         self._add(k[..., accepted, :], v[..., accepted, :])
 
-    def _attend(self, q, exchange, scale, record, problem, causal=False, positions=None, values=None, draft=None,
-                scores=None):
-        """``q`` over this rank's tiles, merged with every rank's; with ``draft``, its tree part merged after."""
+    def _attend(self, q, call, record, problem, values=None, draft=None, scores=None):
+        """``q`` over this rank's tiles (``call``: the ``Decoding`` options), merged with every rank's; with
+        ``draft``, its tree part merged after."""
         k_like, v_like = self._like(q)
         problem = problem or self._q_problem(q)
         k_peak = self.store.k_peak if draft is None or problem or not draft[0].size else \
@@ -382,19 +382,17 @@ class KVCache:
 
         @computing(rec)
         def work(scale):  # this rank's tiles (and the user's functions on them), before the agreement
-            own = None if positions is None else np.asarray(positions, np.int64)
-            return local_partial(np.ascontiguousarray(q), self.store.tiles(), scale, own, causal, padded=True,
+            own = None if call.positions is None else np.asarray(call.positions, np.int64)
+            return local_partial(np.ascontiguousarray(q), self.store.tiles(), scale, own, call.causal, padded=True,
                                  scores=scores)
 
         scale, lengths, (out, lse) = decode_agreement(
-            self.comm, q, k_like, v_like,
-            Decoding(scale, self.timeout, exchange, causal, positions, self.store.positions), k_peak=k_peak,
-            problem=problem, values={**(values or {}), **(scores.values() if scores else {})},
-            work=work)
+            self.comm, q, k_like, v_like, call, k_peak=k_peak, problem=problem,
+            values={**(values or {}), **(scores.values() if scores else {})}, work=work)
         timeout = decode_timeout(self.timeout, q, v_like, lengths)
         start = time.perf_counter() - work.seconds
-        rows = merge_partials(packed(out, lse), self.comm, exchange, timeout, ring=self._ring_for(exchange, timeout),
-                              rec=rec)
+        rows = merge_partials(packed(out, lse), self.comm, call.exchange, timeout,
+                              ring=self._ring_for(call.exchange, timeout), rec=rec)
         if draft is not None:  # the drafts among themselves: the same inputs and bits on every rank
             lse_merge(packed(*draft_partial(np.ascontiguousarray(q), draft[0], draft[1], draft[2], scale)), rows)
         rec.wall_time = time.perf_counter() - start
