@@ -17,6 +17,8 @@ Mamba-1). The backward is back-propagation through the same loop, written out
 by hand; it shares no code with the chunked kernels.
 """
 
+from typing import NamedTuple
+
 import numpy as np
 
 __all__ = ["recurrence", "recurrence_backward", "conv", "conv_backward"]
@@ -30,17 +32,27 @@ def _decay(g, t, dk):
     return a[:, None, None] if a.ndim == 1 else a[:, :, None]
 
 
-def _step(S, t, k, v, g, beta, starts):
+class _Inputs(NamedTuple):
+    """The recurrence's inputs in float64 (g, beta, starts: None when not given)."""
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    g: np.ndarray | None
+    beta: np.ndarray | None
+    starts: object
+
+
+def _step(S, t, x):
     """The state after token t from the one before it, and that one decayed (what the delta rule reads)."""
-    if starts is not None and starts[t]:
+    if x.starts is not None and x.starts[t]:
         S = np.zeros_like(S)
-    a = _decay(g, t, k.shape[-1])
+    a = _decay(x.g, t, x.k.shape[-1])
     Sd = S if a is None else a * S
-    kt, vt = k[:, t], v[:, t]
-    if beta is None:
+    kt, vt = x.k[:, t], x.v[:, t]
+    if x.beta is None:
         return Sd + kt[:, :, None] * vt[:, None, :], Sd
     r = vt - np.einsum("zi,zij->zj", kt, Sd)
-    return Sd + beta[:, t, None, None] * kt[:, :, None] * r[:, None, :], Sd
+    return Sd + x.beta[:, t, None, None] * kt[:, :, None] * r[:, None, :], Sd
 
 
 def _as64(*arrays):
@@ -53,12 +65,12 @@ def _start(k, v, state):
 
 def recurrence(q, k, v, g=None, beta=None, state=None, starts=None):
     """``(out, final state)`` of the recurrence above in float64; ``state``: the initial (Z, dk, dv) one."""
-    q, k, v, g, beta = _as64(q, k, v, g, beta)
-    S = _start(k, v, state)
-    out = np.empty(q.shape[:2] + v.shape[-1:])
-    for t in range(q.shape[1]):
-        S, _ = _step(S, t, k, v, g, beta, starts)
-        out[:, t] = np.einsum("zi,zij->zj", q[:, t], S)
+    x = _Inputs(*_as64(q, k, v, g, beta), starts)
+    S = _start(x.k, x.v, state)
+    out = np.empty(x.q.shape[:2] + x.v.shape[-1:])
+    for t in range(x.q.shape[1]):
+        S, _ = _step(S, t, x)
+        out[:, t] = np.einsum("zi,zij->zj", x.q[:, t], S)
     return out, S
 
 
@@ -69,6 +81,7 @@ def recurrence_backward(dout, q, k, v, g=None, beta=None, state=None, starts=Non
     are kept every sqrt(n) tokens and recomputed in between (memory of O(sqrt(n)) states).
     """
     dout, q, k, v, g, beta = _as64(dout, q, k, v, g, beta)
+    x = _Inputs(q, k, v, g, beta, starts)
     n = k.shape[1]
     stride = max(1, int(np.ceil(np.sqrt(n))))
     S0 = _start(k, v, state)
@@ -76,7 +89,7 @@ def recurrence_backward(dout, q, k, v, g=None, beta=None, state=None, starts=Non
     for t in range(n):
         if t % stride == 0:
             marks.append(S)
-        S, _ = _step(S, t, k, v, g, beta, starts)
+        S, _ = _step(S, t, x)
     dq, dk_, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
     dg = None if g is None else np.zeros_like(g)
     dbeta = None if beta is None else np.zeros_like(beta)
@@ -85,17 +98,18 @@ def recurrence_backward(dout, q, k, v, g=None, beta=None, state=None, starts=Non
         S, before, states, decayed = marks[first // stride], [], [], []
         for t in range(first, min(first + stride, n)):
             before.append(np.zeros_like(S) if starts is not None and starts[t] else S)
-            S, Sd = _step(S, t, k, v, g, beta, starts)
+            S, Sd = _step(S, t, x)
             states.append(S)
             decayed.append(Sd)
         for i in reversed(range(len(states))):
-            dS = _back(first + i, dS, states[i], decayed[i], before[i], dout, q, k, v, g, beta, starts,
-                       (dq, dk_, dv, dg, dbeta))
+            dS = _back(first + i, dS, states[i], decayed[i], before[i], dout, x, (dq, dk_, dv, dg, dbeta))
     return dq, dk_, dv, dg, dbeta, dS
 
 
-def _back(t, dS, S, Sd, prev, dout, q, k, v, g, beta, starts, grads):
-    """One token of the backward: fills the gradients of token t, returns that of the state before it."""
+def _back(t, dS, S, Sd, prev, dout, x, grads):
+    """One token of the backward (``x``: the ``_Inputs``): fills the gradients of token t, returns that of the
+    state before it."""
+    q, k, v, g, beta, starts = x.q, x.k, x.v, x.g, x.beta, x.starts
     dq, dk_, dv, dg, dbeta = grads
     dq[:, t] = np.einsum("zij,zj->zi", S, dout[:, t])
     dS = dS + q[:, t, :, None] * dout[:, t, None, :]
