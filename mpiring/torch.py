@@ -321,13 +321,16 @@ def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_st
 
 
 def mamba_chunk_scan(hidden_states, dt, A, B, C, chunk_size=None, D=None, dt_bias=None, initial_states=None,
-                     dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, z=None, **mixer):
+                     dt_softplus=False, dt_limit=(0.0, float("inf")), **mixer):
     """transformers' ``mamba2_chunk_scan`` (Mamba-2's SSD, Falcon-H1): hidden_states (B, n, H, P), dt (B, n, H),
-    A (H,), B and C (B, n, G, N), D (H,); dt + dt_bias, softplus and the limits in torch ops as there. Returns
-    (B, n, H, P)."""
-    refused = mixer.pop("problem", None) or _refused(initial_states=(initial_states, (None,)),
-                                                     return_final_states=(return_final_states, (False,)),
-                                                     z=(z, (None,)))
+    A (H,), B and C (B, n, G, N), D (H,); dt + dt_bias, softplus and the limits in torch ops as there;
+    ``return_final_states`` and ``z`` by keyword (refused unless False and None). Returns (B, n, H, P)."""
+    refused = mixer.pop("problem", None) or _refused(
+        initial_states=(initial_states, (None,)), return_final_states=(mixer.pop("return_final_states", False),
+                                                                       (False,)), z=(mixer.pop("z", None), (None,)))
+    if dt_limit is None:
+        refused = refused or "dt_limit=None (time_step_limit=None): mpiring takes Mamba-2's dt limits as (min, max)"
+        dt_limit = (0.0, float("inf"))
     if dt_bias is not None:
         dt = dt + dt_bias.to(dt.dtype)
     if dt_softplus:

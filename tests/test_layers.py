@@ -228,13 +228,6 @@ WIDE = {  # public functions with more parameters, and why
     "mpiring.plans.make.make_plan": "the plan builder: one keyword per planning field of the spec (Spec.plan)",
     "mpiring.plans.plan.ring_plan": "the ring modes' plan builder: make_plan's planning fields and the rule of streams",
     "mpiring.mpi.decoding.decode_agreement": "decoding's agreement: its callers' arrays and checks, positionally",
-    "mpiring.torch.mamba_chunk_scan": "transformers' mamba2_chunk_scan, taken with its own signature",
-    "mpiring.hf.mixers.mamba2_chunk_scan": "what Falcon-H1's mixer calls, with transformers' signature",
-    "mpiring.hf.attention": "transformers' attention interface, called by the models with its own signature",
-    "mpiring.parallel.mixing.statespace.ssd_backward": "a mixer's 8 arrays (and comm) before its options",
-    "mpiring.parallel.mixing.statespace.selective_scan_backward": "a mixer's 8 arrays (and comm) before its options",
-    "mpiring.parallel.mixing.statespace.backward": "the two scans' shared backward, their arguments",
-    "mpiring.parallel.mixing.entry.linear_attention_backward": "a mixer's 7 arrays (and comm) before its options",
 }
 LONG = {  # functions over MAX_FUNCTION_LINES, and why
     "mpiring.core.kernels.attention_block": "the tiled kernel, its hot loop in one piece",
