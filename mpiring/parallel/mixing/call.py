@@ -114,6 +114,13 @@ class MixerCall:
         self._requests.append((request, array))
         return request
 
+    def swap(self, sends, recvs, tag, what):
+        """Post a receive into each ``(source, buffer)`` of ``recvs``, then a send of each ``(dest, array)`` of
+        ``sends``, and wait for them all."""
+        requests = [self.irecv(buffer, source, tag) for source, buffer in recvs]
+        requests += [self.isend(array, dest, tag) for dest, array in sends]
+        self.wait(requests, what)
+
     def wait(self, requests, what):
         """Complete ``requests`` within the call's timeout; the time blocked is this rank's wait."""
         start = time.perf_counter()

@@ -32,7 +32,8 @@ from .halo import exchange, home
 from .passing import PASSING
 
 __all__ = ["Refused", "causal_conv", "causal_conv_backward", "linear_attention", "linear_attention_backward", "Carry",
-           "run_entry", "scan_forward", "scan_backward", "arrays_problem", "carry_problem", "made_by"]
+           "run_entry", "scan_forward", "scan_backward", "arrays_problem", "carry_problem", "gradient_problem",
+           "made_by"]
 
 
 class Carry(NamedTuple):
@@ -139,12 +140,6 @@ def causal_conv(x, weight, bias=None, comm=None, **options):
 def causal_conv_backward(dy, x, weight, bias=None, comm=None, **options):
     """``(dx, dweight, dbias)`` of ``causal_conv``: the halo rows' gradients go home to their holders;
     dweight and dbias are this rank's share (dbias None without a bias). Collective."""
-    def check(spec):
-        problem = _conv_problem(x, weight, bias)
-        if problem is None and dy.shape != x.shape:
-            return f"dy must have the shape of x {x.shape}, got {dy.shape}"
-        return problem
-
     def body(call, dy, x, weight, bias):
         halo, src, work = _conv_rows(call, x, weight)
         dy3 = dy.reshape(src.shape[0], -1, src.shape[-1]).astype(work, copy=False)
@@ -155,7 +150,8 @@ def causal_conv_backward(dy, x, weight, bias=None, comm=None, **options):
                 (None if bias is None else dbias.astype(bias.dtype), None)]
 
     rows = {"dy": (dy, -2), "x": (x, -2), "weight": (weight, None), "bias": (bias, None)}
-    return run_entry(comm, rows, check, body, options, work=8.0 * np.size(x) * np.shape(weight)[-1])
+    return run_entry(comm, rows, lambda spec: _conv_problem(x, weight, bias) or gradient_problem("dy", dy, x, "x"),
+                     body, options, work=8.0 * np.size(x) * np.shape(weight)[-1])
 
 
 # ---------------------------------------------------------------- linear recurrences
@@ -227,6 +223,13 @@ def made_by(spec, *shapes):
     return (repr(sorted(spec.shown().items())),) + tuple(None if s is None else tuple(s) for s in shapes)
 
 
+def gradient_problem(name, d, like, what):
+    """Why the gradient ``d`` (``name``) does not have the shape of ``like`` (``what``), or None."""
+    if getattr(d, "shape", None) != like.shape:
+        return f"{name} must have the shape of {what} {like.shape}, got {getattr(d, 'shape', type(d).__name__)}"
+    return None
+
+
 def carry_problem(carry, spec, *shapes):
     """Why ``carry`` is not what this rank's forward with ``spec`` and these shapes returned, or None."""
     if not isinstance(carry, Carry):
@@ -258,10 +261,8 @@ def linear_attention_backward(dout, q, k, v, carry, comm=None, *, decay=None, be
     """``(dq, dk, dv, ddecay, dbeta)`` of ``linear_attention`` (None for what was not given), from the same
     arguments and the forward's ``carry``. Collective."""
     def check(spec):
-        problem = _linear_problem(q, k, v, decay, beta, scale)
-        if problem is None and (not isinstance(dout, np.ndarray) or dout.shape != v.shape):
-            return f"dout must have the shape of v {v.shape}, got {getattr(dout, 'shape', type(dout).__name__)}"
-        return problem or carry_problem(carry, spec, q.shape, v.shape, _shape(decay), _shape(beta))
+        return (_linear_problem(q, k, v, decay, beta, scale) or gradient_problem("dout", dout, v, "v")
+                or carry_problem(carry, spec, q.shape, v.shape, _shape(decay), _shape(beta)))
 
     def body(call, dout, q, k, v, decay, beta):
         s, flat = _linear_rows(q, k, v, decay, beta, scale)

@@ -15,7 +15,7 @@ import numpy as np
 
 from ...core.mixers.ssm import scan_grads, scan_inputs, ssd_grads, ssd_inputs
 from ...core.precision import compute_dtype
-from .entry import carry_problem, made_by, run_entry, scan_backward, scan_forward
+from .entry import carry_problem, gradient_problem, made_by, run_entry, scan_backward, scan_forward
 
 __all__ = ["ssd", "ssd_backward", "selective_scan", "selective_scan_backward"]
 
@@ -84,10 +84,8 @@ class _Mixer:
 
     def backward(self, comm, options, carry, dy, *given):
         def check(spec):
-            problem = self.problem(*given)
-            if problem is None and dy.shape != given[0].shape:
-                return f"dy must have the shape of x {given[0].shape}, got {dy.shape}"
-            return problem or carry_problem(carry, spec, given[0].shape, given[3].shape)
+            return (self.problem(*given) or gradient_problem("dy", dy, given[0], "x")
+                    or carry_problem(carry, spec, given[0].shape, given[3].shape))
 
         def body(call, dy, x, dt, A, B, C, D):
             given = (x, dt, A, B, C, D)
