@@ -229,11 +229,9 @@ def _sinks_problem(sinks, q, ring, options):
 
 # ---------------------------------------------------------------- the sequence mixers (docs/mixers.md)
 #
-# Each function takes what the transformers kernel it is named after takes (the same shapes, the same
-# pointwise steps in torch ops, so autograd differentiates them), plus the mixer call's keywords: comm=,
-# and the options of mpiring.MixerSpec (seq_len=, layout=, positions=, cu_seqlens=, passing=, block=) or
-# spec=; timeout=, record=; problem=: this rank's reason the call cannot run (every rank then raises it, through
-# the call's agreement). The recurrence or convolution itself runs collectively through mpiring.
+# Each takes what the transformers kernel it is named after takes (the same shapes and pointwise steps, in torch
+# ops), plus a mixer call's keywords (comm=, timeout=, record=, spec= or MixerSpec's options; problem=: this
+# rank's reason the call cannot run, raised by every rank through the call's agreement).
 
 MIXERS = {"conv": (_conv, _conv_backward, "dy"), "linear": (_linear, _linear_backward, "dout"),
           "ssd": (_ssd, _ssd_backward, "dy"), "scan": (_scan, _scan_backward, "dy")}
