@@ -289,14 +289,14 @@ def _l2norm(x, eps=1e-6):
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def linear_attention(q, k, v, g=None, *, scale=None, **mixer):
+def linear_attention(q, k, v, g=None, *, beta=None, scale=None, **mixer):
     """Linear attention with a decay, (B, n, H, d) tensors as flash-linear-attention takes them: ``g`` None,
-    (B, n, H) log decays (one per head) or (B, n, H, dk) (GLA). Returns (B, n, H, dv)."""
+    (B, n, H) log decays (one per head) or (B, n, H, dk) (GLA); ``beta`` (B, n, H): the gated delta rule.
+    Returns (B, n, H, dv)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    names = ("q", "k", "v", "decay")
     refused = mixer.pop("problem", None)
-    out = _Mixer.apply("linear", names, dict(mixer, scale=scale), refused,
-                       *(None if t is None else t.transpose(1, 2) for t in (q, k, v, g)))
+    out = _Mixer.apply("linear", ("q", "k", "v", "decay", "beta"), dict(mixer, scale=scale), refused,
+                       *(None if t is None else t.transpose(1, 2) for t in (q, k, v, g, beta)))
     return out.transpose(1, 2).contiguous()
 
 
@@ -311,11 +311,7 @@ def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_st
         query, key = (t.repeat_interleave(value.shape[-2] // key.shape[-2], dim=2) for t in (query, key))
     if use_qk_l2norm_in_kernel:
         query, key = _l2norm(query), _l2norm(key)
-    scale = query.shape[-1] ** -0.5 if scale is None else scale
-    names = ("q", "k", "v", "decay", "beta")
-    out = _Mixer.apply("linear", names, dict(mixer, scale=scale), refused,
-                       *(t.transpose(1, 2) for t in (query, key, value, g, beta)))
-    return out.transpose(1, 2).contiguous(), None
+    return linear_attention(query, key, value, g, beta=beta, scale=scale, problem=refused, **mixer), None
 
 
 def mamba_chunk_scan(hidden_states, dt, A, B, C, chunk_size=None, D=None, dt_bias=None, initial_states=None,
