@@ -33,7 +33,7 @@ from .passing import PASSING
 
 __all__ = ["Refused", "causal_conv", "causal_conv_backward", "linear_attention", "linear_attention_backward", "Carry",
            "run_entry", "scan_forward", "scan_backward", "arrays_problem", "carry_problem", "gradient_problem",
-           "made_by"]
+           "made_by", "merged"]
 
 
 class Carry(NamedTuple):
@@ -205,7 +205,7 @@ def _linear_problem(q, k, v, decay, beta, scale):
     return None
 
 
-def _flat(a, keep):
+def merged(a, keep):
     """``a`` with its leading axes merged: (Z, ...) keeping its last ``keep`` axes."""
     return None if a is None else a.reshape((-1,) + a.shape[a.ndim - keep:])
 
@@ -215,7 +215,7 @@ def _linear_rows(q, k, v, decay, beta, scale):
     work = compute_dtype(q.dtype)
     s = 1.0 / np.sqrt(q.shape[-1]) if scale is None else float(scale)
     keep = decay.ndim - q.ndim + 2 if decay is not None else 0
-    return s, [_flat(a if a is None else a.astype(work, copy=False), n) for a, n in
+    return s, [merged(a if a is None else a.astype(work, copy=False), n) for a, n in
                ((q * s, 2), (k, 2), (v, 2), (decay, keep), (beta, 1))]
 
 
@@ -266,7 +266,7 @@ def linear_attention_backward(dout, q, k, v, carry, comm=None, *, decay=None, be
 
     def body(call, dout, q, k, v, decay, beta):
         s, flat = _linear_rows(q, k, v, decay, beta, scale)
-        dq, dk, dv, dg, dbeta = scan_backward(call, _flat(dout.astype(flat[0].dtype, copy=False), 2), *flat, carry)
+        dq, dk, dv, dg, dbeta = scan_backward(call, merged(dout.astype(flat[0].dtype, copy=False), 2), *flat, carry)
         return [((dq * s).reshape(q.shape).astype(q.dtype, copy=False), -2),
                 (dk.reshape(k.shape).astype(k.dtype, copy=False), -2),
                 (dv.reshape(v.shape).astype(v.dtype, copy=False), -2),

@@ -15,7 +15,7 @@ import numpy as np
 
 from ...core.mixers.ssm import scan_grads, scan_inputs, ssd_grads, ssd_inputs
 from ...core.precision import compute_dtype
-from .entry import carry_problem, gradient_problem, made_by, run_entry, scan_backward, scan_forward
+from .entry import carry_problem, gradient_problem, made_by, merged, run_entry, scan_backward, scan_forward
 
 __all__ = ["ssd", "ssd_backward", "selective_scan", "selective_scan_backward"]
 
@@ -48,9 +48,7 @@ def _scan_problem(x, dt, A, B, C, D):
 
 def _flat(q, k, v, g):
     """The recurrence's arrays with their leading axes merged (Z, n, ...)."""
-    n = v.shape[-2]
-    return (np.reshape(q, (-1, n, q.shape[-1])), np.reshape(k, (-1, n, k.shape[-1])), v.reshape(-1, n, v.shape[-1]),
-            g.reshape((-1, n) + g.shape[v.ndim - 1:]))
+    return merged(q, 2), merged(k, 2), merged(v, 2), merged(g, g.ndim - v.ndim + 2)
 
 
 NAMES = ("x", "dt", "A", "B", "C", "D")
