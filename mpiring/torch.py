@@ -157,25 +157,14 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring=None,
                    sinks: torch.Tensor | None = None, **options):
     """Context-parallel attention of this rank's q, k, v tensors, differentiable.
 
-    ``ring``: an ``mpiring.Ring`` (agreed once, its options and ``seq_axis``
-    used); ``options`` may repeat the Ring's own (``scale=``, ``causal=``,
-    ..., as a model passes them at every call): equal values are accepted, a
-    differing one raises ValueError on every rank. Or ``ring`` None, and
-    ``options`` are those of ``mpiring.ring_attention`` (``comm``, ``causal``,
-    ``layout``, ...), agreed at every call. An option mpiring does not have
-    (``attn_mask``, ``dropout_p``, ...) or a tensor it cannot take (integer,
-    on a GPU) raises ValueError on every rank, saying what is supported.
-    Returns ``out``, or ``(out, lse)`` with ``return_lse=True``; gradients
-    flow through both (lse's enters the backward as ``delta - dlse``). With
-    ``return_max_logit=True`` (a Ring's or an option) the max logit follows, not differentiable.
-    ``sinks``: a tensor of one logit per query head, trainable (gpt-oss): its gradient flows back to it,
-    each rank's the share of its own rows (all-reduce it with the other replicated parameters' gradients,
-    as ``mpiring.hf.all_reduce_gradients`` does); fixed sinks can be a Ring's option instead (docs/masks.md).
-    ``score_mod``: flex_attention's, in torch ops; without ``score_mod_grad`` its derivative comes from autograd
-    (``score_mod(fn)`` gives both, for a Ring). ``bias=mpiring.masks.TableBias(table, index_fn)`` (the call's or
-    the Ring's) with ``table`` a tensor that requires grad (an ``nn.Parameter``): its gradient flows back to it,
-    each rank's a 1/P share of the whole (all-reduce it with the other replicated parameters' gradients, as for
-    the sinks).
+    ``ring``: an ``mpiring.Ring`` (agreed once; ``options`` may repeat its own, as a model passes them at every
+    call: a differing one raises ValueError on every rank), or None and ``options`` those of
+    ``mpiring.ring_attention``, agreed at every call. An option mpiring does not have (``attn_mask``, ...) or a
+    tensor it cannot take raises ValueError on every rank. Returns ``out``, or ``(out, lse)`` with
+    ``return_lse=True`` (lse's gradient enters the backward as ``delta - dlse``), then the max logit with
+    ``return_max_logit=True`` (not differentiable). ``sinks`` (one logit per query head, gpt-oss), a ``score_mod``
+    in torch ops and a ``TableBias`` whose table is a tensor train through autograd (docs/masks.md): each rank's
+    gradient is its share, all-reduced with the replicated parameters' (``mpiring.hf.all_reduce_gradients``).
     """
     unknown = [name for name in options if name not in FUNCTION_OPTIONS]
     problem = foreign_problem(unknown[0], "the options of a Ring go to mpiring.Ring(...)" if ring is not None else
