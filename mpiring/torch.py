@@ -157,25 +157,14 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring=None,
                    sinks: torch.Tensor | None = None, **options):
     """Context-parallel attention of this rank's q, k, v tensors, differentiable.
 
-    ``ring``: an ``mpiring.Ring`` (agreed once, its options and ``seq_axis``
-    used); ``options`` may repeat the Ring's own (``scale=``, ``causal=``,
-    ..., as a model passes them at every call): equal values are accepted, a
-    differing one raises ValueError on every rank. Or ``ring`` None, and
-    ``options`` are those of ``mpiring.ring_attention`` (``comm``, ``causal``,
-    ``layout``, ...), agreed at every call. An option mpiring does not have
-    (``attn_mask``, ``dropout_p``, ...) or a tensor it cannot take (integer,
-    on a GPU) raises ValueError on every rank, saying what is supported.
-    Returns ``out``, or ``(out, lse)`` with ``return_lse=True``; gradients
-    flow through both (lse's enters the backward as ``delta - dlse``). With
-    ``return_max_logit=True`` (a Ring's or an option) the max logit follows, not differentiable.
-    ``sinks``: a tensor of one logit per query head, trainable (gpt-oss): its gradient flows back to it,
-    each rank's the share of its own rows (all-reduce it with the other replicated parameters' gradients,
-    as ``mpiring.hf.all_reduce_gradients`` does); fixed sinks can be a Ring's option instead (docs/masks.md).
-    ``score_mod``: flex_attention's, in torch ops; without ``score_mod_grad`` its derivative comes from autograd
-    (``score_mod(fn)`` gives both, for a Ring). ``bias=mpiring.masks.TableBias(table, index_fn)`` (the call's or
-    the Ring's) with ``table`` a tensor that requires grad (an ``nn.Parameter``): its gradient flows back to it,
-    each rank's a 1/P share of the whole (all-reduce it with the other replicated parameters' gradients, as for
-    the sinks).
+    ``ring``: an ``mpiring.Ring`` (agreed once; ``options`` may repeat its own, as a model passes them at every
+    call: a differing one raises ValueError on every rank), or None and ``options`` those of
+    ``mpiring.ring_attention``, agreed at every call. An option mpiring does not have (``attn_mask``, ...) or a
+    tensor it cannot take raises ValueError on every rank. Returns ``out``, or ``(out, lse)`` with
+    ``return_lse=True`` (lse's gradient enters the backward as ``delta - dlse``), then the max logit with
+    ``return_max_logit=True`` (not differentiable). ``sinks`` (one logit per query head, gpt-oss), a ``score_mod``
+    in torch ops and a ``TableBias`` whose table is a tensor train through autograd (docs/masks.md): each rank's
+    gradient is its share, all-reduced with the replicated parameters' (``mpiring.hf.all_reduce_gradients``).
     """
     unknown = [name for name in options if name not in FUNCTION_OPTIONS]
     problem = foreign_problem(unknown[0], "the options of a Ring go to mpiring.Ring(...)" if ring is not None else
@@ -229,11 +218,9 @@ def _sinks_problem(sinks, q, ring, options):
 
 # ---------------------------------------------------------------- the sequence mixers (docs/mixers.md)
 #
-# Each function takes what the transformers kernel it is named after takes (the same shapes, the same
-# pointwise steps in torch ops, so autograd differentiates them), plus the mixer call's keywords: comm=,
-# and the options of mpiring.MixerSpec (seq_len=, layout=, positions=, cu_seqlens=, passing=, block=) or
-# spec=; timeout=, record=; problem=: this rank's reason the call cannot run (every rank then raises it, through
-# the call's agreement). The recurrence or convolution itself runs collectively through mpiring.
+# Each takes what the transformers kernel it is named after takes (the same shapes and pointwise steps, in torch
+# ops), plus a mixer call's keywords (comm=, timeout=, record=, spec= or MixerSpec's options; problem=: this
+# rank's reason the call cannot run, raised by every rank through the call's agreement).
 
 MIXERS = {"conv": (_conv, _conv_backward, "dy"), "linear": (_linear, _linear_backward, "dout"),
           "ssd": (_ssd, _ssd_backward, "dy"), "scan": (_scan, _scan_backward, "dy")}
@@ -291,14 +278,14 @@ def _l2norm(x, eps=1e-6):
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def linear_attention(q, k, v, g=None, *, scale=None, **mixer):
+def linear_attention(q, k, v, g=None, *, beta=None, scale=None, **mixer):
     """Linear attention with a decay, (B, n, H, d) tensors as flash-linear-attention takes them: ``g`` None,
-    (B, n, H) log decays (one per head) or (B, n, H, dk) (GLA). Returns (B, n, H, dv)."""
+    (B, n, H) log decays (one per head) or (B, n, H, dk) (GLA); ``beta`` (B, n, H): the gated delta rule.
+    Returns (B, n, H, dv)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    names = ("q", "k", "v", "decay")
     refused = mixer.pop("problem", None)
-    out = _Mixer.apply("linear", names, dict(mixer, scale=scale), refused,
-                       *(None if t is None else t.transpose(1, 2) for t in (q, k, v, g)))
+    out = _Mixer.apply("linear", ("q", "k", "v", "decay", "beta"), dict(mixer, scale=scale), refused,
+                       *(None if t is None else t.transpose(1, 2) for t in (q, k, v, g, beta)))
     return out.transpose(1, 2).contiguous()
 
 
@@ -313,21 +300,20 @@ def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_st
         query, key = (t.repeat_interleave(value.shape[-2] // key.shape[-2], dim=2) for t in (query, key))
     if use_qk_l2norm_in_kernel:
         query, key = _l2norm(query), _l2norm(key)
-    scale = query.shape[-1] ** -0.5 if scale is None else scale
-    names = ("q", "k", "v", "decay", "beta")
-    out = _Mixer.apply("linear", names, dict(mixer, scale=scale), refused,
-                       *(t.transpose(1, 2) for t in (query, key, value, g, beta)))
-    return out.transpose(1, 2).contiguous(), None
+    return linear_attention(query, key, value, g, beta=beta, scale=scale, problem=refused, **mixer), None
 
 
 def mamba_chunk_scan(hidden_states, dt, A, B, C, chunk_size=None, D=None, dt_bias=None, initial_states=None,
-                     dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, z=None, **mixer):
+                     dt_softplus=False, dt_limit=(0.0, float("inf")), **mixer):
     """transformers' ``mamba2_chunk_scan`` (Mamba-2's SSD, Falcon-H1): hidden_states (B, n, H, P), dt (B, n, H),
-    A (H,), B and C (B, n, G, N), D (H,); dt + dt_bias, softplus and the limits in torch ops as there. Returns
-    (B, n, H, P)."""
-    refused = mixer.pop("problem", None) or _refused(initial_states=(initial_states, (None,)),
-                                                     return_final_states=(return_final_states, (False,)),
-                                                     z=(z, (None,)))
+    A (H,), B and C (B, n, G, N), D (H,); dt + dt_bias, softplus and the limits in torch ops as there;
+    ``return_final_states`` and ``z`` by keyword (refused unless False and None). Returns (B, n, H, P)."""
+    refused = mixer.pop("problem", None) or _refused(
+        initial_states=(initial_states, (None,)), return_final_states=(mixer.pop("return_final_states", False),
+                                                                       (False,)), z=(mixer.pop("z", None), (None,)))
+    if dt_limit is None:
+        refused = refused or "dt_limit=None (time_step_limit=None): mpiring takes Mamba-2's dt limits as (min, max)"
+        dt_limit = (0.0, float("inf"))
     if dt_bias is not None:
         dt = dt + dt_bias.to(dt.dtype)
     if dt_softplus:

@@ -221,14 +221,7 @@ def test_the_mode_detector_sees_each_kind_of_look():
 
 MAX_PARAMETERS = 12  # a public function's; the rest of the options go through the spec (``Spec.of``)
 MAX_FUNCTION_LINES = 80
-WIDE = {  # public functions with more parameters, and why
-    "mpiring.torch.mamba_chunk_scan": "transformers' mamba2_chunk_scan, taken with its own signature",
-    "mpiring.hf.mixers.mamba2_chunk_scan": "what Falcon-H1's mixer calls, with transformers' signature",
-    "mpiring.hf.attention": "transformers' attention interface, called by the models with its own signature",
-    "mpiring.parallel.mixing.statespace.ssd_backward": "a mixer's 8 arrays (and comm) before its options",
-    "mpiring.parallel.mixing.statespace.selective_scan_backward": "a mixer's 8 arrays (and comm) before its options",
-    "mpiring.parallel.mixing.statespace.backward": "the two scans' shared backward, their arguments",
-    "mpiring.parallel.mixing.entry.linear_attention_backward": "a mixer's 7 arrays (and comm) before its options",
+WIDE = {  # public functions with more parameters, and why (none: the rest of the options go through the spec)
 }
 LONG = {  # functions over MAX_FUNCTION_LINES, and why
     "mpiring.core.kernels.attention_block": "the tiled kernel, its hot loop in one piece",

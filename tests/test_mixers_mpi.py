@@ -342,3 +342,17 @@ def test_bad_input_is_every_ranks_error(rng):
     assert "one decay per head" in agreed_error(lambda: linear_attention(*local, comm, decay=decay,
                                                                           beta=rng.random((1, H, len(mine))),
                                                                           seq_len=S, layout="zigzag"))
+
+
+def test_spec_with_timeout_and_record_runs_as_the_options(rng):
+    comm = MPI.COMM_WORLD
+    S = 2 * comm.size + 1
+    q, k, v = (np.take(rng.standard_normal((1, H, S, DK)), shard_indices(S, comm.size, comm.rank, "zigzag"), axis=-2)
+               for _ in range(3))
+    record = Record(comm.rank)
+    spec = MixerSpec.of(seq_len=S, layout="zigzag", passing="ring")
+    got, _ = linear_attention(q, k, v, comm, spec=spec, timeout=60.0, record=record)
+    want, _ = linear_attention(q, k, v, comm, seq_len=S, layout="zigzag", passing="ring")
+    assert np.array_equal(got, want) and (record.messages > 0) == (comm.size > 1)
+    assert "beside spec" in agreed_error(lambda: linear_attention(q, k, v, comm, spec=spec, seq_len=S))
+    assert "timeout" in agreed_error(lambda: linear_attention(q, k, v, comm, seq_len=S, layout="zigzag", timeout=-1))

@@ -142,13 +142,17 @@ def test_what_mpiring_cannot_run_is_refused_on_every_rank():
     q = torch.randn(1, n, 2, 3, dtype=torch.float64)
     beta = torch.rand(1, n, 2, dtype=torch.float64)
     state = torch.zeros(1, 2, 3, 3, dtype=torch.float64) if comm.rank == comm.size - 1 else None
+    ssd = (q, -beta, -torch.ones(2, dtype=torch.float64), q[:, :, :1], q[:, :, :1])  # x, dt, A, B, C (1 group)
     messages = []
     for call in (lambda: mt.chunk_gated_delta_rule(q, q, q, -beta, beta, initial_state=state, comm=comm, seq_len=S),
                  lambda: mt.causal_conv1d(q[..., 0, :].transpose(1, 2), torch.ones(3, 4, dtype=torch.float64),
                                           activation="gelu" if comm.rank == 0 else "silu", comm=comm, seq_len=S),
                  lambda: mt.linear_attention(q.int() if comm.rank == 0 else q, q, q, comm=comm, seq_len=S),
                  lambda: mt.linear_attention(q, q, q, problem="a planted problem" if comm.rank == comm.size - 1 else
-                                             None, comm=comm, seq_len=S)):
+                                             None, comm=comm, seq_len=S),
+                 lambda: mt.mamba_chunk_scan(*ssd, dt_limit=None if comm.rank == 0 else (0.0, 1.0), comm=comm,
+                                             seq_len=S),
+                 lambda: mt.mamba_chunk_scan(*ssd, z=ssd[0] if comm.rank == 0 else None, comm=comm, seq_len=S)):
         try:
             call()
             messages.append(None)
@@ -158,3 +162,4 @@ def test_what_mpiring_cannot_run_is_refused_on_every_rank():
     assert all(m == every[0] for m in every) and all(every[0]), every
     assert "initial_state" in every[0][0] and "activation='gelu'" in every[0][1] and "int32" in every[0][2]
     assert "a planted problem" in every[0][3]  # one rank's problem= (mpiring.hf's padding mask): every rank's error
+    assert "time_step_limit=None" in every[0][4] and "z=" in every[0][5]

@@ -90,10 +90,9 @@ def _guard_generate():
     GenerationMixin.generate = generate
 
 
-def attention(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0, is_causal=None,
-              sliding_window=None, softcap=None, s_aux=None, mpiring=None, **kwargs):
+def attention(module, query, key, value, attention_mask, *, mpiring=None, **kwargs):
     """The attention function transformers calls: ``query`` ``(B, Hq, n, D)``, key and value ``(B, Hk, n, D)``
-    (this rank's n tokens), returns ``((B, n, Hq, D), None)``."""
+    (this rank's n tokens), returns ``((B, n, Hq, D), None)``. ``kwargs``: the layer's (``Called``)."""
     problem = edge.entry_problem(None, {"mpiring": mpiring, "use_cache": kwargs.get("use_cache")})
     if problem:
         raise ValueError(problem)
@@ -103,8 +102,23 @@ def attention(module, query, key, value, attention_mask, *, scaling=None, dropou
             raise ValueError(f"{name}={[int(e) for e in given]} differs from the documents given to shard() "
                              f"({None if mpiring.cu_seqlens is None else list(mpiring.cu_seqlens)}): give the "
                              f"document boundaries (global positions) to ContextParallel.shard(documents=)")
-    return mpiring.attend(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                          is_causal=is_causal, sliding_window=sliding_window, softcap=softcap, s_aux=s_aux)
+    return mpiring.attend(module, query, key, value, attention_mask, Called.of(kwargs))
+
+
+@dataclasses.dataclass(frozen=True)
+class Called:
+    """What an attention layer passes transformers' attention function that mpiring maps, by name."""
+
+    scaling: float | None = None
+    dropout: float = 0.0
+    is_causal: bool | None = None
+    sliding_window: int | None = None
+    softcap: float | None = None  # Gemma2's attn_logit_softcapping
+    s_aux: object = None  # gpt-oss's trained sinks
+
+    @classmethod
+    def of(cls, kwargs):
+        return cls(**{f.name: kwargs[f.name] for f in dataclasses.fields(cls) if f.name in kwargs})
 
 
 @dataclasses.dataclass
@@ -135,8 +149,9 @@ class _Call:
         starts = np.flatnonzero(self.positions % chunk == 0).tolist()
         return tuple(sorted(set(starts) | set(self.cu_seqlens or ()) | {0, self.seq_len}))
 
-    def attend(self, module, query, key, value, attention_mask, *, scaling, dropout, is_causal, sliding_window,
-               softcap, s_aux):
+    def attend(self, module, query, key, value, attention_mask, called):
+        scaling, dropout, is_causal, softcap = called.scaling, called.dropout, called.is_causal, called.softcap
+        sliding_window = called.sliding_window
         site = self.cp.site(module)  # the model inspected first, if no mask function call did it
         if attention_mask is not None:
             raise ValueError("attention_mask: padded batches are not supported by mpiring's attention (a padding "
@@ -159,9 +174,9 @@ class _Call:
                 raise ValueError(f"sliding_window={sliding_window} without is_causal: mpiring maps transformers' "
                                  f"causal sliding windows only")
             options["window"] = (int(sliding_window) - 1, 0)
-        if softcap is not None:  # Gemma2's attn_logit_softcapping
+        if softcap is not None:
             options["softcap"] = float(softcap)
-        call = {} if s_aux is None else {"sinks": s_aux}  # gpt-oss's trained sinks: their gradient flows back
+        call = {} if called.s_aux is None else {"sinks": called.s_aux}  # trained sinks: their gradient flows back
         ring = self.cp.ring(self.seq_len, self.documents(site.chunk), options)
         out = mpiring_torch.ring_attention(query, key, value, ring, **call)
         self.attended += 1

@@ -16,6 +16,7 @@ untouched. A padding mask, a cache or an option the adapters cannot run
 """
 
 import dataclasses
+import inspect
 import sys
 import weakref
 
@@ -40,30 +41,19 @@ def _options(call, problem, kwargs):
             "timeout": call.cp.ring_options.get("timeout", "auto"), "problem": problem}
 
 
-def _conv(call, problem):
-    def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
-        return mt.causal_conv1d(hidden_states, weight, bias, activation, **_options(call, problem, kwargs))
-    return causal_conv1d_fn
+def _adapter(target, keywords=()):
+    """The replacement of a kernel name: transformers' call goes to ``target`` (``mpiring.torch``'s adapter of the
+    same positional signature) with the keywords it takes (its parameters and ``keywords``); the layer's other
+    keywords are checked (``cu_seqlens``, ``seq_idx``) and dropped."""
+    taken = {name for name, p in inspect.signature(target).parameters.items() if p.kind != p.VAR_KEYWORD}
+    taken |= set(keywords)
 
-
-def _delta_rule(call, problem):
-    def torch_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None,
-                                     output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
-        return mt.chunk_gated_delta_rule(query, key, value, g, beta, chunk_size, initial_state, output_final_state,
-                                         use_qk_l2norm_in_kernel, scale=kwargs.get("scale"),
-                                         **_options(call, problem, kwargs))
-    return torch_chunk_gated_delta_rule
-
-
-def _ssd(call, problem):
-    def mamba2_chunk_scan(hidden_states, dt, A, B, C, chunk_size=None, D=None, dt_bias=None, initial_states=None,
-                          dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, z=None,
-                          **kwargs):
-        limits = "time_step_limit=None: mpiring.hf maps Mamba-2's dt limits as a (min, max) pair"
-        return mt.mamba_chunk_scan(hidden_states, dt, A, B, C, chunk_size, D, dt_bias, initial_states, dt_softplus,
-                                   dt_limit or (0.0, float("inf")), return_final_states, z,
-                                   **_options(call, problem or (limits if dt_limit is None else None), kwargs))
-    return mamba2_chunk_scan
+    def bound(call, problem):
+        def kernel(*args, **kwargs):
+            theirs = {name: kwargs.pop(name) for name in list(kwargs) if name not in taken}
+            return target(*args, **kwargs, **_options(call, problem, theirs))
+        return kernel
+    return bound
 
 
 def _unfused(call, problem):
@@ -72,16 +62,10 @@ def _unfused(call, problem):
     return mamba2_split_conv1d_scan_combined
 
 
-def _scan(call, problem):
-    def mamba_selective_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-                             return_last_state=False, **kwargs):
-        return mt.selective_scan(hidden_states, dt, A, B, C, D, z, delta_bias, delta_softplus, return_last_state,
-                                 **_options(call, problem, kwargs))
-    return mamba_selective_scan
-
-
-KERNELS = {"causal_conv1d_fn": _conv, "torch_chunk_gated_delta_rule": _delta_rule, "mamba2_chunk_scan": _ssd,
-           "mamba2_split_conv1d_scan_combined": _unfused, "mamba_selective_scan": _scan}
+KERNELS = {"causal_conv1d_fn": _adapter(mt.causal_conv1d),
+           "torch_chunk_gated_delta_rule": _adapter(mt.chunk_gated_delta_rule),
+           "mamba2_chunk_scan": _adapter(mt.mamba_chunk_scan, ("return_final_states", "z")),
+           "mamba2_split_conv1d_scan_combined": _unfused, "mamba_selective_scan": _adapter(mt.selective_scan)}
 # a mixer layer's class: the kind of mixer, and the kernels its forward calls by name in its modeling module
 LAYERS = {"Lfm2ShortConv": ("convolution", ("causal_conv1d_fn",)),
           "Qwen3NextGatedDeltaNet": ("linear attention", ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")),

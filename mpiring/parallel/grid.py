@@ -8,7 +8,7 @@ every group. Every rank holds the tokens its layout gives it, as in every
 mode (``shard_indices``). The group's all-to-all gives each rank the
 group's tokens for its share of the heads (``ulysses.heads_out``; any
 number of heads from u up: ``heads.deal_heads``), member after member;
-the ring across groups is the ring modes' own loop (``run.run_forward``,
+the ring across groups is the ring modes' own loop (``strategies.run_forward``,
 ``run_backward``, handed in: no loop calls the public API) over the plan of
 the groups, whose tokens are its ``positions`` (``heads.HybridPlan.ring_plan``),
 on duplicates of the cross communicator; a second all-to-all brings every

@@ -1,6 +1,6 @@
 """One mixer call: its agreement, its private communicator, and the few verbs its loops use (post, wait, count).
 
-    call = open_call(comm, spec, problem, values, n_local, timeout, record, work)   # collective
+    call = open_call(comm, run, problem, values, n_local, work)   # collective; run = Run.of(**options)
     with call:
         request = call.isend(state, dest, tag)
         call.wait([request], "state from rank 1")
@@ -14,6 +14,7 @@ transfers are still pending after a failure) and counts what its loops send
 in ``record``.
 """
 
+import dataclasses
 import time
 
 import numpy as np
@@ -24,31 +25,54 @@ from ...mpi.agree import agreed, check_comm
 from ...mpi.collectives import together
 from ...mpi.waits import abandon, completed, wait_until
 from ...plans.checks import AUTO_BASE, AUTO_RATE, agreement_timeout, describe, timeout_problem
+from ...plans.chunks import MixerSpec
 
-__all__ = ["MixerCall", "open_call"]
+__all__ = ["MixerCall", "Run", "open_call"]
 
 
-def open_call(comm, spec, problem, values, n_local, timeout, record, work=0.0):
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One mixer call's options: its ``MixerSpec``, ``timeout`` (seconds, None or "auto") and ``record``."""
+
+    spec: MixerSpec
+    timeout: float | str | None = "auto"
+    record: Record | None = None
+
+    @classmethod
+    def of(cls, spec=None, timeout="auto", record=None, **options):
+        """The run of a call's keywords: ``spec=`` or the ``MixerSpec`` options (not both), timeout, record."""
+        if spec is None:
+            return cls(MixerSpec.of(**options), timeout, record)
+        if not isinstance(spec, MixerSpec):
+            raise ValueError(f"spec must be an mpiring MixerSpec, got {type(spec).__name__}")
+        if options:
+            raise ValueError(f"options {sorted(options)} given beside spec=: give them in the spec only")
+        return cls(spec, timeout, record)
+
+
+def open_call(comm, run, problem, values, n_local, work=0.0):
     """Agree on one call (collective): a ``MixerCall`` on every rank, or the same ValueError on every rank.
 
-    ``spec``: this rank's ``MixerSpec`` (None when ``problem`` says why it could not be made); ``values``:
-    what every rank must pass alike; ``work``: the busiest rank's floating-point operations, for
-    ``timeout="auto"`` (60 s plus the work at 1e8 per second, as the attention calls).
+    ``run``: this rank's ``Run`` (its spec None when ``problem`` says why it could not be made); ``values``: what every
+    rank must pass alike; ``work``: the busiest rank's floating-point operations, for ``timeout="auto"``
+    (60 s plus the work at 1e8 per second, as the attention calls).
     """
     comm = check_comm(comm)
     shown = held = None
+    timeout = run.timeout
     try:
         problem = timeout_problem(timeout) or problem
         if problem is None:
-            shown = dict(spec.shown(), timeout=timeout, **values)
-            held = spec.positions
+            shown = dict(run.spec.shown(), timeout=timeout, **values)
+            held = run.spec.positions
     except Exception as exc:  # reported collectively, never raised alone
         problem, shown = describe(exc), None
     metas = agreed(comm, problem, shown, timeout, (n_local, held), entry=True)
+    spec = run.spec
     positions = [m[1] for m in metas] if spec.positions is not None else None
     plan = spec.plan(comm.Get_size(), [m[0] for m in metas], positions)  # the same on every rank, or its error
     seconds = AUTO_BASE + work / AUTO_RATE if isinstance(timeout, str) else timeout
-    return MixerCall(comm, plan, spec, seconds, agreement_timeout(timeout), record)
+    return MixerCall(comm, plan, spec, seconds, agreement_timeout(timeout), run.record)
 
 
 class MixerCall:
@@ -89,6 +113,13 @@ class MixerCall:
         request = self.comm.Irecv(array, source=int(source), tag=tag)
         self._requests.append((request, array))
         return request
+
+    def swap(self, sends, recvs, tag, what):
+        """Post a receive into each ``(source, buffer)`` of ``recvs``, then a send of each ``(dest, array)`` of
+        ``sends``, and wait for them all."""
+        requests = [self.irecv(buffer, source, tag) for source, buffer in recvs]
+        requests += [self.isend(array, dest, tag) for dest, array in sends]
+        self.wait(requests, what)
 
     def wait(self, requests, what):
         """Complete ``requests`` within the call's timeout; the time blocked is this rank's wait."""

@@ -7,10 +7,10 @@
     out, carry = linear_attention(q, k, v, comm, decay=g, beta=beta, seq_len=S, passing="scan")
     dq, dk, dv, dg, dbeta = linear_attention_backward(dout, q, k, v, carry, comm, decay=g, beta=beta, ...)
 
-Every entry point takes this rank's rows and either ``spec=`` (a
-``plans.chunks.MixerSpec``) or its options as keywords (``seq_len``,
-``layout``, ``positions``, ``cu_seqlens``, ``passing``, ``block``), and runs
-one path: local checks, one agreement (the same ValueError on every rank),
+Every entry point takes this rank's rows, ``timeout=`` and ``record=``, and
+either ``spec=`` (a ``MixerSpec``) or its options as keywords (``seq_len``,
+``layout``, ``positions``, ``cu_seqlens``, ``passing``, ``block``): one
+``call.Run``. It runs one path: local checks, one agreement (the same ValueError on every rank),
 the plan, then the mixer's loop over one ``MixerCall``. Rows given in any
 order with ``positions=`` come back in that order. The gradients of weights
 shared by every rank (the convolution's weight and bias; SSD's A and D) are
@@ -26,14 +26,14 @@ from ...core.mixers.runs import corrected, reverse_element, run_backward, run_fo
 from ...core.precision import compute_dtype, dtype_problem
 from ...core.tuning.threads import limited, node_threads
 from ...plans.checks import describe, is_real, shape_text
-from ...plans.chunks import MixerSpec
 from ...plans.layouts import put_rows, sort_order, take_rows
-from .call import open_call
+from .call import Run, open_call
 from .halo import exchange, home
 from .passing import PASSING
 
 __all__ = ["Refused", "causal_conv", "causal_conv_backward", "linear_attention", "linear_attention_backward", "Carry",
-           "run_entry", "scan_forward", "scan_backward", "arrays_problem", "carry_problem", "made_by"]
+           "run_entry", "scan_forward", "scan_backward", "arrays_problem", "carry_problem", "gradient_problem",
+           "made_by", "merged"]
 
 
 class Carry(NamedTuple):
@@ -68,40 +68,32 @@ def arrays_problem(named):
     return None
 
 
-def _spec(spec, options):
-    if spec is None:
-        return MixerSpec.of(**options)
-    if not isinstance(spec, MixerSpec):
-        raise ValueError(f"spec must be an mpiring MixerSpec, got {type(spec).__name__}")
-    if options:
-        raise ValueError(f"options {sorted(options)} given beside spec=: give them in the spec only")
-    return spec
-
-
-def run_entry(comm, rows, check, body, spec, timeout, record, options, work=0.0):
+def run_entry(comm, rows, check, body, options, work=0.0):
     """The one path of every mixer call (collective): check, agree, plan, run ``body(call, **rows sorted)``.
 
     ``rows``: ``{name: (array or None, its sequence axis or None)}``; the first is the main one (its
-    sequence length is this rank's). ``check(spec)``: this rank's problem or None. ``body`` returns
-    ``[(array, sequence axis or None), ...]``: rows go back to the caller's order.
+    sequence length is this rank's). ``check(spec)``: this rank's problem or None. ``options``: the call's
+    keywords (``Run.of``). ``body`` returns ``[(array, sequence axis or None), ...]``: rows go back to the
+    caller's order.
     """
     problem, values, n_local = None, {}, 0
     try:
-        spec = _spec(spec, options)
-        problem = arrays_problem({name: a for name, (a, _) in rows.items()}) or check(spec)
+        run = Run.of(**options)
+        problem = arrays_problem({name: a for name, (a, _) in rows.items()}) or check(run.spec)
         if problem is None:
             for name, (a, axis) in rows.items():
                 values[f"{name} shape"] = None if a is None else shape_text(a, axis) if axis is not None \
                     else str(a.shape)
             main, axis = next(iter(rows.values()))
             values["dtype"], n_local = str(main.dtype), main.shape[axis]
-            if spec.positions is not None and len(spec.positions) != n_local:
-                problem = f"positions has {len(spec.positions)} entries for this rank's {n_local} rows"
+            if run.spec.positions is not None and len(run.spec.positions) != n_local:
+                problem = f"positions has {len(run.spec.positions)} entries for this rank's {n_local} rows"
     except Exception as exc:  # reported collectively, never raised alone
         problem, values = describe(exc), {}
-    call = open_call(comm, spec, problem, values, n_local, timeout, record, work)
+        run = Run(None, options.get("timeout", "auto"), options.get("record"))
+    call = open_call(comm, run, problem, values, n_local, work)
     with call, limited(node_threads()):  # BLAS threads: the node's cores shared among its ranks (threads="auto")
-        order = sort_order(spec.positions)
+        order = sort_order(call.spec.positions)
         mine = {name: a if a is None or axis is None else take_rows(a, order, axis) for name, (a, axis) in
                 rows.items()}
         results = body(call, **mine)
@@ -130,7 +122,7 @@ def _conv_rows(call, x, weight):
     return halo, src, work
 
 
-def causal_conv(x, weight, bias=None, comm=None, *, spec=None, timeout="auto", record=None, **options):
+def causal_conv(x, weight, bias=None, comm=None, **options):
     """This rank's y (shaped as x): y_t = bias + sum_j weight[:, j] x_{t-w+1+j}, zero before its document.
 
     x: (..., n, C) this rank's rows; weight (C, w); bias (C,) or None. Collective.
@@ -141,19 +133,13 @@ def causal_conv(x, weight, bias=None, comm=None, *, spec=None, timeout="auto", r
         return [(y.reshape(x.shape).astype(x.dtype, copy=False), -2)]
 
     rows = {"x": (x, -2), "weight": (weight, None), "bias": (bias, None)}
-    return run_entry(comm, rows, lambda spec: _conv_problem(x, weight, bias), body, spec, timeout, record, options,
+    return run_entry(comm, rows, lambda spec: _conv_problem(x, weight, bias), body, options,
                      work=4.0 * np.size(x) * np.shape(weight)[-1])[0]
 
 
-def causal_conv_backward(dy, x, weight, bias=None, comm=None, *, spec=None, timeout="auto", record=None, **options):
+def causal_conv_backward(dy, x, weight, bias=None, comm=None, **options):
     """``(dx, dweight, dbias)`` of ``causal_conv``: the halo rows' gradients go home to their holders;
     dweight and dbias are this rank's share (dbias None without a bias). Collective."""
-    def check(spec):
-        problem = _conv_problem(x, weight, bias)
-        if problem is None and dy.shape != x.shape:
-            return f"dy must have the shape of x {x.shape}, got {dy.shape}"
-        return problem
-
     def body(call, dy, x, weight, bias):
         halo, src, work = _conv_rows(call, x, weight)
         dy3 = dy.reshape(src.shape[0], -1, src.shape[-1]).astype(work, copy=False)
@@ -164,8 +150,8 @@ def causal_conv_backward(dy, x, weight, bias=None, comm=None, *, spec=None, time
                 (None if bias is None else dbias.astype(bias.dtype), None)]
 
     rows = {"dy": (dy, -2), "x": (x, -2), "weight": (weight, None), "bias": (bias, None)}
-    return run_entry(comm, rows, check, body, spec, timeout, record, options,
-                     work=8.0 * np.size(x) * np.shape(weight)[-1])
+    return run_entry(comm, rows, lambda spec: _conv_problem(x, weight, bias) or gradient_problem("dy", dy, x, "x"),
+                     body, options, work=8.0 * np.size(x) * np.shape(weight)[-1])
 
 
 # ---------------------------------------------------------------- linear recurrences
@@ -219,13 +205,29 @@ def _linear_problem(q, k, v, decay, beta, scale):
     return None
 
 
-def _flat(a, keep):
+def merged(a, keep):
     """``a`` with its leading axes merged: (Z, ...) keeping its last ``keep`` axes."""
     return None if a is None else a.reshape((-1,) + a.shape[a.ndim - keep:])
 
 
+def _linear_rows(q, k, v, decay, beta, scale):
+    """The scale and the recurrence's arrays (Z, n, ...) in the compute dtype, q scaled."""
+    work = compute_dtype(q.dtype)
+    s = 1.0 / np.sqrt(q.shape[-1]) if scale is None else float(scale)
+    keep = decay.ndim - q.ndim + 2 if decay is not None else 0
+    return s, [merged(a if a is None else a.astype(work, copy=False), n) for a, n in
+               ((q * s, 2), (k, 2), (v, 2), (decay, keep), (beta, 1))]
+
+
 def made_by(spec, *shapes):
     return (repr(sorted(spec.shown().items())),) + tuple(None if s is None else tuple(s) for s in shapes)
+
+
+def gradient_problem(name, d, like, what):
+    """Why the gradient ``d`` (``name``) does not have the shape of ``like`` (``what``), or None."""
+    if getattr(d, "shape", None) != like.shape:
+        return f"{name} must have the shape of {what} {like.shape}, got {getattr(d, 'shape', type(d).__name__)}"
+    return None
 
 
 def carry_problem(carry, spec, *shapes):
@@ -237,8 +239,7 @@ def carry_problem(carry, spec, *shapes):
     return None
 
 
-def linear_attention(q, k, v, comm=None, *, decay=None, beta=None, scale=None, spec=None, timeout="auto",
-                     record=None, **options):
+def linear_attention(q, k, v, comm=None, *, decay=None, beta=None, scale=None, **options):
     """This rank's ``(out, carry)`` of linear attention: S_t = a_t S_{t-1} + k_t v_t^T, o_t = S_t^T (scale q_t).
 
     q, k (..., n, dk); v (..., n, dv). ``decay``: log decays, None (a_t = 1), (..., n) (one per head:
@@ -247,35 +248,25 @@ def linear_attention(q, k, v, comm=None, *, decay=None, beta=None, scale=None, s
     ``carry``: what ``linear_attention_backward`` needs. Collective.
     """
     def body(call, q, k, v, decay, beta):
-        work = compute_dtype(q.dtype)
-        s = 1.0 / np.sqrt(q.shape[-1]) if scale is None else float(scale)
-        flat = [_flat(a if a is None else a.astype(work, copy=False), keep) for a, keep in
-                ((q * s, 2), (k, 2), (v, 2), (decay, decay.ndim - q.ndim + 2 if decay is not None else 0), (beta, 1))]
+        _, flat = _linear_rows(q, k, v, decay, beta, scale)
         out, carry = scan_forward(call, *flat, made_by(call.spec, q.shape, v.shape, _shape(decay), _shape(beta)))
         return [(out.reshape(v.shape).astype(v.dtype, copy=False), -2), (carry, None)]
 
     rows = {"q": (q, -2), "k": (k, -2), "v": (v, -2), "decay": (decay, _decay_axis(q, decay)), "beta": (beta, -1)}
-    return run_entry(comm, rows, lambda spec: _linear_problem(q, k, v, decay, beta, scale), body, spec, timeout, record,
-                     options, work=_scan_work(q, v, beta))
+    return run_entry(comm, rows, lambda spec: _linear_problem(q, k, v, decay, beta, scale), body, options,
+                     work=_scan_work(q, v, beta))
 
 
-def linear_attention_backward(dout, q, k, v, carry, comm=None, *, decay=None, beta=None, scale=None, spec=None,
-                              timeout="auto", record=None, **options):
+def linear_attention_backward(dout, q, k, v, carry, comm=None, *, decay=None, beta=None, scale=None, **options):
     """``(dq, dk, dv, ddecay, dbeta)`` of ``linear_attention`` (None for what was not given), from the same
     arguments and the forward's ``carry``. Collective."""
     def check(spec):
-        problem = _linear_problem(q, k, v, decay, beta, scale)
-        if problem is None and (not isinstance(dout, np.ndarray) or dout.shape != v.shape):
-            return f"dout must have the shape of v {v.shape}, got {getattr(dout, 'shape', type(dout).__name__)}"
-        return problem or carry_problem(carry, spec, q.shape, v.shape, _shape(decay), _shape(beta))
+        return (_linear_problem(q, k, v, decay, beta, scale) or gradient_problem("dout", dout, v, "v")
+                or carry_problem(carry, spec, q.shape, v.shape, _shape(decay), _shape(beta)))
 
     def body(call, dout, q, k, v, decay, beta):
-        work = compute_dtype(q.dtype)
-        s = 1.0 / np.sqrt(q.shape[-1]) if scale is None else float(scale)
-        keep = decay.ndim - q.ndim + 2 if decay is not None else 0
-        flat = [_flat(a if a is None else a.astype(work, copy=False), n) for a, n in
-                ((dout, 2), (q * s, 2), (k, 2), (v, 2), (decay, keep), (beta, 1))]
-        dq, dk, dv, dg, dbeta = scan_backward(call, *flat, carry)
+        s, flat = _linear_rows(q, k, v, decay, beta, scale)
+        dq, dk, dv, dg, dbeta = scan_backward(call, merged(dout.astype(flat[0].dtype, copy=False), 2), *flat, carry)
         return [((dq * s).reshape(q.shape).astype(q.dtype, copy=False), -2),
                 (dk.reshape(k.shape).astype(k.dtype, copy=False), -2),
                 (dv.reshape(v.shape).astype(v.dtype, copy=False), -2),
@@ -285,7 +276,7 @@ def linear_attention_backward(dout, q, k, v, carry, comm=None, *, decay=None, be
 
     rows = {"dout": (dout, -2), "q": (q, -2), "k": (k, -2), "v": (v, -2), "decay": (decay, _decay_axis(q, decay)),
             "beta": (beta, -1)}
-    return run_entry(comm, rows, check, body, spec, timeout, record, options, work=3 * _scan_work(q, v, beta))
+    return run_entry(comm, rows, check, body, options, work=3 * _scan_work(q, v, beta))
 
 
 def _shape(a):

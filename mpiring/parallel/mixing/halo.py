@@ -19,9 +19,8 @@ HALO_TAG, HOME_TAG = 21, 22
 def exchange(call, x, halo):
     """The halo rows this rank reads (Z, rows, C), received from their holders."""
     buffers = {src: np.empty((x.shape[0], count, x.shape[-1]), x.dtype) for src, count in halo.recv.items()}
-    requests = [call.irecv(buffers[src], src, HALO_TAG) for src in buffers]
-    requests += [call.isend(x[:, rows], dst, HALO_TAG) for dst, rows in halo.send.items()]
-    call.wait(requests, "the convolution's halo")
+    call.swap([(dst, x[:, rows]) for dst, rows in halo.send.items()], buffers.items(), HALO_TAG,
+              "the convolution's halo")
     if not buffers:
         return np.empty((x.shape[0], 0, x.shape[-1]), x.dtype)
     return np.concatenate([buffers[src] for src in sorted(buffers)], axis=1)
@@ -31,12 +30,9 @@ def home(call, dhalo, halo, n):
     """The gradient of this rank's own ``n`` rows that other ranks' halos read (Z, n, C): sent back by them."""
     shape = (dhalo.shape[0], n, dhalo.shape[-1])
     buffers = {dst: np.empty((shape[0], len(rows), shape[-1]), dhalo.dtype) for dst, rows in halo.send.items()}
-    requests = [call.irecv(buffers[dst], dst, HOME_TAG) for dst in buffers]
-    offset = 0
-    for src in sorted(halo.recv):
-        requests.append(call.isend(dhalo[:, offset:offset + halo.recv[src]], src, HOME_TAG))
-        offset += halo.recv[src]
-    call.wait(requests, "the halo's gradient home")
+    ends = np.cumsum([halo.recv[src] for src in sorted(halo.recv)], dtype=int)
+    call.swap([(src, dhalo[:, end - halo.recv[src]:end]) for src, end in zip(sorted(halo.recv), ends)],
+              buffers.items(), HOME_TAG, "the halo's gradient home")
     dx = np.zeros(shape, dhalo.dtype)
     for dst, rows in halo.send.items():
         dx[:, rows] += buffers[dst]

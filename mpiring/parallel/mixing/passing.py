@@ -138,9 +138,7 @@ def _exchange(call, sends, recvs, tag, what, shapes):
     A_shape, b_shape, dtype = shapes
     per = int(np.prod(A_shape)) + int(np.prod(b_shape))
     buffers = {src: np.empty(len(es) * per, dtype) for src, es in recvs.items()}
-    requests = [call.irecv(buffers[src], src, tag) for src in buffers]
-    requests += [call.isend(pack(pieces, dtype), dst, tag) for dst, pieces in sends.items()]
-    call.wait(requests, what)
+    call.swap([(dst, pack(pieces, dtype)) for dst, pieces in sends.items()], buffers.items(), tag, what)
     return {src: unpack(buffers[src], len(es), A_shape, b_shape) for src, es in recvs.items()}
 
 
@@ -171,10 +169,9 @@ def _shifted(call, chain, mine, held):
     owner, rank, m = chain.owner, call.rank, len(chain.owner)
     zero = np.zeros_like(next(iter(held.values())).b)
     buffers = {int(e): np.empty_like(zero) for e in mine if e > 0 and not chain.cut[e] and owner[e - 1] != rank}
-    requests = [call.irecv(buffers[e], owner[e - 1], SHIFT_TAG) for e in buffers]
-    requests += [call.isend(held[int(e)].b, owner[e + 1], SHIFT_TAG) for e in mine
-                 if e + 1 < m and not chain.cut[e + 1] and owner[e + 1] != rank]
-    call.wait(requests, "the scan's last shift")
+    call.swap([(owner[e + 1], held[int(e)].b) for e in mine if e + 1 < m and not chain.cut[e + 1]
+               and owner[e + 1] != rank], [(owner[e - 1], buffer) for e, buffer in buffers.items()], SHIFT_TAG,
+              "the scan's last shift")
     return [zero if chain.cut[e] or e == 0 else held[int(e) - 1].b if int(e) - 1 in held else buffers[int(e)]
             for e in mine]
 

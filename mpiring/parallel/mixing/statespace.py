@@ -15,7 +15,7 @@ import numpy as np
 
 from ...core.mixers.ssm import scan_grads, scan_inputs, ssd_grads, ssd_inputs
 from ...core.precision import compute_dtype
-from .entry import carry_problem, made_by, run_entry, scan_backward, scan_forward
+from .entry import carry_problem, gradient_problem, made_by, merged, run_entry, scan_backward, scan_forward
 
 __all__ = ["ssd", "ssd_backward", "selective_scan", "selective_scan_backward"]
 
@@ -48,9 +48,10 @@ def _scan_problem(x, dt, A, B, C, D):
 
 def _flat(q, k, v, g):
     """The recurrence's arrays with their leading axes merged (Z, n, ...)."""
-    n = v.shape[-2]
-    return (np.reshape(q, (-1, n, q.shape[-1])), np.reshape(k, (-1, n, k.shape[-1])), v.reshape(-1, n, v.shape[-1]),
-            g.reshape((-1, n) + g.shape[v.ndim - 1:]))
+    return merged(q, 2), merged(k, 2), merged(v, 2), merged(g, g.ndim - v.ndim + 2)
+
+
+NAMES = ("x", "dt", "A", "B", "C", "D")
 
 
 class _Mixer:
@@ -59,15 +60,15 @@ class _Mixer:
     def __init__(self, name, problem, inputs, grads, axes):
         self.name, self.problem, self.inputs, self.grads, self.axes = name, problem, inputs, grads, axes
 
-    def rows(self, **arrays):
-        return {name: (a, self.axes.get(name)) for name, a in arrays.items()}
+    def rows(self, given, names=NAMES):
+        return {name: (a, self.axes.get(name)) for name, a in zip(names, given)}
 
     def recurrence(self, x, dt, A, B, C):
         work = compute_dtype(x.dtype)
         x, dt, A, B, C = (a.astype(work, copy=False) for a in (x, dt, A, B, C))
         return (x, dt, A, B, C), self.inputs(x, dt, A, B, C)
 
-    def forward(self, x, dt, A, B, C, D, comm, spec, timeout, record, options):
+    def forward(self, comm, options, *given):
         def body(call, x, dt, A, B, C, D):
             (xw, dtw, Aw, Bw, Cw), parts = self.recurrence(x, dt, A, B, C)
             out, carry = scan_forward(call, *_flat(*parts), None, made_by(call.spec, x.shape, B.shape))
@@ -76,16 +77,13 @@ class _Mixer:
                 y = y + (D[:, None] if self.name == "selective_scan" else D[:, None, None]) * xw
             return [(y.astype(x.dtype, copy=False), self.axes["x"]), (carry, None)]
 
-        return run_entry(comm, self.rows(x=x, dt=dt, A=A, B=B, C=C, D=D),
-                         lambda spec: self.problem(x, dt, A, B, C, D), body, spec, timeout, record, options,
-                         work=_work(x, A, B))
+        return run_entry(comm, self.rows(given), lambda spec: self.problem(*given), body, options,
+                         work=_work(*given))
 
-    def backward(self, dy, x, dt, A, B, C, D, carry, comm, spec, timeout, record, options):
+    def backward(self, comm, options, carry, dy, *given):
         def check(spec):
-            problem = self.problem(x, dt, A, B, C, D)
-            if problem is None and dy.shape != x.shape:
-                return f"dy must have the shape of x {x.shape}, got {dy.shape}"
-            return problem or carry_problem(carry, spec, x.shape, B.shape)
+            return (self.problem(*given) or gradient_problem("dy", dy, given[0], "x")
+                    or carry_problem(carry, spec, given[0].shape, given[3].shape))
 
         def body(call, dy, x, dt, A, B, C, D):
             given = (x, dt, A, B, C, D)
@@ -97,13 +95,12 @@ class _Mixer:
             shaped = [a.reshape(p.shape) for a, p in zip((dq, dk, dv, dg), parts)]
             grads = self.grads(*shaped, dyw, xw, dtw, Aw, Bw, None if D is None else D.astype(xw.dtype))
             return [(None if g is None else g.astype(a.dtype, copy=False), self.axes.get(name))
-                    for g, a, name in zip(grads, given, ("x", "dt", "A", "B", "C", "D"))]
+                    for g, a, name in zip(grads, given, NAMES)]
 
-        return run_entry(comm, self.rows(dy=dy, x=x, dt=dt, A=A, B=B, C=C, D=D), check, body, spec, timeout,
-                         record, options, work=3 * _work(x, A, B))
+        return run_entry(comm, self.rows((dy, *given), ("dy",) + NAMES), check, body, options, work=3 * _work(*given))
 
 
-def _work(x, A, B):
+def _work(x, dt, A, B, *_):
     """Floating-point operations of the recurrence over this rank's rows, generously (for timeout="auto")."""
     return 16.0 * 64 * np.size(x) * max(np.shape(A)[-1] if np.ndim(A) > 1 else np.shape(B)[-1], 1)
 
@@ -113,32 +110,30 @@ SCAN = _Mixer("selective_scan", _scan_problem, scan_inputs, scan_grads, {"dy": -
                                                                            "C": -2})
 
 
-def ssd(x, dt, A, B, C, D=None, comm=None, *, spec=None, timeout="auto", record=None, **options):
+def ssd(x, dt, A, B, C, D=None, comm=None, **options):
     """This rank's ``(y, carry)`` of Mamba-2's SSD: h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t^T, y_t = h_t^T C_t + D x_t.
 
     x (..., H, n, P), dt (..., H, n) (after bias, softplus, limits), A (H,), B and C (..., G, n, N) (G groups
     of consecutive heads), D (H,) or None. Options as ``linear_attention``'s. Collective.
     """
-    return SSD.forward(x, dt, A, B, C, D, comm, spec, timeout, record, options)
+    return SSD.forward(comm, options, x, dt, A, B, C, D)
 
 
-def ssd_backward(dy, x, dt, A, B, C, D=None, carry=None, comm=None, *, spec=None, timeout="auto", record=None,
-                 **options):
+def ssd_backward(dy, x, dt, A, B, C, D=None, carry=None, comm=None, **options):
     """``(dx, ddt, dA, dB, dC, dD)`` of ``ssd`` (dA, dD: this rank's share; dD None without D). Collective."""
-    return SSD.backward(dy, x, dt, A, B, C, D, carry, comm, spec, timeout, record, options)
+    return SSD.backward(comm, options, carry, dy, x, dt, A, B, C, D)
 
 
-def selective_scan(x, dt, A, B, C, D=None, comm=None, *, spec=None, timeout="auto", record=None, **options):
+def selective_scan(x, dt, A, B, C, D=None, comm=None, **options):
     """This rank's ``(y, carry)`` of Mamba-1's selective scan: per channel d,
     h_t = exp(dt_t A[d]) * h_{t-1} + dt_t B_t x_t, y_t = C_t . h_t + D[d] x_t.
 
     x and dt (..., channels, n) (dt after bias and softplus), A (channels, N), B and C (..., n, N), D
     (channels,) or None. Collective.
     """
-    return SCAN.forward(x, dt, A, B, C, D, comm, spec, timeout, record, options)
+    return SCAN.forward(comm, options, x, dt, A, B, C, D)
 
 
-def selective_scan_backward(dy, x, dt, A, B, C, D=None, carry=None, comm=None, *, spec=None, timeout="auto",
-                            record=None, **options):
+def selective_scan_backward(dy, x, dt, A, B, C, D=None, carry=None, comm=None, **options):
     """``(dx, ddt, dA, dB, dC, dD)`` of ``selective_scan`` (dA, dD: this rank's share). Collective."""
-    return SCAN.backward(dy, x, dt, A, B, C, D, carry, comm, spec, timeout, record, options)
+    return SCAN.backward(comm, options, carry, dy, x, dt, A, B, C, D)
