@@ -22,6 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..mpi.collectives import pickled, unpickled
+from ..mpi.waits import polls
 from . import timed
 from .timed import nbytes_of, peer_text, poll, timed_request
 
@@ -205,18 +206,18 @@ class StrictComm:
     def _probe(self, source, tag, status, call):
         """A matched probe, polled so that it can time out: the message (mpi4py ``Message``)."""
         self._note()
-        ledger, start, nap = self.ledger, time.perf_counter(), 5e-5
+        ledger, start, message = self.ledger, time.perf_counter(), [None]
         ledger.current = call
+
+        def arrived():
+            message[0] = self._comm.improbe(source, tag, status)
+            return message[0] is not None
+
         try:
-            while True:
-                message = self._comm.improbe(source, tag, status)
-                if message is not None:
-                    return message
-                waited = time.perf_counter() - start
-                if waited > ledger.timeout:
-                    raise timed.Stuck(call, [("recv", source, call)], waited, ledger.timeout, ledger.rank)
-                time.sleep(nap)
-                nap = min(2 * nap, 2e-3)
+            for now in polls(arrived, naps=(5e-5, 2e-3)):  # the one polling loop (mpi.waits)
+                if now - start > ledger.timeout:
+                    raise timed.Stuck(call, [("recv", source, call)], now - start, ledger.timeout, ledger.rank)
+            return message[0]
         finally:
             ledger.current = None
             ledger.note("wait", start=start, end=time.perf_counter(), call=call)
