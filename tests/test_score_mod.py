@@ -210,3 +210,28 @@ def test_the_derivative_may_come_with_the_backward_alone():
     for got, want in zip(grads, mpiring.testing.reference_backward(dout, q, k, v, causal=True, score_mod=fn,
                                                                    score_mod_grad=dfn)):
         np.testing.assert_allclose(got, want, atol=1e-12, rtol=0)
+
+
+def test_a_backward_tile_reads_its_buckets_once_and_a_call_its_table_once():
+    """The general kernel's backward evaluates a tile's TableBias bucket ids once (its bias and its table gradient
+    share them), as the forward does, and reads the table once per call, not per tile."""
+    from mpiring.simulate import simulate_backward
+    q, k, v, dout, table = _arrays(6)
+    calls = {"buckets": 0, "values": 0}
+
+    def buckets(q_pos, k_pos):
+        calls["buckets"] += 1
+        return masks.relative_buckets(q_pos, k_pos, True, table.shape[1], 24)
+
+    class Counted(masks.TableBias):
+        def values(self):
+            calls["values"] += 1
+            return super().values()
+
+    kw = dict(causal=True, bias=Counted(table, buckets), layout="zigzag")
+    out, lse, _ = mpiring.simulate(q, k, v, 2, **kw)
+    forward = dict(calls)
+    calls.update(buckets=0, values=0)
+    simulate_backward(dout, q, k, v, out, lse, 2, **kw)
+    assert calls["values"] == forward["values"] <= 2  # the call's read, and the check's probe before it
+    assert calls["buckets"] == forward["buckets"] > 0
