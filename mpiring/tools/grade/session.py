@@ -9,6 +9,7 @@ communicator's timeline, which also gives the student's trace and plot (``--trac
 import os
 import time
 
+from ...testing.timed import size_text
 from .cases import load_student, run_backward_case, run_forward_case, run_merge_case
 from .exercises import make_cases
 from .labs import run_allreduce_case, run_decode_case, run_passq_case
@@ -16,7 +17,6 @@ from .report import entry, say, show, summary
 from .sync import allgather
 from .timeline import overlap_verdict, records
 from .verdicts import Verdict, output_verdict, safety_verdict, traffic_verdict
-from .wire import size_text
 from .work import counted_runs, measure_work, work_verdict
 
 __all__ = ["grade_file"]
