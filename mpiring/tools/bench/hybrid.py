@@ -6,7 +6,7 @@ Each row times one mixer through ``mpiring.torch`` (the same pointwise steps
 as transformers' layer, the recurrence or convolution through mpiring),
 forward and forward+backward, on P ranks x 1 thread with zigzag shards and
 the all-gather of states; then, in the same run, transformers' own function
-on the whole sequence in one process with P threads (``hybridpeer``, a
+on the whole sequence in one process with P threads (``peers``, a
 child process while the ranks idle). Wall: the slowest rank's, median of
 the repeats. "x torch": torch's seconds over mpiring's (above 1: mpiring is
 faster). Bytes: the most any rank sent (forward + backward), against the
@@ -22,7 +22,7 @@ from mpiring import MixerSpec, Record, shard_indices
 from mpiring.cost.statebytes import halo_bytes, state_bytes
 
 from ..cli import at_least, command_parser, with_threads
-from .hybridpeer import SHAPES, mixer_times
+from .peers import SHAPES, mixer_times
 from .probes import busy_cpu_seconds, cpu_text, own_cpu_seconds
 
 __all__ = ["mixers", "mixers_parser", "mixer_rows", "MIXER_ROWS"]
