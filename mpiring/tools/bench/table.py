@@ -30,10 +30,10 @@ from mpiring.core import backends
 from mpiring.core.precision import Precision, named_dtype
 from mpiring.core.tuning import gemm
 from mpiring.cost.costmodel import format_wire_model
+from mpiring.cost.memory import MB, kernel_scratch, memory_model
 
 from ..cli import at_least, barrier, broadcast, command_parser, objects, on_rank0, with_threads
 from .infer import inference_rows
-from .memory import MB, kernel_scratch, memory_model
 from .peers import context_parallel_times, torch_available, torch_times
 from .probes import (
     available_mb,

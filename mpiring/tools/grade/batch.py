@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 
-from . import check_options, parser
+from .arguments import check_options, parser
 from .exercises import EXERCISES, declared_exercise, make_cases, student_files
 from .report import class_summary, verdict_text, write_csv, write_json
 

@@ -8,7 +8,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from . import check_options, parser
+from .arguments import check_options, parser
 from .exercises import EXERCISES, declared_exercise, student_files
 from .report import class_summary, say, write_csv, write_json
 from .session import grade_file

@@ -19,7 +19,7 @@ from ...testing.strictcomm import StrictComm
 from ...testing.timed import Ledger, MPIProxy, Stuck, TimedRequest, settle
 from ...testing.timed import instrument as _instrument
 from ..cli import objects, poll
-from . import DEFAULT_TIMEOUT
+from .arguments import DEFAULT_TIMEOUT
 
 __all__ = ["ACTIVE", "Ledger", "Lost", "StrictComm", "Stuck", "TimedRequest", "allgather", "drain", "fatal",
            "instrument", "timed_sum"]
