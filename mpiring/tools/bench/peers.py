@@ -18,7 +18,8 @@ import subprocess
 import sys
 import time
 
-__all__ = ["torch_available", "torch_times", "context_parallel_times", "mixer_times", "SHAPES"]
+__all__ = ["torch_available", "torch_times", "context_parallel_times", "mixer_times", "mixer_inputs", "median_seconds",
+           "SHAPES"]
 
 # the mixer rows' shapes (float32, batch 1): hidden sizes of small hybrids
 SHAPES = {
@@ -135,23 +136,27 @@ def _cp_worker(rank, ranks, port, job):
     print(json.dumps(results))
 
 
-def _sdpa_seconds(F, torch, q, k, v, dout, causal):
-    """Seconds of one SDPA pass: forward, and backward too when ``dout`` is given."""
-    start = time.perf_counter()
+def _sdpa(F, torch, q, k, v, dout, causal):
+    """One SDPA pass: forward, and backward too when ``dout`` is given."""
     if dout is not None:
         F.scaled_dot_product_attention(q, k, v, is_causal=causal).backward(dout)
         q.grad = k.grad = v.grad = None
     else:
         with torch.no_grad():
             F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    return time.perf_counter() - start
 
 
-def _median(once, repeats, budget):
-    """The median of ``once()`` (seconds) over ``repeats`` runs after one to warm up (which counts if it takes the
-    budget), fewer when the budget runs out."""
+def median_seconds(run, repeats, budget, clock=None):
+    """The median seconds of ``run()`` over ``repeats`` runs after one to warm up (which counts, cold, if it took
+    the whole budget), fewer when the budget runs out. ``clock(run)``: one run's seconds (default: its wall time)."""
+    def wall(fn):
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    once = functools.partial(clock or wall, run)
     first = once()
-    samples = [first] if first * (repeats + 1) > budget else []
+    samples = [first] if first > budget else []
     while len(samples) < repeats and (not samples or sum(samples) + samples[-1] <= budget):
         samples.append(once())
     return statistics.median(samples)
@@ -175,59 +180,62 @@ def _worker(rows, each):
 def _sdpa_median(torch, row, job):
     import torch.nn.functional as F
 
-    return _median(functools.partial(_sdpa_seconds, F, torch, *_inputs(torch, row), row[4]), job["repeats"],
-                   job["budget"])
+    return median_seconds(functools.partial(_sdpa, F, torch, *_inputs(torch, row), row[4]), job["repeats"],
+                          job["budget"])
 
 
-def _case(mixer, S, torch):
-    """transformers' function and its float32 inputs (requiring grad) for one row."""
-    g = torch.Generator().manual_seed(0)
-    shape = SHAPES[mixer]
+def mixer_inputs(mixer, n, torch, seed):
+    """The float32 inputs (requiring grad) of a mixer row over ``n`` tokens, drawn with ``seed``, in transformers'
+    order: conv (x, w); gdn (q, k, v, g, beta); ssd (x, dt, A, B, C, D, dt_bias); mamba (x, dt, A, B, C, D, z,
+    delta_bias)."""
+    g, s = torch.Generator().manual_seed(seed), SHAPES[mixer]
 
     def t(*size, scale=1.0, low=False):
         x = torch.rand(*size, generator=g) if low else torch.randn(*size, generator=g)
         return (x * scale).requires_grad_()
 
     if mixer == "conv":
+        return [t(1, s["C"], n), t(s["C"], s["width"])]
+    if mixer == "gdn":
+        Hk, Hv, dk, dv = s["Hk"], s["Hv"], s["dk"], s["dv"]
+        return [t(1, n, Hk, dk), t(1, n, Hk, dk), t(1, n, Hv, dv), t(1, n, Hv, scale=-0.1, low=True),
+                t(1, n, Hv, low=True)]
+    if mixer == "ssd":
+        H, P, G, N = s["H"], s["P"], s["G"], s["N"]
+        return [t(1, n, H, P), t(1, n, H), t(H, scale=-1.0, low=True), t(1, n, G, N), t(1, n, G, N), t(H), t(H)]
+    D, N = s["D"], s["N"]
+    return [t(1, D, n), t(1, D, n), t(D, N, scale=-1.0, low=True), t(1, N, n), t(1, N, n), t(D), t(1, D, n), t(D)]
+
+
+def _transformers_mixer(mixer):
+    """transformers' CPU function of ``mixer``, taking ``mixer_inputs``' arrays."""
+    if mixer == "conv":
         from transformers.models.lfm2.modeling_lfm2 import causal_conv1d_fn
-        return lambda x, w: causal_conv1d_fn(x, w, None), [t(1, shape["C"], S), t(shape["C"], shape["width"])]
+        return lambda x, w: causal_conv1d_fn(x, w, None)
     if mixer == "gdn":
         from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
-        Hk, Hv, dk, dv = shape["Hk"], shape["Hv"], shape["dk"], shape["dv"]
-        args = [t(1, S, Hk, dk), t(1, S, Hk, dk), t(1, S, Hv, dv), t(1, S, Hv, scale=-0.1, low=True),
-                t(1, S, Hv, low=True)]
-        return lambda *a: torch_chunk_gated_delta_rule(*a, chunk_size=64, use_qk_l2norm_in_kernel=True)[0], args
+        return lambda *a: torch_chunk_gated_delta_rule(*a, chunk_size=64, use_qk_l2norm_in_kernel=True)[0]
     if mixer == "ssd":
         from transformers.models.falcon_h1.modeling_falcon_h1 import mamba2_chunk_scan
-        H, P, G, N = shape["H"], shape["P"], shape["G"], shape["N"]
-        args = [t(1, S, H, P), t(1, S, H), t(H, scale=-1.0, low=True), t(1, S, G, N), t(1, S, G, N), t(H), t(H)]
-        return (lambda x, dt, A, B, C, D, bias: mamba2_chunk_scan(x, dt, A, B, C, shape["chunk"], D=D, dt_bias=bias,
-                                                                  dt_softplus=True)), args
+        return lambda x, dt, A, B, C, D, bias: mamba2_chunk_scan(x, dt, A, B, C, SHAPES["ssd"]["chunk"], D=D,
+                                                                 dt_bias=bias, dt_softplus=True)
     from transformers.models.jamba.modeling_jamba import mamba_selective_scan
-    D, N = shape["D"], shape["N"]
-    args = [t(1, D, S), t(1, D, S), t(D, N, scale=-1.0, low=True), t(1, N, S), t(1, N, S), t(D), t(1, D, S), t(D)]
-    return (lambda x, dt, A, B, C, Dd, z, bias: mamba_selective_scan(x, dt, A, B, C, D=Dd, z=z, delta_bias=bias,
-                                                                     delta_softplus=True)), args
+    return lambda x, dt, A, B, C, D, z, bias: mamba_selective_scan(x, dt, A, B, C, D=D, z=z, delta_bias=bias,
+                                                                   delta_softplus=True)
 
 
 def _mixer_medians(torch, row, job):
     """[forward s (no grad), forward+backward s] of transformers' function of ``row`` (mixer, S)."""
-    fn, args = _case(*row, torch)
-
-    def timed(run):
-        def once():
-            start = time.perf_counter()
-            run()
-            return time.perf_counter() - start
-        return once
+    mixer, S = row
+    fn, args = _transformers_mixer(mixer), mixer_inputs(mixer, S, torch, 0)
 
     def both():
         y = fn(*args)
         y.backward(torch.ones_like(y))
 
     with torch.no_grad():
-        forward = _median(timed(lambda: fn(*args)), job["repeats"], job["budget"])
-    return [forward, _median(timed(both), job["repeats"], job["budget"])]
+        forward = median_seconds(lambda: fn(*args), job["repeats"], job["budget"])
+    return [forward, median_seconds(both, job["repeats"], job["budget"])]
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--torch-worker"]:
