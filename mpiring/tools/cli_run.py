@@ -30,6 +30,7 @@ from mpiring import (
 from mpiring.core.precision import ACCUMULATE, GRAD_WIRE_DTYPES, INPUT_DTYPES, WIRE_DTYPES, Precision, named_dtype
 from mpiring.core.record import Record
 from mpiring.cost.nodes import predicted_bytes
+from mpiring.cost.plantext import compute_table
 from mpiring.plans.heads import HEAD_MODES, HybridPlan, sequence_pairs
 from mpiring.plans.layouts import layout_positions
 from mpiring.plans.plan import Schedule
@@ -52,7 +53,7 @@ from .cli import (
     with_threads,
 )
 from .cli_mixers import add_mixer_args, run_mixer
-from .cli_plan import compute_table, held_text
+from .cli_plan import held_text
 from .links import LinkMeter
 from .plot import plot_timeline
 from .progress import Progress
