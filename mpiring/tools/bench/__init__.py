@@ -18,7 +18,7 @@ SUBCOMMANDS = {
     "table": ("table", True, "throughput, limits, communication, memory, torch beside each row (the default)"),
     "percore": ("micro", False, "one core, one block: the kernel against its own GEMMs and exp2, the limit, torch"),
     "peak": ("probes", False, "this core's peak float32 FMA rate (a small C loop)"),
-    "tune": ("tuning", False, "time GEMM backends and tiles on this CPU, cache the fastest"),
+    "tune": ("micro", False, "time GEMM backends and tiles on this CPU, cache the fastest"),
     "plan": ("micro", False, "one rank's planning time as P grows (docs/performance.md section 13)"),
     "overhead": ("micro", True, "the fixed cost of a call, through the functions and through a Ring"),
     "callcost": ("callcost", True, "a tiny Ring call's fixed cost and its agreement's, beside a bare Iallreduce"),
