@@ -2,15 +2,10 @@
 
     mpiexec -n 2 python -m mpiring bench mixers          # the rows of docs/performance.md section 18
 
-Each row times one mixer through ``mpiring.torch`` (the same pointwise steps
-as transformers' layer, the recurrence or convolution through mpiring),
-forward and forward+backward, on P ranks x 1 thread with zigzag shards and
-the all-gather of states; then, in the same run, transformers' own function
-on the whole sequence in one process with P threads (``peers``, a
-child process while the ranks idle). Wall: the slowest rank's, median of
-the repeats. "x torch": torch's seconds over mpiring's (above 1: mpiring is
-faster). Bytes: the most any rank sent (forward + backward), against the
-byte model (``mpiring.cost.statebytes``). Float32, batch 1.
+Each row times one mixer through ``mpiring.torch``, forward and forward+backward, on P ranks x 1 thread
+(zigzag shards, states all-gathered), then transformers' own function on the whole sequence with P threads
+(``peers``). Wall: the slowest rank's median; "x torch": torch's seconds over mpiring's; bytes: the most any
+rank sent, against ``mpiring.cost.statebytes``. Float32, batch 1.
 """
 
 import time
