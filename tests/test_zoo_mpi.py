@@ -39,3 +39,10 @@ def test_the_command_prints_the_table(comm, capsys):
     assert traffic.zoo(comm, ["--mask", "window 4"]) == 0
     if comm.rank == 0:
         assert "equal the cost model's" in capsys.readouterr().out
+
+
+def test_an_unknown_mask_is_refused_alike_on_every_rank(comm):
+    from mpiring.tools.cli import Agreed
+
+    with pytest.raises(Agreed, match="unknown masks"):
+        traffic.zoo(comm, ["--mask", "no such mask"])

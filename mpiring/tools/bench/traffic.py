@@ -13,6 +13,8 @@ against ``nodes.predicted_bytes`` and ``select_topk``'s formula. ``latent``: the
 (``mla_attention``) and the per-head K/V under the same plan, bytes per token against ``core.mla``'s formulas.
 """
 
+import functools
+
 import numpy as np
 
 from mpiring import (
@@ -29,7 +31,7 @@ from mpiring.core.reference import definition_mask
 from mpiring.cost.by_strategy import kv_tokens_sent
 from mpiring.cost.nodes import predicted_bytes
 
-from ..cli import command_parser, table_text
+from ..cli import Agreed, command_parser, table_text
 
 __all__ = ["TOKENS", "ZOO_SHAPE", "MOVEMENTS", "TOPK_ROWS", "TOPK_SHAPE", "LATENT_SHAPES", "zoo_masks",
            "minimum_bytes", "measured_bytes", "zoo_rows", "topk_rows", "latent_rows", "zoo_table", "topk_table",
@@ -221,60 +223,68 @@ def _ratio(a, b):
     return "-" if b == 0 else f"{a / b:.2f}"
 
 
-def _report(comm, args, parser, measure, table, note):
-    """A command: measure the rows, print the table and ``note(ok)`` on rank 0; exit 1 if a measurement differs."""
-    args = parser().parse_args(args)
-    found, ok = measure(comm, args)
+def _zoo_note(P, verdict):
+    return (f"\nP = {P}, {TOKENS} tokens per rank, K/V {ZOO_SHAPE['batch'] * ZOO_SHAPE['hk']} head(s) of "
+            f"{ZOO_SHAPE['dim']} + {ZOO_SHAPE['dim_v']} float32; bytes summed over the ranks. Every rank's measured "
+            f"bytes {verdict} the cost model's (nodes.predicted_bytes).")
+
+
+def _topk_note(P, verdict):
+    return (f"\nbytes summed over the ranks; zigzag, causal, blocks of {BLOCK} tokens; K/V one head of "
+            f"{TOPK_SHAPE['dim']} + {TOPK_SHAPE['dim_v']} float32, DSA's indexer {INDEX['heads']} heads of "
+            f"{INDEX['dim']}. Every rank's bytes {verdict} the models (nodes.predicted_bytes, select_topk's).")
+
+
+def _latent_note(P, verdict):
+    return (f"\nbytes sent per token moved, summed over the ranks; the causal ring, zigzag, {TOKENS} tokens per "
+            f"rank, float32; backward: K/V again and the partials (dc_kv, dk_rope or dK, dV), the weights' "
+            f"all-reduce left out. Measured {verdict} core.mla's formulas.")
+
+
+# command: (its rows from (comm, options), their table, the doc holding it, the note under it)
+COMMANDS = {"zoo": (lambda comm, args: zoo_rows(comm, args.mask), zoo_table, "docs/balance.md", _zoo_note),
+            "topk": (lambda comm, _: topk_rows(comm), topk_table, "docs/masks.md", _topk_note),
+            "latent": (lambda comm, _: latent_rows(comm), latent_table, "docs/training.md", _latent_note)}
+
+
+def _parser(name):
+    p = command_parser(f"bench {name}", globals()[name])
+    p.add_argument("--markdown", action="store_true", help=f"a Markdown table ({COMMANDS[name][2]})")
+    if name == "zoo":
+        p.add_argument("--mask", action="append", help="only this mask of the zoo (repeatable)")
+    return p
+
+
+def _report(name, comm, args):
+    """Command ``name``: measure its rows, print the table and the note on rank 0; exit 1 if a measurement
+    differs from its model."""
+    rows, table, _, note = COMMANDS[name]
+    args = _parser(name).parse_args(args)
+    if name == "zoo":
+        masks = zoo_masks(TOKENS * comm.Get_size())
+        unknown = sorted(set(args.mask or ()) - set(masks))
+        if unknown:
+            raise Agreed(f"--mask: unknown masks {unknown}: the zoo has {', '.join(masks)}")
+    found, ok = rows(comm, args)
     if comm.Get_rank() == 0:
         print(table(found, comm.Get_size(), args.markdown))
-        print(note("equal" if ok else "DIFFER FROM"))
+        print(note(comm.Get_size(), "equal" if ok else "DIFFER FROM"))
     return 0 if ok else 1
 
 
-def _parser(name, func, doc):
-    p = command_parser(f"bench {name}", func)
-    p.add_argument("--markdown", action="store_true", help=f"a Markdown table ({doc})")
-    return p
-
-
-def zoo_parser():
-    p = _parser("zoo", zoo, "docs/balance.md")
-    p.add_argument("--mask", action="append", help="only this mask of the zoo (repeatable)")
-    return p
+zoo_parser, topk_parser, latent_parser = (functools.partial(_parser, name) for name in COMMANDS)
 
 
 def zoo(comm, args=None):
     """Bytes each movement sends for a zoo of masks, measured, against the minimum and the cost model."""
-    P = comm.Get_size()
-    masks = zoo_masks(TOKENS * P)
-    unknown = sorted(set(zoo_parser().parse_args(args).mask or ()) - set(masks))
-    if unknown:
-        raise SystemExit(f"unknown masks {unknown}: the zoo has {', '.join(masks)}")
-    return _report(comm, args, zoo_parser, lambda c, a: zoo_rows(c, a.mask), zoo_table, lambda verdict: (
-        f"\nP = {P}, {TOKENS} tokens per rank, K/V {ZOO_SHAPE['batch'] * ZOO_SHAPE['hk']} head(s) of "
-        f"{ZOO_SHAPE['dim']} + {ZOO_SHAPE['dim_v']} float32; bytes summed over the ranks. Every rank's measured "
-        f"bytes {verdict} the cost model's (nodes.predicted_bytes)."))
-
-
-def topk_parser():
-    return _parser("topk", topk, "docs/masks.md")
+    return _report("zoo", comm, args)
 
 
 def topk(comm, args=None):
     """Bytes of top-k attention chosen by an indexer against the dense ring, as S and k vary, measured."""
-    return _report(comm, args, topk_parser, lambda c, _: topk_rows(c), topk_table, lambda verdict: (
-        f"\nbytes summed over the ranks; zigzag, causal, blocks of {BLOCK} tokens; K/V one head of {TOPK_SHAPE['dim']} "
-        f"+ {TOPK_SHAPE['dim_v']} float32, DSA's indexer {INDEX['heads']} heads of {INDEX['dim']}. Every rank's bytes "
-        f"{verdict} the models (nodes.predicted_bytes, select_topk's)."))
-
-
-def latent_parser():
-    return _parser("latent", latent, "docs/training.md")
+    return _report("topk", comm, args)
 
 
 def latent(comm, args=None):
     """Bytes per token of MLA's latent on the ring against per-head K/V, measured."""
-    return _report(comm, args, latent_parser, lambda c, _: latent_rows(c), latent_table, lambda verdict: (
-        f"\nbytes sent per token moved, summed over the ranks; the causal ring, zigzag, {TOKENS} tokens per rank, "
-        f"float32; backward: K/V again and the partials (dc_kv, dk_rope or dK, dV), the weights' all-reduce left "
-        f"out. Measured {verdict} core.mla's formulas."))
+    return _report("latent", comm, args)
