@@ -242,14 +242,14 @@ def _latent_note(P, verdict):
 
 
 # command: (its rows from (comm, options), their table, the doc holding it, the note under it)
-COMMANDS = {"zoo": (lambda comm, args: zoo_rows(comm, args.mask), zoo_table, "docs/balance.md", _zoo_note),
+TABLES = {"zoo": (lambda comm, args: zoo_rows(comm, args.mask), zoo_table, "docs/balance.md", _zoo_note),
             "topk": (lambda comm, _: topk_rows(comm), topk_table, "docs/masks.md", _topk_note),
             "latent": (lambda comm, _: latent_rows(comm), latent_table, "docs/training.md", _latent_note)}
 
 
 def _parser(name):
     p = command_parser(f"bench {name}", globals()[name])
-    p.add_argument("--markdown", action="store_true", help=f"a Markdown table ({COMMANDS[name][2]})")
+    p.add_argument("--markdown", action="store_true", help=f"a Markdown table ({TABLES[name][2]})")
     if name == "zoo":
         p.add_argument("--mask", action="append", help="only this mask of the zoo (repeatable)")
     return p
@@ -258,7 +258,7 @@ def _parser(name):
 def _report(name, comm, args):
     """Command ``name``: measure its rows, print the table and the note on rank 0; exit 1 if a measurement
     differs from its model."""
-    rows, table, _, note = COMMANDS[name]
+    rows, table, _, note = TABLES[name]
     args = _parser(name).parse_args(args)
     if name == "zoo":
         masks = zoo_masks(TOKENS * comm.Get_size())
@@ -272,7 +272,7 @@ def _report(name, comm, args):
     return 0 if ok else 1
 
 
-zoo_parser, topk_parser, latent_parser = (functools.partial(_parser, name) for name in COMMANDS)
+zoo_parser, topk_parser, latent_parser = (functools.partial(_parser, name) for name in TABLES)
 
 
 def zoo(comm, args=None):

@@ -5,7 +5,7 @@
     python -m mpiring grade class/ --ranks 2,3,4 --report report.json     # starts the MPI jobs itself
 
 docs/exercises.md says what is checked and how; docs/course.md how a class is graded. Under ``mpiexec -n P``
-every file is graded at P in that job (``job``, ``session``); with ``--ranks`` the grader runs outside MPI and
+every file is graded at P in that job (``session``); with ``--ranks`` the grader runs outside MPI and
 starts one job per P (``batch``). The options (``arguments``) use no MPI.
 """
 
@@ -30,7 +30,7 @@ def grade(comm, argv=None):
     returns the exit code, the same on every rank."""
     if comm is None:
         return grade_class(list(argv or []))
-    from .job import grade_job
+    from .session import grade_job
 
     return grade_job(comm, list(argv or []))
 
