@@ -13,9 +13,9 @@ import time
 
 import pytest
 
+from mpiring.cost.memory import memory_model
 from mpiring.tools import bench
 from mpiring.tools.bench import table
-from mpiring.tools.bench.memory import memory_model
 from mpiring.tools.bench.peers import torch_available, torch_times
 from mpiring.tools.bench.probes import spinner_pids
 from mpiring.tools.bench.sheet import COLUMNS, format_table, format_targets, read_csv, write_csv

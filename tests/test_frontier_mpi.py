@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mpiring.tools.bench import frontier
+from mpiring.tools.bench import traffic
 
 pytestmark = pytest.mark.mpi
 
@@ -21,7 +21,7 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 def test_topk_rows_are_measured_and_documented(comm):
     rows = [(64, 2, "random"), (64, 2, "local")]
-    found, ok = frontier.topk_rows(comm, rows)
+    found, ok = traffic.topk_rows(comm, rows)
     assert ok, "a rank's recorded bytes differ from the models"
     for S, k, inputs, sent in found:
         assert sent["top-k sparse fwd"] <= sent["dense ring fwd"], (inputs, S, k)
@@ -30,26 +30,26 @@ def test_topk_rows_are_measured_and_documented(comm):
         assert found[1][3]["top-k sparse fwd"] < found[0][3]["top-k sparse fwd"]  # nearby keys: fewer blocks
     if comm.size == 4:
         doc = (DOCS / "masks.md").read_text()
-        for line in frontier.topk_table(found, 4, markdown=True).splitlines()[2:]:
+        for line in traffic.topk_table(found, 4, markdown=True).splitlines()[2:]:
             assert line in doc, line
 
 
 def test_latent_rows_are_measured_and_documented(comm):
-    found, ok = frontier.latent_rows(comm, {"small": frontier.LATENT_SHAPES["small"]})
+    found, ok = traffic.latent_rows(comm, {"small": traffic.LATENT_SHAPES["small"]})
     assert ok, "bytes per token differ from core.mla's formulas"
     if comm.size > 1:
         assert found[0][1]["latent fwd"] == (64 + 16) * 4 and found[0][1]["per-head fwd"] == 8 * 80 * 4
     if comm.size == 4:
         doc = (DOCS / "training.md").read_text()
-        for line in frontier.latent_table(found, 4, markdown=True).splitlines()[2:]:
+        for line in traffic.latent_table(found, 4, markdown=True).splitlines()[2:]:
             assert line in doc, line
 
 
 def test_the_commands_print_their_tables(comm, capsys, monkeypatch):
-    monkeypatch.setattr(frontier, "TOPK_ROWS", [(16, 2, "local")])
-    monkeypatch.setattr(frontier, "LATENT_SHAPES", {"small": frontier.LATENT_SHAPES["small"]})
-    assert frontier.topk(comm, []) == 0
-    assert frontier.latent(comm, ["--markdown"]) == 0
+    monkeypatch.setattr(traffic, "TOPK_ROWS", [(16, 2, "local")])
+    monkeypatch.setattr(traffic, "LATENT_SHAPES", {"small": traffic.LATENT_SHAPES["small"]})
+    assert traffic.topk(comm, []) == 0
+    assert traffic.latent(comm, ["--markdown"]) == 0
     if comm.rank == 0:
         out = capsys.readouterr().out
         assert "equal the models" in out and "| small | 8 heads, r 64" in out and "Measured equal" in out

@@ -10,7 +10,7 @@ from flex_cases import B, H, numpy_fn, rules
 
 import mpiring.core.scores as scores
 from mpiring import make_plan, masks, shard_indices
-from mpiring.tools.cli_plan import compute_table, head_table
+from mpiring.cost.plantext import compute_table, head_table
 
 
 def _dense(fn, causal, sq, sk):

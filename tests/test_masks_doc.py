@@ -10,8 +10,8 @@ import pytest
 
 import mpiring
 from mpiring import masks
+from mpiring.cost.plantext import sparsity_text
 from mpiring.plans.visibility import BIG, count_visible
-from mpiring.tools.cli_plan import sparsity_text
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "masks.md"
 PICTURES = re.findall(r"```text\n\$ python -m mpiring schedule (.*?)\n(.*?)```", DOC.read_text(), re.S)

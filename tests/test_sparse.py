@@ -11,8 +11,9 @@ import pytest
 from mpiring import LAYOUTS, Spec, make_plan, shard_indices
 from mpiring.core.reference import definition_mask
 from mpiring.cost.nodes import predicted_bytes
+from mpiring.cost.plantext import moves_text
 from mpiring.plans.visibility import Window
-from mpiring.tools.cli_plan import moves_text, schedule
+from mpiring.tools.cli_plan import schedule
 
 MASKS = [{}, dict(causal=True), dict(causal=True, window=(3, 0)), dict(window=(2, 5)),
          dict(causal=True, cu_seqlens="docs"), dict(causal=True, causal_block=4),

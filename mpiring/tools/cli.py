@@ -4,7 +4,6 @@ import argparse
 import functools
 import math
 import os
-import pickle
 import time
 
 import numpy as np
@@ -251,7 +250,9 @@ def broadcast(comm, obj):
 def objects(comm, obj, root=None, timeout=None, what="the other ranks"):
     """Every rank's ``obj`` (pickled), waited for in a polling loop: the list on every rank, or with ``root``
     on that rank only (None on the others)."""
-    data = np.frombuffer(pickle.dumps(obj), np.uint8)
+    from mpiring.mpi.collectives import pickled, unpickled
+
+    data = pickled(obj)
     here = root is None or comm.Get_rank() == root
     sizes = np.empty(comm.Get_size(), np.int64) if here else None
     count = np.array([data.size], np.int64)
@@ -263,10 +264,7 @@ def objects(comm, obj, root=None, timeout=None, what="the other ranks"):
         poll([comm.Igather(count, sizes, root=root)], timeout, what)
         flat = np.empty(int(sizes.sum()), np.uint8) if here else None
         poll([comm.Igatherv(data, [flat, sizes] if here else None, root=root)], timeout, what)
-    if not here:
-        return None
-    edges = np.concatenate([[0], np.cumsum(sizes)])
-    return [pickle.loads(flat[a:b].tobytes()) for a, b in zip(edges[:-1], edges[1:])]
+    return unpickled(flat, sizes) if here else None
 
 
 def on_rank0(comm, work, otherwise=None):

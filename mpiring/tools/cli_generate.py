@@ -3,15 +3,10 @@
     mpiexec -n 4 python -m mpiring generate --prompt-len 4096 --new-tokens 16 --heads 8 --kv-heads 2 --dim 64
     mpiexec -n 2 python -m mpiring generate --prompt-len 65536 --new-tokens 32 --heads 8 --kv-heads 1 --quantize int8
 
-Inputs are seeded (``tools.verify.Inputs``: token block b of tensor c from
-``default_rng([seed, c, b])``), so every rank makes the same new tokens and
-its own prompt rows. The prompt goes through ``KVCache.prefill`` (the ring;
-each rank keeps its K/V rows); then each step extends the cache by one token
-(``--step-tokens S``: S tokens, causal among themselves) and attends its
-query to the whole cache with every merge asked for. Every prefill row
-sampled and every decode step is compared with the float64 reference; every
-rank's decode result must be the same bits. Rank 0 prints the times, bytes
-and the time model's prediction, and VERIFIED or not.
+Inputs are seeded (``tools.verify.Inputs``). The prompt goes through ``KVCache.prefill`` (the ring); each step
+extends the cache by ``--step-tokens`` tokens (causal among themselves) and attends to the whole cache with
+every merge asked for. Sampled prefill rows and every decode step are compared with the float64 reference,
+and every rank's decode result must be the same bits. Rank 0 prints times, bytes, the time model, VERIFIED.
 """
 
 import hashlib

@@ -16,8 +16,6 @@ import argparse
 import importlib.util
 import os
 
-import numpy as np
-
 from mpiring import (
     MODES,
     Spec,
@@ -30,6 +28,7 @@ from mpiring import (
 from mpiring.core.precision import ACCUMULATE, GRAD_WIRE_DTYPES, INPUT_DTYPES, WIRE_DTYPES, Precision, named_dtype
 from mpiring.core.record import Record
 from mpiring.cost.nodes import predicted_bytes
+from mpiring.cost.plantext import compute_table
 from mpiring.plans.heads import HEAD_MODES, HybridPlan, sequence_pairs
 from mpiring.plans.layouts import layout_positions
 from mpiring.plans.plan import Schedule
@@ -52,16 +51,13 @@ from .cli import (
     with_threads,
 )
 from .cli_mixers import add_mixer_args, run_mixer
-from .cli_plan import compute_table, held_text
+from .cli_plan import held_text
 from .links import LinkMeter
 from .plot import plot_timeline
 from .progress import Progress
 from .trace import format_timeline, timing_report, write_chrome_trace
 
-__all__ = ["run", "run_parser", "VERIFY_TOL", "job_problem"]
-
-# what `run` accepts against the exact float64 computation (absolute; gradients relative to max(1, max |ref|))
-VERIFY_TOL = {np.float64: verify.TOLERANCE[np.dtype(np.float64)], np.float32: verify.TOLERANCE[np.dtype(np.float32)]}
+__all__ = ["run", "run_parser", "job_problem"]
 
 
 def _timeout(text):
@@ -136,19 +132,14 @@ def job_problem(args, size):
     if args.seq_len < size:
         return (f"--seq-len {args.seq_len} is shorter than the number of ranks {size}: "
                 f"every rank needs at least one token")
-    if args.trace and _writable("--trace", args.trace):
-        return _writable("--trace", args.trace)
-    if args.plot:
-        if importlib.util.find_spec("matplotlib") is None:
-            return '--plot needs matplotlib, which is not installed: pip install -e ".[plot]" (or leave out --plot)'
-        if _writable("--plot", args.plot):
-            return _writable("--plot", args.plot)
-    return _balance_problem(args, size) if args.balance else verify.check_partition(args.seq_len, size, args.layout)
-
-
-def _balance_problem(args, size):
-    """Why ``--balance`` cannot deal out the sequence (a bad --cu-seqlens, ...), or None."""
-    try:
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        return '--plot needs matplotlib, which is not installed: pip install -e ".[plot]" (or leave out --plot)'
+    for option, path in (("--trace", args.trace), ("--plot", args.plot)):
+        if path and _writable(option, path):
+            return _writable(option, path)
+    if not args.balance:
+        return verify.check_partition(args.seq_len, size, args.layout)
+    try:  # a bad --cu-seqlens, ...
         held_positions(args, args.seq_len, size)
     except ValueError as exc:
         return str(exc)
@@ -222,8 +213,7 @@ def run(comm, args):
     sched = Schedule(table, records=[c[1] for c in columns], plan=plan)
     meter.label(sched.records)  # which link each transfer used, in the trace too
     checks = None if args.no_verify else [c[2] for c in columns]
-    links = meter.report(sent[-1], plan, _shape(args), dtype.itemsize, backward=args.backward,
-                         **_wire_bytes(args, _wire(args)[0]))
+    links = meter.report(sent[-1], plan, _shape(args), dtype.itemsize, backward=args.backward, **_wires(args))
     if args.backward:
         return _report_backward(args, sched, checks, links)
     return _report_forward(args, sched, checks, machine, links)
@@ -239,12 +229,7 @@ def _report_forward(args, sched, checks, machine, links=()):
     itemsize = dtype.itemsize
     pr, kv_width, wire_size = _wire(args)
     predicted = _predicted(args, plan)
-    print(f"mpiring run: P={size} seq_len={args.seq_len} batch={args.batch} heads={args.heads} kv_heads={hk} "
-          f"dim={args.dim} {dtype} causal={plan.causal} {held_text(args, plan)} mode={mode_text(plan)} "
-          f"window={plan.window}")
-    print(_wire_line(args, pr))
-    print("\nschedule as recorded by the ranks:")
-    print(sched.format())
+    _head(args, sched, "mpiring run", "schedule as recorded by the ranks")
     for r, rec in enumerate(records):
         rec["blocks_computed"] = sum(t.kind != "skip" for row in sched.table for t in row[r])
     print(compute_table(plan, records))
@@ -277,34 +262,38 @@ def _report_forward(args, sched, checks, machine, links=()):
     return _verdict(failed, checks)
 
 
+def _head(args, sched, title, what):
+    """A report's first lines: the problem, the wires, the schedule the ranks recorded."""
+    plan = sched.plan
+    print(f"{title}: P={plan.size} seq_len={args.seq_len} batch={args.batch} heads={args.heads} "
+          f"kv_heads={args.kv_heads or args.heads} dim={args.dim} {named_dtype(args.dtype)} causal={plan.causal} "
+          f"{held_text(args, plan)} mode={mode_text(plan)} window={plan.window}")
+    print(_wire_line(args, _wire(args)[0]))
+    print(f"\n{what}:")
+    print(sched.format())
+
+
 def _shape(args):
     """The problem's shape as ``heads.predicted_bytes`` takes it."""
     return dict(batch=args.batch, hq=args.heads, hk=args.kv_heads or args.heads, dim=args.dim, dim_v=args.dim)
-
-
-
-
-def _ring_modes(plan):
-    """Whether ``plan`` is one of the flat ring modes (the cost model's own bytes)."""
-    return plan.mode in MODES and not isinstance(plan, HybridPlan)
 
 
 def _predicted(args, plan, backward=False):
     """Bytes each rank sends, K/V on the run's wire and the partials in its gradient dtype: ring modes as the
     cost model counts them, other modes as mpiring.cost.nodes does."""
     pr, kv_width, wire_size = _wire(args)
-    if not _ring_modes(plan):
+    if plan.mode not in MODES or isinstance(plan, HybridPlan):  # the flat ring modes: the cost model's own bytes
         return predicted_bytes(plan, **_shape(args), itemsize=named_dtype(args.dtype).itemsize, backward=backward,
-                               **_wire_bytes(args, pr))
+                               **_wires(args))
     if not backward:
         return predicted_bytes_sent(plan, kv_width, wire_size)
     hk = args.kv_heads or args.heads
     return predicted_backward_bytes(plan, kv_width, wire_size, pr.grad.itemsize, args.batch * hk * 2 * args.dim)
 
 
-def _wire_bytes(args, pr):
+def _wires(args):
     """What ``nodes.traffic`` takes of the run's wires: the K/V wire's name, the gradients' bytes."""
-    return dict(wire_dtype=args.wire_dtype, grad_itemsize=pr.grad.itemsize)
+    return dict(wire_dtype=args.wire_dtype, grad_itemsize=_wire(args)[0].grad.itemsize)
 
 
 def _wire(args):
@@ -395,16 +384,11 @@ def _report_backward(args, sched, checks, links=()):
     """Rank 0's report of ``run --backward``; its exit code."""
     plan, records = sched.plan, sched.records
     size, dtype = plan.size, named_dtype(args.dtype)
-    hk = args.kv_heads or args.heads
     pr = _wire(args)[0]
     fwd_bytes, bwd_bytes = _predicted(args, plan), _predicted(args, plan, backward=True)
     bwd_messages = [plan.messages_of(r, backward=True) for r in range(size)]
-    print(f"mpiring run --backward: P={size} seq_len={args.seq_len} batch={args.batch} heads={args.heads} "
-          f"kv_heads={hk} dim={args.dim} {dtype} causal={plan.causal} {held_text(args, plan)} mode={mode_text(plan)} "
-          f"window={plan.window}")
-    print(_wire_line(args, pr))
-    print("\nbackward schedule as recorded by the ranks (K/V and their dK/dV partials follow the forward plan):")
-    print(sched.format())
+    _head(args, sched, "mpiring run --backward", "backward schedule as recorded by the ranks (K/V and their dK/dV "
+          "partials follow the forward plan)")
     schedule_failed = _schedule_failures(sched)
     print(f"recorded schedule equals the plan: {'NO' if schedule_failed else 'yes'}")
     print("\n      forward               backward")

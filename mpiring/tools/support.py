@@ -3,22 +3,11 @@
     mpiexec -n 4 python -m mpiring support                 # the matrix: tables on rank 0
     mpiexec -n 4 python -m mpiring support --markdown --write docs/reliability.md   # the doc's P = 4 section
     mpiexec -n 2 python -m mpiring support --full          # every cell of the product (minutes)
-    mpiexec -n 8 python -m mpiring support --sample 28     # a seeded sample of the product, every strategy
 
-The axes come from the package's own definitions (``MODES``, ``ALL_MODES``,
-``LAYOUTS``, ``precision.INPUT_DTYPES`` and ``WIRE_DTYPES``): strategy, token
-assignment, mask, heads, dtype, wire and pass (forward and backward: one run
-gives both). A cell works when every rank's result is within
-``mpiring.testing``'s tolerance of the float64 reference of the inputs as
-rounded to the dtype, or raises the same ValueError on every rank before any
-data moved (its ``Record`` stays empty); anything else is WRONG (exit code 1).
-
-The full product is 30,240 runs per strategy. The matrix (``matrix``) runs,
-per strategy, every option alone (the other axes at their ``DEFAULTS``);
-then the options that work alone, 5 at a time, in the rows of an orthogonal
-array of strength 2 (``covering``: every pair of them meets in a row); then
-every pair of options of each row that failed. Options that fail alone stay
-out of the rows, where they would mask the others. docs/reliability.md §6.
+A cell works when every rank's result is within ``mpiring.testing``'s tolerance of the float64 reference,
+or raises the same ValueError on every rank before any data moved; anything else is WRONG (exit 1).
+``matrix``: per strategy, every option alone, then the options that work alone in the rows of a strength-2
+covering array, then every pair of options of each failed row (docs/reliability.md section 6).
 """
 
 import itertools
@@ -35,19 +24,9 @@ from mpiring.plans.layouts import LAYOUTS
 from mpiring.plans.plan import ALL_MODES, MODES
 from mpiring.testing import attention_error, tolerance
 
+from . import support_cases as cases
 from .cli import Agreed, command_parser, table_text
-from .support_cases import (
-    call,
-    extra_grads,
-    grad_names,
-    head_counts,
-    inputs,
-    mask_options,
-    placement,
-    reference,
-    score_options,
-    sizes,
-)
+from .support_cases import head_counts, sizes
 from .verify import run_tolerance
 
 __all__ = ["AXES", "DEFAULTS", "Cell", "strategies", "cells", "changed", "label", "covering", "matrix", "sample",
@@ -83,12 +62,8 @@ class Cell(NamedTuple):
 
 
 def strategies(P):
-    """Every strategy at P ranks, in order: name -> the ``ring_attention`` options that choose it.
-
-    Every movement of K/V (the ring modes, Ulysses, the double ring with ``node_size`` n, the grid of
-    ``ulysses_size`` u with a ring mode across), then each of them with the queries travelling instead
-    (``rotate="q"``, "pass-Q ...").
-    """
+    """Every strategy at P ranks, name -> its ``ring_attention`` options: every movement of K/V (ring modes,
+    Ulysses, double ring with ``node_size`` n, grid of ``ulysses_size`` u), then each with ``rotate="q"``."""
     found = {mode: {"mode": mode} for mode in MODES}
     for mode in ALL_MODES:
         if mode == "double_ring":  # one rank per node, two nodes (or P // 2 ranks each), one node
@@ -126,12 +101,8 @@ def _cell(strategy, options, pass_):
 
 
 def covering(levels):
-    """Rows over the value lists ``levels`` in which every pair of values of any two lists meets.
-
-    An orthogonal array of strength 2: rows (i, j) over Z_p for a prime p at least as large as every
-    list, columns i, j, i + j, i + 2j, ... mod p (any two columns take every pair of values once),
-    value c of a column being its list's entry c mod its length; p * p rows, duplicates dropped.
-    """
+    """Rows over the value lists ``levels`` in which every pair of values of any two lists meets: rows (i, j) over
+    Z_p (p prime, >= every list), columns i, j, i + j, i + 2j, ... mod p, each taken mod its list's length."""
     p = next(p for p in (2, 3, 5, 7, 11, 13) if p >= max(map(len, levels)) and p + 1 >= len(levels))
     rows = {}
     for i, j in itertools.product(range(p), repeat=2):
@@ -173,12 +144,9 @@ def _error(name, got, want, tol, dtype):
 
 
 def _verdict(comm, call, record, compare, keep_going):
-    """``(result, verdict)`` of ``call()`` on every rank, the same verdict everywhere (one all-gather).
-
-    ``compare(result)`` gives ``(name, got, want, tolerance, dtype)`` tuples. A ValueError is "raises: ..."
-    if every rank raised it and no data moved; any other exception propagates, or with
-    ``keep_going`` is a WRONG verdict.
-    """
+    """``(result, verdict)`` of ``call()``, the same verdict on every rank (one all-gather); ``compare(result)``
+    gives ``(name, got, want, tolerance, dtype)`` tuples. Other exceptions than ValueError propagate, or with
+    ``keep_going`` are WRONG."""
     result, message, worst = None, None, (0.0, "")
     try:
         result = call()
@@ -210,26 +178,22 @@ def _verdict(comm, call, record, compare, keep_going):
 
 
 def run_case(comm, case, backward=True, records=None, keep_going=False):
-    """``{"forward": verdict, "backward": verdict}`` of one case (a Cell without its pass), the same on every rank.
-
-    A verdict is "works", "raises: <message>", "skipped: <why>" or "WRONG: <what>". The backward runs
-    on the forward's results; if the forward raises, so does the backward's cell (with its message).
-    ``records``: the forward's and the backward's ``Record`` (fresh ones if None). An exception other
-    than ValueError is a bug: it propagates, or with ``keep_going`` is a WRONG verdict ("crashed: ...").
-    """
+    """``{"forward": verdict, "backward": verdict}`` of one case (a Cell without its pass), the same on every rank:
+    "works", "raises: <message>", "skipped: <why>" or "WRONG: <what>". The backward runs on the forward's
+    results (a forward that raises: the backward's cell too). ``records``: the two passes' ``Record``."""
     strategy, assignment, mask, heads, dtype, wire, score = case
     missing = _missing([dtype] + [wire] * (wire != "none"))
     if missing:
         return {"forward": f"skipped: {missing}", "backward": f"skipped: {missing}"}
     P, rank = comm.Get_size(), comm.Get_rank()
-    mine, kv, held = placement(P, rank, assignment)
+    mine, kv, held = cases.placement(P, rank, assignment)
     wire = None if wire == "none" else wire
-    options = dict(strategies(P)[strategy], **mask_options(mask, sizes(P)[0], head_counts(P, heads)[0]), **held,
+    options = dict(strategies(P)[strategy], **cases.mask_options(mask, sizes(P)[0], head_counts(P, heads)[0]), **held,
                    wire_dtype=wire,
-                   **score_options(score, P, heads))
-    whole = inputs(P, heads, dtype)[0]  # q, k, v, dout (MLA: q, c_kv, k_rope, dout, w_uk, w_uv)
+                   **cases.score_options(score, P, heads))
+    whole = cases.inputs(P, heads, dtype)[0]  # q, k, v, dout (MLA: q, c_kv, k_rope, dout, w_uk, w_uv)
     arrays = [np.ascontiguousarray(a[..., rows, :]) for a, rows in zip(whole, (mine, kv, kv, mine))] + whole[4:]
-    ref = reference(P, heads, dtype, mask, assignment == "kv_positions", score, assignment == "cross")
+    ref = cases.reference(P, heads, dtype, mask, assignment == "kv_positions", score, assignment == "cross")
     kind = named_dtype(dtype)
     lse_kind = np.float32 if kind.itemsize == 2 else kind  # half inputs: lse in float32
     fwd, bwd = records or (Record(rank), Record(rank))
@@ -238,7 +202,7 @@ def run_case(comm, case, backward=True, records=None, keep_going=False):
         return [("out", result[0], ref[0][..., mine, :], tolerance(kind, wire), kind),
                 ("lse", result[1], ref[1][..., mine], tolerance(lse_kind, wire), lse_kind)]
 
-    result, verdict = _verdict(comm, lambda: call(heads)(arrays, comm, options, fwd, None), fwd, forward_errors,
+    result, verdict = _verdict(comm, lambda: cases.call(heads)(arrays, comm, options, fwd, None), fwd, forward_errors,
                                keep_going)
     verdicts = {"forward": verdict, "backward": verdict}
     if backward and result is not None:
@@ -249,30 +213,30 @@ def run_case(comm, case, backward=True, records=None, keep_going=False):
             # the weights' gradients (MLA: rows "all") in float64, as the weights; products of the coded latent and
             # gradients made from it, they carry two codings' error (bfloat16 2.0e-2, int8 3.9e-2 at P = 4)
             found = []
-            for (name, rows), g, r in zip(grad_names(heads), grads, ref[2:]):
+            for (name, rows), g, r in zip(cases.grad_names(heads), grads, ref[2:]):
                 weights = rows == "all"
                 found.append((name, g, r[at[rows]], run_tolerance(kind, wire, codings * (1 + weights)),
                               np.float64 if weights else kind))
             if heads != "MLA":  # sinks, a bias table: their gradients, summed over every rank's rows
-                extra = extra_grads(score)
+                extra = cases.extra_grads(score)
                 if len(grads) != 3 + len(extra):
                     raise ValueError(f"the backward returned {len(grads)} gradients; {3 + len(extra)} expected")
                 for j, name in enumerate(extra):
                     found.append((name, grads[3 + j], ref[5 + j], run_tolerance(kind, wire, codings), np.float64))
             return found
 
-        verdicts["backward"] = _verdict(comm, lambda: call(heads, True)(arrays, comm, options, bwd, result), bwd,
+        verdicts["backward"] = _verdict(comm, lambda: cases.call(heads, True)(arrays, comm, options, bwd, result), bwd,
                                         backward_errors, keep_going)[1]
     return verdicts
 
 
 def run_cells(comm, chosen, keep_going=False):
     """``{cell: verdict}`` of every cell in ``chosen``; a forward and backward of one case share one run."""
-    cases = {}
+    by_case = {}
     for cell in chosen:
-        cases.setdefault(cell[:-1], set()).add(cell.pass_)
+        by_case.setdefault(cell[:-1], set()).add(cell.pass_)
     verdicts = {}
-    for case, passes in cases.items():
+    for case, passes in by_case.items():
         got = run_case(comm, case, backward="backward" in passes, keep_going=keep_going)
         verdicts.update({Cell(*case, p): got[p] for p in passes})
     return {cell: verdicts[cell] for cell in chosen}

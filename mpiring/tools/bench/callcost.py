@@ -2,14 +2,10 @@
 
     for n in 2 8 32 64; do mpiexec -n $n python -m mpiring bench callcost; done   # one row per P
 
-A call of S = P tokens (one per rank), H = 1, D = 8, float64: what is left is the call's fixed cost.
-Each sample starts after a barrier; the row shows the median over samples of the slowest rank's time, for:
-the whole ``Ring.forward``; its per-call agreement alone (``agree.check_call``, on a private communicator as
-the handle's); and, in the same run, a bare ``Iallreduce`` of the agreement's five float64 (waited by
-``MPI.Request.Wait``); and the point-to-point requests (sends and receives) the agreement posts on one rank
-per call, beside its all-reduce. With more ranks than cores (oversubscribed), the figures measure the scheduler too.
-Sampling stops after ``--repeats`` samples of each kind or ``--budget`` seconds (at least 3 samples), so a row
-at P = 64 on a small machine takes seconds, not minutes; the header gives the samples taken.
+A call of S = P tokens, H = 1, D = 8, float64: what is left is its fixed cost. The median over samples (each
+after a barrier) of the slowest rank's time of ``Ring.forward``, of its agreement alone (``agree.check_call``)
+and of a bare ``Iallreduce`` of the agreement's five float64; and the point-to-point requests the agreement
+posts per call. Sampling stops after ``--repeats`` samples or ``--budget`` seconds (at least 3).
 """
 
 import time

@@ -2,18 +2,12 @@
 
     mpiexec -n 2 python -m mpiring bench mixers          # the rows of docs/performance.md section 18
 
-Each row times one mixer through ``mpiring.torch`` (the same pointwise steps
-as transformers' layer, the recurrence or convolution through mpiring),
-forward and forward+backward, on P ranks x 1 thread with zigzag shards and
-the all-gather of states; then, in the same run, transformers' own function
-on the whole sequence in one process with P threads (``hybridpeer``, a
-child process while the ranks idle). Wall: the slowest rank's, median of
-the repeats. "x torch": torch's seconds over mpiring's (above 1: mpiring is
-faster). Bytes: the most any rank sent (forward + backward), against the
-byte model (``mpiring.cost.statebytes``). Float32, batch 1.
+Each row times one mixer through ``mpiring.torch``, forward and forward+backward, on P ranks x 1 thread
+(zigzag shards, states all-gathered), then transformers' own function on the whole sequence with P threads
+(``peers``). Wall: the slowest rank's median; "x torch": torch's seconds over mpiring's; bytes: the most any
+rank sent, against ``mpiring.cost.statebytes``. Float32, batch 1.
 """
 
-import statistics
 import time
 
 from mpi4py import MPI
@@ -21,9 +15,9 @@ from mpi4py import MPI
 from mpiring import MixerSpec, Record, shard_indices
 from mpiring.cost.statebytes import halo_bytes, state_bytes
 
-from ..cli import at_least, command_parser, with_threads
-from .hybridpeer import SHAPES, mixer_times
-from .probes import busy_cpu_seconds, cpu_text, own_cpu_seconds
+from ..cli import at_least, command_parser, on_rank0, with_threads
+from .peers import SHAPES, median_seconds, mixer_inputs, mixer_times
+from .probes import background_cores, cpu_text, load_clock
 
 __all__ = ["mixers", "mixers_parser", "mixer_rows", "MIXER_ROWS"]
 
@@ -31,48 +25,32 @@ MIXER_ROWS = [("conv", 16384), ("gdn", 4096), ("ssd", 4096), ("mamba", 2048)]
 LAYOUT, PASSING = "zigzag", "allgather"
 
 
-def _inputs(mixer, S, mine, torch):
-    """This rank's shard of the row's float32 inputs (requiring grad), the adapter, and its state (s, a) values."""
+def _adapter(mixer):
+    """mpiring.torch's function of ``mixer`` (taking transformers' arguments) and its state (s, a) values."""
     import mpiring.torch as mt
 
-    g = torch.Generator().manual_seed(1 + MPI.COMM_WORLD.Get_rank())
-    n, shape = len(mine), SHAPES[mixer]
-
-    def t(*size, scale=1.0, low=False):
-        x = torch.rand(*size, generator=g) if low else torch.randn(*size, generator=g)
-        return (x * scale).requires_grad_()
-
+    s = SHAPES[mixer]
     if mixer == "conv":
-        return [t(1, shape["C"], n), t(shape["C"], shape["width"])], \
-            lambda x, w, **call: mt.causal_conv1d(x, w, None, **call), None
+        return lambda x, w, **call: mt.causal_conv1d(x, w, None, **call), None
     if mixer == "gdn":
-        Hk, Hv, dk, dv = shape["Hk"], shape["Hv"], shape["dk"], shape["dv"]
-        args = [t(1, n, Hk, dk), t(1, n, Hk, dk), t(1, n, Hv, dv), t(1, n, Hv, scale=-0.1, low=True),
-                t(1, n, Hv, low=True)]
-        return args, lambda *a, **call: mt.chunk_gated_delta_rule(*a, use_qk_l2norm_in_kernel=True, **call)[0], \
-            (Hv * dk * dv, Hv * dk * dk)
+        return (lambda *a, **call: mt.chunk_gated_delta_rule(*a, use_qk_l2norm_in_kernel=True, **call)[0],
+                (s["Hv"] * s["dk"] * s["dv"], s["Hv"] * s["dk"] * s["dk"]))
     if mixer == "ssd":
-        H, P, G, N = shape["H"], shape["P"], shape["G"], shape["N"]
-        args = [t(1, n, H, P), t(1, n, H), t(H, scale=-1.0, low=True), t(1, n, G, N), t(1, n, G, N), t(H), t(H)]
-        return args, lambda x, dt, A, B, C, D, bias, **call: mt.mamba_chunk_scan(
-            x, dt, A, B, C, D=D, dt_bias=bias, dt_softplus=True, **call), (H * N * P, H)
-    D, N = shape["D"], shape["N"]
-    args = [t(1, D, n), t(1, D, n), t(D, N, scale=-1.0, low=True), t(1, N, n), t(1, N, n), t(D), t(1, D, n), t(D)]
-    return args, lambda x, dt, A, B, C, Dd, z, bias, **call: mt.selective_scan(
-        x, dt, A, B, C, Dd, z, bias, True, **call), (D * N, D * N)
+        return (lambda x, dt, A, B, C, D, bias, **call: mt.mamba_chunk_scan(x, dt, A, B, C, D=D, dt_bias=bias,
+                                                                            dt_softplus=True, **call),
+                (s["H"] * s["N"] * s["P"], s["H"]))
+    return (lambda x, dt, A, B, C, D, z, bias, **call: mt.selective_scan(x, dt, A, B, C, D, z, bias, True, **call),
+            (s["D"] * s["N"], s["D"] * s["N"]))
 
 
 def _seconds(comm, run, repeats, budget):
     """Median over repeats of the slowest rank's seconds for ``run()`` (one warm-up run first)."""
-    run()
-    samples, spent = [], 0.0
-    while len(samples) < repeats and spent < budget:
+    def slowest(fn):
         comm.Barrier()
         start = time.perf_counter()
-        run()
-        samples.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
-        spent += samples[-1]
-    return statistics.median(samples)
+        fn()
+        return comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+    return median_seconds(run, repeats, budget, slowest)
 
 
 def _row(comm, mixer, S, repeats, budget):
@@ -81,7 +59,8 @@ def _row(comm, mixer, S, repeats, budget):
 
     size = comm.Get_size()
     mine = shard_indices(S, size, comm.Get_rank(), LAYOUT)
-    args, adapter, state = _inputs(mixer, S, mine, torch)
+    args = mixer_inputs(mixer, len(mine), torch, 1 + comm.Get_rank())
+    adapter, state = _adapter(mixer)
     call = dict(comm=comm, seq_len=S, layout=LAYOUT, timeout=600)
     if state is not None:
         call["passing"] = PASSING
@@ -114,27 +93,20 @@ def mixer_rows(comm, repeats=3, budget=30.0, threads=1, rows=None):
 
     torch.set_num_threads(threads)
     rank, size = comm.Get_rank(), comm.Get_size()
-    clock = (time.perf_counter(), busy_cpu_seconds(), comm.allreduce(own_cpu_seconds()))
+    clock = load_clock(comm)
     wanted, rows = rows or MIXER_ROWS, []
     if rank == 0:
         print(format_mixer_rows([], size, threads, None), flush=True)
     for mixer, S in wanted:
         forward, total, sent, match = _row(comm, mixer, S, repeats, budget)
-        peer = None
-        if rank == 0:
-            peer = mixer_times([(mixer, S)], threads=size * threads, repeats=repeats, budget=budget)[0]
-        request = comm.Ibarrier()  # the others sleep while rank 0's child times torch
-        while not request.Test():
-            time.sleep(0.01)
+        peer = on_rank0(comm, lambda: mixer_times([(mixer, S)], threads=size * threads, repeats=repeats,  # noqa: B023
+                                                  budget=budget)[0])
         rows.append(dict(mixer=mixer, shape=_shape_text(mixer, S), fwd_s=forward, fwdbwd_s=total,
                          torch_fwd_s=peer[0] if peer else None, torch_fwdbwd_s=peer[1] if peer else None,
                          bytes=sent, bytes_match=match))
         if rank == 0:
             print("\n".join(format_mixer_rows(rows[-1:], size, threads, None).splitlines()[3:]), flush=True)
-    start, busy, own = clock
-    own = comm.allreduce(own_cpu_seconds()) - own
-    now = busy_cpu_seconds()
-    load = None if busy is None or now is None else max(0.0, (now - busy - own) / (time.perf_counter() - start))
+    load = background_cores(comm, clock)
     if rank != 0:
         return None
     print("\n" + format_mixer_rows(rows, size, threads, load))

@@ -1,12 +1,14 @@
-"""The benchmark's close-ups: one core's kernel (``percore``), one rank's planning (``plan``), a call's fixed
-cost (``overhead``) and one ring step's overlap (``overlap``).
+"""The benchmark's close-ups: one core's kernel (``percore``) and its tuning (``tune``), one rank's planning
+(``plan``), a call's fixed cost (``overhead``) and one ring step's overlap (``overlap``).
 
     python -m mpiring bench percore                  # 8 heads x 4096 x 4096, D=64, float32, 2 torch threads
+    python -m mpiring bench tune                     # GEMM backend and tiles for this CPU, cached (idle machine)
     python -m mpiring bench plan -P 64 256 1024 4096 --causal --layout zigzag
     mpiexec -n 2 python -m mpiring bench overhead
     run/cluster run -n 2 python -m mpiring bench overlap --seq-len 8192 --causal
 """
 
+import json
 import math
 import time
 import types
@@ -19,6 +21,8 @@ from mpiring.core import backends
 from mpiring.core.kernels import LOG2E
 from mpiring.core.tiles import default_tiles, pad_ones
 from mpiring.core.tuning import gemm
+from mpiring.core.tuning.machine import cache_path, cached, machine_key
+from mpiring.core.tuning.tune import tune as run_tune
 from mpiring.plans.make import make_plan
 
 from ..cli import add_variant_args, at_least, command_parser, table_text, variant
@@ -26,7 +30,7 @@ from .peers import torch_available, torch_times
 from .probes import best_seconds, cpu_text, fma_peak_flops, limit_seconds, measure_limits
 
 __all__ = ["percore", "percore_parser", "kernel_steps", "plan", "plan_parser", "plan_times", "overhead",
-           "overhead_parser", "overlap", "overlap_parser", "transfer_time"]
+           "overhead_parser", "overlap", "overlap_parser", "transfer_time", "tune", "tune_parser"]
 
 
 def _shape_args(p, repeats, seq=None, seq_flag="--seq-len"):
@@ -303,4 +307,47 @@ def overlap(comm, args=None):
     print("per step, the rank blocked longest:")
     print(table_text(["repeat", "step", "rank", "compute s", "blocked s", "bound max(0, transfer - compute) s"],
                      rows))
+    return 0
+
+
+# ---------------------------------------------------------------- tune: the kernel's GEMM backend and tiles
+
+
+def tune_parser():
+    p = command_parser("bench tune", tune)
+    p.add_argument("--dims", type=int, nargs="+", default=[64, 128], metavar="D", help="head dims")
+    p.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "float64"],
+                   help="compute dtypes (half inputs compute in float32)")
+    p.add_argument("--seq", type=int, default=2048, help="tokens of the timed block (queries = keys)")
+    p.add_argument("--heads", type=int, default=8, help="heads of the timed block")
+    p.add_argument("--repeats", type=int, default=2, help="timed runs per candidate (the fastest counts)")
+    p.add_argument("--backends", nargs="+", choices=gemm.BACKENDS, help="GEMM backends to try "
+                   "(default: every one installed here)")
+    p.add_argument("--show", action="store_true", help="print the cached choice for this machine and stop")
+    p.add_argument("--no-write", action="store_true", help="time and print, but leave the cache alone")
+    p.checks.append(at_least(1, **{"--seq": "seq", "--heads": "heads", "--repeats": "repeats"}))
+    p.checks.append(lambda a: next((f"--dims {d}: must be at least 1" for d in a.dims if d < 1), None))
+    p.checks.append(lambda a: next((f"--backends {b}: not installed here (pip install mpiring[mkl])"
+                                    for b in a.backends or [] if b not in gemm.available()), None))
+    return p
+
+
+def tune(comm=None, args=None):
+    """Time GEMM backends and tile sizes on one core of this CPU; cache the fastest here."""
+    args = tune_parser().parse_args(args)
+    path = cache_path()
+    print(f"machine: {machine_key()}")
+    print(f"cache: {path or 'off (MPIRING_TUNE_CACHE=off)'}")
+    if args.show:
+        entry = cached()
+        print(json.dumps(entry, indent=1, sort_keys=True) if entry else "nothing cached for this machine")
+        return 0
+    entry = run_tune(dims=args.dims, dtypes=args.dtypes, seq=args.seq, heads=args.heads, repeats=args.repeats,
+                     backends=args.backends, write=not args.no_write)
+    print(f"\nfastest backend: {entry['gemm']} (total s: "
+          + ", ".join(f"{k} {v:.3f}" for k, v in entry["backend_seconds"].items()) + ")")
+    for kind, table in entry["tiles"].items():
+        for dtype, dims in table.items():
+            print(f"  {kind} {dtype}: " + ", ".join(f"D={d} tiles {tq} x {tk}" for d, (tq, tk) in dims.items()))
+    print("cached" if path and not args.no_write else "not cached (--no-write or cache off)")
     return 0

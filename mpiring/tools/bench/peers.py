@@ -1,8 +1,12 @@
-"""The peers, timed in child processes while the ranks idle: torch SDPA on the whole sequence, and PyTorch's own
-context parallel over gloo (``torch.distributed.tensor.experimental.context_parallel``).
+"""The peers, timed in child processes while the ranks idle: torch SDPA on the whole sequence, PyTorch's own
+context parallel over gloo (``torch.distributed.tensor.experimental.context_parallel``), and transformers'
+CPU code of the sequence mixers.
 
-The children run this file as a script (``--torch-worker``, ``--cp-worker R P PORT JOB``): it imports no part
-of the package, so they never start MPI. Where torch's context parallel raises, the error is the result.
+The children run this file as a script (``--torch-worker``, ``--mixer-worker``, ``--cp-worker R P PORT JOB``):
+it imports no part of the package, so they never start MPI. Where torch's context parallel raises, the error
+is the result. The mixers' functions are those transformers 5.23 falls back to without its CUDA kernels:
+LFM2's ``causal_conv1d_fn``, Qwen3-Next's ``torch_chunk_gated_delta_rule``, Falcon-H1's ``mamba2_chunk_scan``
+and Jamba's ``mamba_selective_scan``.
 """
 
 import functools
@@ -14,7 +18,16 @@ import subprocess
 import sys
 import time
 
-__all__ = ["torch_available", "torch_times", "context_parallel_times"]
+__all__ = ["torch_available", "torch_times", "context_parallel_times", "mixer_times", "mixer_inputs", "median_seconds",
+           "SHAPES"]
+
+# the mixer rows' shapes (float32, batch 1): hidden sizes of small hybrids
+SHAPES = {
+    "conv": dict(C=2048, width=4),  # LFM2's short convolution over its in_proj's B*x
+    "gdn": dict(Hk=4, Hv=8, dk=64, dv=64),  # Qwen3-Next's heads, fewer
+    "ssd": dict(H=16, P=64, G=1, N=64, chunk=256),  # Falcon-H1's Mamba-2 mixer, smaller
+    "mamba": dict(D=512, N=16),  # Jamba's Mamba-1 mixer, smaller (transformers loops over the tokens)
+}
 
 
 def torch_available():
@@ -59,6 +72,16 @@ def context_parallel_times(configs, ranks, timeout=600):
         errors = [err for _, err in row if err]
         results.append((None, errors[0]) if errors else (max(t for t, _ in row), None))
     return results
+
+
+def mixer_times(rows, threads, repeats=3, budget=30.0, timeout=3600):
+    """Per row ``(mixer, S)``: ``(forward s, forward+backward s)`` medians of transformers' function (None where it
+    failed), from a child process with ``threads`` threads."""
+    from .probes import child_json
+
+    job = {"rows": rows, "threads": threads, "repeats": repeats, "budget": budget}
+    found = child_json(__file__, job, threads, timeout, "--mixer-worker")
+    return [tuple(r) if r else None for r in found] if found else [None] * len(rows)
 
 
 def _inputs(torch, row):
@@ -113,40 +136,111 @@ def _cp_worker(rank, ranks, port, job):
     print(json.dumps(results))
 
 
-def _sdpa_seconds(F, torch, q, k, v, dout, causal):
-    """Seconds of one SDPA pass: forward, and backward too when ``dout`` is given."""
-    start = time.perf_counter()
+def _sdpa(F, torch, q, k, v, dout, causal):
+    """One SDPA pass: forward, and backward too when ``dout`` is given."""
     if dout is not None:
         F.scaled_dot_product_attention(q, k, v, is_causal=causal).backward(dout)
         q.grad = k.grad = v.grad = None
     else:
         with torch.no_grad():
             F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    return time.perf_counter() - start
 
 
-def _torch_worker():
-    """Child process: read a job from stdin, print the median SDPA seconds of each row (within the budget)."""
+def median_seconds(run, repeats, budget, clock=None):
+    """The median seconds of ``run()`` over ``repeats`` runs after one to warm up (which counts, cold, if it took
+    the whole budget), fewer when the budget runs out. ``clock(run)``: one run's seconds (default: its wall time)."""
+    def wall(fn):
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    once = functools.partial(clock or wall, run)
+    first = once()
+    samples = [first] if first > budget else []
+    while len(samples) < repeats and (not samples or sum(samples) + samples[-1] <= budget):
+        samples.append(once())
+    return statistics.median(samples)
+
+
+def _worker(rows, each):
+    """Child process: read a job from stdin, print ``each(torch, row, job)`` of every row (None where it raised)."""
     import torch
-    import torch.nn.functional as F
 
     job = json.loads(sys.stdin.read())
     torch.set_num_threads(job["threads"])
     results = []
-    for row in job["configs"]:
+    for row in job[rows]:
         try:
-            once = functools.partial(_sdpa_seconds, F, torch, *_inputs(torch, row), row[4])
-            first = once()
-            samples = [first] if first * (job["repeats"] + 1) > job["budget"] else []
-            while len(samples) < job["repeats"] and (not samples or sum(samples) + samples[-1] <= job["budget"]):
-                samples.append(once())
-            results.append(statistics.median(samples))
+            results.append(each(torch, row, job))
         except Exception:  # noqa: BLE001 - report a missing figure, not a crash
             results.append(None)
     print(json.dumps(results))
 
 
+def _sdpa_median(torch, row, job):
+    import torch.nn.functional as F
+
+    return median_seconds(functools.partial(_sdpa, F, torch, *_inputs(torch, row), row[4]), job["repeats"],
+                          job["budget"])
+
+
+def mixer_inputs(mixer, n, torch, seed):
+    """The float32 inputs (requiring grad) of a mixer row over ``n`` tokens, drawn with ``seed``, in transformers'
+    order: conv (x, w); gdn (q, k, v, g, beta); ssd (x, dt, A, B, C, D, dt_bias); mamba (x, dt, A, B, C, D, z,
+    delta_bias)."""
+    g, s = torch.Generator().manual_seed(seed), SHAPES[mixer]
+
+    def t(*size, scale=1.0, low=False):
+        x = torch.rand(*size, generator=g) if low else torch.randn(*size, generator=g)
+        return (x * scale).requires_grad_()
+
+    if mixer == "conv":
+        return [t(1, s["C"], n), t(s["C"], s["width"])]
+    if mixer == "gdn":
+        Hk, Hv, dk, dv = s["Hk"], s["Hv"], s["dk"], s["dv"]
+        return [t(1, n, Hk, dk), t(1, n, Hk, dk), t(1, n, Hv, dv), t(1, n, Hv, scale=-0.1, low=True),
+                t(1, n, Hv, low=True)]
+    if mixer == "ssd":
+        H, P, G, N = s["H"], s["P"], s["G"], s["N"]
+        return [t(1, n, H, P), t(1, n, H), t(H, scale=-1.0, low=True), t(1, n, G, N), t(1, n, G, N), t(H), t(H)]
+    D, N = s["D"], s["N"]
+    return [t(1, D, n), t(1, D, n), t(D, N, scale=-1.0, low=True), t(1, N, n), t(1, N, n), t(D), t(1, D, n), t(D)]
+
+
+def _transformers_mixer(mixer):
+    """transformers' CPU function of ``mixer``, taking ``mixer_inputs``' arrays."""
+    if mixer == "conv":
+        from transformers.models.lfm2.modeling_lfm2 import causal_conv1d_fn
+        return lambda x, w: causal_conv1d_fn(x, w, None)
+    if mixer == "gdn":
+        from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+        return lambda *a: torch_chunk_gated_delta_rule(*a, chunk_size=64, use_qk_l2norm_in_kernel=True)[0]
+    if mixer == "ssd":
+        from transformers.models.falcon_h1.modeling_falcon_h1 import mamba2_chunk_scan
+        return lambda x, dt, A, B, C, D, bias: mamba2_chunk_scan(x, dt, A, B, C, SHAPES["ssd"]["chunk"], D=D,
+                                                                 dt_bias=bias, dt_softplus=True)
+    from transformers.models.jamba.modeling_jamba import mamba_selective_scan
+    return lambda x, dt, A, B, C, D, z, bias: mamba_selective_scan(x, dt, A, B, C, D=D, z=z, delta_bias=bias,
+                                                                   delta_softplus=True)
+
+
+def _mixer_medians(torch, row, job):
+    """[forward s (no grad), forward+backward s] of transformers' function of ``row`` (mixer, S)."""
+    mixer, S = row
+    fn, args = _transformers_mixer(mixer), mixer_inputs(mixer, S, torch, 0)
+
+    def both():
+        y = fn(*args)
+        y.backward(torch.ones_like(y))
+
+    with torch.no_grad():
+        forward = median_seconds(lambda: fn(*args), job["repeats"], job["budget"])
+    return [forward, median_seconds(both, job["repeats"], job["budget"])]
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["--torch-worker"]:
-    _torch_worker()
+    _worker("configs", _sdpa_median)
+elif __name__ == "__main__" and sys.argv[1:] == ["--mixer-worker"]:
+    _worker("rows", _mixer_medians)
 elif __name__ == "__main__" and sys.argv[1:2] == ["--cp-worker"]:
     _cp_worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])

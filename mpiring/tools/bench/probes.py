@@ -24,11 +24,11 @@ from threadpoolctl import threadpool_info, threadpool_limits
 from mpiring.core.tuning import gemm
 from mpiring.core.tuning.machine import cpu_model, trim_heap, vector_extensions
 
-from ..cli import command_parser
+from ..cli import command_parser, objects
 
 __all__ = ["cpu_text", "best_seconds", "blas_report", "measure_limits", "limit_seconds", "fma_peak_flops", "peak",
            "peak_parser", "rss_mb", "peak_rss_mb", "reset_peak_rss", "available_mb", "busy_cpu_seconds",
-           "own_cpu_seconds", "child_env", "MARKER", "busy_load", "spinner_pids"]
+           "own_cpu_seconds", "load_clock", "background_cores", "child_env", "MARKER", "busy_load", "spinner_pids"]
 
 
 def cpu_text():
@@ -256,6 +256,21 @@ def own_cpu_seconds():
     """CPU seconds of this process and its finished children."""
     me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def load_clock(comm):
+    """Now, the machine's busy CPU seconds and the ranks' own (and their children's): for ``background_cores``."""
+    return time.perf_counter(), busy_cpu_seconds(), sum(objects(comm, own_cpu_seconds()))
+
+
+def background_cores(comm, clock):
+    """Cores kept busy by processes other than the ranks (and their children) since ``clock`` (None off Linux)."""
+    start, busy, own = clock
+    own = sum(objects(comm, own_cpu_seconds())) - own
+    now = busy_cpu_seconds()
+    if busy is None or now is None:
+        return None
+    return max(0.0, (now - busy - own) / (time.perf_counter() - start))
 
 
 def child_env(**extra):

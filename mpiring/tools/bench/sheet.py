@@ -4,7 +4,7 @@ import csv
 import math
 import os
 
-from .memory import running_mb
+from mpiring.cost.memory import running_mb
 
 __all__ = ["COLUMNS", "write_csv", "read_csv", "add_efficiency", "format_table", "format_header", "format_long",
            "format_targets"]

@@ -30,25 +30,13 @@ from mpiring.core import backends
 from mpiring.core.precision import Precision, named_dtype
 from mpiring.core.tuning import gemm
 from mpiring.cost.costmodel import format_wire_model
+from mpiring.cost.memory import MB, kernel_scratch, memory_model
 
 from ..cli import at_least, barrier, broadcast, command_parser, objects, on_rank0, with_threads
+from . import probes
 from .infer import inference_rows
-from .memory import MB, kernel_scratch, memory_model
 from .peers import context_parallel_times, torch_available, torch_times
-from .probes import (
-    available_mb,
-    blas_report,
-    busy_cpu_seconds,
-    busy_load,
-    cpu_text,
-    fma_peak_flops,
-    limit_seconds,
-    measure_limits,
-    own_cpu_seconds,
-    peak_rss_mb,
-    reset_peak_rss,
-    rss_mb,
-)
+from .probes import busy_load, limit_seconds
 from .sheet import add_efficiency, format_header, format_long, format_table, format_targets, read_csv, write_csv
 
 __all__ = ["Config", "table", "table_parser", "run_config"]
@@ -143,7 +131,7 @@ def run_config(comm, cfg, *, repeats=3, budget=30.0, seed=0, limits=None, baseli
         return row
 
     release_workspace()  # a row's peak counts its own kept buffers, not those of the rows before it
-    reset_peak_rss()
+    probes.reset_peak_rss()
     q, k, v, *rest = _local_inputs(cfg, plan, rank, seed)
     dout = rest[0] if rest else None
     samples, elapsed = [], 0.0
@@ -156,7 +144,7 @@ def run_config(comm, cfg, *, repeats=3, budget=30.0, seed=0, limits=None, baseli
         samples.append(_one_run(q, k, v, dout, comm, cfg, plan))
         slowest = max(objects(comm, samples[-1][0]))
         elapsed += slowest
-    peak = peak_rss_mb()
+    peak = probes.peak_rss_mb()
     del q, k, v, dout, rest
 
     walls = objects(comm, [s[0] for s in samples], root=0)
@@ -245,21 +233,6 @@ def _context_parallel_lines(rows, size):
     return lines
 
 
-def _clock(comm):
-    """Now, the machine's busy CPU seconds and the ranks' own (and their children's): for ``_background_load``."""
-    return time.perf_counter(), busy_cpu_seconds(), sum(objects(comm, own_cpu_seconds()))
-
-
-def _background_load(comm, clock):
-    """Cores kept busy by processes other than the ranks (and their children) since ``clock``."""
-    start, busy, own = clock
-    own = sum(objects(comm, own_cpu_seconds())) - own
-    now = busy_cpu_seconds()
-    if busy is None or now is None:
-        return None
-    return max(0.0, (now - busy - own) / (time.perf_counter() - start))
-
-
 # ---------------------------------------------------------------- the command
 
 
@@ -338,9 +311,10 @@ def _machine(comm, configs, quick):
     """What rank 0 measures before the first row, the others asleep: the machine (CPU, kernel backend, FMA
     peak), the BLAS report, and one core's limits (these on every rank)."""
     def measure():
-        machine = {"cpu": cpu_text(), "kernel": backends.describe(), "fma_peak": fma_peak_flops()}
-        limits = measure_limits(sorted({c.D for c in configs}), n=256 if quick else 1024, repeats=3 if quick else 5)
-        return machine, blas_report(), limits
+        machine = {"cpu": probes.cpu_text(), "kernel": backends.describe(), "fma_peak": probes.fma_peak_flops()}
+        limits = probes.measure_limits(sorted({c.D for c in configs}), n=256 if quick else 1024,
+                                       repeats=3 if quick else 5)
+        return machine, probes.blas_report(), limits
     machine, report, limits = on_rank0(comm, measure, (None, None, None))
     return machine, report, broadcast(comm, limits)
 
@@ -357,7 +331,7 @@ def table(comm, args):
     local.Free()
     configs = _configs(args)
     quick = args.quick and not args.sizes
-    clock = _clock(comm)
+    clock = probes.load_clock(comm)
     use_torch = not args.no_torch and not args.long and torch_available()
     gemm.product()  # the kernels' GEMM library (MKL, when used) loaded: its code is baseline, not data
     tiny = np.ones((1, 16, 64), np.float32)
@@ -365,19 +339,19 @@ def table(comm, args):
                               if n == "numpy" or n in backends.available()):  # torch imported only if a row uses it
         with backends.using(name):  # so is each kernel backend's the rows use (torch: ~190 MB resident)
             backends.attention_block(tiny, tiny, tiny)
-    baseline_mb = max(objects(comm, rss_mb()))  # interpreter + libraries, before any array
+    baseline_mb = max(objects(comm, probes.rss_mb()))  # interpreter + libraries, before any array
     machine, report, limits = _machine(comm, configs, quick)
-    guard = broadcast(comm, available_mb() if rank == 0 else None)
+    guard = broadcast(comm, probes.available_mb() if rank == 0 else None)
     if rank == 0:
         print(format_header(size=size, threads=args.threads, long=args.long, rows=len(configs), report=report,
                             limits=limits, baseline_mb=baseline_mb, use_torch=use_torch, load=args.load,
                             machine=machine))
     rows = []
     for cfg in configs:
-        start = _clock(comm)
+        start = probes.load_clock(comm)
         row = run_config(comm, cfg, repeats=args.repeats, budget=args.budget, seed=args.seed, limits=limits,
                          baseline_mb=baseline_mb, guard_mb=guard, local_ranks=local_ranks)
-        load = _background_load(comm, start)  # other processes' cores while this row ran (idle part)
+        load = probes.background_cores(comm, start)  # other processes' cores while this row ran (idle part)
         if broadcast(comm, row.get("status") == "ok" if rank == 0 else None):  # rank 0 decides for all
             _peers(comm, cfg, row, args, use_torch, baseline_mb, guard)
         if rank == 0:
@@ -395,7 +369,7 @@ def table(comm, args):
         if rank == 0:
             print("\ninference rows (python -m mpiring bench --inference only):", flush=True)
         inference_rows(comm, quick=args.quick)
-    others = _background_load(comm, clock)
+    others = probes.background_cores(comm, clock)
     return _report(args, rows, configs, size, limits, others) if rank == 0 else 0
 
 

@@ -23,8 +23,7 @@ from ...testing.compare import where_text
 from .diagnose import diagnose_backward, diagnose_layout, diagnose_merge
 from .exercises import EXERCISES, Case, Exercise, make_cases
 from .flops import Meter, counted, mark
-from .sync import drain, timed_sum
-from .wire import ACTIVE, Ledger, StrictComm, Stuck, instrument
+from .sync import ACTIVE, Ledger, StrictComm, Stuck, drain, instrument, timed_sum
 
 __all__ = ["EXERCISES", "Case", "Exercise", "Run", "call_student", "load_student", "make_cases", "run_backward_case",
            "run_forward_case", "run_merge_case"]

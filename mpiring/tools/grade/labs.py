@@ -7,11 +7,13 @@ left out, NaN from an empty shard, a chunk of the all-reduce missing a rank's pa
 it twice.
 """
 
+import functools
 import itertools
 
 import numpy as np
 
 from ... import testing
+from ...core.kernels import merge
 from ...testing.locate import diagnose_forward
 from .cases import arrays, call_student, judge, new_check
 
@@ -61,17 +63,6 @@ def _offsets(lengths):
     return np.concatenate([[0], np.cumsum(lengths)]).astype(int)
 
 
-def _merged(parts):
-    """The exact log-sum-exp merge of (out, lse) partials (rows no partial sees: 0, -inf)."""
-    outs, lses = np.stack([o for o, _ in parts]), np.stack([lse for _, lse in parts])
-    top = lses.max(axis=0)
-    safe = np.where(np.isfinite(top), top, 0.0)
-    w = np.exp(lses - safe)
-    total = w.sum(axis=0)
-    out = (w[..., None] * outs).sum(axis=0) / np.where(total > 0, total, 1.0)[..., None]
-    return out, np.where(total > 0, safe + np.log(np.where(total > 0, total, 1.0)), -np.inf)
-
-
 def run_decode_case(case, exercise, fn, gcomm, opts, events=False):
     """Decode: the same m query rows on every rank, each rank a shard of the KV cache; rank 0 returns (out, lse)."""
     P, rank = gcomm.Get_size(), gcomm.Get_rank()
@@ -115,7 +106,8 @@ def _decode_hints(got, parts, tol, lengths):
         return [("merge", "the partials are averaged: weight each by exp(lse_r - lse), lse the merged log-sum-exp")]
     for size in range(len(visible) - 1, 0, -1):
         for subset in itertools.combinations(visible, size):
-            if testing.attention_error(out, _merged([parts[r] for r in subset])[0])[0] <= 100 * tol:
+            merged = functools.reduce(lambda a, b: merge(*a, *b), [parts[r] for r in subset])[0]
+            if testing.attention_error(out, merged)[0] <= 100 * tol:
                 left = sorted(set(visible) - set(subset))
                 return [("missing", f"the result is the exact merge of ranks {list(subset)} only: the partials of "
                                     f"ranks {left} never reached rank 0")]

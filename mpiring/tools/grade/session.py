@@ -1,25 +1,30 @@
-"""Grading one student's file on the ranks of this job: the loop over its cases, then the counted call.
+"""One MPI job of the grader: every file given, at the job's number of ranks, one after another (``grade_job``),
+each file's cases, then the counted call (``grade_file``).
 
-Every rank runs every case and computes the same verdicts (from everything every rank saw); rank
-0 prints. After the case matrix, exercises that ask for it get one more call with counting
-arrays: the work checks (causal skipping, zigzag balance) and the overlap check, from the strict
-communicator's timeline, which also gives the student's trace and plot (``--trace``/``--plot``).
+Every rank runs every case and computes the same verdicts (from everything every rank saw); rank 0 prints.
+After the case matrix, exercises that ask for it get one more call with counting arrays: the work checks
+(causal skipping, zigzag balance) and the overlap check, from the strict communicator's timeline, which also
+gives the student's trace and plot (``--trace``/``--plot``). With ``--results`` (the batch grader's) rank 0
+writes a JSON line per event (start, case, end, abort), so a job that ends early still says what it graded.
 """
 
+import json
 import os
 import time
+from dataclasses import dataclass
 
+from ...testing.timed import size_text
+from .arguments import check_options, parser
 from .cases import load_student, run_backward_case, run_forward_case, run_merge_case
-from .exercises import make_cases
+from .exercises import EXERCISES, declared_exercise, make_cases, student_files
 from .labs import run_allreduce_case, run_decode_case, run_passq_case
-from .report import entry, say, show, summary
-from .sync import allgather
+from .report import class_summary, entry, say, show, summary, write_csv, write_json
+from .sync import Lost, allgather, fatal
 from .timeline import overlap_verdict, records
 from .verdicts import Verdict, output_verdict, safety_verdict, traffic_verdict
-from .wire import size_text
 from .work import counted_runs, measure_work, work_verdict
 
-__all__ = ["grade_file"]
+__all__ = ["Options", "grade_file", "grade_job"]
 
 RUNNERS = {"merge": lambda case, ex, fn, comm, opts, events: run_merge_case(case, fn, comm, opts, events),
            "backward": run_backward_case, "forward": run_forward_case, "passq": run_passq_case,
@@ -159,3 +164,76 @@ def _write_timeline(rank, opts, runs, title):
             say(rank, f"timeline written to {target}")
             written.append(target)
     return written[0] if written else None
+
+
+@dataclass
+class Options:
+    path: str  # absolute
+    name: str  # as given
+    timeout: float
+    time_limit: float
+    quick: bool = False
+    select: dict | None = None
+    trace: str | None = None
+    plot: str | None = None
+    last_words: object = None
+
+    @property
+    def sync_timeout(self):
+        """How long the grader waits for the other ranks: longer than any student call may take."""
+        return self.time_limit + 2 * self.timeout + 30
+
+
+def _sink(path):
+    def write(record):
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    return write
+
+
+def _per_file(path, many):
+    """A --trace/--plot path for one of many files: {file} in it, or added before the extension."""
+    if path is None or "{file}" in path or not many:
+        return path
+    stem, ext = os.path.splitext(path)
+    return f"{stem}-{{file}}{ext}"
+
+
+def grade_job(comm, argv):
+    """Grade ``argv``'s files on every rank of ``comm``; returns the exit code, the same on every rank."""
+    rank, P = comm.Get_rank(), comm.Get_size()
+    try:
+        args = parser(rank).parse_args(argv)
+    except SystemExit as exc:
+        return exc.code
+    problem = "--ranks starts MPI jobs itself: run it without mpiexec" if args.ranks else check_options(args)
+    if problem:
+        say(rank, f"grade: {problem}")
+        return 2
+    files = student_files(args.students)
+    sink = _sink(args.results) if rank == 0 and args.results else None
+    entries, start = [], time.perf_counter()
+    gcomm = comm.Dup()
+    try:
+        for path in files:
+            exercise = EXERCISES[args.exercise or declared_exercise(path) or "forward"]
+            opts = Options(os.path.abspath(path), path, args.timeout, args.time_limit, args.quick, args.select,
+                           _per_file(args.trace, len(files) > 1), _per_file(args.plot, len(files) > 1))
+            if sink:
+                sink({"event": "start", "file": path, "exercise": exercise.name, "P": P})
+            result, clean = grade_file(gcomm, exercise, opts, sink)
+            entries.append(result)
+            if not clean:  # a collective of the student's could not be cleaned up: end the job the hard way
+                fatal(comm, "the student's code left an MPI collective unfinished", code=1)
+            say(rank, "")
+    except Lost as exc:
+        fatal(comm, str(exc))
+    gcomm.Free()
+    if len(files) > 1:
+        for line in class_summary(entries, [P], time.perf_counter() - start):
+            say(rank, line)
+    if rank == 0 and args.report:
+        write_json(args.report, entries, {"ranks": [P]})
+    if rank == 0 and args.csv:
+        write_csv(args.csv, entries)
+    return 0 if all(e["verdict"] == "pass" for e in entries) else 1

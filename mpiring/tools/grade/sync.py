@@ -1,7 +1,10 @@
-"""The grader's own communication between ranks: exchanges with a deadline, clean-up, abort.
+"""The grader's communication: its own exchanges with a deadline, clean-up and abort, and the student's ``comm``.
 
-Every call here polls with a timeout longer than any student call may take, so a rank that
-never joins ends the job (``Lost``, then ``fatal``) instead of hanging it.
+The grader's calls poll with a timeout longer than any student call may take, so a rank that never joins
+ends the job (``Lost``, then ``fatal``) instead of hanging it. The student's ``comm`` is
+``mpiring.testing``'s ``StrictComm`` (synchronous sends, every wait timed, a ledger); ``instrument`` points
+the student's module's ``MPI`` at a proxy whose ``Request`` waits are timed and whose ``COMM_WORLD``, during
+a graded call, is a strict communicator that counts the calls made on it (the ring must use its ``comm``).
 """
 
 import contextlib
@@ -12,10 +15,14 @@ import numpy as np
 from mpi4py import MPI
 
 from ...mpi.waits import CommTimeout
-from ...testing.timed import Stuck, settle
+from ...testing.strictcomm import StrictComm
+from ...testing.timed import Ledger, MPIProxy, Stuck, TimedRequest, settle
+from ...testing.timed import instrument as _instrument
 from ..cli import objects, poll
+from .arguments import DEFAULT_TIMEOUT
 
-__all__ = ["Lost", "allgather", "drain", "fatal", "timed_sum"]
+__all__ = ["ACTIVE", "Ledger", "Lost", "StrictComm", "Stuck", "TimedRequest", "allgather", "drain", "fatal",
+           "instrument", "timed_sum"]
 
 
 class Lost(Exception):
@@ -58,3 +65,27 @@ def timed_sum(comm, a, timeout):
     with _joined(timeout, "reference gradients"):
         poll([comm.Iallreduce(a, out, MPI.SUM)], timeout)
     return out
+
+
+class _Active:
+    """``ACTIVE.ledger``: the ledger of the student call in progress, or None."""
+
+    ledger = None
+
+
+ACTIVE = _Active()
+
+
+class _GraderProxy(MPIProxy):
+    """``mpi4py.MPI`` in the student's module: timed ``Request`` waits, a counted COMM_WORLD."""
+
+    @property
+    def COMM_WORLD(self):
+        if ACTIVE.ledger is None:
+            return MPI.COMM_WORLD
+        return StrictComm(MPI.COMM_WORLD, ACTIVE.ledger, world=True)
+
+
+def instrument(module, timeout=DEFAULT_TIMEOUT):
+    """Point the student's module's names for ``mpi4py.MPI`` (and ``MPI.Request``) at the grader's proxies."""
+    return _instrument(module, proxy=_GraderProxy(timeout))

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...core.ranks import ranks_text
-from .wire import size_text
+from ...testing.timed import size_text
 
 __all__ = ["ALLOWANCE", "Verdict", "merge_rounds", "output_verdict", "ranks_text", "safety_verdict", "traffic_model",
            "traffic_verdict", "tree_verdict"]

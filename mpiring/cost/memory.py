@@ -1,11 +1,14 @@
-"""The benchmark's memory model: what a rank holds for one row, and the kernel scratch on top of it."""
+"""Memory per rank: what ring attention holds for one problem (a benchmark row), and the kernel scratch on top.
+
+A row is any object with ``S``, ``D``, ``H``, ``B``, ``dtype``, ``backward`` (and ``wire``).
+"""
 
 import math
 
-from mpiring.core.block import GRAD_DTYPE
-from mpiring.core.precision import Precision, named_dtype
-from mpiring.core.tiles import default_tiles
-from mpiring.cost.costmodel import ring_attention_context_parallel
+from ..core.block import GRAD_DTYPE
+from ..core.precision import Precision, named_dtype
+from ..core.tiles import default_tiles
+from .costmodel import ring_attention_context_parallel
 
 __all__ = ["MB", "memory_model", "kernel_scratch", "running_mb"]
 
