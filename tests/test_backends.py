@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from mpiring import Ring, ring_attention, ring_attention_backward, shard_indices
-from mpiring.core import backends, kernels
+from mpiring.core import backends, kernels, tiles
 from mpiring.core.reference import reference_attention, reference_attention_backward
 from mpiring.core.tiles import BlockRun
 from mpiring.core.tuning import machine, torch_kernel
@@ -160,6 +160,35 @@ def test_what_torch_cannot_do_goes_to_numpy_bit_for_bit(rng, case):
         got = _computed_by("numpy", lambda: backends.attention_block_backward(dout, q, k, v, out, lse, delta=delta))
     for a, b in zip(got, kernels.attention_block_backward(dout, q, k, v, out, lse, delta=delta)):
         np.testing.assert_array_equal(a, b)
+
+
+@needs_torch
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_torch_takes_a_block_exactly_when_its_largest_score_is_within_the_bound(rng, dtype, padded):
+    """``supports`` follows the bound on the largest row norms of q and k, near it on both sides, for rows whose
+    norm is sqrt(D) times their largest entry (where a bound from the largest entries alone is tight) and for
+    rows with one large entry (where it is D times too high)."""
+    d, scale = 8, 0.5
+    limit = kernels.EXACT_ABOVE[np.dtype(dtype)] / (scale * kernels.LOG2E)  # the largest |q . k| the op takes
+    for spread in (True, False):
+        for ratio in (0.9, 1.1):
+            q, k, v = (rng.standard_normal((2, 6, d)).astype(dtype) * 0.1 for _ in range(3))
+            norm = np.sqrt(ratio * limit)  # of one row of q and one of k: their product is ratio * limit
+            row = np.full(d, norm / np.sqrt(d)) if spread else np.eye(d)[0] * norm
+            q[1, 2], k[0, 4] = row.astype(dtype), row.astype(dtype)
+            qn, kn = (np.linalg.norm(x.astype(np.float64), axis=-1).max() for x in (q, k))
+            want = bool(qn * kn * scale * kernels.LOG2E <= kernels.EXACT_ABOVE[np.dtype(dtype)])
+            assert want == (ratio < 1)
+            kk, vv = (tiles.pad_ones(x) if padded else x for x in (k, v))
+            assert torch_kernel.supports(q, kk, vv, scale, padded=padded) == want, (spread, ratio)
+    q, k, v = (rng.standard_normal((2, 6, d)).astype(dtype) for _ in range(3))
+    for x, bad in ((q, np.nan), (k, np.inf), (v, -np.inf), (v, np.nan)):
+        x[1, 3, 2] = bad
+        kk, vv = (tiles.pad_ones(a) if padded else a for a in (k, v))
+        with np.errstate(invalid="ignore"):
+            assert not torch_kernel.supports(q, kk, vv, scale, padded=padded)
+        x[1, 3, 2] = 0
 
 
 def test_numpy_backend_is_the_kernel_bit_for_bit(rng):

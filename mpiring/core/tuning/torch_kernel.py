@@ -103,14 +103,31 @@ def _threads(torch):
 
 
 def _fits(sh, scale):
-    """Finite inputs whose scores stay in the range where the op's float tiles are exact (kernels' bound)."""
+    """Finite inputs whose scores stay in the range where the op's float tiles are exact (kernels' bound).
+
+    The bound is on the largest |score|, the product of the largest row norms of q and k. A row's norm is at
+    most sqrt(D) times its largest |entry|: where that cheaper product is under half the bound, the norms are
+    not computed (two min/max passes instead of a float64 square per entry; the answer is the same).
+    """
     if sh.sq == 0 or sh.sk == 0 or sh.d != sh.dv:
         return False
     k = sh.k if hasattr(sh, "k") else None
-    kn = tile_max_norm(k, max(1, sh.sk)) if k is not None else tile_max_norm_t(sh.kt[:, :sh.d], max(1, sh.sk))
-    qn = tile_max_norm(sh.q, max(1, sh.sq))
+    kd = k if k is not None else sh.kt[:, :sh.d]
     v = sh.v if k is not None else sh.vt[:, :sh.dv]
-    return bool(qn.max() * kn.max() * abs(scale) * LOG2E <= EXACT_ABOVE[sh.dtype]) and bool(np.isfinite(v).all())
+    if not np.isfinite(_largest(v)):
+        return False
+    if sh.d * _largest(sh.q) * _largest(kd) * abs(scale) * LOG2E <= EXACT_ABOVE[sh.dtype] / 2:  # nan: false
+        return True
+    kn = tile_max_norm(k, max(1, sh.sk)) if k is not None else tile_max_norm_t(kd, max(1, sh.sk))
+    qn = tile_max_norm(sh.q, max(1, sh.sq))
+    return bool(qn.max() * kn.max() * abs(scale) * LOG2E <= EXACT_ABOVE[sh.dtype])
+
+
+def _largest(x):
+    """max |x| as a float: nan if x has a nan (np.min and np.max both give it), inf if it has an infinity."""
+    if x.size == 0:
+        return 0.0
+    return max(-float(np.min(x)), float(np.max(x)))
 
 
 def supports(q, k, v, scale=None, *, padded=False, lse=None):

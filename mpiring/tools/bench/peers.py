@@ -1,6 +1,7 @@
 """The peers, timed in child processes while the ranks idle: torch SDPA on the whole sequence, PyTorch's own
-context parallel over gloo (``torch.distributed.tensor.experimental.context_parallel``), and transformers'
-CPU code of the sequence mixers.
+context parallel over gloo (``torch.distributed.tensor.experimental.context_parallel`` shards the inputs, load
+balanced for causal rows; its ring templates run the passes on the CPU flash ops, ``_ring_pass``), and
+transformers' CPU code of the sequence mixers.
 
 The children run this file as a script (``--torch-worker``, ``--mixer-worker``, ``--cp-worker R P PORT JOB``):
 it imports no part of the package, so they never start MPI. Where torch's context parallel raises, the error
@@ -100,7 +101,6 @@ def _cp_worker(rank, ranks, port, job):
     """Child process ``rank`` of ``ranks``: context parallel SDPA on each job row; prints [(seconds, error), ...]."""
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     torch.set_num_threads(1)
@@ -109,6 +109,7 @@ def _cp_worker(rank, ranks, port, job):
         dist.init_process_group("gloo", rank=rank, world_size=ranks)
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.experimental import context_parallel
+        from torch.distributed.tensor.experimental._context_parallel import _attention as cp
 
         mesh = init_device_mesh("cpu", (ranks,))
     except Exception as e:  # noqa: BLE001 - the error is the result
@@ -118,22 +119,39 @@ def _cp_worker(rank, ranks, port, job):
     for row in rows:
         causal, backward = row[4], row[5]
         try:
-            q, k, v, _ = _inputs(torch, row)
+            q, k, v, dout = (None if x is None else x.detach() for x in _inputs(torch, row))
+            buffers = [q, k, v] + ([dout] if backward else [])
             samples = []
+            cp._cp_options.enable_load_balance = causal  # its ring refuses load balancing without a causal mask
             for _ in range(2):
                 dist.barrier()
                 start = time.perf_counter()
-                with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
-                    with torch.set_grad_enabled(backward):
-                        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-                        if backward:
-                            out.sum().backward()
+                with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2] * len(buffers)):
+                    _ring_pass(torch, cp, mesh.get_group(), q, k, v, dout, causal)
                 samples.append(time.perf_counter() - start)
             results.append((min(samples), None))
         except Exception as e:  # noqa: BLE001 - the error is the result, printed in the table
             results.append((None, _error(e)))
     dist.destroy_process_group()
     print(json.dumps(results))
+
+
+def _ring_pass(torch, cp, group, q, k, v, dout, causal):
+    """One pass of torch's context-parallel ring on this process's shards (the buffers ``context_parallel``
+    sharded, load-balanced when causal): forward, and backward too when ``dout`` is given.
+
+    Its SDPA dispatcher has ring handlers for the CUDA ops only (the CPU flash op, which SDPA takes here, raised
+    "no sharding strategy" for the backward and for causal rows), so its ring templates are called with the
+    CPU flash ops, as its handlers call them with the CUDA ones.
+    """
+    ops = torch.ops.aten
+    with torch.no_grad():
+        out, lse, *_ = cp._templated_ring_attention(group, 2, ops._scaled_dot_product_flash_attention_for_cpu,
+                                                    q, k, v, is_causal=causal, dropout_p=0.0)
+        if dout is not None:
+            cp._templated_ring_attention_backward(group, 2, ops._scaled_dot_product_flash_attention_for_cpu_backward
+                                                  .default, dout, "grad_out", q, k, v, out, lse, causal,
+                                                  dropout_p=0.0)
 
 
 def _sdpa(F, torch, q, k, v, dout, causal):

@@ -228,8 +228,8 @@ def _context_parallel_lines(rows, size):
         what = f"{t:.3f} s, x context parallel {row['vs_cp']:.2f}" if t else f"failed: {row['cp_error']}"
         lines.append(f"  S={row['S']} D={row['D']} {'causal' if row['causal'] else 'full'} {row['pass']}: {what}")
     if lines:
-        lines.insert(0, f"PyTorch context parallel (torch.distributed.tensor.experimental.context_parallel, gloo, "
-                        f"{size} processes x 1 thread), right after each row:")
+        lines.insert(0, f"PyTorch context parallel (torch.distributed.tensor.experimental.context_parallel's buffers, "
+                        f"its ring on the CPU flash ops, gloo, {size} processes x 1 thread), right after each row:")
     return lines
 
 
