@@ -46,7 +46,7 @@ PLANTED = [
     Bug("the ring's schedule turned the wrong way", "plans/plan.py",
         "        return (rank - stream * step) % self.size",
         "        return (rank + stream * step) % self.size",
-        "tests/test_ring_mpi.py::test_ring_attention_matches_reference", 3),
+        "tests/test_schedule.py::test_rotation", 1),
     Bug("one K/V slot instead of two (a block received into the one being computed)", "core/buffers.py",
         "        i, self._next = self._next, 1 - self._next",
         "        i, self._next = 0, 0",
