@@ -1,7 +1,7 @@
 """The planted bugs of docs/testing.md: each one-line change to mpiring fails the quick-suite test named beside it.
 
-    python -m pytest -q tests/test_planted.py          # each bug's line is still in the code, its test exists, the table
-    python -m pytest -q --full tests/test_planted.py   # and each bug, planted in a copy of the checkout, fails that test
+    python -m pytest -q tests/test_planted.py          # each bug's line is in the code, its test exists, the table
+    python -m pytest -q --full tests/test_planted.py   # and each bug, planted in a copy of the checkout, fails its test
 
 With ``--full`` each bug is planted in a copy of the checkout (its ``mpiring`` first on PYTHONPATH), and the test
 named runs there as the quick suite runs it: serially for P = 1, else under ``mpiexec -n P``. A run that passes,
@@ -73,8 +73,8 @@ PLANTED = [
         '    return "numpy"',
         "tests/test_backends.py::test_auto_gives_torch_the_blocks_of_many_rows", 1),
     Bug("a document's state carried into the next one (the ring of states)", "parallel/mixing/passing.py",
-        "        if chain.cut[e]:\n            state = zero\n        elif e in waiting:",
-        "        if e == 0:\n            state = zero\n        elif e in waiting:",
+        "        if chain.cut[e]:\n            state = zero\n",
+        "        if chain.cut[e]:\n            state = zero if out is None else out\n",  # this rank's previous chunk's
         "tests/test_mixers_mpi.py::test_recurrences_are_exact", 2),
 ]
 IDS = [re.sub(r"\W+", "-", bug.what.split(" (")[0]).strip("-") for bug in PLANTED]
