@@ -89,11 +89,11 @@ def clean_env(environ=None, **extra):
     return env
 
 
-def run_limited(cmd, limit, stderr=subprocess.PIPE, cwd=None):
-    """``(exit code, stdout, stderr)`` of ``cmd`` in a fresh launch environment (``stderr=subprocess.STDOUT``:
-    joined to stdout); a job still running after ``limit`` seconds is killed with every process it started,
-    and AssertionError says it hung."""
-    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=clean_env(), cwd=cwd,
+def run_limited(cmd, limit, stderr=subprocess.PIPE, cwd=None, env=None):
+    """``(exit code, stdout, stderr)`` of ``cmd`` in a fresh launch environment (``env``, default ``clean_env()``;
+    ``stderr=subprocess.STDOUT``: joined to stdout); a job still running after ``limit`` seconds is killed with
+    every process it started, and AssertionError says it hung."""
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env or clean_env(), cwd=cwd,
                            start_new_session=True)
     try:
         out, err = job.communicate(timeout=limit)

@@ -2,6 +2,7 @@
 
     mpiexec -n 4 python tests/strategy_fault_job.py --timeout 1.5
     mpiexec -n 16 python tests/strategy_fault_job.py --timeout 3 --cases double_ring:backward grid:split
+    mpiexec -n 4 python tests/strategy_fault_job.py --timeout 1.5 --drain 0.25   # each case's drain shortened
 
 A case is ``STRATEGY:WHERE``: the strategy (``STRATEGIES``) and where rank
 ``--rank`` raises: ``forward`` (its second block in the forward pass,
@@ -30,6 +31,7 @@ import mpiring.handle
 import mpiring.parallel.grid
 import mpiring.parallel.strategies
 from mpiring.core import block
+from mpiring.mpi import waits
 from mpiring.plans.checks import backend_problem
 
 STRATEGIES = {"ring": {}, "bidirectional": dict(mode="bidirectional"), "allgather": dict(mode="allgather"),
@@ -106,7 +108,11 @@ def main():
     parser.add_argument("--timeout", type=float, default=1.5)
     parser.add_argument("--rank", type=int, default=1, help="the rank that fails")
     parser.add_argument("--cases", nargs="*", default=CASES, help=f"default: all ({', '.join(CASES)})")
+    parser.add_argument("--drain", type=float, default=waits.DRAIN_SECONDS,
+                        help="seconds a rank told of the failure lets its pending transfers complete "
+                             f"(default: the library's, {waits.DRAIN_SECONDS:g})")
     args = parser.parse_args()
+    waits.DRAIN_SECONDS = args.drain
     comm = MPI.COMM_WORLD
     # the kernel backend's library loaded before the first case's clock starts (torch's import, with
     # MPIRING_KERNEL=torch: 10-15 s for 16 ranks on 2 cores): a case's time is its ring's

@@ -86,27 +86,13 @@ def test_quick_bench_two_ranks_against_baseline(tmp_path):
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
-def test_p1_times_each_row_alone_in_the_same_run(tmp_path):
-    """--p1: each row again on rank 0 alone right after it; efficiency = that time / (P x the row's), no baseline."""
-    out = tmp_path / "p2.csv"
-    cmd = mpiexec_argv(2, sys.executable, "-m", "mpiring", "bench", *TINY, "--no-torch", "--precisions", "fp32",
-                       "--p1", "--csv", out)
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=clean_env())
-    assert result.returncode == 0, result.stdout + result.stderr
-    rows = [r for r in read_csv(out) if r["status"] == "ok"]
-    assert rows and all(r["P"] == 2 for r in rows)
-    for row in rows:
-        assert row["p1_s"] > 0
-        assert row["efficiency"] == pytest.approx(row["p1_s"] / (2 * row["wall_s"]), rel=1e-3)
-
-
-@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
-def test_quick_bench_under_load_leaves_no_spinner(tmp_path):
-    """--load 1: every row timed again with a busy process beside it, which is gone when the job ends."""
+def test_p1_and_load_in_one_run_leave_no_spinner(tmp_path):
+    """--p1: each row again on rank 0 alone right after it; efficiency = that time / (P x the row's), no baseline.
+    --load 1: every row timed again with a busy process beside it, which is gone when the job ends. One job."""
     before = set(spinner_pids())
     path = tmp_path / "loaded.csv"
     cmd = mpiexec_argv(2, sys.executable, "-m", "mpiring", "bench", *TINY, "--no-torch", "--precisions", "fp32",
-                       "--load", "1", "--csv", path)
+                       "--p1", "--load", "1", "--csv", path)
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=clean_env())
     assert result.returncode == 0, result.stdout + result.stderr
     assert not set(spinner_pids()) - before  # killed and reaped by rank 0, not left spinning
@@ -114,6 +100,11 @@ def test_quick_bench_under_load_leaves_no_spinner(tmp_path):
     _check_rows(rows, 2)
     assert all(r["load"] == 1 and r["wall_loaded_s"] > 0 for r in rows)
     assert "wall@L" in result.stdout and "x torch@L" in result.stdout and "1 busy background" in result.stdout
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert ok and all(r["P"] == 2 for r in ok)
+    for row in ok:
+        assert row["p1_s"] > 0
+        assert row["efficiency"] == pytest.approx(row["p1_s"] / (2 * row["wall_s"]), rel=1e-3)
 
 
 @pytest.mark.skipif(MPIEXEC is None or not os.path.isdir("/proc"), reason="no mpiexec on PATH, or no /proc")

@@ -36,7 +36,7 @@ first mpiring call of a new process. Starting a process per entry under
 - ``test_history_independence`` (hypothesis: up to six entries, an optional
   raiser among them, then a target) and ``test_every_pair`` (an Euler walk
   through every ordered pair of entries and raisers; P = 1 only, as it takes
-  minutes under mpiexec) then require the fresh bits after every call, and
+  minutes under mpiexec, and with --full only) then require the fresh bits after every call, and
   again at the end from every array returned on the way.
 
 Ranks must call collectives in the same order: hypothesis is derandomized with
@@ -233,6 +233,7 @@ def pairs_walk(names):
     return walk[::-1]
 
 
+@pytest.mark.full  # quick suite: test_history_independence's histories of the same entries and raisers, P = 1, 2
 @pytest.mark.skipif(COMM.size > 1, reason="all ordered pairs take minutes under mpiexec; P = 1 only")
 def test_every_pair(fresh):
     """Every entry right after every entry and every raiser: an Euler walk over all ordered pairs."""
