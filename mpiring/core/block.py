@@ -67,6 +67,7 @@ def attend(q, kv, task, pieces, score, acc, record, progress, step=None, padded=
         start = time.perf_counter()
         k, v = kv
         count_pairs(record, pieces)
+        run = BlockRun(progress=progress)
         for piece in pieces:
             if general(score, piece):
                 attend_general(q, k, v, piece, score, acc[:2], padded)
@@ -74,7 +75,7 @@ def attend(q, kv, task, pieces, score, acc, record, progress, step=None, padded=
             a, b, c, d = piece.q0, piece.q1, piece.k0, piece.k1
             keys = np.s_[..., c:d] if padded else np.s_[..., c:d, :]  # padded: tokens on the last axis
             attention_block(q[..., a:b, :], k[keys], v[keys], score.scale, piece.klo, piece.khi, padded=padded,
-                            into=(acc[0][..., a:b, :], acc[1][..., a:b]), progress=progress)
+                            into=(acc[0][..., a:b, :], acc[1][..., a:b]), run=run)
         end = record.event("compute", start, step=step, source=task.source, kind=task.kind, stream=task.stream)
         record.compute_time += end - start
     record.tasks.append((step, task))
