@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from .core.block import GRAD_DTYPE, accumulators, add_grads, attend, grads_of
+from .core.block import GRAD_DTYPE, Visit, accumulators, add_grads, attend, grads_of
 from .core.kernels import default_scale
 from .core.precision import INPUT_DTYPES, Precision
 from .core.record import Record
@@ -88,7 +88,7 @@ def simulate(Q, K, V, num_devices, *, spec=None, causal=False, layout="contiguou
                 block = kv[device] if task.source == device else sent[task.source]
                 rows = plan.kept(device, task.source)  # the sparse movement's chosen keys: those pieces index
                 block = block if rows is None else tuple(np.take(x, rows, axis=-2) for x in block)
-                attend(q, block, task, plan.pieces(device, task.source), score, acc, rec, None, step)
+                attend(q, block, Visit(step, task, plan.pieces(device, task.source)), score, acc, rec, None)
         if spec.sinks is not None:
             acc = with_sinks(*acc, spec.sinks)
         outs.append(acc[0].astype(pr.input, copy=False))
@@ -128,8 +128,8 @@ def simulate_backward(dO, Q, K, V, out, lse, num_devices, *, positions=None, spe
             for task in plan.tasks(step, device):
                 mine = task.source == device
                 block = kv[device] if mine else sent[task.source]
-                grads = grads_of(queries[device], block, task, plan.pieces(device, task.source), score, dq[device],
-                                 rec, lambda: None, step)
+                visit = Visit(step, task, plan.pieces(device, task.source))
+                grads = grads_of(queries[device], block, visit, score, dq[device], rec, lambda: None)
                 total = home[task.source] if mine else partials.setdefault(
                     (task.source, task.stream), [np.zeros(h.shape, pr.grad) for h in home[task.source]])
                 add_grads(total, grads)

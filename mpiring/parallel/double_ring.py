@@ -116,8 +116,8 @@ def double_ring_forward(q, k, v, call):
                 waiting.append(inner)
             for task in plan.tasks(step, rank):
                 kv = mine if task.source == rank else wire.arrived(held, padded=outer_slots.padded)
-                block.attend(q, kv, task, plan.pieces(rank, task.source), score, acc, record, progress, step,
-                             padded=outer_slots.padded)
+                block.attend(q, kv, block.Visit(step, task, plan.pieces(rank, task.source)), score, acc, record,
+                             progress, padded=outer_slots.padded)
             if i == n - 1 and o < m - 1:
                 waiting.append(outer)
             if waiting:
@@ -184,7 +184,7 @@ def double_ring_backward(dout, q, k, v, out, lse, delta, call):
             pieces = plan.pieces(rank, task.source)
             count_pairs(record, pieces)
             kv = own_block if source == rank else wire.arrived(travelling)
-            grads = block.grads_of(queries, kv, task, pieces, score, dq, record, progress, step)
+            grads = block.grads_of(queries, kv, block.Visit(step, task, pieces), score, dq, record, progress)
             record.tasks.append((step, task))
             if i == 0:  # the first visitor in this node; with one rank per node the own block's share stays here
                 total = own_grads if source == rank and n == 1 else block_of(source, precision.grad)
