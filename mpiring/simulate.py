@@ -62,20 +62,19 @@ def _blocks(plan, pr, K, V):
     return own, sent
 
 
-def simulate(Q, K, V, num_devices, *, spec=None, causal=False, layout="contiguous", mode="ring", positions=None,
-             **options):
+def simulate(Q, K, V, num_devices, *, spec=None, causal=False, layout="contiguous", positions=None, **options):
     """Run every device's part of the ring in turn; return ``(out, lse, schedule)``.
 
     ``schedule`` is the plan's Schedule: ``schedule.table[step][device]``
     holds the Tasks (source block, full/masked/skip) of that step.
-    ``options``: the fields of ``Spec`` as ``ring_attention`` takes them (the same kernels: the same dropped
-    entries); every block a device gets from another is coded and decoded as ``wire_dtype`` says.
+    ``options``: the fields of ``Spec`` as ``ring_attention`` takes them (``mode``: "ring" unless given; the
+    same kernels: the same dropped entries); every block a device gets from another is coded and decoded as
+    ``wire_dtype`` says.
     ``positions``: one array per device, the tokens it holds (instead of ``layout``).
     ``spec``: a ``Spec`` holding the options instead (its ``positions``, if any: every device's, as agreed).
     """
-    spec, pr, plan, score, Q, K, V = _prepared(Q, K, V, num_devices,
-                                               dict(options, causal=causal, layout=layout, mode=mode), spec,
-                                               positions)
+    spec, pr, plan, score, Q, K, V = _prepared(Q, K, V, num_devices, dict(options, causal=causal, layout=layout),
+                                               spec, positions)
     P = plan.size
     kv, sent = _blocks(plan, pr, K, V)  # the others get a block coded by its owner, decoded on arrival
     outs, lses = [], []
