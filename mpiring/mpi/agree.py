@@ -139,7 +139,7 @@ def setup(q, k, v, comm, spec, timeout=None, prepare=None, rows=None):
     values = n_local = peak = prepared = held = None
     try:
         problem = (comm_problem(comm) or timeout_problem(timeout)
-                   or local_problem(q, k, v, None, False, spec.kv_positions is None) or spec.rows_problem(q, k))
+                   or local_problem(q, k, v, None, False, spec.same_rows) or spec.rows_problem(q, k))
         if problem is None and prepare is not None:
             prepared = prepare()
             if rows is not None:  # copies too: made here, where a MemoryError is reported by every rank
