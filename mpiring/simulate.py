@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from .core.block import GRAD_DTYPE, accumulators, add_grads, attend, grads_of
+from .core.block import GRAD_DTYPE, Visit, accumulators, add_grads, attend, grads_of
 from .core.kernels import default_scale
 from .core.precision import INPUT_DTYPES, Precision
 from .core.record import Record
@@ -62,20 +62,19 @@ def _blocks(plan, pr, K, V):
     return own, sent
 
 
-def simulate(Q, K, V, num_devices, *, spec=None, causal=False, layout="contiguous", mode="ring", positions=None,
-             **options):
+def simulate(Q, K, V, num_devices, *, spec=None, causal=False, layout="contiguous", positions=None, **options):
     """Run every device's part of the ring in turn; return ``(out, lse, schedule)``.
 
     ``schedule`` is the plan's Schedule: ``schedule.table[step][device]``
     holds the Tasks (source block, full/masked/skip) of that step.
-    ``options``: the fields of ``Spec`` as ``ring_attention`` takes them (the same kernels: the same dropped
-    entries); every block a device gets from another is coded and decoded as ``wire_dtype`` says.
+    ``options``: the fields of ``Spec`` as ``ring_attention`` takes them (``mode``: "ring" unless given; the
+    same kernels: the same dropped entries); every block a device gets from another is coded and decoded as
+    ``wire_dtype`` says.
     ``positions``: one array per device, the tokens it holds (instead of ``layout``).
     ``spec``: a ``Spec`` holding the options instead (its ``positions``, if any: every device's, as agreed).
     """
-    spec, pr, plan, score, Q, K, V = _prepared(Q, K, V, num_devices,
-                                               dict(options, causal=causal, layout=layout, mode=mode), spec,
-                                               positions)
+    spec, pr, plan, score, Q, K, V = _prepared(Q, K, V, num_devices, dict(options, causal=causal, layout=layout),
+                                               spec, positions)
     P = plan.size
     kv, sent = _blocks(plan, pr, K, V)  # the others get a block coded by its owner, decoded on arrival
     outs, lses = [], []
@@ -88,7 +87,7 @@ def simulate(Q, K, V, num_devices, *, spec=None, causal=False, layout="contiguou
                 block = kv[device] if task.source == device else sent[task.source]
                 rows = plan.kept(device, task.source)  # the sparse movement's chosen keys: those pieces index
                 block = block if rows is None else tuple(np.take(x, rows, axis=-2) for x in block)
-                attend(q, block, task, plan.pieces(device, task.source), score, acc, rec, None, step)
+                attend(q, block, Visit(step, task, plan.pieces(device, task.source)), score, acc, rec, None)
         if spec.sinks is not None:
             acc = with_sinks(*acc, spec.sinks)
         outs.append(acc[0].astype(pr.input, copy=False))
@@ -128,8 +127,8 @@ def simulate_backward(dO, Q, K, V, out, lse, num_devices, *, positions=None, spe
             for task in plan.tasks(step, device):
                 mine = task.source == device
                 block = kv[device] if mine else sent[task.source]
-                grads = grads_of(queries[device], block, task, plan.pieces(device, task.source), score, dq[device],
-                                 rec, lambda: None, step)
+                visit = Visit(step, task, plan.pieces(device, task.source))
+                grads = grads_of(queries[device], block, visit, score, dq[device], rec, lambda: None)
                 total = home[task.source] if mine else partials.setdefault(
                     (task.source, task.stream), [np.zeros(h.shape, pr.grad) for h in home[task.source]])
                 add_grads(total, grads)

@@ -541,10 +541,10 @@ def test_torch_in_many_calls_stores_then_merges(rng, monkeypatch, threaded, kind
     progress = (lambda: polls.append(1)) if threaded else None
     with backends.using("torch"):
         alone, alone_lse = _computed_by("torch", lambda: backends.attention_block(q, k, v, None, klo, khi,
-                                                                                   progress=progress))
+                                                                                   run=BlockRun(progress=progress)))
         acc = (np.zeros(q.shape), np.full(q.shape[:-1], -np.inf))
         backends.attention_block(q, k0, v0, None, into=acc)
-        backends.attention_block(q, k, v, None, klo, khi, into=acc, progress=progress)
+        backends.attention_block(q, k, v, None, klo, khi, into=acc, run=BlockRun(progress=progress))
         grads = backends.attention_block_backward(dout, q, k, v, want, want_lse, None, klo, khi,
                                                   run=BlockRun(progress=progress))
     assert_attention_close(alone, want, np.float64)

@@ -199,7 +199,7 @@ def _kernels_against_the_reference(dtype, sq, sk, mask, tiles, hq, hk):
     k = rng.standard_normal((hk, sk, d)).astype(dtype)
     v = rng.standard_normal((hk, sk, d)).astype(dtype)
     klo, khi = _mask(mask, sq, sk, rng)
-    out, lse = attention_block(q, k, v, None, klo, khi, tile_q=tiles[0], tile_k=tiles[1])
+    out, lse = attention_block(q, k, v, None, klo, khi, run=BlockRun(*tiles))
     ref_out, ref_lse = reference_attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
                                            None, klo, khi)
     tol = 2e-5 if dtype == np.float32 else 1e-12
@@ -207,7 +207,7 @@ def _kernels_against_the_reference(dtype, sq, sk, mask, tiles, hq, hk):
     assert np.allclose(lse, ref_lse, rtol=tol, atol=tol)
     dout = rng.standard_normal(out.shape).astype(dtype)
     grads = attention_block_backward(dout, q, k, v, out, lse, None, klo, khi,
-                                     run=BlockRun(tile_q=tiles[0], tile_k=tiles[1]))
+                                     run=BlockRun(*tiles))
     want = reference_attention_backward(dout.astype(np.float64), q.astype(np.float64), k.astype(np.float64),
                                         v.astype(np.float64), None, klo, khi)
     gtol = 1e-4 if dtype == np.float32 else 1e-10

@@ -8,6 +8,7 @@ import pytest
 from mpiring.core.backends import attention_block
 from mpiring.core.kernels import merge, pad_ones
 from mpiring.core.reference import reference_attention
+from mpiring.core.tiles import BlockRun
 from mpiring.plans.visibility import visible_keys
 
 from conftest import SHAPES, dense_mask, naive_attention, qkv, tol
@@ -100,7 +101,7 @@ def test_small_tiles_take_every_path(rng, dtype, tiles, factor):
     q *= dtype(factor)  # x1000: scores far above the first key's, so tiles must rescale
     pos = np.arange(45)
     klo, khi = visible_keys(pos, pos, causal=True, window=(9, 0), cu_seqlens=np.array([0, 20, 20, 45]))
-    out, lse = attention_block(q, k, v, None, klo, khi, tile_q=tiles[0], tile_k=tiles[1])
+    out, lse = attention_block(q, k, v, None, klo, khi, run=BlockRun(*tiles))
     ref, ref_lse = reference_attention(q, k, v, None, klo, khi)
     assert np.all(np.isfinite(out)) and np.all(np.isfinite(lse))
     atol = tol(dtype) * (1 if factor == 1 else 100)
@@ -117,14 +118,14 @@ def test_padded_kv_and_merge_into_accumulators(rng, dtype, tiles):
     q, k, v = qkv(rng, (2, 4, 45, 8), (2, 2, 45, 8), dtype)
     pos = np.arange(45)
     klo, khi = visible_keys(pos, pos, causal=True, window=(9, 0), cu_seqlens=np.array([0, 20, 20, 45]))
-    whole, whole_lse = attention_block(q, k, v, None, klo, khi, tile_q=tiles[0], tile_k=tiles[1])
+    whole, whole_lse = attention_block(q, k, v, None, klo, khi, run=BlockRun(*tiles))
     # padded blocks as views of a longer receive buffer, the row of ones set once
     kbuf, vbuf = (pad_ones(np.concatenate([a, a[..., :5, :]], axis=-2)) for a in (k, v))
     out = np.zeros(q.shape, np.float64)
     lse = np.full(q.shape[:-1], -np.inf)
     for a, b in [(30, 45), (0, 7), (7, 30)]:  # key blocks, in any order
         res = attention_block(q, kbuf[..., a:b], vbuf[..., a:b], None, klo - a, khi - a, padded=True,
-                              into=(out, lse), tile_q=tiles[0], tile_k=tiles[1])
+                              into=(out, lse), run=BlockRun(*tiles))
         assert res[0] is out and res[1] is lse
     assert np.all(kbuf[..., -1, :] == 1) and np.all(vbuf[..., -1, :] == 1)  # the kernel never writes them
     np.testing.assert_array_equal(kbuf[..., :-1, :45], np.swapaxes(k, -1, -2))

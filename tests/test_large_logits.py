@@ -15,6 +15,7 @@ import pytest
 
 from mpiring import attention_block, ring_attention, ring_attention_backward
 from mpiring.core.kernels import LSE_LIMIT
+from mpiring.core.tiles import BlockRun
 
 from conftest import dense_mask, local, naive_attention
 
@@ -69,7 +70,7 @@ def test_kernel_rows_stay_finite_and_right(dtype, mag, causal):
     klo, khi = (0 * np.arange(q.shape[-2]), np.arange(q.shape[-2]) + 1) if causal else (None, None)
     ref, ref_lse = _reference(q, k, v, mask)
     for tiles in ((None, None), (32, 16)):  # default tiles, and small ones: many tiles per row
-        out, lse = attention_block(q, k, v, None, klo, khi, tile_q=tiles[0], tile_k=tiles[1])
+        out, lse = attention_block(q, k, v, None, klo, khi, run=BlockRun(*tiles))
         assert np.isfinite(lse).all(), f"{int((~np.isfinite(lse)).sum())} rows with a non-finite lse"
         err = float(np.max(np.abs(out - ref)))
         assert err <= _allowed(dtype, mag), f"out error {err:.3e}"

@@ -20,7 +20,7 @@ from mpiring.core.mixers.decay import decay_backward, decay_forward
 from mpiring.core.mixers.delta import delta_backward, delta_forward
 from mpiring.core.mixers.runs import corrected, run_forward
 from mpiring.core.mixers.sequential import conv, conv_backward, recurrence, recurrence_backward
-from mpiring.core.mixers.ssm import scan_grads, scan_inputs, ssd_grads, ssd_inputs
+from mpiring.core.mixers.ssm import RecurrenceGrads, scan_grads, scan_inputs, ssd_grads, ssd_inputs
 from mpiring.cost.statebytes import exscan_rounds, halo_bytes, state_bytes
 from mpiring.plans.layouts import shard_indices
 
@@ -258,7 +258,7 @@ def test_state_space_gradients_by_finite_differences(rng, which):
     dout = (dy[..., None] if which == "scan" else dy).reshape(flat[2].shape)
     dq, dk, dv, dg = (a.reshape(p.shape) for a, p in zip(recurrence_backward(dout, *flat[:3], g=flat[3])[:4],
                                                          (q, k, v, g)))
-    got = grads(dq, dk, dv, dg, dy, arrays["x"], arrays["dt"], arrays["A"], arrays["B"], arrays["D"])
+    got = grads(RecurrenceGrads(dq, dk, dv, dg), dy, arrays["x"], arrays["dt"], arrays["A"], arrays["B"], arrays["D"])
     for name, a in zip("x dt A B C D".split(), got):
         close(a, _numeric_grad(loop, arrays, name), tol=1e-7, what=f"d{name}")
 

@@ -32,7 +32,7 @@ from mpiring import (
     ssd_backward,
 )
 from mpiring.core.mixers.sequential import conv, conv_backward, recurrence, recurrence_backward
-from mpiring.core.mixers.ssm import scan_grads, scan_inputs, ssd_grads, ssd_inputs
+from mpiring.core.mixers.ssm import RecurrenceGrads, scan_grads, scan_inputs, ssd_grads, ssd_inputs
 from mpiring.cost.statebytes import halo_bytes, state_bytes, state_messages
 from mpiring.plans.chunks import Chain, MixerPlan
 
@@ -149,7 +149,7 @@ def reference(name, arrays, dy, starts):
     y = (out[..., 0] if kind == "scan" else out) + (arrays["D"][:, None] if kind == "scan" else
                                                     arrays["D"][:, None, None]) * x
     parts = [a.reshape(p.shape) for a, p in zip((dq, dk, dv, dg), (q, k, v, g))]
-    return y, list(grads(*parts, dy, x, arrays["dt"], arrays["A"], arrays["B"], arrays["D"]))
+    return y, list(grads(RecurrenceGrads(*parts), dy, x, arrays["dt"], arrays["A"], arrays["B"], arrays["D"]))
 
 
 def run(name, local, dy, options, fwd_rec, bwd_rec):

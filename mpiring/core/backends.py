@@ -105,14 +105,15 @@ def takes_padded(dtype, rows):
     return for_block(dtype, rows) != "torch" or not torch_kernel.available()
 
 
-def attention_block(q, k, v, scale=None, klo=None, khi=None, *, padded=False, into=None, progress=None, **tiles):
-    """``kernels.attention_block`` by the backend in use (the NumPy kernel where it cannot)."""
+def attention_block(q, k, v, scale=None, klo=None, khi=None, *, padded=False, into=None, run=PLAIN_RUN):
+    """``kernels.attention_block`` by the backend in use (the NumPy kernel where it cannot; torch's op takes
+    ``run.progress``, not its tiles)."""
     q = np.asarray(q)
     if for_block(q.dtype, q.shape[-2]) == "torch" and torch_kernel.supports(q, k, v, scale, padded=padded):
         calls["torch"] += 1
-        return torch_kernel.forward(q, k, v, scale, klo, khi, padded=padded, into=into, progress=progress)
+        return torch_kernel.forward(q, k, v, scale, klo, khi, padded=padded, into=into, progress=run.progress)
     calls["numpy"] += 1
-    return kernels.attention_block(q, k, v, scale, klo, khi, padded=padded, into=into, progress=progress, **tiles)
+    return kernels.attention_block(q, k, v, scale, klo, khi, padded=padded, into=into, run=run)
 
 
 def delta_is_rowsum(dout, q, out, delta):

@@ -6,6 +6,7 @@ decide which block, when. Tests wrap ``attend`` or ``block_grads`` to inject fau
 """
 
 import time
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -15,8 +16,8 @@ from .mla import Expanded
 from .scores import attend_general, count_allowed, grads_general
 from .tiles import BlockRun, filled, kernel_dtype, scratch
 
-__all__ = ["GRAD_DTYPE", "KEPT_OUT", "Rowsum", "Queries", "queries", "accumulators", "count_pairs", "attend",
-           "block_grads", "add_grads", "grads_of"]
+__all__ = ["GRAD_DTYPE", "KEPT_OUT", "Rowsum", "Queries", "Visit", "queries", "accumulators", "count_pairs",
+           "attend", "block_grads", "add_grads", "grads_of"]
 
 GRAD_DTYPE = np.dtype(np.float64)  # each rank's own gradients (dq, its block's dk, dv) are summed in this
 KEPT_OUT = "ring.out"  # the kept buffer of the forward's running out; the backward sums dq in it
@@ -56,17 +57,29 @@ def general(score, piece):
     return not score.plain or (piece.where is not None and piece.where.mask is not None)
 
 
-def attend(q, kv, task, pieces, score, acc, record, progress, step=None, padded=False):
-    """Attend this rank's queries to one K/V block's ``pieces`` and merge into ``acc`` = [out, lse].
+@dataclass(frozen=True)
+class Visit:
+    """One K/V block's turn in a loop: its ``step``, its plan ``task`` (source, kind, stream) and the ``pieces``
+    of it that this rank's queries see."""
+    step: int | None
+    task: object
+    pieces: list
+
+
+def attend(q, kv, visit, score, acc, record, progress, padded=False):
+    """Attend this rank's queries to the ``pieces`` of one K/V block's ``Visit`` and merge into ``acc`` =
+    [out, lse].
 
     The kernel merges every finished query tile into the running (out, lse)
     with ``merge`` (the log-sum-exp rule), so no block-sized output is made.
     ``padded``: k and v are the ring's [k | 1]^T, [v | 1]^T blocks (``comm.KVBuffers``).
     """
+    step, task, pieces = visit.step, visit.task, visit.pieces
     if task.kind != "skip":
         start = time.perf_counter()
         k, v = kv
         count_pairs(record, pieces)
+        run = BlockRun(progress=progress)
         for piece in pieces:
             if general(score, piece):
                 attend_general(q, k, v, piece, score, acc[:2], padded)
@@ -74,7 +87,7 @@ def attend(q, kv, task, pieces, score, acc, record, progress, step=None, padded=
             a, b, c, d = piece.q0, piece.q1, piece.k0, piece.k1
             keys = np.s_[..., c:d] if padded else np.s_[..., c:d, :]  # padded: tokens on the last axis
             attention_block(q[..., a:b, :], k[keys], v[keys], score.scale, piece.klo, piece.khi, padded=padded,
-                            into=(acc[0][..., a:b, :], acc[1][..., a:b]), progress=progress)
+                            into=(acc[0][..., a:b, :], acc[1][..., a:b]), run=run)
         end = record.event("compute", start, step=step, source=task.source, kind=task.kind, stream=task.stream)
         record.compute_time += end - start
     record.tasks.append((step, task))
@@ -149,15 +162,18 @@ def add_grads(total, grads):
         total[1][..., c:d, :] += bv
 
 
-def grads_of(queries, kv, task, pieces, score, dq, record, progress, step, **info):
-    """``block_grads`` of one block (or key chunk of it), noted as a "compute" event; [] if nothing to compute."""
-    if not pieces:
+def grads_of(queries, kv, visit, score, dq, record, progress, **info):
+    """``block_grads`` of one block's ``Visit`` (or key chunk of it), noted as a "compute" event; [] if nothing
+    to compute."""
+    if not visit.pieces:
         return []
     start = time.perf_counter()
-    grads = block_grads(queries, kv, pieces, score, dq, progress)
+    grads = block_grads(queries, kv, visit.pieces, score, dq, progress)
     if isinstance(kv, Expanded):  # a latent block expanded per head: its gradients go back to the latent
         grads = kv.fold(grads)
-    info = {"step": step, "source": task.source, "kind": task.kind, "stream": task.stream, "pass": "backward", **info}
+    task = visit.task
+    info = {"step": visit.step, "source": task.source, "kind": task.kind, "stream": task.stream, "pass": "backward",
+            **info}
     end = record.event("compute", start, **info)
     record.compute_time += end - start
     return grads

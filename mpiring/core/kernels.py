@@ -79,7 +79,7 @@ def attention_block(
     k: np.ndarray,  # (..., Hk, Sk, D), or (..., Hk, D+1, Sk) when padded
     v: np.ndarray,  # (..., Hk, Sk, Dv), or (..., Hk, Dv+1, Sk) when padded
     scale: float | None = None, klo: np.ndarray | None = None, khi: np.ndarray | None = None,  # (Sq,) each
-    *, padded: bool = False, into=None, tile_q: int | None = None, tile_k: int | None = None, progress=None,
+    *, padded: bool = False, into=None, run: BlockRun = PLAIN_RUN,
 ) -> tuple[np.ndarray, np.ndarray]:  # out (..., Hq, Sq, Dv), lse (..., Hq, Sq)
     """Softmax attention of q over one key block: returns (out, lse).
 
@@ -101,14 +101,14 @@ def attention_block(
             blocks (e.g. float64 accumulators).  Each finished query tile is
             merged into them in place with ``merge`` (the log-sum-exp rule),
             so the block's own output is never materialized; returns them.
-        tile_q, tile_k: tile sizes (default: default_tiles(D, dtype)).
-        progress: zero-argument callable, called between tiles, at most
-            every PROGRESS_INTERVAL seconds (e.g. to poll MPI requests).
+        run: its tiles (default: default_tiles(D, dtype)) and ``progress``, a
+            zero-argument callable called between tiles, at most every
+            PROGRESS_INTERVAL seconds (e.g. to poll MPI requests): ``tiles.BlockRun``.
     """
     sh = Shapes(q, k, v, padded)
     dt, b, g, sq, sk, d, dv = sh.dtype, sh.b, sh.g, sh.sq, sh.sk, sh.d, sh.dv
     dq_tile, dk_tile = default_tiles(d, dt)
-    tq, tk = tile_q or dq_tile, tile_k or dk_tile
+    tq, tk = run.tile_q or dq_tile, run.tile_k or dk_tile
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     c2 = scale * LOG2E                        # scores in log2 units: exp2 is cheaper than exp
     limit_log2 = _LIMIT_LOG2[dt]
@@ -117,7 +117,7 @@ def attention_block(
     floor = _FLOOR_LOG2[dt]
     lo, hi = mask_arrays(klo, khi, sq, sk)
     tiles = Tiles(lo, hi, sk, tk, dt)
-    tick = Progress(progress)
+    tick = Progress(run.progress)
 
     if into is None:
         out = np.empty((b, g, sq, dv), dt)

@@ -117,20 +117,19 @@ def agree(comm, problem, timeout=None, entry=False):
     agreed(comm, problem, None, timeout, entry=entry)
 
 
-def setup(q, k, v, comm, spec, timeout=None, prepare=None, rows=None, hosts=None, same_rows=True):
+def setup(q, k, v, comm, spec, timeout=None, prepare=None, rows=None):
     """Validate on every rank, agree collectively (one all-gather), and build the shared plan: MLA's agreement
     (``parallel.latent``), whose k, v are expanded from the latent.
 
     Every rank ends with the same verdict: either ``(plan, spec, scale,
-    prepared)`` (the spec agreed: every rank's positions in it) or the same
+    prepared, hosts)`` (the spec agreed: every rank's positions in it; ``hosts``:
+    every rank's processor name, who shares a node) or the same
     ValueError, naming each offending rank and argument. Nothing here raises
     before the all-gather, so one rank's bad input cannot leave the others
     waiting. ``spec``: this rank's ``Spec``. ``prepare()``, run once this rank's arguments are
     valid, does the work that may fail on one rank alone (contiguous copies,
     temporaries: a MemoryError) before the agreement, so such a failure is
     reported by every rank too; its result is returned as ``prepared``.
-    ``hosts``: a list to fill with every rank's processor name (who shares a node).
-    ``same_rows``: k holds q's tokens (no ``kv_positions``).
     ``rows``: one letter per prepared array, "q" (query rows), "k" (key/value
     rows) or "l" (query rows on the last axis: lse); they come back sorted by
     position, the order the ring works in (``Plan.in_caller_order`` undoes it).
@@ -139,8 +138,8 @@ def setup(q, k, v, comm, spec, timeout=None, prepare=None, rows=None, hosts=None
     """
     values = n_local = peak = prepared = held = None
     try:
-        problem = (comm_problem(comm) or timeout_problem(timeout) or local_problem(q, k, v, None, False, same_rows)
-                   or spec.rows_problem(q, k))
+        problem = (comm_problem(comm) or timeout_problem(timeout)
+                   or local_problem(q, k, v, None, False, spec.same_rows) or spec.rows_problem(q, k))
         if problem is None and prepare is not None:
             prepared = prepare()
             if rows is not None:  # copies too: made here, where a MemoryError is reported by every rank
@@ -155,8 +154,7 @@ def setup(q, k, v, comm, spec, timeout=None, prepare=None, rows=None, hosts=None
     except Exception as exc:  # whatever goes wrong here is reported collectively, never raised alone
         problem, values = describe(exc), None
     metas = agreed(comm, problem, values, timeout, (n_local, peak, held, Host.mine()), entry=True)
-    if hosts is not None:
-        hosts[:] = Hosts(m[3] for m in metas)
+    hosts = Hosts(m[3] for m in metas)
     scale = default_scale(q.shape[-1]) if spec.scale is None else spec.scale
     message = logit_problem(scale, q.shape[-1], max(m[1][0] for m in metas), max(m[1][1] for m in metas), q.dtype)
     if message:
@@ -169,7 +167,7 @@ def setup(q, k, v, comm, spec, timeout=None, prepare=None, rows=None, hosts=None
     if lengths != expected:
         raise ValueError(f"local sequence lengths {lengths} do not match the {plan.layout} layout of "
                          f"{plan.seq_len} tokens over {plan.size} ranks, which needs {expected}")
-    return plan, spec, scale, prepared
+    return plan, spec, scale, prepared, hosts
 
 
 def agree_root(comm, root, check_root, spec, timeout=None, expected_size=None, problem=None):

@@ -154,7 +154,7 @@ def backward_ring_loop(dout, q, k, v, out, lse, delta, call):
             going_home = step > 0 and step == plan.rounds[stream]  # the last visitor: key chunks, sent home
             work = chunks_in_order(pieces, n, chunks) if going_home else [(None, 0, n, pieces)]
             for chunk, lo, hi, cut in work:
-                grads = block.grads_of(queries, kv, task, cut, score, dq, record, partials.progress, step,
+                grads = block.grads_of(queries, kv, block.Visit(step, task, cut), score, dq, record, partials.progress,
                                        **({"keys": f"{lo}:{hi}"} if going_home else {}))
                 if grads or going_home:
                     partials.wait_once(step)
@@ -188,7 +188,7 @@ def allgather_backward(dout, q, k, v, out, lse, delta, call):
         kv = mine if task.source == rank else wire.arrived(kv)  # as the forward pass
         pieces = plan.pieces(rank, task.source)
         count_pairs(record, pieces)
-        grads = block.grads_of(queries, kv, task, pieces, score, dq, record, progress, step)
+        grads = block.grads_of(queries, kv, block.Visit(step, task, pieces), score, dq, record, progress)
         add_grads((sums[0][2][task.source], sums[1][2][task.source]), grads)
         record.tasks.append((step, task))
         record.step_done(step, plan.n_steps)

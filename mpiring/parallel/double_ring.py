@@ -116,8 +116,8 @@ def double_ring_forward(q, k, v, call):
                 waiting.append(inner)
             for task in plan.tasks(step, rank):
                 kv = mine if task.source == rank else wire.arrived(held, padded=outer_slots.padded)
-                block.attend(q, kv, task, plan.pieces(rank, task.source), score, acc, record, progress, step,
-                             padded=outer_slots.padded)
+                block.attend(q, kv, block.Visit(step, task, plan.pieces(rank, task.source)), score, acc, record,
+                             progress, padded=outer_slots.padded)
             if i == n - 1 and o < m - 1:
                 waiting.append(outer)
             if waiting:
@@ -184,7 +184,7 @@ def double_ring_backward(dout, q, k, v, out, lse, delta, call):
             pieces = plan.pieces(rank, task.source)
             count_pairs(record, pieces)
             kv = own_block if source == rank else wire.arrived(travelling)
-            grads = block.grads_of(queries, kv, task, pieces, score, dq, record, progress, step)
+            grads = block.grads_of(queries, kv, block.Visit(step, task, pieces), score, dq, record, progress)
             record.tasks.append((step, task))
             if i == 0:  # the first visitor in this node; with one rank per node the own block's share stays here
                 total = own_grads if source == rank and n == 1 else block_of(source, precision.grad)
@@ -200,14 +200,14 @@ def double_ring_backward(dout, q, k, v, out, lse, delta, call):
                 arriving = block_of(plan.source_at(rank, step + 1), precision.grad)
                 _shift(grads_inner, total, arriving, record, step, INNER, "dK/dV")
             elif source != rank:  # the node's last visitor: the partial goes home, one comes home
-                coming_home = _home(home, total, coming_home, own_grads, plan, o, record, step,
-                                    block_of(rank, precision.grad), timeout)
+                _arrive_home(home, coming_home, own_grads, record, step, timeout)
+                coming_home = _send_home(home, total, plan, o, record, step, block_of(rank, precision.grad))
             if i < n - 1:
                 travelling = incoming
             elif o < m - 1:
                 first = travelling = nxt
             record.step_done(step, plan.n_steps)
-        _home(home, None, coming_home, own_grads, plan, m, record, plan.n_steps - 1, None, timeout)
+        _arrive_home(home, coming_home, own_grads, record, plan.n_steps - 1, timeout)
         for counter in ("bytes_sent", "messages", "wait_time"):
             setattr(record, counter, sum(getattr(ring, counter) for ring in rings))
     finally:
@@ -216,18 +216,17 @@ def double_ring_backward(dout, q, k, v, out, lse, delta, call):
     return dq, own_grads[0], own_grads[1]
 
 
-def _home(home, total, coming_home, own_grads, plan, rnd, rec, step, receive, timeout):
-    """The hop home of round ``rnd``: finish the previous one (add it into ``own_grads``), start this one (if
-    ``total``).
-
-    Returns the arrays the own block's partial is arriving in (None when nothing was started).
-    """
+def _arrive_home(home, coming_home, own_grads, rec, step, timeout):
+    """Finish the previous hop home (if any): wait for the own block's partial and add it into ``own_grads``."""
     if coming_home is not None:
         _wait([home], rec, step, timeout, "dK/dV home")
         own_grads[0][...] += coming_home[0]
         own_grads[1][...] += coming_home[1]
-    if total is None:
-        return None
+
+
+def _send_home(home, total, plan, rnd, rec, step, receive):
+    """Start the hop home of round ``rnd``: ``total`` to its block's owner, the own block's partial into
+    ``receive``. Returns ``receive``, the arrays the own block's partial is arriving in."""
     rank = home.rank
     source = plan.source_at(rank, rnd * plan.node_size + plan.node_size - 1)
     home.send_rank[+1], home.recv_rank[+1] = source, plan.last_visitor(rank, rnd)

@@ -61,9 +61,7 @@ def _agree(comm, tensors, weights, keywords, spec, timeout, rows, who):
     def prepare():  # the latent as it is (it travels in its dtype); the rest in the compute dtype (backward)
         return [np.ascontiguousarray(a, None if name in ("c_kv", "k_rope") else work) for name, a in tensors.items()]
 
-    hosts = []
-    plan, spec, scale, arrays = setup(q, k, v, comm, spec, timeout=timeout, prepare=prepare, rows=rows, hosts=hosts,
-                                      same_rows=spec is None or spec.kv_positions is None)
+    plan, spec, scale, arrays, hosts = setup(q, k, v, comm, spec, timeout=timeout, prepare=prepare, rows=rows)
     if not strategy_of(plan, spec.rotate).latent:
         raise ValueError(f"{who}: mode={spec.mode!r} moves heads, not K/V blocks: the latent cannot travel in "
                          f"their place; use mode ring, bidirectional, allgather, double_ring or sparse")

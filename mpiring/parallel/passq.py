@@ -64,8 +64,8 @@ def passq_loop(q, k, v, call):
         if task.kind != "skip":
             queries = (mine if source == rank else wire.arrived(held))[0]
             partials[source] = block.accumulators(queries, v, precision.out, precision.lse)
-        block.attend(queries, own_kv, task, plan.pieces(source, rank), score, partials.get(source), record,
-                     ring.progress, step, padded=form.padded)
+        block.attend(queries, own_kv, block.Visit(step, task, plan.pieces(source, rank)), score, partials.get(source),
+                     record, ring.progress, padded=form.padded)
         start = time.perf_counter()
         if incoming is not None:
             ring.wait(timeout)

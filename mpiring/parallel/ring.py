@@ -69,8 +69,8 @@ def ring_loop(q, k, v, call):
         start = time.perf_counter()
         for task in plan.tasks(step, rank):  # one block (two when bidirectional)
             kv = own_block if task.source == rank else wire.arrived(holding[task.stream], padded=slots.padded)
-            block.attend(q, kv, task, plan.pieces(rank, task.source), score, acc, record, ring.progress, step,
-                         padded=slots.padded)
+            block.attend(q, kv, block.Visit(step, task, plan.pieces(rank, task.source)), score, acc, record,
+                         ring.progress, padded=slots.padded)
         computed, start = time.perf_counter() - start, time.perf_counter()
         ring.wait(timeout, _slow_step_note(step, computed, timeout))
         record.event("wait", start, step=step)
@@ -94,7 +94,7 @@ def allgather_loop(q, k, v, call, arrive=allgathered):
     own_block = wire.own((k, v))
     for step, task, kv, progress in arrive(wire.encode(k), wire.encode(v), plan, comm, record, timeout):
         kv = own_block if task.source == rank else wire.arrived(kv)
-        block.attend(q, kv, task, plan.pieces(rank, task.source), score, acc, record, progress, step)
+        block.attend(q, kv, block.Visit(step, task, plan.pieces(rank, task.source)), score, acc, record, progress)
         record.step_done(step, plan.steps_of(rank))
     return acc[0].astype(precision.input, copy=False), acc[1].astype(precision.compute, copy=False)
 

@@ -137,8 +137,8 @@ def sparse_backward(dout, q, k, v, out, lse, delta, call):
             kv = mine if task.source == rank else wire.arrived(kv)
             pieces = plan.pieces(rank, task.source)
             count_pairs(record, pieces)
-            grads = block.grads_of(queries, kv, task, pieces, score, dq, record, _both(homes.progress, kv_progress),
-                                   step)
+            grads = block.grads_of(queries, kv, block.Visit(step, task, pieces), score, dq, record,
+                                   _both(homes.progress, kv_progress))
             if task.source == rank:
                 add_grads(own, grads)
             else:  # this rank's share of the block's dK, dV: straight home

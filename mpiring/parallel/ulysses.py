@@ -147,8 +147,8 @@ def ulysses_forward(q, k, v, call):
     acc = block.accumulators(queries, values, precision.out, precision.lse)  # accumulate= as in the ring modes
     for task in plan.tasks(0, rank):  # key block j: the j-th run of keys in position order
         j = plan.key_block(task.source)
-        block.attend(queries, (keys[..., j, :], values[..., j, :]), task, plan.block_pieces(task.source), score,
-                     acc, record, _no_progress, 0)
+        visit = block.Visit(0, task, plan.block_pieces(task.source))
+        block.attend(queries, (keys[..., j, :], values[..., j, :]), visit, score, acc, record, _no_progress)
     record.step_done(0, plan.n_steps)
     order = plan.order()
     got = tokens_back(comm, [put_rows(acc[0], order), put_rows(acc[1], order, axis=-1)[..., None]],
@@ -210,7 +210,8 @@ def ulysses_backward(dout, q, k, v, out, lse, delta, call):
         j = plan.key_block(task.source)
         pieces = plan.block_pieces(task.source)
         count_pairs(record, pieces)
-        grads = block.grads_of(queries, (K[..., j, :], V[..., j, :]), task, pieces, score, dq, record, _no_progress, 0)
+        grads = block.grads_of(queries, (K[..., j, :], V[..., j, :]), block.Visit(0, task, pieces), score, dq, record,
+                               _no_progress)
         add_grads((dK[..., j, :], dV[..., j, :]), grads)
         record.tasks.append((0, task))
     record.step_done(0, plan.n_steps)

@@ -27,7 +27,7 @@ from mpiring import (
     ssd_backward,
 )
 from mpiring.core.mixers.sequential import conv, conv_backward, recurrence, recurrence_backward
-from mpiring.core.mixers.ssm import scan_grads, scan_inputs, ssd_grads, ssd_inputs
+from mpiring.core.mixers.ssm import RecurrenceGrads, scan_grads, scan_inputs, ssd_grads, ssd_inputs
 from mpiring.core.precision import compute_dtype, named_dtype
 from mpiring.cost.statebytes import halo_bytes, state_bytes
 from mpiring.plans.chunks import PASSING
@@ -111,7 +111,7 @@ def _reference(args, arrays, dy, starts):
         return out, [dq.reshape(q.shape) * scale, dk.reshape(k.shape), dv.reshape(v.shape), dg.reshape(g.shape),
                      None if beta is None else db.reshape(beta.shape)]
     parts = [a.reshape(p.shape) for a, p in zip((dq, dk, dv, dg), (q, k, v, g))]
-    return out, list(grads(*parts, dy, a64["x"], a64["dt"], a64["A"], a64["B"], a64["D"]))
+    return out, list(grads(RecurrenceGrads(*parts), dy, a64["x"], a64["dt"], a64["A"], a64["B"], a64["D"]))
 
 
 def _call(args, local, dy, comm, options, records):

@@ -17,9 +17,20 @@ D (H,); selective scan x and dt (..., Dn, n), A (Dn, N), B and C (..., n, N),
 D (Dn,). dt is the time step after its bias, softplus and limits.
 """
 
+from dataclasses import dataclass
+
 import numpy as np
 
-__all__ = ["ssd_inputs", "ssd_grads", "scan_inputs", "scan_grads"]
+__all__ = ["RecurrenceGrads", "ssd_inputs", "ssd_grads", "scan_inputs", "scan_grads"]
+
+
+@dataclass(frozen=True)
+class RecurrenceGrads:
+    """The recurrence's gradients, shaped as the mapping's (q, k, v, g)."""
+    dq: np.ndarray
+    dk: np.ndarray
+    dv: np.ndarray
+    dg: np.ndarray
 
 
 def ssd_inputs(x, dt, A, B, C):
@@ -34,8 +45,10 @@ def _batch_sum(a, keep):
     return a.sum(axis=tuple(range(a.ndim - keep))) if a.ndim > keep else a
 
 
-def ssd_grads(dq, dk, dv, dg, dy, x, dt, A, B, D):
-    """(dx, ddt, dA, dB, dC, dD) from the recurrence's gradients (dD None without D; dA, dD: this rank's share)."""
+def ssd_grads(back, dy, x, dt, A, B, D):
+    """(dx, ddt, dA, dB, dC, dD) from the recurrence's gradients ``back`` (``RecurrenceGrads``; dD None without
+    D; dA, dD: this rank's share)."""
+    dq, dk, dv, dg = back.dq, back.dk, back.dv, back.dg
     G, rep = B.shape[-3], x.shape[-3] // B.shape[-3]
     group = lambda a: a.reshape(a.shape[:-3] + (G, rep) + a.shape[-2:]).sum(axis=-3)  # noqa: E731
     dx = dv * dt[..., None]
@@ -56,8 +69,10 @@ def scan_inputs(x, dt, A, B, C):
     return q, k, x[..., None], dt[..., None] * A[:, None, :]
 
 
-def scan_grads(dq, dk, dv, dg, dy, x, dt, A, B, D):
-    """(dx, ddt, dA, dB, dC, dD) from the recurrence's gradients (dD None without D; dA, dD: this rank's share)."""
+def scan_grads(back, dy, x, dt, A, B, D):
+    """(dx, ddt, dA, dB, dC, dD) from the recurrence's gradients ``back`` (``RecurrenceGrads``; dD None without
+    D; dA, dD: this rank's share)."""
+    dq, dk, dv, dg = back.dq, back.dk, back.dv, back.dg
     dx = dv[..., 0]
     ddt = np.sum(dk * B[..., None, :, :], axis=-1) + np.sum(dg * A[:, None, :], axis=-1)
     dB = np.sum(dk * dt[..., None], axis=-3)

@@ -30,6 +30,7 @@ import time
 import numpy as np
 
 from ..kernels import attention_block, attention_block_backward
+from ..tiles import BlockRun
 from . import gemm
 from .machine import cache_path, cached, machine_key
 
@@ -78,10 +79,10 @@ def tune(dims=(64, 128), dtypes=("float32",), seq=2048, heads=8, repeats=2, back
                         out, lse = attention_block(q, k, v)
                         dout = rng.standard_normal(out.shape).astype(dtype)
                         for tq, tk in candidates(dtype):
-                            tiles = {"tile_q": tq, "tile_k": tk}
-                            fwd = _time(functools.partial(attention_block, q, k, v, **tiles), repeats)
+                            tiles = BlockRun(tile_q=tq, tile_k=tk)
+                            fwd = _time(functools.partial(attention_block, q, k, v, run=tiles), repeats)
                             bwd = _time(functools.partial(attention_block_backward, dout, q, k, v, out, lse,
-                                                          **tiles), repeats)
+                                                          run=tiles), repeats)
                             seconds[(name, dtype, d, tq, tk)] = (fwd, bwd)
                             flops = 4 * d * heads * seq * seq
                             log(f"{name:>5} {dtype:>7} D={d:<4} tiles {tq:>4} x {tk:<4}  fwd {fwd * 1e3:7.1f} ms "

@@ -13,7 +13,7 @@ rank's share (sum them over the ranks). Collective, as every mixer call.
 
 import numpy as np
 
-from ...core.mixers.ssm import scan_grads, scan_inputs, ssd_grads, ssd_inputs
+from ...core.mixers.ssm import RecurrenceGrads, scan_grads, scan_inputs, ssd_grads, ssd_inputs
 from ...core.precision import compute_dtype
 from .entry import carry_problem, gradient_problem, made_by, merged, run_entry, scan_backward, scan_forward
 
@@ -92,8 +92,8 @@ class _Mixer:
             flat = _flat(*parts)
             dout = (dyw[..., None] if self.name == "selective_scan" else dyw).reshape(flat[2].shape)
             dq, dk, dv, dg, _ = scan_backward(call, dout, *flat, None, carry)
-            shaped = [a.reshape(p.shape) for a, p in zip((dq, dk, dv, dg), parts)]
-            grads = self.grads(*shaped, dyw, xw, dtw, Aw, Bw, None if D is None else D.astype(xw.dtype))
+            back = RecurrenceGrads(*(a.reshape(p.shape) for a, p in zip((dq, dk, dv, dg), parts)))
+            grads = self.grads(back, dyw, xw, dtw, Aw, Bw, None if D is None else D.astype(xw.dtype))
             return [(None if g is None else g.astype(a.dtype, copy=False), self.axes.get(name))
                     for g, a, name in zip(grads, given, NAMES)]
 
