@@ -156,3 +156,17 @@ def test_a_window_visits_only_its_key_tiles():
     for a, found in zip(range(0, sk, 1 << 16), visited):
         keys = set().union(*(range(c, d) for c, d, *_ in found))
         assert keys == set(range(max(a - window, 0), a + 512))  # exactly the visible keys, nothing else
+
+
+def test_tile_keywords_moved_into_run_still_work_with_a_warning(rng):
+    """``attention_block(tile_q=, tile_k=, progress=)`` (before ``run=BlockRun``): the same bits, a
+    DeprecationWarning; any other keyword is still a TypeError."""
+    q, k, v = (rng.standard_normal((2, 40, 16)) for _ in range(3))
+    calls = []
+    with pytest.warns(DeprecationWarning, match="tile_q=, tile_k=, progress="):
+        old = attention_block(q, k, v, tile_q=8, tile_k=16, progress=lambda: calls.append(1))
+    new = attention_block(q, k, v, run=BlockRun(tile_q=8, tile_k=16))
+    for a, b in zip(old, new):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(TypeError, match="tile_size"):
+        attention_block(q, k, v, tile_size=8)

@@ -31,7 +31,7 @@ from collections import Counter
 import numpy as np
 
 from . import kernels
-from .tiles import PLAIN_RUN, kernel_dtype
+from .tiles import PLAIN_RUN, kernel_dtype, with_moved
 from .tuning import torch_kernel
 from .tuning.machine import Choice, numpy_exp2_vectorized
 
@@ -105,9 +105,10 @@ def takes_padded(dtype, rows):
     return for_block(dtype, rows) != "torch" or not torch_kernel.available()
 
 
-def attention_block(q, k, v, scale=None, klo=None, khi=None, *, padded=False, into=None, run=PLAIN_RUN):
+def attention_block(q, k, v, scale=None, klo=None, khi=None, *, padded=False, into=None, run=PLAIN_RUN, **moved):
     """``kernels.attention_block`` by the backend in use (the NumPy kernel where it cannot; torch's op takes
-    ``run.progress``, not its tiles)."""
+    ``run.progress``, not its tiles). ``tile_q=``, ``tile_k=``, ``progress=``: deprecated, into ``run``."""
+    run = with_moved(run, moved, "attention_block")
     q = np.asarray(q)
     if for_block(q.dtype, q.shape[-2]) == "torch" and torch_kernel.supports(q, k, v, scale, padded=padded):
         calls["torch"] += 1

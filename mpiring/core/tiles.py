@@ -9,16 +9,17 @@ import functools
 import sys
 import threading
 import time
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from .tuning.machine import cached_tiles  # the tuning cache, read once per process
 
-__all__ = ["BlockRun", "PLAIN_RUN", "TILE_BYTES", "TILE_K", "PROGRESS_INTERVAL", "default_tiles", "default_scale",
-           "kernel_dtype", "Shapes", "mask_arrays", "scratch", "filled", "release_workspace", "pad_ones",
-           "transpose_into", "as_view", "with_ones", "tile_max_norm", "tile_max_norm_t", "Tiles", "Progress",
-           "polls_from_a_thread", "stop_helper_polls"]
+__all__ = ["BlockRun", "PLAIN_RUN", "with_moved", "TILE_BYTES", "TILE_K", "PROGRESS_INTERVAL", "default_tiles",
+           "default_scale", "kernel_dtype", "Shapes", "mask_arrays", "scratch", "filled", "release_workspace",
+           "pad_ones", "transpose_into", "as_view", "with_ones", "tile_max_norm", "tile_max_norm_t", "Tiles",
+           "Progress", "polls_from_a_thread", "stop_helper_polls"]
 
 # Default tiles: 512 x 256 for float32, 256 x 256 for float64, i.e. the score tile of one head is
 # 512 KiB (docs/performance.md §21). Larger query tiles make better GEMMs; larger key tiles spill the
@@ -42,6 +43,17 @@ class BlockRun:
 
 
 PLAIN_RUN = BlockRun()
+
+
+def with_moved(run, moved, name):
+    """``run`` with the keywords that moved into ``BlockRun`` (tile_q, tile_k, progress: a DeprecationWarning)."""
+    unknown = sorted(set(moved) - {"tile_q", "tile_k", "progress"})
+    if unknown:
+        raise TypeError(f"{name}() got an unexpected keyword argument {unknown[0]!r}")
+    if moved:
+        warnings.warn(f"{name}({', '.join(f'{key}=' for key in moved)}) moved into "
+                      f"run=mpiring.core.tiles.BlockRun(...)", DeprecationWarning, stacklevel=3)
+    return replace(run, **moved) if moved else run
 # Seconds between two polls of ``Progress.during``'s helper thread (each wakes it on the compute core).
 THREAD_POLL_INTERVAL = 0.005
 
