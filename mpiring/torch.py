@@ -85,8 +85,8 @@ class ScoreMod:
     def __init__(self, fn):
         self.fn = fn
 
-    def _args(self, s, b, h, qi, ki):
-        return [torch.from_numpy(np.ascontiguousarray(a)) for a in (s, b, h, qi, ki)]
+    def _args(self, s, b, h, qi, ki):  # torch wants writable arrays (index arrays may be read-only views)
+        return [torch.from_numpy(np.require(a, requirements=("C", "W"))) for a in (s, b, h, qi, ki)]
 
     def __call__(self, s, b, h, qi, ki):
         with torch.no_grad():
