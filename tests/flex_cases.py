@@ -40,10 +40,21 @@ def numpy_fn(rule):
     return rule(np.asarray)
 
 
+def flex(q, k, v, **options):
+    """``(out, lse)`` of torch's flex_attention, eager on the CPU (without torch.compile: slow but exact; its
+    warning about that is silenced), the lse asked for as torch 2.10+ wants it."""
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        out, aux = flex_attention(q, k, v, return_aux=AuxRequest(lse=True), **options)
+    return out, aux.lse
+
+
 def expected(rule, causal, Q, K, V, dO):
     """``(out, lse, dq, dk, dv)`` in float64: flex_attention forward, autograd of the dense definition backward."""
     import torch
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
 
     q, k, v, do = (torch.from_numpy(np.asarray(a, np.float64)) for a in (Q, K, V, dO))
     fn = rule(torch.from_numpy)
@@ -53,9 +64,7 @@ def expected(rule, causal, Q, K, V, dO):
 
     sq, sk = q.shape[-2], k.shape[-2]
     block = create_block_mask(mask_mod, q.shape[0], q.shape[1], sq, sk, device="cpu")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # flex_attention without torch.compile: the eager path, slow but exact
-        out, lse = flex_attention(q, k, v, block_mask=block, enable_gqa=True, return_lse=True)
+    out, lse = flex(q, k, v, block_mask=block, enable_gqa=True)
     allowed = mask_mod(torch.arange(q.shape[0])[:, None, None, None], torch.arange(q.shape[1])[None, :, None, None],
                        torch.arange(sq)[None, None, :, None], torch.arange(sk)[None, None, None, :])
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]

@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+from flex_cases import flex
 
 import mpiring
 import mpiring.testing
@@ -62,12 +63,11 @@ def _autograd(q, k, v, dout, tmod, allowed, bias=None):
 
 @pytest.mark.parametrize("name", list(MODS))
 def test_score_mods_match_flex_attention_and_autograd(name):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
     fn, dfn, tmod = MODS[name]
     q, k, v, dout, _ = _arrays()
     block = create_block_mask(lambda b, h, qi, ki: ki <= qi, B, H, S, S, device="cpu")
-    want, want_lse = flex_attention(*(torch.tensor(a) for a in (q, k, v)), score_mod=tmod, block_mask=block,
-                                    enable_gqa=True, return_lse=True)
+    want, want_lse = flex(*(torch.tensor(a) for a in (q, k, v)), score_mod=tmod, block_mask=block, enable_gqa=True)
     out, lse, grads = _ring(q, k, v, dout, causal=True, score_mod=fn, score_mod_grad=dfn)
     np.testing.assert_allclose(out, want.numpy(), atol=1e-12, rtol=0)
     np.testing.assert_allclose(lse, want_lse.numpy(), atol=1e-12, rtol=0)

@@ -3,6 +3,7 @@ autograd, against mpiring's masks and scores (one rank: COMM_SELF) and the float
 
 import numpy as np
 import pytest
+from flex_cases import flex
 
 import mpiring
 from mpiring import masks
@@ -29,7 +30,7 @@ def _ring(q, k, v, dout=None, **opts):
 
 def test_flex_attention_mask_mod_and_score_mod():
     """Prefix LM | a global token, softcap and ALiBi: mpiring's forward against flex_attention's (eager, CPU)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
     q, k, v, _, _ = _arrays()
     slopes = torch.tensor(masks.alibi_slopes(H))
 
@@ -41,8 +42,7 @@ def test_flex_attention_mask_mod_and_score_mod():
 
     t = [torch.tensor(a) for a in (q, k, v)]
     block = create_block_mask(mask_mod, B, H, S, S, device="cpu")
-    want, want_lse = flex_attention(t[0], t[1], t[2], score_mod=score_mod, block_mask=block, enable_gqa=True,
-                                    return_lse=True)
+    want, want_lse = flex(t[0], t[1], t[2], score_mod=score_mod, block_mask=block, enable_gqa=True)
     mask = masks.causal() | masks.prefix(6) | masks.function(lambda a, b: b == 20)
     out, lse = _ring(q, k, v, mask=mask, softcap=2.5, bias=masks.alibi(H))
     np.testing.assert_allclose(out, want.numpy(), atol=1e-10, rtol=0)
