@@ -8,6 +8,7 @@ receives: MPI buffers its 2 KiB messages, so it works on a plain communicator, a
 messages pass the eager limit. The strict fixture (synchronous sends) catches it at 2 KiB.
 """
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -137,5 +138,6 @@ def test_a_deadline_ends_a_wait_nothing_can_time():
     """strict(deadline=): mpi4py's own Waitall, in a module not instrumented, ends the job instead of hanging it."""
     code, output, _ = run_limited(mpiexec_argv(2, sys.executable, JOBS, "deadline"), 60, stderr=subprocess.STDOUT)
     assert code != 0 and "returned" not in output, output
-    assert ("strict: rank 0: Irecv from rank 0 (tag 5, 32 B) unfinished 2 s after it was posted, outside any timed "
-            "wait") in output, output
+    # either rank may be the first to abort the job (and the only one heard)
+    assert re.search(r"strict: rank (\d): Irecv from rank \1 \(tag 5, 32 B\) unfinished 2 s after it was posted, "
+                     r"outside any timed wait", output), output
