@@ -32,9 +32,10 @@ PROGRESS_INTERVAL = 0.002
 
 @dataclass(frozen=True)
 class BlockRun:
-    """How one block's backward runs: its tiles (None: ``default_tiles``), ``progress`` (called between tiles, at
-    most every PROGRESS_INTERVAL seconds) and ``rowsum``: whether delta is rowsum(dout * out), known for every
-    row of the call (``core.block.queries``; None: the backend checks these rows)."""
+    """How one block's forward or backward runs: its tiles (None: ``default_tiles``), ``progress`` (called between
+    tiles, at most every PROGRESS_INTERVAL seconds) and, for a backward, ``rowsum``: whether delta is
+    rowsum(dout * out), known for every row of the call (``core.block.queries``; None: the backend checks these
+    rows)."""
 
     tile_q: int | None = None
     tile_k: int | None = None
@@ -54,6 +55,8 @@ def with_moved(run, moved, name):
         warnings.warn(f"{name}({', '.join(f'{key}=' for key in moved)}) moved into "
                       f"run=mpiring.core.tiles.BlockRun(...)", DeprecationWarning, stacklevel=3)
     return replace(run, **moved) if moved else run
+
+
 # Seconds between two polls of ``Progress.during``'s helper thread (each wakes it on the compute core).
 THREAD_POLL_INTERVAL = 0.005
 
