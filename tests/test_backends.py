@@ -297,6 +297,44 @@ def test_a_bad_environment_choice_raises_at_the_first_block(rng, monkeypatch):
         backends.backend.cache_clear()
 
 
+def test_one_trim_makes_the_trims_inside_once_at_its_end(monkeypatch):
+    """Inside ``one_trim`` (nested too) a ``trim_heap`` waits: one ``malloc_trim`` when the outer scope ends, none
+    when nothing inside asked for one; outside, every ``trim_heap`` trims."""
+    trims = []
+    monkeypatch.setattr(machine, "_malloc_trim", lambda: lambda pad: trims.append(pad))
+    with machine.one_trim():
+        with machine.one_trim():
+            machine.trim_heap()
+            machine.trim_heap()
+        machine.trim_heap()
+        assert trims == []
+    assert trims == [0]
+    with machine.one_trim():
+        pass
+    assert trims == [0]
+    machine.trim_heap()
+    assert trims == [0, 0]
+
+
+@pytest.mark.mpi
+@needs_torch
+def test_a_ring_call_on_torch_trims_the_heap_once(comm, monkeypatch):
+    """The ring's forward and backward on torch blocks (several per rank, key chunks too) each give the freed heap
+    back once, at the end of the loop, not after every block (docs/performance.md §23)."""
+    P, S = comm.size, 12 * comm.size
+    rng = np.random.default_rng(5)
+    Q, K, V, dOut = (rng.standard_normal((1, 2, S, 8)).astype(np.float32) for _ in range(4))
+    idx = shard_indices(S, P, comm.rank, "zigzag")
+    q, k, v, dout = (np.ascontiguousarray(x[..., idx, :]) for x in (Q, K, V, dOut))
+    trims = []
+    monkeypatch.setattr(machine, "_malloc_trim", lambda: lambda pad: trims.append(pad))
+    with Ring(comm, S, causal=True, layout="zigzag") as ring, backends.using("torch"):
+        for call, args in ((ring.forward, (q, k, v)), (ring.backward, (dout, q, k, v, *ring.forward(q, k, v)))):
+            before, trims[:] = backends.calls["torch"], []
+            call(*args)
+            assert backends.calls["torch"] - before >= min(P, 2) and trims == [0], call.__name__  # P > 1: blocks
+
+
 @pytest.mark.mpi
 @needs_torch
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])

@@ -4,10 +4,9 @@ Layout follows torch SDPA: q (..., Hq, Sq, D), k (..., Hk, Sk, D),
 v (..., Hk, Sk, Dv); 2-D (S, D) inputs also work.  Grouped-query attention:
 Hq = g * Hk and query head h uses key/value head h // g.
 
-A mask is two int arrays klo, khi of shape (Sq,): query row i sees exactly the
-keys j with klo[i] <= j < khi[i] (values are clipped to [0, Sk]), the same for
-every head and batch entry.  None means "all keys visible".  Causal square:
-klo = 0, khi = i + 1.
+A mask is two int arrays klo, khi of shape (Sq,): query row i sees exactly the keys j with
+klo[i] <= j < khi[i] (clipped to [0, Sk]), the same for every head and batch entry.  None
+means "all keys visible".  Causal square: klo = 0, khi = i + 1.
 
 How the tiled forward pass works (per query tile, per key tile):
 
@@ -56,8 +55,7 @@ __all__ = ["attention_block", "attention_block_backward", "merge", "merge_weight
 LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)
 
-# A tile row sum above this triggers the exact (rescaling) path: keeps the
-# accumulators far from overflow.  Exponents are in log2 units.
+# A tile row sum above this triggers the exact (rescaling) path: accumulators far from overflow (log2 units).
 _LIMIT_LOG2 = {np.dtype(np.float32): 64.0, np.dtype(np.float64): 512.0}
 # Above this bound on |scores| (log2 units, max row norms of q and k) the rounding of a
 # score computed in the input dtype, with the offset folded into the GEMM, can reach one
@@ -302,6 +300,9 @@ def _unflatten(out, lse, sh):
 
 # ---------------------------------------------------------------- merge
 
+MERGE_ROWS = 256  # rows per slice of an in-place merge: 4096 rows x 8 heads merged 1.6x faster than at once (§23)
+
+
 def merge(out: np.ndarray, lse: np.ndarray, block_out: np.ndarray | None, block_lse: np.ndarray, *,
           inplace: bool = False) -> tuple[np.ndarray, np.ndarray]:  # (..., S, Dv), (..., S)
     """Combine two normalized attentions over disjoint key sets (the log-sum-exp rule): the one merge.
@@ -310,19 +311,18 @@ def merge(out: np.ndarray, lse: np.ndarray, block_out: np.ndarray | None, block_
     new arrays, or ``out`` and ``lse`` overwritten when ``inplace``. ``block_out`` None: a block of zeros (a
     sink, ``scores.with_sinks``): out * exp(lse - new lse) (``merge_weight``), as out + (0 - out) * w cancels.
     """
-    # naive: new_lse = log(exp(lse) + exp(block_lse))
-    #        new_out = (exp(lse) * out + exp(block_lse) * block_out) / exp(new_lse)
+    # naive: new_lse = log(exp(lse) + exp(block_lse)), out = (exp(lse) out + exp(block_lse) block_out) / exp(new_lse)
     # stable: weight of block_out = exp(block_lse - new_lse) = sigmoid(block_lse - lse)
     if block_out is None:
         new_lse, kept = merge_weight(lse, block_lse)
         return out * kept[..., None], new_lse
     new_lse = np.logaddexp(lse, block_lse)
     w = np.exp(block_lse - np.where(np.isneginf(new_lse), 0, new_lse))[..., None]
-    step = np.subtract(block_out, out)
-    step *= w
     if not inplace:
-        return out + step, new_lse
-    out += step
+        return out + np.subtract(block_out, out) * w, new_lse
+    for at in (np.s_[..., r:r + MERGE_ROWS, :] for r in range(0, out.shape[-2], MERGE_ROWS)):  # temporaries in cache
+        step = np.subtract(block_out[at], out[at])
+        out[at] += np.multiply(step, w[at], out=step)
     lse[...] = new_lse
     return out, lse
 

@@ -24,6 +24,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..core.scores import sink_grads, with_sinks
+from ..core.tuning.machine import one_trim
 from ..mpi.collectives import allreduced
 from ..mpi.comm import RingComm
 from ..mpi.waits import CommTimeout, wait_until
@@ -140,7 +141,8 @@ def run_forward(arrays, call):
     record = call.record
     record.t0 = start = time.perf_counter()  # event times minus record.t0 compare across ranks
     record.wire_dtype, record.rotate = call.precision.wire.name, call.rotate
-    out, lse = strategy_of(call.plan, call.rotate).forward(*arrays, call)
+    with one_trim():  # the torch blocks' heap trims, once at the end of the loop (docs/performance.md §23)
+        out, lse = strategy_of(call.plan, call.rotate).forward(*arrays, call)
     if call.timeout is not None:
         agree_outcome(call.comm, call.timeout, record.t0)
     record.wall_time = time.perf_counter() - start
@@ -180,7 +182,8 @@ def run_backward(arrays, call):
     record = call.record
     record.t0 = start = time.perf_counter()
     record.wire_dtype = call.precision.wire.name
-    dq, dk, dv = strategy_of(call.plan).backward(*arrays, call)
+    with one_trim():  # the torch blocks' heap trims, once at the end of the loop (docs/performance.md §23)
+        dq, dk, dv = strategy_of(call.plan).backward(*arrays, call)
     if call.timeout is not None:  # as in the forward pass: a failed rank skips this, the others time out
         agree_outcome(call.comm, call.timeout, record.t0)
     record.wall_time = time.perf_counter() - start

@@ -15,11 +15,12 @@ import json
 import os
 import platform
 import sys
+import threading
 
 import numpy as np
 
 __all__ = ["mkl_library", "cache_path", "machine_key", "cached", "cached_choice", "cached_tiles", "Choice",
-           "cpu_model", "cpu_vendor", "vector_extensions", "numpy_exp2_vectorized", "trim_heap"]
+           "cpu_model", "cpu_vendor", "vector_extensions", "numpy_exp2_vectorized", "trim_heap", "one_trim"]
 
 
 def mkl_library():
@@ -40,11 +41,37 @@ def _malloc_trim():
         return None
 
 
+_TRIMS = threading.local()  # this thread's open ``one_trim`` scopes, and whether a trim waits for their end
+
+
 def trim_heap():
-    """Give the C heap's free memory back to the OS (glibc's ``malloc_trim(0)``; nothing elsewhere)."""
+    """Give the C heap's free memory back to the OS (glibc's ``malloc_trim(0)``; nothing elsewhere).
+
+    Inside ``one_trim()`` the trim waits for the scope's end.
+    """
+    if getattr(_TRIMS, "depth", 0):
+        _TRIMS.pending = True
+        return
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+@contextlib.contextmanager
+def one_trim():
+    """The ``trim_heap`` calls made inside, made once when the scope ends (this thread's).
+
+    For a loop of torch blocks whose outputs the heap can keep and reuse between blocks: a trim after each
+    block gives their pages back only for the next block to fault them in again (docs/performance.md §23).
+    """
+    _TRIMS.depth = getattr(_TRIMS, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _TRIMS.depth -= 1
+        if not _TRIMS.depth and getattr(_TRIMS, "pending", False):
+            _TRIMS.pending = False
+            trim_heap()
 
 
 def cache_path():

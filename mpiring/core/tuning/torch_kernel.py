@@ -27,8 +27,10 @@ kernel's [x | 1]^T form costs one contiguous copy (``_tensors``).
 The op allocates its outputs on every call (it has no ``out=``), and glibc
 keeps what torch frees: its mmap threshold rises to the size of the freed
 outputs, so the next calls take their memory from the heap, which grew by
-tens of MB a warm call. Each block ends with ``malloc_trim``, which keeps the
-peak RSS closer to the memory model than one trim per call (docs/performance.md §17).
+tens of MB a warm call. Each block ends with ``machine.trim_heap`` (``malloc_trim``);
+inside a ring call's loop (``machine.one_trim``) the trims wait for its end, so the
+heap's free pages serve the next blocks instead of being faulted in again
+(docs/performance.md §17, §23).
 """
 
 import functools
