@@ -343,9 +343,11 @@ def test_a_ring_call_on_torch_trims_the_heap_once(comm, monkeypatch):
                                      dict(rotate="q", causal=True, layout="zigzag"),
                                      dict(mode="double_ring", node_size=1, causal=True)])
 @pytest.mark.parametrize("per_rank", [1, 5])
-def test_ring_on_torch_matches_the_reference(comm, dtype, options, per_rank):
+def test_ring_on_torch_matches_the_reference(comm, monkeypatch, dtype, options, per_rank):
     """Forward and backward through the ring with the torch backend against the float64 reference, GQA; K/V
-    travel as torch's op takes them (``buffers.PlainBuffers``), in every mode that passes them."""
+    travel as torch's op takes them (``buffers.PlainBuffers``), in every mode that passes them; the backward's
+    causal triangles in halves down to 2 rows (``torch_kernel.TRIANGLE_ROWS``)."""
+    monkeypatch.setattr(torch_kernel, "TRIANGLE_ROWS", 2)
     P = comm.size
     S = per_rank * P + (P > 1)  # uneven shards beyond one rank
     rng = np.random.default_rng(7)
@@ -551,6 +553,60 @@ def test_blocks_are_kept_in_the_form_of_the_backend(rng):
         assert isinstance(slots, PlainBuffers) and not slots.padded and slots.pad == 0
         assert all(np.shares_memory(a, b) for a, b in zip(held, (k, v)))
         assert [x.shape for x in slots.take(3)] == [(2, 2, 3, 4), (2, 2, 3, 3)]
+
+
+@pytest.mark.parametrize("rows", [None, 1, 2, 3, 7, 128])
+def test_a_triangle_in_halves_covers_each_visible_pair_once(rows):
+    """``torch_kernel._triangle``'s calls (rows a:e, row a+i seeing keys c..c+i clipped at d), every size,
+    offset and clipping: each visible pair in exactly one call, nothing else; unclipped triangles of more than
+    ``rows`` rows come in several calls."""
+    from mpiring.core.tuning import torch_kernel
+
+    cases = [(size, c, c + m) for size in range(1, 41) for c in (0, 5) for m in (size, size - 1, 1, size + 3)]
+    for n, c, d in [case for case in cases if case[2] > case[1]]:
+        want = np.zeros((n, d), int)
+        for i in range(n):
+            want[i, c:min(c + i + 1, d)] = 1
+        got = np.zeros((n, d), int)
+        calls = list(torch_kernel._triangle(0, n, c, d, rows))
+        for a, e, lo, hi, causal, mask, dead in calls:
+            assert mask is None and dead is None and 0 <= a < e <= n and c <= lo < hi <= d
+            cols = np.arange(lo, hi)
+            got[a:e, lo:hi] += (cols[None, :] - lo <= np.arange(e - a)[:, None]) if causal else 1
+        np.testing.assert_array_equal(got, want, err_msg=f"n={n} c={c} d={d}")
+        assert (len(calls) > 1) == (rows is not None and n > rows and c + n <= d)
+
+
+@needs_torch
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("kind", ["causal", "offset causal"])
+@pytest.mark.parametrize("sq,sk", [(33, 33), (17, 40), (50, 23)])
+def test_the_backward_of_triangles_in_halves_is_the_reference(rng, monkeypatch, rows, kind, sq, sk):
+    """The torch backward with triangles in halves (``TRIANGLE_ROWS``): more op calls than in one piece, and
+    the gradients of the float64 and float32 references within tolerance."""
+    from mpiring.core.tuning import torch_kernel
+
+    klo, khi = _mask(kind, sq, sk)
+    for dtype in (np.float64, np.float32):
+        q, k, v = (x.astype(dtype) for x in qkv(rng, (2, 4, sq, 8), (2, 2, sk, 8)))
+        dout = rng.standard_normal(q.shape).astype(dtype)
+        x64 = [x.astype(np.float64) for x in (dout, q, k, v)]
+        out, lse = reference_attention(*x64[1:], None, klo, khi)
+        want = reference_attention_backward(*x64, None, klo, khi)
+        counts = []
+        for split in (None, rows):
+            monkeypatch.setattr(torch_kernel, "TRIANGLE_ROWS", split)
+            before = backends.calls["torch"]
+            with backends.using("torch"):
+                got = backends.attention_block_backward(dout, q, k, v, out.astype(dtype), lse.astype(dtype),
+                                                        None, klo, khi)
+            counts.append(backends.calls["torch"] - before)
+            for g, w in zip(got, want):
+                np.testing.assert_allclose(g, w, atol=GRAD_TOL[np.dtype(dtype).type], rtol=0)
+        assert counts == [1, 1]  # one block each (the op calls are counted below)
+    plain, halves = (list(torch_kernel._calls(klo, khi, sq, sk, 1 << 20, split)) for split in (None, rows))
+    splits = any(c[4] and c[1] - c[0] > rows and c[2] + c[1] - c[0] <= c[3] for c in plain)  # a triangle to split
+    assert (len(halves) > len(plain)) == splits and (splits or sq > sk)
 
 
 @needs_torch
