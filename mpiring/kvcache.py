@@ -24,6 +24,7 @@ from mpi4py import MPI
 
 from .core.kvstore import ERROR_BOUND, QUANTIZE, TILE, KVStore, quantize
 from .core.record import Record
+from .core.tiles import max_abs
 from .decode import (
     computing,
     decode_agreement,
@@ -377,7 +378,7 @@ class KVCache:
         k_like, v_like = self._like(q)
         problem = problem or self._q_problem(q)
         k_peak = self.store.k_peak if draft is None or problem or not draft[0].size else \
-            max(self.store.k_peak, float(np.abs(draft[0]).max()))
+            max(self.store.k_peak, max_abs(draft[0]))
         rec = Record(self.rank) if record is None else record
 
         @computing(rec)

@@ -11,6 +11,8 @@ tile (``TILE`` tokens) at a time:
 
 import numpy as np
 
+from .tiles import max_abs
+
 __all__ = ["KVStore", "QUANTIZE", "TILE", "ERROR_BOUND", "quantize"]
 
 QUANTIZE = (None, "float16", "int8")
@@ -90,7 +92,7 @@ class KVStore:
                                                 np.float32)
             self._pos = np.concatenate([self._pos[:self.n], np.empty(cap - self.n, np.int64)])
         if n:
-            self.k_peak = max(self.k_peak, float(np.abs(k).max()))
+            self.k_peak = max(self.k_peak, max_abs(k))
         for i, x in ((0, k),) + ((2, v),) * (not self.shared):
             values, scales = quantize(x, self.quantize)
             self.arrays[i][..., :x.shape[-1], self.n:need] = np.swapaxes(values, -1, -2)

@@ -18,7 +18,7 @@ from .tuning.machine import cached_tiles  # the tuning cache, read once per proc
 
 __all__ = ["BlockRun", "PLAIN_RUN", "with_moved", "TILE_BYTES", "TILE_K", "PROGRESS_INTERVAL", "default_tiles",
            "default_scale", "kernel_dtype", "Shapes", "mask_arrays", "scratch", "filled", "release_workspace",
-           "pad_ones", "transpose_into", "as_view", "with_ones", "tile_max_norm", "tile_max_norm_t", "Tiles",
+           "pad_ones", "transpose_into", "as_view", "with_ones", "max_abs", "tile_max_norm", "tile_max_norm_t", "Tiles",
            "Progress", "polls_from_a_thread", "stop_helper_polls"]
 
 # Default tiles: 512 x 256 for float32, 256 x 256 for float64, i.e. the score tile of one head is
@@ -224,6 +224,12 @@ def tile_max_norm_t(xt, tile):
         n2 += np.square(row, dtype=np.float64)
     n = np.sqrt(n2).max(axis=0)
     return np.maximum.reduceat(n, np.arange(0, n.size, tile))
+
+
+def max_abs(x):
+    """Largest |entry| of x as a float, in two passes without a temporary: nan if x has a nan (np.min and np.max
+    both give it), inf if it has an infinity, 0 if x is empty."""
+    return max(-float(np.min(x)), float(np.max(x))) if x.size else 0.0
 
 
 def tile_max_norm(x, tile):

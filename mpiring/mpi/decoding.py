@@ -14,6 +14,7 @@ import numpy as np
 
 from ..core.kernels import default_scale
 from ..core.scores import FunctionFailed
+from ..core.tiles import max_abs
 from ..plans.checks import (
     AUTO_BASE,
     AUTO_RATE,
@@ -125,9 +126,8 @@ def decode_agreement(comm, q, k, v, call, *, k_peak=None, problem=None, values=N
             mine["positions"] = by_content("positions", None if call.positions is None else
                                            np.asarray(call.positions, np.int64))
             mine.update(values or {})
-            k_peaks = [(float(np.abs(ki).max()) if ki.size else 0.0) if p is None else p
-                       for ki, p in zip(ks, k_peaks)]
-            peaks = (max(float(np.abs(qi).max()) for qi in qs), max(k_peaks), sum(ki.shape[-2] for ki in ks))
+            k_peaks = [max_abs(ki) if p is None else p for ki, p in zip(ks, k_peaks)]
+            peaks = (max(max_abs(qi) for qi in qs), max(k_peaks), sum(ki.shape[-2] for ki in ks))
             if work is not None:
                 done = work(default_scale(qs[0].shape[-1]) if call.scale is None else float(call.scale))
     except FunctionFailed as exc:  # a user's function failed on this rank's cache

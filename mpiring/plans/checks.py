@@ -13,6 +13,7 @@ from ..core.kernels import LSE_LIMIT
 from ..core.precision import compute_dtype, dtype_problem
 from ..core.ranks import ranks_text
 from ..core.scores import FunctionFailed, bias_probe, mod_probe
+from ..core.tiles import max_abs
 from ..core.tuning import gemm
 from .content import described, difference, first_difference, leaf_value
 from .spec import FIELDS, digest, is_real, scale_problem
@@ -238,11 +239,6 @@ def compared(spec, timeout):
             else Shown(val) for name, val in values.items()}
 
 
-def _peak(a):
-    """Largest |entry| of a, as a float (two passes, no temporary)."""
-    return float(max(a.max(), -a.min())) if a.size else 0.0
-
-
 def logit_problem(scale, dim, q_peak, k_peak, dtype):
     """Why scale * q.k may overflow ``dtype`` (|q.k| <= dim * max|q| * max|k|), or None.
 
@@ -325,7 +321,7 @@ def values_digest(values):
 
 def peaks(*arrays):
     """Largest |entry| of each array (the logit bound of ``logit_problem``)."""
-    return [_peak(a) for a in arrays]
+    return [max_abs(a) for a in arrays]
 
 
 def pairs_problem(plan, spec, rank, heads, finite=False):

@@ -47,6 +47,7 @@ from ..tiles import (
     default_scale,
     kernel_dtype,
     mask_arrays,
+    max_abs,
     scratch,
     tile_max_norm,
     tile_max_norm_t,
@@ -120,20 +121,13 @@ def _fits(sh, scale):
     k = sh.k if hasattr(sh, "k") else None
     kd = k if k is not None else sh.kt[:, :sh.d]
     v = sh.v if k is not None else sh.vt[:, :sh.dv]
-    if not np.isfinite(_largest(v)):
+    if not np.isfinite(max_abs(v)):
         return False
-    if sh.d * _largest(sh.q) * _largest(kd) * abs(scale) * LOG2E <= EXACT_ABOVE[sh.dtype] / 2:  # nan: false
+    if sh.d * max_abs(sh.q) * max_abs(kd) * abs(scale) * LOG2E <= EXACT_ABOVE[sh.dtype] / 2:  # nan: false
         return True
     kn = tile_max_norm(k, max(1, sh.sk)) if k is not None else tile_max_norm_t(kd, max(1, sh.sk))
     qn = tile_max_norm(sh.q, max(1, sh.sq))
     return bool(qn.max() * kn.max() * abs(scale) * LOG2E <= EXACT_ABOVE[sh.dtype])
-
-
-def _largest(x):
-    """max |x| as a float: nan if x has a nan (np.min and np.max both give it), inf if it has an infinity."""
-    if x.size == 0:
-        return 0.0
-    return max(-float(np.min(x)), float(np.max(x)))
 
 
 def supports(q, k, v, scale=None, *, padded=False, lse=None):
