@@ -21,7 +21,7 @@ import contextvars
 
 import numpy as np
 
-from .core.block import GRAD_DTYPE, Rowsum
+from .core.block import DELTA_DTYPE, Rowsum
 from .core.kernels import default_scale
 from .core.lse import Lse, mismatch
 from .core.precision import Precision
@@ -360,7 +360,7 @@ class Ring:
         """The ring's backward on agreed arrays (``_agree_call``)."""
         dout, q, k, v, out = moved
         precision = Precision.of(k.dtype, self.spec.precision)
-        delta = np.einsum("...d,...d->...", dout, out, dtype=GRAD_DTYPE)  # no float64 copies of dout and out
+        delta = np.einsum("...d,...d->...", dout, out, dtype=DELTA_DTYPE)  # no float64 copies of dout and out
         if len(lses) > 1:  # d lse / d score = p: the dlse term joins delta (ds = p * (dp - delta + dlse))
             delta -= lses[1]
         computed = delta.astype(q.dtype)
@@ -427,9 +427,9 @@ def ring_attention_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: n
     mode, causal, window, cu_seqlens, length, ranks or scale) raises ValueError on
     every rank. dk and dv have the shape of k and v (grouped-query: summed over each group's query
     heads). Results have the input dtype (half inputs: lse is float32, as
-    ring_attention returned it); every rank sums its own gradients in float64,
-    and the dK/dV partials travel in ``grad_wire_dtype`` ("float32", the
-    default, or "float64", the default for float64 inputs). ``dlse``: the gradient with respect to lse,
+    ring_attention returned it); the dK/dV partials travel in ``grad_wire_dtype``
+    ("float32", the default, or "float64", the default for float64 inputs), and
+    every rank sums its own gradients in that dtype (float32 at least). ``dlse``: the gradient with respect to lse,
     if the loss uses it too. Whatever ``rotate`` was, the backward passes K/V and their dK/dV partials.
     """
     comm = check_comm(comm)

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from .core.block import GRAD_DTYPE, Visit, accumulators, add_grads, attend, grads_of
+from .core.block import DELTA_DTYPE, Visit, accumulators, add_grads, attend, grads_of
 from .core.kernels import default_scale
 from .core.precision import INPUT_DTYPES, Precision
 from .core.record import Record
@@ -117,10 +117,10 @@ def simulate_backward(dO, Q, K, V, out, lse, num_devices, *, positions=None, spe
     kv, sent = _blocks(plan, pr, K, V)
     rows = [[np.ascontiguousarray(np.take(X, plan.shards[d], axis=-2)) for X in (dO, Q, out)] for d in range(plan.size)]
     queries = [(do, q, o, np.take(lse, plan.shards[d], axis=-1),
-                np.einsum("...d,...d->...", do, o, dtype=GRAD_DTYPE).astype(q.dtype))
+                np.einsum("...d,...d->...", do, o, dtype=DELTA_DTYPE).astype(q.dtype))
                for d, (do, q, o) in enumerate(rows)]
-    dq = [np.zeros(q.shape, GRAD_DTYPE) for _, q, _ in rows]
-    home = [[np.zeros(X.shape[:-2] + (len(s), X.shape[-1]), GRAD_DTYPE) for X in (K, V)] for s in plan.kv_shards]
+    dq = [np.zeros(q.shape, pr.sums) for _, q, _ in rows]
+    home = [[np.zeros(X.shape[:-2] + (len(s), X.shape[-1]), pr.sums) for X in (K, V)] for s in plan.kv_shards]
     partials, rec = {}, Record()
     for step in range(plan.n_steps):  # a block's visitors in the order it meets them
         for device in range(plan.size):

@@ -236,3 +236,52 @@ def test_simulated_backward_is_the_rings(rng):
     coded = simulate_backward(dO, Q, K, V, out, lse, 4, causal=True, layout="zigzag", wire_dtype="int8")
     for got, ref, name in zip(coded, want, ("dq", "dk", "dv")):
         assert tolerance(np.float64) * 100 < assert_attention_close(got, ref, np.float64, name, "int8")
+
+
+def test_each_rank_sums_its_gradients_in_the_wider_of_the_partials_and_compute_dtypes():
+    assert Precision(np.float32).sums == np.float32 and Precision(np.float16).sums == np.float32
+    assert Precision(np.float64).sums == np.float64
+    assert Precision(np.float32, grad_wire_dtype="float64").sums == np.float64
+    assert Precision(np.float64, grad_wire_dtype="float32").sums == np.float64  # the float64 tolerance holds
+
+
+@pytest.mark.parametrize("dtype, sums", [("float32", np.float32), ("float64", np.float64)])
+def test_dq_is_its_blocks_summed_in_ring_order_in_the_sums_dtype(rng, dtype, sums):
+    """dq of a rank at P = 4 (full mask, contiguous: rank r meets blocks r, r-1, r-2, r-3) is its four block
+    gradients added one after another in ``Precision.sums``, bit for bit; float32 inputs are not summed in
+    float64 (those bits differ somewhere)."""
+    from mpiring.simulate import simulate_backward
+
+    P, n = 4, 24
+    Q, K, V, dO = (rng.standard_normal((2, 3, P * n, 8)).astype(dtype) for _ in range(4))
+    out, lse, _ = mpiring.simulate(Q, K, V, P)
+    dq = simulate_backward(dO, Q, K, V, out, lse, P)[0]
+    wider_differs = False
+    for r in range(P):
+        rows = mpiring.shard_indices(P * n, P, r, "contiguous")
+        do, q, o, lr = dO[..., rows, :], Q[..., rows, :], out[..., rows, :], lse[..., rows]
+        delta = np.einsum("...d,...d->...", do, o, dtype=np.float64).astype(dtype)
+        parts = [mpiring.attention_block_backward(do, q, K[..., keys, :], V[..., keys, :], o, lr, delta=delta)[0]
+                 for keys in (mpiring.shard_indices(P * n, P, (r - s) % P, "contiguous") for s in range(P))]
+        total = np.zeros(q.shape, sums)
+        for part in parts:
+            total += part
+        np.testing.assert_array_equal(dq[..., rows, :], total.astype(dtype))
+        wide = np.zeros(q.shape, np.float64)
+        for part in parts:
+            wide += part
+        wider_differs |= not np.array_equal(wide.astype(dtype), total.astype(dtype))
+    assert wider_differs == (dtype == "float32")
+
+
+@pytest.mark.parametrize("P", [8, 16])
+def test_float32_sums_keep_the_float32_tolerance_at_large_p(rng, P):
+    from mpiring.simulate import simulate_backward
+
+    Q, K, V, dO = (rng.standard_normal((2, 2, 5 * P + 3, 16)).astype(np.float32) for _ in range(4))
+    want = reference_backward(*(a.astype(np.float64) for a in (dO, Q, K, V)), causal=True)
+    out, lse, _ = mpiring.simulate(Q, K, V, P, causal=True, layout="zigzag")
+    for got, ref, name in zip(simulate_backward(dO, Q, K, V, out, lse, P, causal=True, layout="zigzag"), want,
+                              ("dq", "dk", "dv")):
+        assert got.dtype == np.float32
+        assert_attention_close(got, ref, np.float32, f"{name} at P = {P}")

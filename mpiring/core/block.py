@@ -16,10 +16,10 @@ from .mla import Expanded
 from .scores import attend_general, count_allowed, grads_general
 from .tiles import BlockRun, filled, kernel_dtype, scratch
 
-__all__ = ["GRAD_DTYPE", "KEPT_OUT", "Rowsum", "Queries", "Visit", "queries", "accumulators", "count_pairs",
+__all__ = ["DELTA_DTYPE", "KEPT_OUT", "Rowsum", "Queries", "Visit", "queries", "accumulators", "count_pairs",
            "attend", "block_grads", "add_grads", "grads_of"]
 
-GRAD_DTYPE = np.dtype(np.float64)  # each rank's own gradients (dq, its block's dk, dv) are summed in this
+DELTA_DTYPE = np.dtype(np.float64)  # delta = rowsum(dout * out) is summed in this, then cast to the input's
 KEPT_OUT = "ring.out"  # the kept buffer of the forward's running out; the backward sums dq in it
 
 

@@ -20,7 +20,9 @@
   never leaves it.
 - ``grad_wire_dtype`` ("float32", "float64"; default float32, float64 for
   float64 inputs): the dK/dV partials that travel (and Ulysses' dq, dK, dV on
-  their way back); every rank's own gradients are still summed in float64.
+  their way back). Every rank sums its own gradients (dq, its block's dK/dV) in
+  that dtype or the compute dtype, the wider (``Precision.sums``): float32 for
+  float32 and half inputs, as the partials that reach it (docs/backward.md §5).
 - ``accumulate`` ("float64", "float32", "input"; default float64): the dtype of
   the running ``(out, lse)`` that every block is merged into ("input": out in
   the input dtype, lse in float32, as GPU libraries that keep per-step outputs).
@@ -243,6 +245,7 @@ class Precision:
         self.compute = compute_dtype(self.input)
         self.wire = Wire(wire_dtype, self.input)
         self.grad = np.dtype(grad_wire_dtype) if grad_wire_dtype else self.compute  # default: the compute dtype
+        self.sums = np.promote_types(self.grad, self.compute)  # each rank's own gradient sums
         self.out = self.input if accumulate == "input" else np.dtype(accumulate)
         self.lse = np.result_type(self.out, self.compute) if accumulate == "input" else self.out
         self.accumulate = accumulate

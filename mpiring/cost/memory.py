@@ -5,7 +5,6 @@ A row is any object with ``S``, ``D``, ``H``, ``B``, ``dtype``, ``backward`` (an
 
 import math
 
-from ..core.block import GRAD_DTYPE
 from ..core.precision import Precision, named_dtype
 from ..core.tiles import default_tiles
 from .costmodel import ring_attention_context_parallel
@@ -40,7 +39,8 @@ def memory_model(cfg, P, kv_heads=None):
     if pr.input != pr.compute:  # half inputs: q widened to float32 for the tiles
         parts["widened_q"] = cfg.B * cfg.H * n * cfg.D * c
     if cfg.backward:
-        g = GRAD_DTYPE.itemsize / e  # a gradient element over an input element
+        # a sum's element over an input element: none apart when the sums are the results (float32 inputs)
+        g = 0 if pr.sums == pr.input else pr.sums.itemsize / e
         parts["dout_grads"] = 2 * cfg.B * cfg.H * n * cfg.D * e + 2 * block  # dout, dq; dk, dv
         parts["grad_accumulators"] = int(g * (cfg.B * cfg.H * n * cfg.D * e + 2 * block))
         parts["dkv_buffers"] = int(pr.grad.itemsize / e * 6 * block) if P > 1 else 0

@@ -9,7 +9,8 @@ it visits, and its last hop takes it home, in key chunks sent while the rest
 of the block still computes (docs/backward.md). The softmax is
 recomputed from the saved lse, one block tile at a time, so memory per rank
 stays O(S/P). Partial gradients travel in float32 (float64 for float64
-inputs; ``grad_wire_dtype``), and every rank sums its own in float64.
+inputs; ``grad_wire_dtype``), and every rank sums its own in that dtype
+(``Precision.sums``).
 """
 
 import time
@@ -17,7 +18,7 @@ import time
 import numpy as np
 
 from ..core import block
-from ..core.block import GRAD_DTYPE, KEPT_OUT, add_grads, count_pairs
+from ..core.block import KEPT_OUT, add_grads, count_pairs
 from ..core.buffers import Buffers, flat_blocks, next_buffers
 from ..core.tiles import filled
 from ..mpi.collectives import allgathered
@@ -131,8 +132,8 @@ def backward_ring_loop(dout, q, k, v, out, lse, delta, call):
     queries = block.queries(dout, q, out, lse, delta)
     # the sums are kept buffers (no page faults: docs/performance.md §11) when the caller converts them to a copy;
     # dq and the K/V slots take the forward ring's names, whose buffers are free while a backward runs
-    keep = precision.input != GRAD_DTYPE
-    dq, dk, dv = (filled(name if keep else None, a.shape, GRAD_DTYPE, 0)
+    keep = precision.input != precision.sums
+    dq, dk, dv = (filled(name if keep else None, a.shape, precision.sums, 0)
                   for name, a in ((KEPT_OUT, q), ("bwd.dk", k), ("bwd.dv", v)))
     own = [dk, dv]  # step 0: this rank's own block
     mine = wire.own((k, v))  # the own block, computed on exactly
@@ -182,7 +183,7 @@ def allgather_backward(dout, q, k, v, out, lse, delta, call):
     lengths = [len(s) for s in plan.kv_shards]
     sums = [flat_blocks(a, lengths, precision.grad) for a in (k, v)]  # this rank's share of every block's dK, dV
     queries = block.queries(dout, q, out, lse, delta)
-    dq = np.zeros(q.shape, GRAD_DTYPE)
+    dq = np.zeros(q.shape, precision.sums)
     mine = wire.own((k, v))
     for step, task, kv, progress in allgathered(wire.encode(k), wire.encode(v), plan, comm, record, timeout):
         kv = mine if task.source == rank else wire.arrived(kv)  # as the forward pass

@@ -17,7 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..core import block
-from ..core.block import GRAD_DTYPE, add_grads, count_pairs
+from ..core.block import add_grads, count_pairs
 from ..core.buffers import kv_slots, payload_bytes
 from ..cost.nodes import node_ids
 from ..mpi.collectives import together
@@ -136,11 +136,11 @@ def double_ring_forward(q, k, v, call):
 
 
 def double_ring_backward(dout, q, k, v, out, lse, delta, call):
-    """This rank's (dq, dk, dv) in float64. K/V move as in the forward pass, on the call's wire.
+    """This rank's (dq, dk, dv) in ``precision.sums``. K/V move as in the forward pass, on the call's wire.
 
     A block's partial starts at its first visitor in a node (zeros), goes to the next rank with the block (one
     step behind, so the wait for it follows a compute), and the node's last visitor sends it home; partials
-    travel in the ``grad`` dtype (``grad_wire_dtype``) and add up at home in float64. At a round's last step
+    travel in the ``grad`` dtype (``grad_wire_dtype``) and add up at home in ``precision.sums``. At a round's last step
     every rank sends one partial home and receives one of its own block's (``plan.last_visitor``), so the hop
     home is one more ring shift, waited for a round later.
     """
@@ -154,8 +154,8 @@ def double_ring_backward(dout, q, k, v, out, lse, delta, call):
         rank = kv_inner.rank
         n, m = plan.node_size, plan.nodes
         queries = block.queries(dout, q, out, lse, delta)
-        dq = np.zeros(q.shape, GRAD_DTYPE)
-        own_grads = (np.zeros(k.shape, GRAD_DTYPE), np.zeros(v.shape, GRAD_DTYPE))
+        dq = np.zeros(q.shape, precision.sums)
+        own_grads = (np.zeros(k.shape, precision.sums), np.zeros(v.shape, precision.sums))
         own_block = wire.own((k, v))  # this rank's own block, computed on exactly
         travelling = first = (wire.encode(k), wire.encode(v))  # as the wire carries it: coded once, here
         arriving = None  # the travelling block's partial, from the previous visitor in this node

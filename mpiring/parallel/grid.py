@@ -163,4 +163,4 @@ def hybrid_backward(dout, q, k, v, out, lse, delta, call, across):
     finally:
         group.Free()
         cross.Free()
-    return gradients_home(got, deal.kv, k.shape, v.shape)
+    return gradients_home(got, deal.kv, k.shape, v.shape, precision.sums)

@@ -21,7 +21,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ..core.block import GRAD_DTYPE
+from ..core.block import DELTA_DTYPE
 from ..core.mla import Latent, LatentWire, expand, latent_problem
 from ..core.precision import Precision, compute_dtype
 from ..core.record import Record
@@ -141,7 +141,7 @@ def mla_attention_backward(dout, q, c_kv, k_rope, w_uk, w_uv, out, lse, comm=Non
         precision = Precision.of(c.dtype, spec.precision)
         latent = Latent(w_uk, w_uv, precision.compute)
         precision.wire = LatentWire(precision.wire, latent)
-        delta = np.einsum("...d,...d->...", dout, out, dtype=GRAD_DTYPE).astype(q.dtype)
+        delta = np.einsum("...d,...d->...", dout, out, dtype=DELTA_DTYPE).astype(q.dtype)
         wait = resolve_timeout(timeout, plan, q.size // (q.shape[-2] * q.shape[-1]), q.shape[-1], 2.5)
 
         def backward(plan, rings):

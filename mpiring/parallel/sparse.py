@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from ..core import block
-from ..core.block import GRAD_DTYPE, add_grads, count_pairs
+from ..core.block import add_grads, count_pairs
 from ..core.buffers import flat_blocks, mpi_view
 from ..mpi.waits import abandon, completed, test_all, wait_until
 
@@ -118,13 +118,13 @@ def _both(first, second):
 
 
 def sparse_backward(dout, q, k, v, out, lse, delta, call):
-    """This rank's float64 ``(dq, dk, dv)``: K/V arrive as in the forward pass, partials go straight home."""
+    """This rank's ``(dq, dk, dv)`` in ``precision.sums``: K/V arrive as in the forward pass, partials go home."""
     plan, comm, score = call.plan, call.comm, call.score
     record, timeout, precision = call.record, call.timeout, call.precision
     rank, wire = comm.Get_rank(), precision.wire
     queries = block.queries(dout, q, out, lse, delta)
-    dq = np.zeros(q.shape, GRAD_DTYPE)
-    own = [np.zeros(a.shape, GRAD_DTYPE) for a in (k, v)]  # this rank's block: its own share, then what came home
+    dq = np.zeros(q.shape, precision.sums)
+    own = [np.zeros(a.shape, precision.sums) for a in (k, v)]  # this rank's block: its own share, then what came home
     mine = wire.own((k, v))
     users = plan.users[rank]
     homes = _Transfers(comm, record, timeout, "sparse dK/dV transfer")

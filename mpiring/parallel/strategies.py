@@ -177,7 +177,7 @@ def table_gradients(score, comm, timeout):
 def run_backward(arrays, call):
     """The backward pass of contiguous, agreed ``arrays`` (dout, q, k, v, out, lse, delta) under ``call``, all ranks
     having met: its rings the K/V RingComm, then those the strategy's ``rings`` made (the ring modes: the dK/dV
-    onward RingComm and the HomeRing). Fills the call's record and returns float64 ``(dq, dk, dv)``.
+    onward RingComm and the HomeRing). Fills the call's record and returns ``(dq, dk, dv)`` in ``precision.sums``.
     """
     record = call.record
     record.t0 = start = time.perf_counter()

@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from ..core import block
-from ..core.block import GRAD_DTYPE, add_grads, count_pairs
+from ..core.block import add_grads, count_pairs
 from ..core.buffers import mpi_view
 from ..core.precision import Plain, Wire, compute_dtype
 from ..mpi.waits import wait_until
@@ -179,7 +179,7 @@ def plan_rank(comm, plan):
 
 
 def ulysses_backward(dout, q, k, v, out, lse, delta, call):
-    """This rank's (dq, dk, dv) in float64: its tokens' heads out, every token's gradients, gradients back.
+    """This rank's (dq, dk, dv) in ``precision.sums``: its tokens' heads out, every token's gradients, gradients back.
 
     ``delta`` = rowsum(dout * out) travels instead of out (one value per row).
     K/V go out on the wire of ``precision`` (the call's ``Precision``), as in the
@@ -204,8 +204,8 @@ def ulysses_backward(dout, q, k, v, out, lse, delta, call):
     K, V = deal.expand(rank, K), deal.expand(rank, V)
     # out is read only to compute delta, which is given: a zero-size stand-in of its shape
     queries = (dO, Q, np.broadcast_to(np.zeros((), q.dtype), dO.shape), L[..., 0], De[..., 0])
-    dq = np.zeros(Q.shape, GRAD_DTYPE)
-    dK, dV = np.zeros(K.shape, GRAD_DTYPE), np.zeros(V.shape, GRAD_DTYPE)
+    dq = np.zeros(Q.shape, precision.sums)
+    dK, dV = np.zeros(K.shape, precision.sums), np.zeros(V.shape, precision.sums)
     for task in plan.tasks(0, rank):
         j = plan.key_block(task.source)
         pieces = plan.block_pieces(task.source)
@@ -220,15 +220,15 @@ def ulysses_backward(dout, q, k, v, out, lse, delta, call):
     dq, dK, dV = put_rows(dq, plan.order()), put_rows(dK, plan.order(kv=True)), put_rows(dV, plan.order(kv=True))
     got = tokens_back(comm, [dq, dK, dV], [deal.counts(), kv, kv], [n, m, m], precision.grad, record, timeout, 0,
                       "gradients back")
-    dq, dk, dv = gradients_home(got, ks, k.shape, v.shape)
+    dq, dk, dv = gradients_home(got, ks, k.shape, v.shape, precision.sums)
     return (dq[0], dk[0], dv[0]) if flat else (dq, dk, dv)
 
 
-def gradients_home(got, ks, k_shape, v_shape):
+def gradients_home(got, ks, k_shape, v_shape, dtype):
     """``(dq, dk, dv)`` of this rank's tokens from what ``tokens_back`` brought (``got[s]``: member s's dq,
     dK, dV): dq's heads side by side; dK, dV of a K/V head that several members held (``ks[s]``: member s's,
-    fewer K/V heads than members) add up, in float64."""
-    dk, dv = np.zeros(k_shape, GRAD_DTYPE), np.zeros(v_shape, GRAD_DTYPE)
+    fewer K/V heads than members) add up, in ``dtype``."""
+    dk, dv = np.zeros(k_shape, dtype), np.zeros(v_shape, dtype)
     for s, (_, gk, gv) in enumerate(got):  # replicated K/V heads: every replica's share adds up
         dk[..., ks[s], :, :] += gk
         dv[..., ks[s], :, :] += gv
