@@ -509,6 +509,29 @@ def test_progress_polls_while_a_long_call_runs():
     assert len(polls) == 1
 
 
+def test_no_helper_polls_once_during_has_returned():
+    """The helper is neither waited for nor joined (docs/performance.md §24), yet once ``during`` returns it
+    never calls the progress function again: the caller may call MPI itself from then on."""
+    import threading
+    import time
+
+    from mpiring.core.tiles import THREAD_POLL_INTERVAL, Progress
+
+    helper_polls = []
+
+    def poll():
+        if threading.current_thread() is not threading.main_thread():
+            helper_polls.append(time.perf_counter())
+
+    tick = Progress(poll)
+    for _ in range(12):
+        tick.during(lambda: time.sleep(2.5 * THREAD_POLL_INTERVAL))
+        returned, polled = time.perf_counter(), len(helper_polls)
+        time.sleep(3 * THREAD_POLL_INTERVAL)
+        assert len(helper_polls) == polled and max(helper_polls) < returned
+    assert len(helper_polls) >= 12  # the helpers did poll meanwhile
+
+
 def test_no_helper_polls_after_they_are_stopped(monkeypatch):
     """Ctrl-C's handler stops the helper threads before it finalizes MPI: once ``stop_helper_polls``
     returns, the helper of a call still running never calls the progress function again (a poll after
