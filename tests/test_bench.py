@@ -288,8 +288,14 @@ def test_memory_model_parts():
     assert one["local_qkv"] == 3 * 4096 * 8 * 64 * e and one["kv_buffers"] == 0
     assert two["local_qkv"] == one["local_qkv"] // 2 and two["kv_buffers"] == 4 * 2048 * 8 * 64 * e
     assert one["total"] == sum(v for k, v in one.items() if k != "total")
+    assert two["running_out"] == 2048 * 8 * 64 * 8  # float64, kept between calls
+    assert "running_out" not in memory_model(Config(4096, 64, dtype="float64"), 2)  # the result itself
     back = memory_model(Config(4096, 64, backward=True), 2)
     assert back["total"] > two["total"]
+    assert back["grad_accumulators"] == 0  # float32 sums are the gradients returned (Precision.sums)
+    assert back["block_grads"] == 3 * 2048 * 8 * 64 * e  # a block's dq, dk, dv as the kernel gave them
+    assert memory_model(Config(4096, 64, dtype="float16", backward=True), 2)["grad_accumulators"] == (
+        2 * (2048 * 8 * 64 * 2) * 3)  # float32 sums of dq, dk, dv beside the float16 results
     assert memory_model(Config(8192, 64), 2)["total"] == 2 * two["total"]  # O(S/P)
     int8 = memory_model(Config(4096, 64, wire="int8"), 2)  # K/V slots as they travel: 1 byte + a 4-byte scale a row
     assert int8["kv_buffers"] == 4 * 2048 * 8 * (64 + 4) and int8["local_qkv"] == two["local_qkv"]

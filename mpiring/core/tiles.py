@@ -170,7 +170,7 @@ def release_workspace():
     A ring call keeps its accumulators and receive slots for the next call
     (``filled``), as PyTorch's caching allocator keeps freed blocks: about
     the size of the forward's running output in float64 and four K/V blocks,
-    and for the backward its float64 sums, the partials' and K/V slots and a
+    and for the backward its gradient sums (half inputs'), the partials' and K/V slots and a
     block's gradients (docs/performance.md §11). Calls after this allocate anew.
     """
     _workspace.__dict__.pop("bufs", None)

@@ -17,9 +17,11 @@ MB = 2**20
 def memory_model(cfg, P, kv_heads=None):
     """Bytes per rank that ring attention holds for benchmark row ``cfg`` on ``P`` ranks, by part.
 
-    Local Q, K, V (the cost report's ``memory_per_gpu``), out and lse, two K/V receive buffers in the wire's
+    Local Q, K, V (the cost report's ``memory_per_gpu``), out and lse, the kept running out where it is not
+    the result (float64 for float32 inputs: ``accumulate``), two K/V receive buffers in the wire's
     form (P > 1), coded blocks decoded, half inputs' q widened; forward+backward adds dout and the gradients,
-    their float64 accumulators and the dK/dV partials' buffers. Kernel scratch is not in the model.
+    their sums where those are not the results (``Precision.sums``), the dK/dV partials' buffers and the
+    kernel's gradients of one block. Kernel scratch (score tiles) is not in the model.
     """
     hk = kv_heads or cfg.H
     pr = Precision(named_dtype(cfg.dtype), getattr(cfg, "wire", None))
@@ -33,6 +35,8 @@ def memory_model(cfg, P, kv_heads=None):
     wire_block = cfg.B * hk * n * pr.wire.row(cfg.D) * pr.wire.dtype.itemsize  # one of K or V as it travels
     parts = {"local_qkv": qkv, "out": cfg.B * cfg.H * n * cfg.D * e, "lse": cfg.B * cfg.H * n * pr.lse.itemsize,
              "kv_buffers": 4 * wire_block if P > 1 else 0}
+    if pr.out != pr.input:  # the running out in its accumulating dtype, kept between calls (``tiles.filled``)
+        parts["running_out"] = cfg.B * cfg.H * n * cfg.D * pr.out.itemsize
     c = pr.compute.itemsize
     if pr.wire.coded:  # the own block exactly and the block in use, decoded: [x | 1]^T of K and V each
         parts["decoded_kv"] = 4 * cfg.B * hk * n * (cfg.D + 1) * c
@@ -44,6 +48,8 @@ def memory_model(cfg, P, kv_heads=None):
         parts["dout_grads"] = 2 * cfg.B * cfg.H * n * cfg.D * e + 2 * block  # dout, dq; dk, dv
         parts["grad_accumulators"] = int(g * (cfg.B * cfg.H * n * cfg.D * e + 2 * block))
         parts["dkv_buffers"] = int(pr.grad.itemsize / e * 6 * block) if P > 1 else 0
+        # the kernel's gradients of a block's pieces, kept until added (``block.block_grads``, docs/backward.md §4)
+        parts["block_grads"] = int(c / e * (cfg.B * cfg.H * n * cfg.D * e + 2 * block))
     parts["total"] = sum(parts.values())
     return parts
 
