@@ -304,6 +304,18 @@ def test_memory_model_parts():
         assert bf16["kv_buffers"] == two["kv_buffers"] // 2 and bf16["lse"] == two["lse"]  # lse stays float32
 
 
+def test_long_summary_takes_nothing_off_beyond_the_model():
+    """The model counts the float64 running (out, lse) (``running_out``, ``lse``): the --long summary's
+    "beyond model" is RSS - baseline - model, with nothing of it subtracted a second time."""
+    from mpiring.tools.bench.sheet import format_long
+
+    rows = [{"status": "ok", "S": S, "P": 2, "rss_per_rank_mb": "300 300", "model_mb": m, "baseline_mb": 240.0,
+             "scratch_mb": x} for S, m, x in ((4096, 20.0, 12.0), (32768, 160.0, 25.0))]
+    text = format_long(rows)
+    assert text.splitlines()[2].split()[-1] == "12" and text.splitlines()[3].split()[-1] == "25"
+    assert text.endswith("beyond the model 12 -> 25 MiB")
+
+
 def test_guard_skips_what_does_not_fit():
     from mpi4py import MPI
 

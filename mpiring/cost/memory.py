@@ -9,7 +9,7 @@ from ..core.precision import Precision, named_dtype
 from ..core.tiles import default_tiles
 from .costmodel import ring_attention_context_parallel
 
-__all__ = ["MB", "memory_model", "kernel_scratch", "running_mb"]
+__all__ = ["MB", "memory_model", "kernel_scratch"]
 
 MB = 2**20
 
@@ -63,9 +63,3 @@ def kernel_scratch(cfg, plan):
                 for kind in (("fwd", "bwd") if cfg.backward else ("fwd",))
                 for tq, tk in [default_tiles(cfg.D, work, kind)])
     return tiles + 2 * cfg.B * cfg.H * n * (cfg.D + 1) * e + 3 * cfg.B * cfg.H * n * cfg.D * e
-
-
-def running_mb(row):
-    """MiB of the forward pass's float64 running (out, lse) on the longest shard of a benchmark row."""
-    n = math.ceil(row["S"] / row["P"])
-    return row["B"] * row["H"] * n * (row["D"] + 1) * 8 / MB

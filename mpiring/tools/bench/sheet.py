@@ -4,8 +4,6 @@ import csv
 import math
 import os
 
-from mpiring.cost.memory import running_mb
-
 __all__ = ["COLUMNS", "write_csv", "read_csv", "add_efficiency", "format_table", "format_header", "format_long",
            "format_targets"]
 
@@ -162,22 +160,22 @@ def format_header(*, size, threads, long, rows, report, limits, baseline_mb, use
 
 
 def format_long(rows):
-    """Memory per rank as S grows: peak RSS, the model, and the scratch beyond model + baseline ("" if no rows)."""
+    """Memory per rank as S grows: peak RSS, the model, and the scratch beyond model + baseline ("" if no rows).
+
+    The model counts the float64 running (out, lse) (``memory_model``'s ``running_out`` and ``lse``): what is
+    beyond it is the kernel's scratch and the allocator's."""
     ok = [r for r in rows if r.get("status") == "ok"]
     if not ok:
         return ""
     lines = ["long context: memory per rank (MiB) as S grows",
-             "       S  tokens/rank  peak RSS per rank  model  baseline  beyond model  float64 (out, lse)  rest"]
+             "       S  tokens/rank  peak RSS per rank  model  baseline  beyond model"]
     for r in ok:
         lines.append(f"{r['S']:>8}  {math.ceil(r['S'] / r['P']):>11}  {r['rss_per_rank_mb']:>17}  "
-                     f"{r['model_mb']:>5.0f}  {r['baseline_mb']:>8.0f}  {r['scratch_mb']:>12.0f}  "
-                     f"{running_mb(r):>18.1f}  {r['scratch_mb'] - running_mb(r):>4.0f}")
+                     f"{r['model_mb']:>5.0f}  {r['baseline_mb']:>8.0f}  {r['scratch_mb']:>12.0f}")
     a, b = ok[0], ok[-1]
     if len(ok) > 1:
         lines.append(f"S x{b['S'] / a['S']:.0f}: model x{b['model_mb'] / a['model_mb']:.1f} (O(S/P)); beyond the "
-                     f"model {a['scratch_mb']:.0f} -> {b['scratch_mb']:.0f} MiB, of which the float64 running "
-                     f"(out, lse) {running_mb(a):.0f} -> {running_mb(b):.0f} MiB (O(S/P), by design) and the rest "
-                     f"{a['scratch_mb'] - running_mb(a):.0f} -> {b['scratch_mb'] - running_mb(b):.0f} MiB")
+                     f"model {a['scratch_mb']:.0f} -> {b['scratch_mb']:.0f} MiB")
     return "\n".join(lines)
 
 
